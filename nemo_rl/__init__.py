@@ -1,0 +1,1 @@
+"""Exact-token capture for agentic GRPO, laid out like NeMo-RL."""

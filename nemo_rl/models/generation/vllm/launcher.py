@@ -1,0 +1,113 @@
+"""Driver-side launch of vLLM generation workers in their flavored venv, with deadlines.
+
+Contract: `launch_workers` builds (or reuses) the venv named by the hash of its spec, starts
+`num_workers` Ray actors whose interpreter is that venv's python, and returns handles whose
+`base_url`s answer HTTP. Every actor call made through `WorkerGroup` has a deadline; an actor
+that dies or hangs surfaces as `WorkerError` naming the worker and the operation.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from nemo_rl.models.generation.vllm.config import GenerationConfig
+from nemo_rl.models.generation.vllm.engine import cpu_engine_env
+from nemo_rl.models.generation.vllm.worker import VllmGenerationWorker, WorkerError
+from nemo_rl.utils.venvs import REPO_ROOT, ensure_venv, venv_python, vllm_spec
+
+
+def detect_flavor(requested: str) -> str:
+    if requested != "auto":
+        return requested
+    return "gpu" if shutil.which("nvidia-smi") and os.path.exists("/dev/nvidia0") else "cpu"
+
+
+def worker_env(gen: GenerationConfig, flavor: str) -> dict[str, str]:
+    env = {
+        "PYTHONPATH": str(REPO_ROOT),
+        "TQ_NUM_THREADS": "2",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+    if flavor == "cpu":
+        env.update(cpu_engine_env(gen.vllm))
+    return env
+
+
+@dataclass
+class WorkerGroup:
+    handles: list[Any]
+    base_urls: list[str]
+    call_timeout_s: float
+
+    def _get(self, refs: list[Any], op: str) -> list[Any]:
+        try:
+            return ray.get(refs, timeout=self.call_timeout_s)
+        except ray.exceptions.GetTimeoutError as e:
+            raise WorkerError(f"vLLM worker {op} exceeded its {self.call_timeout_s:.0f}s deadline") from e
+        except ray.exceptions.RayActorError as e:
+            raise WorkerError(f"vLLM worker died during {op}: {e}") from e
+
+    def update_weights(self, weights_dir: Path, version: int) -> list[int]:
+        return self._get([h.update_weights.remote(str(weights_dir), version) for h in self.handles], "update_weights")
+
+    def engine_records(self, request_ids: list[str]) -> dict[str, dict]:
+        merged: dict[str, dict] = {}
+        for part in self._get([h.engine_records.remote(request_ids) for h in self.handles], "engine_records"):
+            merged.update(part)
+        return merged
+
+    def prompt_logprobs(self, token_ids: list[int]) -> list[list[float]]:
+        return self._get([h.prompt_logprobs.remote(token_ids) for h in self.handles], "prompt_logprobs")
+
+    def capture_stats(self) -> list[dict]:
+        return self._get([h.capture_stats.remote() for h in self.handles], "capture_stats")
+
+    def shutdown(self) -> None:
+        refs = [h.shutdown.remote() for h in self.handles]
+        try:
+            ray.get(refs, timeout=60)
+        except (ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError):
+            pass  # the actor is killed right below either way
+        for h in self.handles:
+            ray.kill(h)
+        self.handles = []
+
+
+def launch_workers(
+    model_dir: Path,
+    gen: GenerationConfig,
+    token_capture_cfg: dict,
+    data_plane_cfg: dict | None,
+    *,
+    progress: Callable[[str], None] = print,
+) -> WorkerGroup:
+    flavor = detect_flavor(gen.vllm.flavor)
+    venv = ensure_venv(vllm_spec(flavor), progress=progress)
+    actor_cls = ray.remote(num_cpus=0)(VllmGenerationWorker)
+    handles = [
+        actor_cls.options(
+            name=None,
+            max_concurrency=1000,
+            runtime_env={"py_executable": str(venv_python(venv)), "env_vars": worker_env(gen, flavor)},
+        ).remote(str(model_dir), gen.model_dump(), token_capture_cfg, data_plane_cfg)
+        for _ in range(gen.num_workers)
+    ]
+    progress(f"[generation] starting {len(handles)} vLLM worker(s) ({flavor}) from {model_dir}")
+    group = WorkerGroup(handles=handles, base_urls=[], call_timeout_s=gen.vllm.call_timeout_s)
+    try:
+        group.base_urls = ray.get([h.start.remote() for h in handles], timeout=gen.vllm.startup_timeout_s)
+    except ray.exceptions.GetTimeoutError as e:
+        group.shutdown()
+        raise WorkerError(f"vLLM workers did not start within {gen.vllm.startup_timeout_s:.0f}s") from e
+    except ray.exceptions.RayError as e:
+        group.shutdown()
+        raise WorkerError(f"vLLM worker failed to start: {e}") from e
+    progress(f"[generation] workers ready at {', '.join(group.base_urls)}")
+    return group

@@ -1,0 +1,110 @@
+"""Exact parent prefixes for token-in calls, with a bounded cache so cost stays linear.
+
+Contract:
+- `resolve(chain, prev_len, parent_chain_hash)` returns the exact ids of the staged deltas named
+  by `chain` (root first), concatenated. Only keys missing from the cache are fetched from the
+  staging source, so a rollout of T turns moves each staged delta once, not T times.
+- Each fetched snapshot is checked before use: it must continue the ids resolved so far
+  (`snapshot.prev_len == len(prefix)`), and the running chain hash recomputed from the deltas
+  must equal the snapshot's and, at the end, the admission's `parent_chain_hash`. Any mismatch
+  raises `PrefixMismatchError`; the worker never generates from an unverified prefix.
+- The cache holds per-key deltas with a parent link (memory linear in tokens) and evicts least
+  recently used keys beyond `max_tokens`. It is thread-safe.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from nemo_gym.token_id_capture.staging import StagingSource, compute_chain_hash
+
+
+class PrefixError(RuntimeError):
+    """The parent prefix could not be resolved."""
+
+
+class PrefixMismatchError(PrefixError):
+    """Staged records do not form the chain the admission names."""
+
+
+@dataclass(frozen=True)
+class _Entry:
+    parent_key: str | None
+    delta: tuple[int, ...]
+    cum_len: int
+    chain_hash: str
+
+
+class PrefixCache:
+    def __init__(self, source: StagingSource, max_tokens: int) -> None:
+        if max_tokens < 0:
+            raise ValueError(f"token_capture.prefix_cache_max_tokens={max_tokens}: must be >= 0")
+        self._source = source
+        self._max_tokens = max_tokens
+        self._entries: OrderedDict[str, _Entry] = OrderedDict()
+        self._tokens = 0
+        self._lock = threading.Lock()
+        self.fetched_keys = 0
+        self.fetched_tokens = 0
+
+    def resolve(self, chain: list[str], prev_len: int, parent_chain_hash: str | None) -> list[int]:
+        if not chain:
+            raise PrefixError("staging_chain is empty: nothing to resolve")
+        if len(set(chain)) != len(chain):
+            raise PrefixMismatchError(f"staging_chain repeats a key: {chain}")
+        with self._lock:
+            cached = {k: self._entries[k] for k in chain if k in self._entries}
+        missing = [k for k in chain if k not in cached]
+        snapshots = self._source.fetch(missing) if missing else []
+        if len(snapshots) != len(missing):
+            raise PrefixError(f"staging source returned {len(snapshots)} snapshots for {len(missing)} keys")
+        fetched = dict(zip(missing, snapshots))
+        resolved: list[tuple[str, _Entry]] = []
+        parent_key: str | None = None
+        parent: _Entry | None = None
+        for key in chain:
+            cum = parent.cum_len if parent else 0
+            if key in cached:
+                entry = cached[key]
+                if entry.parent_key != parent_key or entry.cum_len - len(entry.delta) != cum:
+                    raise PrefixMismatchError(f"{key}: cached entry does not follow {parent_key!r} in this chain")
+            else:
+                snap = fetched[key]
+                if snap.prev_len != cum:
+                    raise PrefixMismatchError(f"{key}: prev_len {snap.prev_len} does not continue a prefix of {cum} ids")
+                expected = compute_chain_hash(parent.chain_hash if parent else None, list(snap.token_ids_delta))
+                if expected != snap.chain_hash:
+                    raise PrefixMismatchError(f"{key}: chain_hash {snap.chain_hash} != recomputed {expected}")
+                entry = _Entry(parent_key, tuple(snap.token_ids_delta), snap.cum_len, snap.chain_hash)
+            resolved.append((key, entry))
+            parent_key, parent = key, entry
+        assert parent is not None  # chain is non-empty
+        if parent.cum_len != prev_len:
+            raise PrefixMismatchError(f"resolved prefix has {parent.cum_len} ids, admission prev_len is {prev_len}")
+        if parent_chain_hash is not None and parent.chain_hash != parent_chain_hash:
+            raise PrefixMismatchError(f"chain hash {parent.chain_hash} != admission parent_chain_hash {parent_chain_hash}")
+        with self._lock:
+            for key, entry in resolved:
+                if key in self._entries:
+                    self._entries.move_to_end(key)
+                else:
+                    self._insert(key, entry)
+            self.fetched_keys += len(missing)
+            self.fetched_tokens += sum(len(fetched[k].token_ids_delta) for k in missing)
+        prefix = [t for _, entry in resolved for t in entry.delta]
+        if len(prefix) != prev_len:
+            raise PrefixMismatchError(f"concatenated prefix has {len(prefix)} ids, admission prev_len is {prev_len}")
+        return prefix
+
+    def _insert(self, key: str, entry: _Entry) -> None:
+        self._entries[key] = entry
+        self._tokens += len(entry.delta)
+        while self._tokens > self._max_tokens and self._entries:
+            _, old = self._entries.popitem(last=False)
+            self._tokens -= len(old.delta)
+
+    @property
+    def cached_tokens(self) -> int:
+        return self._tokens

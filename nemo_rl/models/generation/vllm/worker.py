@@ -1,0 +1,147 @@
+"""The async vLLM generation worker: a Ray actor hosting a real `AsyncLLM` and its HTTP endpoint.
+
+Contract:
+- Runs inside the vLLM flavored venv (see `launcher.py`); everything vLLM-specific stays in
+  `engine.py`, the request logic in `serving.py`, the transport in `server.py`. This class is
+  the thin actor shell that wires them and converts failures into `WorkerError` before they
+  cross the Ray boundary.
+- `install_token_capture` (called by `start` when token capture is enabled) hosts Gym's
+  `RolloutTokenCapture` with the TransferQueue sink over the `ChatService`, and gives the
+  service a bounded `PrefixCache` over the TQ source for `staging_chain` admissions.
+- `update_weights(dir, version)` refits the engine; every later sample carries `version`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+from nemo_rl.data_plane import DataPlaneClient, DataPlaneConfig
+from nemo_rl.models.generation.vllm.config import GenerationConfig
+from nemo_rl.token_capture.config import TokenCaptureConfig
+
+LOGGER = logging.getLogger(__name__)
+
+
+class WorkerError(RuntimeError):
+    """A generation-worker operation failed (the message names the operation and cause)."""
+
+
+class VllmGenerationWorker:
+    def __init__(
+        self,
+        model_dir: str,
+        generation_cfg: dict,
+        token_capture_cfg: dict,
+        data_plane_cfg: dict | None,
+    ) -> None:
+        self._model_dir = Path(model_dir)
+        self._gen = GenerationConfig.model_validate(generation_cfg)
+        self._capture_cfg = TokenCaptureConfig.model_validate(token_capture_cfg)
+        self._dp_cfg = DataPlaneConfig.model_validate(data_plane_cfg) if data_plane_cfg is not None else None
+        self._engine = None
+        self._service = None
+        self._runner = None
+        self._client: DataPlaneClient | None = None
+        self.base_url: str | None = None
+
+    async def start(self) -> str:
+        """Start engine + HTTP server; returns the OpenAI base URL (`http://127.0.0.1:<port>/v1`)."""
+        from transformers import AutoTokenizer
+
+        from nemo_rl.models.generation.vllm.engine import VllmEngine, wait_ready
+        from nemo_rl.models.generation.vllm.server import build_app, serve
+        from nemo_rl.models.generation.vllm.serving import ChatService
+
+        t0 = time.monotonic()
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(str(self._model_dir))
+            self._engine = VllmEngine.start(self._model_dir, self._gen.vllm, tokenizer.eos_token_id)
+            await wait_ready(self._engine, self._gen.vllm.startup_timeout_s)
+            self._service = ChatService(
+                self._engine, tokenizer, model_name=self._gen.model_name, default_max_tokens=self._gen.max_new_tokens
+            )
+            if self._capture_cfg.enabled:
+                self.install_token_capture()
+            app = build_app(self._service, model_name=self._gen.model_name, max_model_len=self._gen.vllm.max_model_len)
+            self._runner, port = await serve(app)
+        except Exception as e:
+            raise WorkerError(f"vLLM worker failed to start from {self._model_dir}: {type(e).__name__}: {e}") from e
+        self.base_url = f"http://127.0.0.1:{port}/v1"
+        LOGGER.warning("vLLM worker serving %s at %s after %.1fs", self._model_dir.name, self.base_url, time.monotonic() - t0)
+        return self.base_url
+
+    def install_token_capture(self, capture=None) -> None:
+        """Host Gym's RolloutTokenCapture (TQ sink) and the TQ-backed prefix cache on the service."""
+        from nemo_gym.token_id_capture.adapters.vllm import VLLMCaptureAdapter
+        from nemo_gym.token_id_capture.staging import install_capture
+
+        from nemo_rl.models.generation.vllm.prefix_cache import PrefixCache
+        from nemo_rl.token_capture.staging import TQTokenSink, TQTokenSource
+
+        if self._service is None or self._engine is None:
+            raise WorkerError("install_token_capture called before the engine started")
+        if capture is not None:
+            self._service.install_token_capture(capture)
+            return
+        if self._dp_cfg is None:
+            raise WorkerError("token_capture.enabled=true needs a data plane config for the TQ staging sink")
+        self._client = DataPlaneClient.attach(self._dp_cfg)
+        partition = self._capture_cfg.staging_partition
+        engine = self._engine
+        install_capture(
+            self._service,
+            sink=TQTokenSink(self._client, partition),
+            weight_version_fn=lambda: engine.weight_version,
+            adapter=VLLMCaptureAdapter(),
+        )
+        self._service.install_prefix_cache(PrefixCache(TQTokenSource(self._client, partition), self._capture_cfg.prefix_cache_max_tokens))
+
+    async def update_weights(self, weights_dir: str, version: int) -> int:
+        if self._engine is None:
+            raise WorkerError("update_weights called before start")
+        try:
+            await self._engine.reload_weights(Path(weights_dir), version)
+        except Exception as e:
+            raise WorkerError(f"refit to version {version} from {weights_dir} failed: {type(e).__name__}: {e}") from e
+        return self._engine.weight_version
+
+    def weight_version(self) -> int:
+        if self._engine is None:
+            raise WorkerError("weight_version called before start")
+        return self._engine.weight_version
+
+    def engine_records(self, request_ids: list[str]) -> dict[str, dict]:
+        """What the engine itself sampled, per request id (the audit trail for exactness checks)."""
+        if self._engine is None:
+            raise WorkerError("engine_records called before start")
+        return {rid: vars(rec) for rid, rec in self._engine.records(request_ids).items()}
+
+    async def prompt_logprobs(self, token_ids: list[int]) -> list[float]:
+        if self._engine is None:
+            raise WorkerError("prompt_logprobs called before start")
+        return await self._engine.prompt_logprobs(token_ids)
+
+    def capture_stats(self) -> dict:
+        if self._service is None:
+            raise WorkerError("capture_stats called before start")
+        cache = self._service.prefix_cache
+        return {
+            "calls": dict(self._service.stats),
+            "capture_failures": list(self._service.capture_failures),
+            "prefix_cache_fetched_keys": cache.fetched_keys if cache else 0,
+            "prefix_cache_fetched_tokens": cache.fetched_tokens if cache else 0,
+            "prefix_cache_tokens": cache.cached_tokens if cache else 0,
+        }
+
+    async def shutdown(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+        if self._engine is not None:
+            self._engine.shutdown()
+            self._engine = None
+        if self._client is not None:
+            self._client.close()
+            self._client = None
