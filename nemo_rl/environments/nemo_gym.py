@@ -1,0 +1,376 @@
+"""The NeMo-Gym environment: start Gym's servers on loopback and dispatch rollouts to them.
+
+Contract:
+- `NemoGymEnvironment.start()` launches Gym's `vllm_model` gate (pointed at the worker's
+  `base_url`), our `arith_resources` server and Gym's `simple_agent` as plain subprocesses on
+  127.0.0.1 with OS-picked ports (see `nemo_gym_launch`), concurrently, and waits for every
+  health route within `startup_timeout_s`. A server that exits or stays unhealthy raises
+  `GymServerStartError` with the tail of its log; everything started so far is stopped first.
+- Capture mode follows `TokenCaptureConfig.enabled`. On: the gate gets the external-staging
+  capture block, a bearer minted per run (`secrets.token_urlsafe`) in the variable named by
+  `control_token_env` (set only in the gate's environment) and a ledger dir under the run's
+  log dir. Off: the gate echoes legacy token ids (`return_token_id_information: true`).
+- `run(rollout_id, row)` POSTs the agent's `/run` within `run_timeout_s`. With capture on,
+  `rollout_id` is required and sent as `_ng_rollout_id`; mint a fresh id per attempt, since Gym
+  appends to an existing ledger. With capture off no id is sent (the argument only labels errors).
+- `manifest(rollout_id)` GETs the gate's bearer-protected manifest route with aiohttp (Gym's
+  `RolloutControlClient` needs Gym's server stack) and returns `RolloutManifest` as is: an
+  unknown rollout is an empty manifest, which the caller treats as `empty_manifest`.
+  401 -> `ManifestAuthError`, 400 -> `ManifestRequestError`, other statuses or an invalid body
+  -> `ManifestServerError`, no answer within `manifest_timeout_s` -> `ManifestTimeoutError`.
+- `retire(rollout_ids)` deletes those rollouts' ledger files (Gym never does) and returns the
+  paths removed; call it only after the rollouts' rows are committed.
+- `stop()` terminates only the processes this object started; it is idempotent and also runs
+  at interpreter exit if the caller never called it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import json
+import os
+import secrets
+import subprocess
+import sys
+import time
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from pydantic import ValidationError
+
+from nemo_gym.token_id_capture.staging.records import RolloutManifest
+from nemo_gym.token_id_capture.store import validate_rollout_id
+from nemo_rl.environments import nemo_gym_launch as launch
+from nemo_rl.environments.nemo_gym_config import (
+    CaptureModeError,
+    GymNotStartedError,
+    GymRunError,
+    GymRunTimeoutError,
+    GymServerStartError,
+    InvalidRolloutIdError,
+    ManifestAuthError,
+    ManifestRequestError,
+    ManifestServerError,
+    ManifestTimeoutError,
+    NemoGymConfig,
+    NemoGymError,
+)
+from nemo_rl.environments.nemo_gym_rows import RowSampling, build_row
+from nemo_rl.token_capture.config import TokenCaptureConfig
+
+__all__ = [
+    "NemoGymConfig",
+    "NemoGymEnvironment",
+    "NemoGymError",
+    "RowSampling",
+    "build_row",
+    "check_rollout_id",
+    "ledger_files",
+    "manifest_path",
+]
+
+ROLLOUT_ID_FIELD = "_ng_rollout_id"
+# Gym's control route (nemo_gym.token_id_capture.control_routes.CONTROL_ROUTE_PREFIX); importing
+# that module pulls in FastAPI, so the path is spelled here and pinned by a unit test.
+_MANIFEST_ROUTE = "/training-token-capture/control/rollouts/{rollout_id}/manifest"
+# Per-rollout files Gym's FileLineageStore / TokenCaptureStore may create in the ledger dir.
+_LEDGER_SUFFIXES = (
+    ".lineage.jsonl",
+    ".tokens.intents",
+    ".tokens.lock",
+    ".tokens.jsonl",
+    ".tokens.incomplete",
+    ".tokens.state.json",
+)
+_BODY_QUOTE_CHARS = 2000
+
+
+def check_rollout_id(rollout_id: str) -> str:
+    """Gym's own rollout-id rule (ASCII letters, digits, `._-`), as a named error."""
+    try:
+        return validate_rollout_id(rollout_id)
+    except (ValueError, TypeError) as e:
+        raise InvalidRolloutIdError(
+            f"rollout_id={rollout_id!r} is not usable by Gym's capture paths and ledger files; "
+            "use only ASCII letters, digits, '.', '_' and '-'"
+        ) from e
+
+
+def manifest_path(rollout_id: str) -> str:
+    return _MANIFEST_ROUTE.format(rollout_id=check_rollout_id(rollout_id))
+
+
+def ledger_files(ledger_dir: Path, rollout_id: str) -> list[Path]:
+    rid = check_rollout_id(rollout_id)
+    return [ledger_dir / f"{rid}{suffix}" for suffix in _LEDGER_SUFFIXES]
+
+
+def _quote(text: str) -> str:
+    return text if len(text) <= _BODY_QUOTE_CHARS else text[:_BODY_QUOTE_CHARS] + "...<cut>"
+
+
+class NemoGymEnvironment:
+    """Gym's gate, our resources server and Gym's simple agent for one run (see module doc)."""
+
+    def __init__(
+        self,
+        config: NemoGymConfig,
+        token_capture: TokenCaptureConfig,
+        *,
+        worker_base_url: str,
+        log_dir: Path,
+    ) -> None:
+        self._cfg = config
+        self._capture_cfg = token_capture
+        self._worker_base_url = launch.check_worker_base_url(worker_base_url)
+        self._log_dir = Path(log_dir).resolve()
+        self._procs: dict[str, subprocess.Popen] = {}
+        self._log_paths: dict[str, Path] = {}
+        self._ports: launch.ServerPorts | None = None
+        self._bearer: str | None = None
+        self.startup_seconds: float | None = None
+
+    # --- properties -----------------------------------------------------------------------
+    @property
+    def capture(self) -> bool:
+        return self._capture_cfg.enabled
+
+    @property
+    def ledger_dir(self) -> Path:
+        if not self.capture:
+            raise CaptureModeError("ledger_dir exists only with token_capture.enabled=true")
+        return self._log_dir / "gym_ledger"
+
+    @property
+    def log_paths(self) -> Mapping[str, Path]:
+        return dict(self._log_paths)
+
+    def _url(self, port: int) -> str:
+        return f"http://{launch.LOOPBACK}:{port}"
+
+    def _require_ports(self) -> launch.ServerPorts:
+        if self._ports is None:
+            raise GymNotStartedError("NemoGymEnvironment is not running; await start() first (and not after stop())")
+        return self._ports
+
+    @property
+    def gate_url(self) -> str:
+        return self._url(self._require_ports().gate)
+
+    @property
+    def agent_url(self) -> str:
+        return self._url(self._require_ports().agent)
+
+    @property
+    def resources_url(self) -> str:
+        return self._url(self._require_ports().resources)
+
+    # --- lifecycle ------------------------------------------------------------------------
+    async def start(self) -> None:
+        if self._procs:
+            raise NemoGymError("NemoGymEnvironment.start() called twice; stop() it first")
+        began = time.monotonic()
+        ports = launch.ServerPorts(*launch.pick_free_ports(3))
+        wiring = None
+        gate_extra: dict[str, str] = {}
+        if self.capture:
+            self.ledger_dir.mkdir(parents=True, exist_ok=True)
+            wiring = launch.CaptureWiring(self.ledger_dir, self._capture_cfg.control_token_env)
+            self._bearer = secrets.token_urlsafe(32)
+            gate_extra[wiring.control_token_env] = self._bearer
+        config_json = json.dumps(
+            launch.build_global_config(self._cfg, worker_base_url=self._worker_base_url, ports=ports, capture=wiring)
+        )
+        # The bearer reaches only the gate, and only as minted for this run.
+        inherited_env = {k: v for k, v in os.environ.items() if k != self._capture_cfg.control_token_env}
+        cwd = self._log_dir / "gym_cwd"
+        cwd.mkdir(parents=True, exist_ok=True)
+        import_root = Path(__file__).resolve().parents[2]
+        self._ports = ports
+        # A trainer that exits without stop() must not leave servers behind (they run in their own sessions).
+        atexit.register(self.stop)
+        try:
+            for spec in launch.server_specs(ports):
+                log_path = self._log_dir / f"gym_{spec.name}.log"
+                env = launch.server_env(
+                    inherited_env,
+                    config_json=config_json,
+                    spec=spec,
+                    import_root=import_root,
+                    extra=gate_extra if spec.name == launch.GATE else {},
+                )
+                self._log_paths[spec.name] = log_path
+                self._procs[spec.name] = launch.start_server(
+                    spec, python=sys.executable, env=env, cwd=cwd, log_path=log_path
+                )
+            await self._wait_healthy(launch.server_specs(ports), began + self._cfg.startup_timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        self.startup_seconds = time.monotonic() - began
+
+    async def _wait_healthy(self, specs: Iterable[launch.ServerSpec], deadline: float) -> None:
+        pending = {spec.name: spec for spec in specs}
+        async with aiohttp.ClientSession() as session:
+            while pending:
+                for name, spec in list(pending.items()):
+                    code = self._procs[name].poll()
+                    if code is not None:
+                        raise self._start_error(name, f"the process exited with code {code} before becoming healthy")
+                    if await self._healthy(session, spec.port, deadline):
+                        del pending[name]
+                if not pending:
+                    return
+                if time.monotonic() >= deadline:
+                    name = sorted(pending)[0]
+                    raise self._start_error(
+                        name,
+                        f"no healthy answer on {self._url(pending[name].port)}/health within "
+                        f"startup_timeout_s={self._cfg.startup_timeout_s}; raise it if the machine is slow",
+                    )
+                await asyncio.sleep(self._cfg.health_poll_interval_s)
+
+    async def _healthy(self, session: aiohttp.ClientSession, port: int, deadline: float) -> bool:
+        budget = max(0.05, min(1.0, deadline - time.monotonic()))
+        try:
+            async with session.get(
+                f"{self._url(port)}/health", timeout=aiohttp.ClientTimeout(total=budget)
+            ) as resp:
+                return resp.status == 200
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            # Not listening yet: the caller re-checks the process and the deadline.
+            return False
+
+    def _start_error(self, name: str, reason: str) -> GymServerStartError:
+        log_path = self._log_paths[name]
+        return GymServerStartError(name, reason, log_path, launch.read_log_tail(log_path, self._cfg.log_tail_lines))
+
+    def stop(self) -> dict[str, int]:
+        """Terminate the servers this object started; returns their exit codes."""
+        atexit.unregister(self.stop)
+        codes = launch.terminate_processes(self._procs, self._cfg.stop_timeout_s)
+        self._procs = {}
+        self._ports = None
+        self._bearer = None
+        return codes
+
+    async def __aenter__(self) -> "NemoGymEnvironment":
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _server_state(self, name: str) -> str:
+        proc = self._procs.get(name)
+        if proc is None:
+            return f"`{name}` is not running"
+        code = proc.poll()
+        if code is None:
+            return f"`{name}` is alive (log {self._log_paths[name]})"
+        tail = launch.read_log_tail(self._log_paths[name], self._cfg.log_tail_lines)
+        return f"`{name}` exited with code {code}; its log ends with:\n{tail}"
+
+    # --- rollouts -------------------------------------------------------------------------
+    async def run(self, rollout_id: str | None, row: Mapping[str, Any]) -> dict[str, Any]:
+        """One rollout through the agent's /run; returns Gym's verify result."""
+        if ROLLOUT_ID_FIELD in row:
+            raise InvalidRolloutIdError(
+                f"row already carries {ROLLOUT_ID_FIELD}={row[ROLLOUT_ID_FIELD]!r}; pass the id as run(rollout_id, row)"
+            )
+        body = dict(row)
+        if self.capture:
+            if rollout_id is None:
+                raise InvalidRolloutIdError(
+                    "token capture is on: run() needs a fresh rollout_id per attempt (Gym appends to a reused ledger)"
+                )
+            body[ROLLOUT_ID_FIELD] = check_rollout_id(rollout_id)
+        agent_url = self.agent_url
+        try:
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self._cfg.run_timeout_s)) as session:
+                async with session.post(f"{agent_url}/run", json=body) as resp:
+                    text = await resp.text()
+                    status = resp.status
+        except asyncio.TimeoutError as e:
+            raise GymRunTimeoutError(
+                f"rollout {rollout_id!r}: agent /run did not answer within run_timeout_s={self._cfg.run_timeout_s}; "
+                f"{self._server_state(launch.AGENT)}"
+            ) from e
+        except aiohttp.ClientError as e:
+            raise GymRunError(
+                f"rollout {rollout_id!r}: agent /run at {agent_url} failed: {e!r}; {self._server_state(launch.AGENT)}"
+            ) from e
+        if status != 200:
+            raise GymRunError(
+                f"rollout {rollout_id!r}: agent /run answered HTTP {status}: {_quote(text)} "
+                f"(gate log {self._log_paths[launch.GATE]}, agent log {self._log_paths[launch.AGENT]})"
+            )
+        try:
+            result = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise GymRunError(f"rollout {rollout_id!r}: agent /run answered non-JSON: {_quote(text)}") from e
+        if not isinstance(result, dict):
+            raise GymRunError(f"rollout {rollout_id!r}: agent /run answered a {type(result).__name__}, not an object")
+        return result
+
+    async def manifest(self, rollout_id: str) -> RolloutManifest:
+        """The gate's ledger manifest for one rollout (empty if the gate never saw it)."""
+        if not self.capture:
+            raise CaptureModeError("manifest() needs token_capture.enabled=true; the legacy gate keeps no ledger")
+        url = f"{self.gate_url}{manifest_path(rollout_id)}"
+        timeout_s = self._capture_cfg.manifest_timeout_s
+        headers = {"Authorization": f"Bearer {self._bearer}"}
+        try:
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as session:
+                async with session.get(url, headers=headers) as resp:
+                    text = await resp.text()
+                    status = resp.status
+        except asyncio.TimeoutError as e:
+            raise ManifestTimeoutError(
+                f"rollout {rollout_id!r}: manifest not answered within token_capture.manifest_timeout_s={timeout_s}; "
+                f"{self._server_state(launch.GATE)}"
+            ) from e
+        except aiohttp.ClientError as e:
+            raise ManifestServerError(
+                f"rollout {rollout_id!r}: manifest GET {url} failed: {e!r}; {self._server_state(launch.GATE)}"
+            ) from e
+        if status == 401:
+            raise ManifestAuthError(
+                f"rollout {rollout_id!r}: the gate rejected the control bearer (HTTP 401: {_quote(text)}); the gate "
+                f"reads it from ${self._capture_cfg.control_token_env}, set per run by this environment"
+            )
+        if status == 400:
+            raise ManifestRequestError(f"rollout {rollout_id!r}: the gate rejected the request (HTTP 400: {_quote(text)})")
+        if status != 200:
+            raise ManifestServerError(f"rollout {rollout_id!r}: manifest answered HTTP {status}: {_quote(text)}")
+        return _parse_manifest(rollout_id, text)
+
+    def retire(self, rollout_ids: Iterable[str]) -> list[Path]:
+        """Delete the ledger files of committed rollouts; returns the paths removed."""
+        ledger_dir = self.ledger_dir
+        removed: list[Path] = []
+        for rollout_id in rollout_ids:
+            for path in ledger_files(ledger_dir, rollout_id):
+                try:
+                    path.unlink()
+                except FileNotFoundError:
+                    continue
+                removed.append(path)
+        return removed
+
+
+def _parse_manifest(rollout_id: str, text: str) -> RolloutManifest:
+    try:
+        manifest = RolloutManifest.model_validate_json(text)
+    except ValidationError as e:
+        raise ManifestServerError(
+            f"rollout {rollout_id!r}: the gate's manifest is not a valid RolloutManifest ({e}); body: {_quote(text)}"
+        ) from e
+    if manifest.rollout_id != rollout_id:
+        raise ManifestServerError(
+            f"asked for the manifest of rollout {rollout_id!r} but the gate answered for {manifest.rollout_id!r}"
+        )
+    return manifest

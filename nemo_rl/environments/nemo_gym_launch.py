@@ -1,0 +1,245 @@
+"""How our Gym servers are launched: global config, commands, environment, ports, logs, stopping.
+
+Contract:
+- Three Gym servers run as plain subprocesses of the current interpreter, bound to 127.0.0.1,
+  without Ray, Gym's per-server venvs or Gym's head server:
+  `policy_model` (Gym's `vllm_model`, the gate, pointed at the worker's base_url),
+  `arith_resources` (our `arith_resources` server) and `arith_agent` (Gym's `simple_agent`
+  wired to both by name).
+- Each process gets the whole resolved global config as `NEMO_GYM_CONFIG_DICT` (JSON, which
+  OmegaConf reads as YAML) and its own top-level key as `NEMO_GYM_CONFIG_PATH`; servers find
+  each other by those keys' `host`/`port`. `head_server` is present only because Gym's
+  server client requires its config; its port is 0 and nothing contacts it.
+- `build_global_config` is pure and rejects values containing `${` (OmegaConf would read them
+  as interpolations). With capture wiring it adds exactly the contract's
+  `token_id_capture` block (external staging, `vllm_worker`, `rebuild_response: false`, an
+  absolute ledger `dir`, the bearer's variable name) and opts the agent in; without it the
+  gate runs the legacy token echo (`return_token_id_information: true`). `sink` and
+  `lineage_store` stay unset: Gym validates custom endpoints with a 3.12-only protocol
+  attribute, and the default `FileLineageStore(dir)` is the non-evicting ledger it needs.
+- Inherited `NEMO_GYM_*` variables are dropped from the children's environment, so a stray
+  variable (e.g. a model URL override) can never re-route a server.
+- `terminate_processes` signals only the process groups of the processes it is handed
+  (each was started in its own session), SIGTERM first and SIGKILL after the deadline.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+from nemo_rl.environments.nemo_gym_config import NemoGymConfig
+
+LOOPBACK = "127.0.0.1"
+GATE = "policy_model"
+RESOURCES = "arith_resources"
+AGENT = "arith_agent"
+GATE_MODULE = "responses_api_models.vllm_model.app"
+RESOURCES_MODULE = "nemo_rl.environments.arith_resources"
+AGENT_MODULE = "responses_api_agents.simple_agent.app"
+CONFIG_DICT_ENV = "NEMO_GYM_CONFIG_DICT"
+CONFIG_PATH_ENV = "NEMO_GYM_CONFIG_PATH"
+_GYM_ENV_PREFIX = "NEMO_GYM_"
+
+
+@dataclass(frozen=True)
+class ServerPorts:
+    gate: int
+    resources: int
+    agent: int
+
+    def __post_init__(self) -> None:
+        ports = (self.gate, self.resources, self.agent)
+        if any(not (0 < p < 65536) for p in ports) or len(set(ports)) != 3:
+            raise ValueError(f"ServerPorts needs three distinct ports in 1..65535, got {ports}")
+
+
+@dataclass(frozen=True)
+class CaptureWiring:
+    """Where the gate keeps its ledger and which variable holds the control bearer."""
+
+    ledger_dir: Path
+    control_token_env: str
+
+    def __post_init__(self) -> None:
+        if not self.ledger_dir.is_absolute():
+            raise ValueError(f"CaptureWiring.ledger_dir must be absolute (Gym rejects relative), got {self.ledger_dir}")
+        if not self.control_token_env:
+            raise ValueError("CaptureWiring.control_token_env must name an environment variable")
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    name: str
+    module: str
+    port: int
+
+
+def check_worker_base_url(url: str) -> str:
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname or parts.port is None:
+        raise ValueError(
+            f"worker_base_url={url!r} is not an http URL with host and port; "
+            "pass the worker's OpenAI root, e.g. http://127.0.0.1:<port>/v1"
+        )
+    return url
+
+
+def capture_block(wiring: CaptureWiring) -> dict[str, Any]:
+    """The gate's `token_id_capture` block (contract note section 1)."""
+    return {
+        "enabled": True,
+        "external_staging": True,
+        "external_staging_backend": "vllm_worker",
+        "rebuild_response": False,
+        "dir": str(wiring.ledger_dir),
+        "control_auth_token_env": wiring.control_token_env,
+    }
+
+
+def build_global_config(
+    cfg: NemoGymConfig, *, worker_base_url: str, ports: ServerPorts, capture: CaptureWiring | None
+) -> dict[str, Any]:
+    """The resolved Gym global config shared by all three servers."""
+    gate = {
+        "entrypoint": "app.py",
+        "host": LOOPBACK,
+        "port": ports.gate,
+        "base_url": check_worker_base_url(worker_base_url),
+        "api_key": cfg.worker_api_key,
+        "model": cfg.model_name,
+        "return_token_id_information": capture is None,
+        "uses_reasoning_parser": False,
+    }
+    # Gym's config model requires `entrypoint`; we launch by module (`server_specs`), so it is only a label.
+    resources = {"entrypoint": "arith_resources.py", "host": LOOPBACK, "port": ports.resources, "domain": "math"}
+    agent: dict[str, Any] = {
+        "entrypoint": "app.py",
+        "host": LOOPBACK,
+        "port": ports.agent,
+        "resources_server": {"type": "resources_servers", "name": RESOURCES},
+        "model_server": {"type": "responses_api_models", "name": GATE},
+        "max_steps": cfg.agent_max_steps,
+    }
+    config: dict[str, Any] = {
+        "head_server": {"host": LOOPBACK, "port": 0},
+        "dry_run": False,
+        GATE: {"responses_api_models": {"vllm_model": gate}},
+        RESOURCES: {"resources_servers": {"arith": resources}},
+        AGENT: {"responses_api_agents": {"simple_agent": agent}},
+    }
+    if capture is not None:
+        agent["token_id_capture"] = True
+        config["token_id_capture"] = capture_block(capture)
+    _reject_interpolation(config, "")
+    return config
+
+
+def _reject_interpolation(node: Any, where: str) -> None:
+    # Gym resolves the config with OmegaConf, which would read `${...}` in a path or URL as a reference.
+    if isinstance(node, dict):
+        for key, value in node.items():
+            _reject_interpolation(value, f"{where}.{key}" if where else str(key))
+    elif isinstance(node, str) and "${" in node:
+        raise ValueError(f"Gym config value {where}={node!r} contains '${{', which OmegaConf would interpolate; rename it")
+
+
+def server_specs(ports: ServerPorts) -> tuple[ServerSpec, ...]:
+    return (
+        ServerSpec(GATE, GATE_MODULE, ports.gate),
+        ServerSpec(RESOURCES, RESOURCES_MODULE, ports.resources),
+        ServerSpec(AGENT, AGENT_MODULE, ports.agent),
+    )
+
+
+def server_command(python: str, spec: ServerSpec) -> list[str]:
+    return [python, "-m", spec.module]
+
+
+def server_env(
+    base_env: Mapping[str, str],
+    *,
+    config_json: str,
+    spec: ServerSpec,
+    import_root: Path,
+    extra: Mapping[str, str],
+) -> dict[str, str]:
+    """The child's environment: ours minus `NEMO_GYM_*`, plus Gym's config and `extra`."""
+    env = {k: v for k, v in base_env.items() if not k.startswith(_GYM_ENV_PREFIX)}
+    inherited_path = env.get("PYTHONPATH")
+    env["PYTHONPATH"] = str(import_root) + (os.pathsep + inherited_path if inherited_path else "")
+    env["PYTHONUNBUFFERED"] = "1"
+    env[CONFIG_DICT_ENV] = config_json
+    env[CONFIG_PATH_ENV] = spec.name
+    env.update(extra)
+    return env
+
+
+def pick_free_ports(count: int) -> list[int]:
+    """`count` distinct ports the OS picked on the loopback (held open together while picking)."""
+    sockets = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(count)]
+    try:
+        for s in sockets:
+            s.bind((LOOPBACK, 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def read_log_tail(path: Path, lines: int) -> str:
+    if not path.exists():
+        return f"<no log file at {path}>"
+    with path.open("rb") as f:
+        f.seek(0, os.SEEK_END)
+        size = f.tell()
+        f.seek(max(0, size - 64 * 1024))
+        text = f.read().decode("utf-8", errors="replace")
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def start_server(
+    spec: ServerSpec, *, python: str, env: Mapping[str, str], cwd: Path, log_path: Path
+) -> subprocess.Popen:
+    """Start one server in its own session, stdout and stderr into `log_path`."""
+    with log_path.open("wb") as log:
+        return subprocess.Popen(
+            server_command(python, spec),
+            cwd=cwd,
+            env=dict(env),
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    # Only while the leader is unreaped: its pid (== our session's group id) cannot be reused.
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def terminate_processes(procs: Mapping[str, subprocess.Popen], timeout_s: float) -> dict[str, int]:
+    """SIGTERM every process group, SIGKILL what is left after `timeout_s`; returns exit codes."""
+    for proc in procs.values():
+        _signal_group(proc, signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    for proc in procs.values():
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            _signal_group(proc, signal.SIGKILL)
+            proc.wait(timeout=timeout_s)
+    return {name: proc.returncode for name, proc in procs.items()}

@@ -1,0 +1,96 @@
+"""The `token_capture` recipe section: the one and only home of token-capture defaults.
+
+Contract:
+- `TokenCaptureConfig` is immutable (frozen) and rejects unknown keys (extra="forbid"); every
+  other module reads these fields and never carries its own fallback value.
+- Types are strict: a YAML string "false" is not a bool, a float is not an int. Timeouts are
+  finite and > 0, counts are bounded below, the staging partition name is a non-empty
+  `[A-Za-z0-9_-]` token and the control-token variable is a valid environment-variable name.
+- The manifest bearer token itself never lives in config: only the name of the environment
+  variable that holds it.
+- Build it from a loaded recipe with
+  `validate_section(TokenCaptureConfig, cfg["token_capture"], "token_capture")`.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class TokenCaptureConfig(BaseModel):
+    """Settings for exact-token capture on the agentic GRPO path."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    enabled: bool = Field(
+        default=False,
+        description=(
+            "Turn exact-token capture on. When false, every legacy path runs unchanged and "
+            "produces byte-identical rows."
+        ),
+    )
+    num_finalizer_workers: int = Field(
+        default=1,
+        ge=1,
+        description=(
+            "Number of finalizer actors that fetch staged deltas, verify digests and "
+            "linearize rollouts into training rows."
+        ),
+    )
+    staging_partition: str = Field(
+        default="token_capture_staging",
+        min_length=1,
+        pattern=r"^[A-Za-z0-9_-]+$",
+        description=(
+            "TransferQueue partition the vLLM worker stages captured deltas into, keyed by "
+            "`rollout_id/model_call_id`."
+        ),
+    )
+    manifest_timeout_s: float = Field(
+        default=30.0,
+        gt=0.0,
+        allow_inf_nan=False,
+        description="Deadline in seconds for fetching one rollout's manifest from Gym.",
+    )
+    finalize_timeout_s: float = Field(
+        default=120.0,
+        gt=0.0,
+        allow_inf_nan=False,
+        description=(
+            "Deadline in seconds for one finalizer call (fetch staged deltas, verify, "
+            "linearize a group); past it the finalizer is reported dead by name."
+        ),
+    )
+    stage_timeout_s: float = Field(
+        default=10.0,
+        gt=0.0,
+        allow_inf_nan=False,
+        description=(
+            "Deadline in seconds for one staging write or read against TransferQueue; the "
+            "worker does not release a response whose delta was not staged in time."
+        ),
+    )
+    prefix_cache_max_tokens: int = Field(
+        default=1_000_000,
+        ge=0,
+        description=(
+            "Bound, in tokens, of the worker-side cache of staging-chain prefixes it has "
+            "already served (keyed by chain hash), so a long rollout does not re-fetch its "
+            "whole chain every turn. 0 disables the cache (every turn fetches its chain)."
+        ),
+    )
+    control_token_env: str = Field(
+        default="NRL_TOKEN_CAPTURE_CONTROL_TOKEN",
+        pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
+        description=(
+            "Name of the environment variable holding the bearer token for Gym's manifest "
+            "(rollout control) route."
+        ),
+    )
+    retire_after_commit: bool = Field(
+        default=True,
+        description=(
+            "After a group's rows are committed, clear its staged TransferQueue keys and "
+            "retire its ledger files so memory and disk stay bounded over a long run."
+        ),
+    )

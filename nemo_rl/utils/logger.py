@@ -1,0 +1,230 @@
+"""Metrics logging: one JSONL line per step, a compact stdout line, optional TensorBoard.
+
+Contract:
+- `MetricsLogger(cfg).log(step, metrics)` appends exactly one JSON object to
+  `<log_dir>/metrics.jsonl` (keys sorted, `step` included, flushed and fsync'd before `log`
+  returns), prints one compact line to stdout with the `cfg.stdout_keys` that are present, and,
+  only when `cfg.tensorboard_enabled`, writes every metric as a scalar under
+  `<log_dir>/tensorboard`. The file is opened in append mode so a resumed run keeps its history.
+- A metric value must be a finite real number (bools, strings, None, NaN and +-inf are rejected
+  with a `MetricsError` naming the key and the step). A metric may not be called `step`.
+  Nothing is written for a rejected call.
+- `Timer(name, into)` records wall time in seconds under `timing/<name>` of the dict `into`.
+- `progress(label, done, total)` prints `[progress] <label>: done/total (pct) elapsed` at most
+  once per `min_interval_s` per label, plus always the first and the final line of a phase.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import numbers
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, TextIO
+
+from pydantic import BaseModel, ConfigDict, Field
+
+METRICS_FILE = "metrics.jsonl"
+TENSORBOARD_DIR = "tensorboard"
+TIMING_PREFIX = "timing/"
+
+
+class MetricsError(ValueError):
+    """A metrics record is invalid or the logger is used after `close()`."""
+
+
+class LoggerConfig(BaseModel):
+    """The `logger` recipe section."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    log_dir: str = Field(
+        min_length=1, description="Directory for metrics.jsonl and the tensorboard/ subfolder."
+    )
+    tensorboard_enabled: bool = Field(
+        default=False, description="Also write every metric as a TensorBoard scalar."
+    )
+    stdout_keys: list[str] = Field(
+        default_factory=lambda: [
+            "reward/mean",
+            "finalize/rows",
+            "finalize/token_in_rate",
+            "finalize/invalid_row_rate",
+            "finalize/capture_poisoned_rollouts",
+            "train/loss",
+            "token_mult_prob_error",
+            "timing/step_s",
+        ],
+        description="Metric keys shown, in this order, on the compact per-step stdout line.",
+    )
+
+
+def check_metrics(step: int, metrics: Mapping[str, Any]) -> dict[str, int | float]:
+    """Validate one step's metrics; return them as plain JSON numbers."""
+    if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
+        raise MetricsError(f"step={step!r} must be a non-negative int")
+    clean: dict[str, int | float] = {}
+    for key, value in metrics.items():
+        if not isinstance(key, str) or not key:
+            raise MetricsError(f"step {step}: metric key {key!r} must be a non-empty string")
+        if key == "step":
+            raise MetricsError(
+                f"step {step}: 'step' is reserved for the step number; rename that metric"
+            )
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise MetricsError(
+                f"step {step}: metric {key}={value!r} has type {type(value).__name__}; "
+                f"metrics must be int or float (fix: convert it, e.g. float(x) or int(flag))"
+            )
+        if isinstance(value, numbers.Integral):
+            clean[key] = int(value)
+        elif not math.isfinite(float(value)):
+            raise MetricsError(
+                f"step {step}: metric {key}={float(value)!r} is not finite; metrics must be "
+                f"finite (fix: find where {key} became nan/inf, or do not log it this step)"
+            )
+        else:
+            clean[key] = float(value)
+    return clean
+
+
+def format_value(key: str, value: int | float) -> str:
+    """Compact human form: ints as is, timings to 0.1 s, other floats to 3 decimals."""
+    if isinstance(value, int):
+        return str(value)
+    if key.startswith(TIMING_PREFIX):
+        return f"{value:.1f}"
+    if value != 0 and not 1e-3 <= abs(value) < 1e6:
+        return f"{value:.3e}"
+    return f"{value:.3f}"
+
+
+def format_line(step: int, metrics: Mapping[str, int | float], keys: list[str]) -> str:
+    """`step 1 | reward/mean 0.250 | ... | timing/step_s 12.3` with the `keys` present."""
+    parts = [f"step {step}"]
+    parts += [f"{k} {format_value(k, metrics[k])}" for k in keys if k in metrics]
+    return " | ".join(parts)
+
+
+class MetricsLogger:
+    """Writes per-step metrics to JSONL, stdout and (optionally) TensorBoard."""
+
+    def __init__(self, cfg: LoggerConfig, out: TextIO | None = None) -> None:
+        self._cfg = cfg
+        self._out = out
+        log_dir = Path(cfg.log_dir)
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self._file = open(log_dir / METRICS_FILE, "a", encoding="utf-8")  # noqa: SIM115
+        self._writer: Any = None
+        if cfg.tensorboard_enabled:
+            # Imported only when enabled: torch's import costs seconds that a disabled logger
+            # (and every unit test that does not need it) should not pay.
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._writer = SummaryWriter(log_dir=str(log_dir / TENSORBOARD_DIR))
+        self._closed = False
+
+    @property
+    def metrics_path(self) -> Path:
+        return Path(self._cfg.log_dir) / METRICS_FILE
+
+    def log(self, step: int, metrics: Mapping[str, Any]) -> None:
+        if self._closed:
+            raise MetricsError(f"step {step}: MetricsLogger.log called after close()")
+        clean = check_metrics(step, metrics)
+        record = {"step": int(step), **clean}
+        self._file.write(json.dumps(record, sort_keys=True, allow_nan=False) + "\n")
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        print(format_line(int(step), clean, self._cfg.stdout_keys), file=self._out or sys.stdout,
+              flush=True)
+        if self._writer is not None:
+            for key, value in clean.items():
+                self._writer.add_scalar(key, value, int(step))
+            self._writer.flush()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._file.close()
+        if self._writer is not None:
+            self._writer.close()
+
+    def __enter__(self) -> MetricsLogger:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Timer:
+    """`with Timer("step_s", metrics): ...` sets `metrics["timing/step_s"]` to seconds elapsed."""
+
+    def __init__(self, name: str, into: dict[str, Any] | None = None) -> None:
+        if not name or name.startswith(TIMING_PREFIX):
+            raise ValueError(
+                f"Timer name {name!r} must be non-empty and given without the "
+                f"'{TIMING_PREFIX}' prefix (it is added)"
+            )
+        self.key = TIMING_PREFIX + name
+        self._into = into
+        self._start: float | None = None
+        self._end: float | None = None
+
+    @property
+    def elapsed_s(self) -> float:
+        """Seconds from enter to exit (or to now, while running)."""
+        if self._start is None:
+            raise RuntimeError(f"Timer {self.key} was never started")
+        end = self._end if self._end is not None else time.perf_counter()
+        return end - self._start
+
+    def __enter__(self) -> Timer:
+        self._start = time.perf_counter()
+        self._end = None
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._end = time.perf_counter()
+        if self._into is not None:
+            self._into[self.key] = self.elapsed_s
+
+
+_progress_lock = threading.Lock()
+# label -> (phase start, last print); a label leaves the table when its phase completes.
+_progress_state: dict[str, tuple[float, float]] = {}
+
+
+def progress(
+    label: str,
+    done: int,
+    total: int,
+    *,
+    min_interval_s: float = 5.0,
+    clock: Callable[[], float] = time.monotonic,
+    out: TextIO | None = None,
+) -> bool:
+    """Print a progress line for a long phase, rate-limited per label; return whether printed."""
+    if total <= 0 or not 0 <= done <= total:
+        raise ValueError(f"progress({label!r}): need 0 <= done <= total and total > 0, "
+                         f"got done={done}, total={total}")
+    now = clock()
+    with _progress_lock:
+        start, last = _progress_state.get(label, (now, -math.inf))
+        final = done == total
+        if not final and now - last < min_interval_s:
+            return False
+        if final:
+            _progress_state.pop(label, None)
+        else:
+            _progress_state[label] = (start, now)
+    pct = 100.0 * done / total
+    print(f"[progress] {label}: {done}/{total} ({pct:.0f}%) elapsed {now - start:.1f}s",
+          file=out or sys.stdout, flush=True)
+    return True

@@ -1,0 +1,291 @@
+"""Admission handling of the worker core (ChatService) with Gym's real capture and rebuild.
+
+The engine is a scripted stand-in (this is pure request logic); the tokenizer is the real
+tiny-model tokenizer; custody goes through Gym's RolloutTokenCapture, CaptureAdmission and
+verify_and_linearize, so what these tests accept the real gate and trainer accept too.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from dataclasses import dataclass
+
+import pytest
+
+from nemo_gym.token_id_capture.adapters.vllm import VLLMCaptureAdapter
+from nemo_gym.token_id_capture.staging import (
+    CallRecord,
+    RolloutReceipt,
+    StagedCallBaseSnapshot,
+    StagedCallRecord,
+    StageResult,
+    install_capture,
+    staging_key,
+    verify_and_linearize,
+)
+from nemo_rl.environments import arith_task
+from nemo_rl.models.generation.vllm.chat import render_root_prompt
+from nemo_rl.models.generation.vllm.prefix_cache import PrefixCache
+from nemo_rl.models.generation.vllm.serving import ChatService, HttpError
+from nemo_rl.models.tiny_model.corpus import task_conversation
+from nemo_rl.models.tiny_model.tokenizer import train_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    texts = [json.dumps(task_conversation(p)) for p in arith_task.make_problems(0, 200)]
+    return train_tokenizer(texts, vocab_size=600, max_length=2048)
+
+
+@dataclass(frozen=True)
+class _Result:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    weight_version: int
+
+
+class ScriptedEngine:
+    """Returns scripted generations in order; remembers every prompt it was given."""
+
+    def __init__(self, script: list[list[int]]) -> None:
+        self.script = list(script)
+        self.prompts: list[list[int]] = []
+        self.weight_version = 3
+
+    async def generate(self, prompt_ids, sampling, request_id):
+        self.prompts.append(list(prompt_ids))
+        ids = self.script.pop(0)
+        return _Result(request_id, list(prompt_ids), ids, [-0.5 - 0.01 * i for i in range(len(ids))], "stop", self.weight_version)
+
+
+class MemoryStaging:
+    """In-memory StagingSink + StagingSource (the TQ one is tested against real TQ elsewhere)."""
+
+    def __init__(self) -> None:
+        self.records: dict[str, StagedCallRecord] = {}
+        self.fetches: list[list[str]] = []
+        self._lock = threading.Lock()
+
+    def stage(self, record, *, attachments=None):
+        key = staging_key(record.rollout_id, record.model_call_id)
+        with self._lock:
+            self.records[key] = record
+        return StageResult(ok=True, staging_key=key)
+
+    def fetch(self, keys):
+        self.fetches.append(list(keys))
+        missing = [k for k in keys if k not in self.records]
+        if missing:
+            raise KeyError(f"missing staged keys {missing}")
+        return [StagedCallBaseSnapshot.model_validate(self.records[k].model_dump(exclude={"extras"})) for k in keys]
+
+
+def _service(tokenizer, script, *, capture=True):
+    engine = ScriptedEngine(script)
+    svc = ChatService(engine, tokenizer, model_name="tiny", default_max_tokens=16)
+    staging = MemoryStaging()
+    if capture:
+        install_capture(svc, sink=staging, weight_version_fn=lambda: engine.weight_version, adapter=VLLMCaptureAdapter())
+        svc.install_prefix_cache(PrefixCache(staging, max_tokens=100_000))
+    return svc, engine, staging
+
+
+def _gen(tokenizer, text):
+    return tokenizer.encode(text, add_special_tokens=False) + [tokenizer.eos_token_id]
+
+
+PROBLEM = arith_task.Problem("12 + 5", 17)
+MESSAGES = [
+    {"role": "developer", "content": arith_task.SYSTEM_PROMPT},
+    {"role": "user", "content": arith_task.user_prompt(PROBLEM)},
+]
+TOOLS = [arith_task.CALCULATOR_TOOL]
+CALL_TEXT = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "12 + 5"}}\n</tool_call>'
+
+
+def _admission(mode, call_id, *, parent=None, prev_len=0, chain=(), parent_hash=None, inline=()):
+    return {
+        "schema_version": 2,
+        "rollout_id": "r1",
+        "model_call_id": call_id,
+        "parent_call_id": parent,
+        "prev_len": prev_len,
+        "mode": mode,
+        "required_prefix_token_ids": list(inline),
+        "staging_chain": list(chain),
+        "parent_chain_hash": parent_hash,
+    }
+
+
+def _second_turn_messages(first_response):
+    msg = first_response["choices"][0]["message"]
+    call = msg["tool_calls"][0]
+    return MESSAGES + [
+        {"role": "assistant", "content": msg["content"], "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": call["id"], "content": "17"},
+    ]
+
+
+def _call_record(coords, response_id, mode):
+    return CallRecord(
+        model_call_id=coords["model_call_id"],
+        parent_call_id=coords["parent_call_id"],
+        prev_len=coords["prev_len"],
+        delta_len=coords["delta_len"],
+        cum_len=coords["cum_len"],
+        weight_version=coords["weight_version"],
+        digest=coords["digest"],
+        extras_digest=coords["extras_digest"],
+        staging_key=coords["staging_key"],
+        mode=mode,
+        chain_hash=coords["chain_hash"],
+        cumulative_hash=coords["cumulative_hash"],
+        response_id=response_id,
+    )
+
+
+async def test_root_then_token_in_via_staging_chain_verifies(tokenizer):
+    gen1, gen2 = _gen(tokenizer, CALL_TEXT), _gen(tokenizer, "The answer is 17.")
+    svc, engine, staging = _service(tokenizer, [gen1, gen2])
+
+    r1 = await svc.chat_completions({"messages": MESSAGES, "tools": TOOLS, "ng_capture": _admission("text", "c1")})
+    c1 = r1["ng_commit_coords"]
+    assert c1["disposition"] == "staged"
+    root_prompt = render_root_prompt(tokenizer, [{**MESSAGES[0], "role": "system"}, MESSAGES[1]], TOOLS)
+    assert engine.prompts[0] == root_prompt
+    assert c1["delta_len"] == len(root_prompt) + len(gen1)
+    assert r1["choices"][0]["finish_reason"] == "tool_calls"
+    assert json.loads(r1["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"]) == {"expression": "12 + 5"}
+
+    adm2 = _admission(
+        "token_in", "c2", parent="c1", prev_len=c1["cum_len"], chain=[c1["staging_key"]], parent_hash=c1["chain_hash"]
+    )
+    r2 = await svc.chat_completions(
+        {"messages": _second_turn_messages(r1), "tools": TOOLS, "ng_capture": adm2, "required_prefix_token_ids": []}
+    )
+    c2 = r2["ng_commit_coords"]
+    assert c2["disposition"] == "staged"
+    # The second prompt starts with the exact ids of turn 1 (prompt + sampled), not a re-render.
+    assert engine.prompts[1][: c1["cum_len"]] == root_prompt + gen1
+    tail = tokenizer.decode(engine.prompts[1][c1["cum_len"] :], skip_special_tokens=False)
+    assert tail == "\n<|im_start|>tool\n<tool_response>\n17\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+
+    records = [_call_record(c1, r1["id"], "text"), _call_record(c2, r2["id"], "token_in")]
+    receipt = RolloutReceipt(rollout_id="r1", manifest=records, terminal_model_call_id="c2", terminal_selection="declared")
+    row = verify_and_linearize(receipt, staging.fetch([c1["staging_key"], c2["staging_key"]]))
+    assert row.token_ids == engine.prompts[1] + gen2
+    assert [i for i, m in zip(row.token_ids, row.token_mask) if m == 1.0] == gen1 + gen2
+    assert row.weight_versions == [3, 3]
+
+
+async def test_prefix_cache_fetches_each_parent_once(tokenizer):
+    gens = [_gen(tokenizer, CALL_TEXT), _gen(tokenizer, CALL_TEXT), _gen(tokenizer, "The answer is 17.")]
+    svc, _, staging = _service(tokenizer, gens)
+    r = await svc.chat_completions({"messages": MESSAGES, "tools": TOOLS, "ng_capture": _admission("text", "c1")})
+    chain, parent, coords, messages = [], "c1", r["ng_commit_coords"], MESSAGES
+    for i in (2, 3):
+        chain.append(coords["staging_key"])
+        messages = _second_turn_messages(r) if i == 2 else messages + [
+            {"role": "assistant", "content": None, "tool_calls": [r["choices"][0]["message"]["tool_calls"][0]]},
+            {"role": "tool", "tool_call_id": r["choices"][0]["message"]["tool_calls"][0]["id"], "content": "17"},
+        ]
+        adm = _admission("token_in", f"c{i}", parent=parent, prev_len=coords["cum_len"], chain=chain, parent_hash=coords["chain_hash"])
+        r = await svc.chat_completions({"messages": messages, "tools": TOOLS, "ng_capture": adm})
+        coords, parent = r["ng_commit_coords"], f"c{i}"
+        assert coords["disposition"] == "staged"
+    # Turn 3 needed keys c1 and c2 but fetched only c2: c1 was cached when turn 2 resolved it.
+    assert staging.fetches == [["r1/c1"], ["r1/c2"]]
+    assert svc.prefix_cache.fetched_keys == 2
+
+
+async def test_token_in_with_inline_prefix(tokenizer):
+    gen1, gen2 = _gen(tokenizer, CALL_TEXT), _gen(tokenizer, "The answer is 17.")
+    svc, engine, _ = _service(tokenizer, [gen1, gen2])
+    r1 = await svc.chat_completions({"messages": MESSAGES, "tools": TOOLS, "ng_capture": _admission("text", "c1")})
+    c1 = r1["ng_commit_coords"]
+    prefix = engine.prompts[0] + gen1
+    adm = _admission("token_in", "c2", parent="c1", prev_len=len(prefix), parent_hash=c1["chain_hash"], inline=prefix)
+    r2 = await svc.chat_completions({"messages": _second_turn_messages(r1), "tools": TOOLS, "ng_capture": adm})
+    assert r2["ng_commit_coords"]["disposition"] == "staged"
+    assert engine.prompts[1][: len(prefix)] == prefix
+
+
+@pytest.mark.parametrize(
+    "admission, err_type",
+    [
+        ({"mode": "text"}, "invalid_capture_admission"),
+        (_admission("token_in", "c2", parent=None, prev_len=5, chain=["r1/c1"], parent_hash="ab"), "invalid_capture_admission"),
+        (_admission("token_in", "c2", parent="c1", prev_len=3, parent_hash="ab" * 32, inline=[1, 2]), "invalid_capture_admission"),
+    ],
+)
+async def test_invalid_admission_is_400(tokenizer, admission, err_type):
+    svc, engine, _ = _service(tokenizer, [[1]])
+    with pytest.raises(HttpError) as e:
+        await svc.chat_completions({"messages": MESSAGES, "tools": TOOLS, "ng_capture": admission})
+    assert (e.value.status, e.value.err_type) == (400, err_type)
+    assert engine.prompts == []  # nothing was generated
+
+
+async def test_admission_without_installed_capture_is_400(tokenizer):
+    svc, _, _ = _service(tokenizer, [[1]], capture=False)
+    with pytest.raises(HttpError) as e:
+        await svc.chat_completions({"messages": MESSAGES, "ng_capture": _admission("text", "c1")})
+    assert e.value.status == 400 and e.value.err_type == "capture_not_installed"
+    assert "token_capture.enabled=true" in e.value.message
+
+
+async def test_stream_and_n_are_rejected(tokenizer):
+    svc, _, _ = _service(tokenizer, [[1]])
+    for body, needle in (({"stream": True}, "stream=true"), ({"n": 2}, "n must be 1")):
+        with pytest.raises(HttpError) as e:
+            await svc.chat_completions({"messages": MESSAGES, **body})
+        assert e.value.status == 400 and needle in e.value.message
+
+
+async def test_missing_staged_parent_is_503_and_bad_hash_is_409(tokenizer):
+    gen1 = _gen(tokenizer, CALL_TEXT)
+    svc, engine, _ = _service(tokenizer, [gen1, [1]])
+    r1 = await svc.chat_completions({"messages": MESSAGES, "tools": TOOLS, "ng_capture": _admission("text", "c1")})
+    c1 = r1["ng_commit_coords"]
+    body = {"messages": _second_turn_messages(r1), "tools": TOOLS}
+    missing = _admission("token_in", "c2", parent="c1", prev_len=c1["cum_len"], chain=["r1/nope"], parent_hash=c1["chain_hash"])
+    with pytest.raises(HttpError) as e:
+        await svc.chat_completions({**body, "ng_capture": missing})
+    assert e.value.status == 503 and "r1/nope" in e.value.message
+    bad = _admission("token_in", "c3", parent="c1", prev_len=c1["cum_len"], chain=[c1["staging_key"]], parent_hash="0" * 64)
+    with pytest.raises(HttpError) as e:
+        await svc.chat_completions({**body, "ng_capture": bad})
+    assert e.value.status == 409 and e.value.err_type == "prefix_mismatch"
+    assert len(engine.prompts) == 1
+
+
+async def test_capture_off_serves_legacy_token_echo(tokenizer):
+    gen = _gen(tokenizer, "The answer is 17.")
+    svc, engine, _ = _service(tokenizer, [gen], capture=False)
+    r = await svc.chat_completions({"messages": MESSAGES, "logprobs": True, "top_logprobs": 0, "return_token_ids": True})
+    assert r["prompt_token_ids"] == engine.prompts[0]
+    choice = r["choices"][0]
+    assert choice["token_ids"] == gen
+    assert [c["token"] for c in choice["logprobs"]["content"]] == [f"token_id:{t}" for t in gen]
+    assert choice["message"]["content"] == "The answer is 17."
+    assert "ng_commit_coords" not in r
+
+
+async def test_tail_render_failure_is_capture_failed_not_silent(tokenizer):
+    gen1 = _gen(tokenizer, CALL_TEXT)
+    svc, _, staging = _service(tokenizer, [gen1, [5, tokenizer.eos_token_id]])
+    r1 = await svc.chat_completions({"messages": MESSAGES, "tools": TOOLS, "ng_capture": _admission("text", "c1")})
+    c1 = r1["ng_commit_coords"]
+    adm = _admission("token_in", "c2", parent="c1", prev_len=c1["cum_len"], chain=[c1["staging_key"]], parent_hash=c1["chain_hash"])
+    # No assistant turn in the history: the tail cannot be placed after the parent's tokens.
+    r2 = await svc.chat_completions({"messages": MESSAGES + [{"role": "user", "content": "again"}], "tools": TOOLS, "ng_capture": adm})
+    assert r2["ng_commit_coords"]["disposition"] == "capture_failed"
+    assert r2["ng_commit_coords"]["staging_key"] is None
+    assert svc.stats["capture_failed"] == 1
+    assert svc.capture_failures[-1]["model_call_id"] == "c2"
+    assert "tail_render_failed" in svc.capture_failures[-1]["reason"]
+    assert "r1/c2" not in staging.records

@@ -1,0 +1,172 @@
+"""MetricsLogger, Timer and progress: JSONL contents, stdout format, TensorBoard on/off."""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from nemo_rl.utils.logger import (
+    LoggerConfig,
+    MetricsError,
+    MetricsLogger,
+    Timer,
+    format_line,
+    progress,
+)
+
+STDOUT_KEYS = ["reward/mean", "finalize/rows", "timing/step_s"]
+
+
+def make_logger(tmp_path: Path, tensorboard: bool = False) -> MetricsLogger:
+    cfg = LoggerConfig(
+        log_dir=str(tmp_path / "logs"), tensorboard_enabled=tensorboard, stdout_keys=STDOUT_KEYS
+    )
+    return MetricsLogger(cfg)
+
+
+def test_writes_one_sorted_line_per_step(tmp_path: Path) -> None:
+    with make_logger(tmp_path) as logger:
+        for step in range(1, 6):
+            logger.log(step, {"z/last": step * 0.5, "a/first": step, "reward/mean": 0.25})
+    lines = (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()
+    assert len(lines) == 5
+    for step, line in enumerate(lines, start=1):
+        record = json.loads(line)
+        assert list(record) == ["a/first", "reward/mean", "step", "z/last"]
+        assert record == {"a/first": step, "reward/mean": 0.25, "step": step, "z/last": step * 0.5}
+
+
+def test_appends_across_loggers(tmp_path: Path) -> None:
+    with make_logger(tmp_path) as logger:
+        logger.log(1, {"x": 1})
+    with make_logger(tmp_path) as logger:
+        logger.log(2, {"x": 2})
+    steps = [json.loads(x)["step"] for x in logger.metrics_path.read_text().splitlines()]
+    assert steps == [1, 2]
+
+
+def test_stdout_line_format(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with make_logger(tmp_path) as logger:
+        logger.log(
+            1,
+            {"timing/step_s": 12.34, "finalize/rows": 8, "reward/mean": 0.25, "unshown": 3.0},
+        )
+        logger.log(2, {"reward/mean": 0.00001})
+    assert capsys.readouterr().out.splitlines() == [
+        "step 1 | reward/mean 0.250 | finalize/rows 8 | timing/step_s 12.3",
+        "step 2 | reward/mean 1.000e-05",
+    ]
+
+
+def test_format_line_uses_configured_order() -> None:
+    assert format_line(3, {"b": 2, "a": 1.5}, ["b", "a", "c"]) == "step 3 | b 2 | a 1.500"
+
+
+def test_default_stdout_keys_and_required_log_dir() -> None:
+    assert LoggerConfig(log_dir="x").stdout_keys[0] == "reward/mean"
+    assert LoggerConfig(log_dir="x").tensorboard_enabled is False
+    with pytest.raises(ValidationError, match="log_dir"):
+        LoggerConfig()  # type: ignore[call-arg]
+    with pytest.raises(ValidationError, match="extra_forbidden|Extra inputs"):
+        LoggerConfig(log_dir="x", tensorbord=True)  # type: ignore[call-arg]
+
+
+def test_no_tensorboard_dir_when_disabled(tmp_path: Path) -> None:
+    with make_logger(tmp_path) as logger:
+        logger.log(1, {"x": 1.0})
+    assert not (tmp_path / "logs" / "tensorboard").exists()
+
+
+def test_tensorboard_event_file_when_enabled(tmp_path: Path) -> None:
+    with make_logger(tmp_path, tensorboard=True) as logger:
+        logger.log(1, {"reward/mean": 0.5})
+        logger.log(2, {"reward/mean": 0.75})
+    events = list((tmp_path / "logs" / "tensorboard").glob("events.out.tfevents.*"))
+    assert len(events) == 1
+    accumulator = EventAccumulator(str(events[0]))
+    accumulator.Reload()
+    scalars = [(e.step, e.value) for e in accumulator.Scalars("reward/mean")]
+    assert scalars == [(1, 0.5), (2, 0.75)]
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_non_finite_rejected_and_nothing_written(tmp_path: Path, bad: float) -> None:
+    with make_logger(tmp_path) as logger:
+        with pytest.raises(MetricsError) as e:
+            logger.log(4, {"ok": 1.0, "reward/mean": bad})
+    assert str(e.value).startswith(f"step 4: metric reward/mean={bad!r} is not finite")
+    assert logger.metrics_path.read_text() == ""
+
+
+@pytest.mark.parametrize(
+    ("metrics", "fragment"),
+    [
+        ({"flag": True}, "metric flag=True has type bool"),
+        ({"s": "1"}, "metric s='1' has type str"),
+        ({"n": None}, "metric n=None has type NoneType"),
+        ({"step": 1}, "'step' is reserved"),
+        ({"": 1}, "metric key '' must be a non-empty string"),
+    ],
+)
+def test_bad_metrics_rejected(tmp_path: Path, metrics: dict, fragment: str) -> None:
+    with make_logger(tmp_path) as logger:
+        with pytest.raises(MetricsError, match=fragment):
+            logger.log(1, metrics)
+
+
+@pytest.mark.parametrize("step", [-1, True, 1.0])
+def test_bad_step_rejected(tmp_path: Path, step: object) -> None:
+    with make_logger(tmp_path) as logger:
+        with pytest.raises(MetricsError, match="must be a non-negative int"):
+            logger.log(step, {"x": 1})  # type: ignore[arg-type]
+
+
+def test_log_after_close_is_an_error(tmp_path: Path) -> None:
+    logger = make_logger(tmp_path)
+    logger.close()
+    logger.close()
+    with pytest.raises(MetricsError, match="after close"):
+        logger.log(1, {"x": 1})
+
+
+def test_timer_records_timing_key() -> None:
+    metrics: dict[str, float] = {}
+    with Timer("step_s", metrics) as t:
+        pass
+    assert metrics == {"timing/step_s": t.elapsed_s}
+    assert 0.0 <= t.elapsed_s < 1.0
+    with pytest.raises(ValueError, match="without the 'timing/' prefix"):
+        Timer("timing/x")
+
+
+def test_progress_is_rate_limited_per_label() -> None:
+    now = [100.0]
+    out = io.StringIO()
+
+    def call(label: str, done: int, total: int) -> bool:
+        return progress(label, done, total, min_interval_s=5.0, clock=lambda: now[0], out=out)
+
+    assert call("finalize", 0, 4) is True
+    now[0] = 102.0
+    assert call("finalize", 1, 4) is False
+    assert call("rollout", 1, 10) is True  # another label has its own limit
+    now[0] = 106.0
+    assert call("finalize", 2, 4) is True
+    now[0] = 106.5
+    assert call("finalize", 4, 4) is True  # the final line is never suppressed
+    assert call("finalize", 0, 2) is True  # a completed label starts a fresh phase
+    assert out.getvalue().splitlines() == [
+        "[progress] finalize: 0/4 (0%) elapsed 0.0s",
+        "[progress] rollout: 1/10 (10%) elapsed 0.0s",
+        "[progress] finalize: 2/4 (50%) elapsed 6.0s",
+        "[progress] finalize: 4/4 (100%) elapsed 6.5s",
+        "[progress] finalize: 0/2 (0%) elapsed 0.0s",
+    ]
+    with pytest.raises(ValueError, match="need 0 <= done <= total"):
+        call("x", 3, 2)
