@@ -92,7 +92,7 @@ class VllmGenerationWorker:
         engine = self._engine
         install_capture(
             self._service,
-            sink=TQTokenSink(self._client, partition),
+            sink=TQTokenSink(self._client, partition, timeout_s=self._capture_cfg.stage_timeout_s),
             weight_version_fn=lambda: engine.weight_version,
             adapter=VLLMCaptureAdapter(),
         )

@@ -1,0 +1,107 @@
+"""The GRPO recipe schema: one pydantic model per section, validated at setup.
+
+Each section's defaults live in its own model (this file only adds the GRPO loop, model and
+cluster sections); recipes only override. `load_master_config(path, overrides)` loads a YAML
+recipe with its `defaults:` chain and Hydra-style overrides, then validates every section with
+errors that name the key path, the value and the fix.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from nemo_rl.data_plane import DataPlaneConfig
+from nemo_rl.environments.nemo_gym import NemoGymConfig
+from nemo_rl.models.generation.vllm.config import GenerationConfig
+from nemo_rl.models.policy import LossConfig, PolicyConfig
+from nemo_rl.models.tiny_model import TinyModelConfig
+from nemo_rl.token_capture.config import TokenCaptureConfig
+from nemo_rl.utils.config import ConfigError, load_config, validate_section
+from nemo_rl.utils.logger import LoggerConfig
+
+
+class GRPOConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    num_prompts_per_step: int = Field(2, ge=1)
+    num_generations_per_prompt: int = Field(4, ge=1, description="N rollouts per group (always N rows).")
+    max_num_steps: int = Field(3, ge=1)
+    seed: int = 42
+    normalize_rewards: bool = True
+    max_output_tokens: int = Field(64, ge=1, description="max tokens per model call of a rollout.")
+    temperature: float = Field(1.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    refit_probe_tokens: int = Field(
+        32, ge=2, description="Length of the fixed probe sequence scored by engine and trainer after each refit."
+    )
+
+
+class ModelConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    path: str | None = Field(None, description="Local HF model folder; null builds the tiny model (tiny:).")
+    tiny: TinyModelConfig = TinyModelConfig()
+
+
+class ClusterConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    num_cpus: int = Field(2, ge=1, description="Logical CPUs of the private Ray cluster.")
+
+
+class MasterConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    grpo: GRPOConfig
+    loss_fn: LossConfig
+    policy: dict = Field(description="PolicyConfig fields except model_path, which comes from `model:`.")
+    model: ModelConfig
+    generation: GenerationConfig
+    env: NemoGymConfig
+    token_capture: TokenCaptureConfig
+    data_plane: DataPlaneConfig
+    logger: LoggerConfig
+    cluster: ClusterConfig
+
+
+_SECTIONS: dict[str, type[BaseModel]] = {
+    "grpo": GRPOConfig,
+    "loss_fn": LossConfig,
+    "model": ModelConfig,
+    "generation": GenerationConfig,
+    "env": NemoGymConfig,
+    "token_capture": TokenCaptureConfig,
+    "data_plane": DataPlaneConfig,
+    "logger": LoggerConfig,
+    "cluster": ClusterConfig,
+}
+
+
+def validate_master(raw: dict) -> MasterConfig:
+    unknown = sorted(set(raw) - set(_SECTIONS) - {"policy"})
+    if unknown:
+        raise ConfigError(
+            f"unknown top-level section(s) {unknown}; allowed: {sorted([*_SECTIONS, 'policy'])} "
+            "(fix: remove them, or check the spelling)"
+        )
+    sections = {name: validate_section(model, raw.get(name) or {}, name) for name, model in _SECTIONS.items()}
+    policy = raw.get("policy") or {}
+    if not isinstance(policy, dict):
+        raise ConfigError(f"policy={policy!r}: must be a mapping (fix: write policy: as a YAML block)")
+    if "model_path" in policy:
+        raise ConfigError(
+            f"policy.model_path={policy['model_path']!r}: the policy weights come from the model section "
+            "(fix: set model.path=<folder> instead)"
+        )
+    policy_config(policy, "<model.path, resolved at setup>")  # validate every policy key now
+    return MasterConfig(policy=policy, **sections)
+
+
+def policy_config(policy: dict, model_path: str) -> PolicyConfig:
+    return validate_section(PolicyConfig, {**policy, "model_path": model_path}, "policy")
+
+
+def load_master_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> MasterConfig:
+    return validate_master(load_config(path, list(overrides)))

@@ -1,0 +1,193 @@
+"""Single-controller GRPO on Ray, training on exactly the tokens the policy sampled.
+
+Contract of one step (`run_grpo`):
+1. sample `num_prompts_per_step` problems (deterministic in seed and step);
+2. dispatch one group of N rollouts per problem through the `RolloutManager` (receipt mode when
+   `token_capture.enabled`, Gym's legacy token echo otherwise); every group comes back with
+   exactly N entries, rows or typed placeholders;
+3. group-normalised advantages over the valid rows (placeholders get 0 and are not trained);
+4. one GRPO train step on the policy worker (loss mask = generated tokens only), which also
+   reports `token_mult_prob_error` / `gen_kl_error` of its logprobs against the generation's;
+5. export the new weights and refit every vLLM worker with `weight_version = step`; a probe
+   sequence is then scored by engine and trainer to prove the engine serves the new weights;
+6. log one metrics line (stdout, `<log_dir>/metrics.jsonl`, TensorBoard when enabled).
+Invariant checked every step: `rollouts/dispatched == finalize/rows + finalize/placeholders`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import shutil
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from nemo_rl.algorithms.grpo import compute_group_advantages
+from nemo_rl.algorithms.grpo_config import MasterConfig, policy_config
+from nemo_rl.distributed.stack import Stack, start_stack
+from nemo_rl.environments.arith_task import make_problems
+from nemo_rl.environments.nemo_gym import RowSampling, build_row
+from nemo_rl.experience.rollout_manager import RolloutManager, RolloutManagerConfig
+from nemo_rl.models.policy import TrainBatch
+from nemo_rl.models.policy.worker import RayPolicyClient
+from nemo_rl.models.tiny_model import ensure_tiny_model
+from nemo_rl.token_capture.finalizer_pool import FinalizeItem, FinalizeOutcome, FinalizerPool, TQSourceFactory
+from nemo_rl.token_capture.metrics import finalize_metrics
+from nemo_rl.token_capture.rows import GroupResult, TrainRow
+from nemo_rl.utils.logger import MetricsLogger, Timer
+
+
+class GRPOError(RuntimeError):
+    """The training loop cannot continue (the message names the step and the cause)."""
+
+
+class TimedFinalizer:
+    """Wraps the finalizer pool to measure time spent finalizing (summed over groups)."""
+
+    def __init__(self, pool: FinalizerPool) -> None:
+        self.pool = pool
+        self.seconds = 0.0
+
+    async def finalize_group(self, items: Sequence[FinalizeItem]) -> list[FinalizeOutcome]:
+        t0 = time.monotonic()
+        try:
+            return await self.pool.finalize_group(items)
+        finally:
+            self.seconds += time.monotonic() - t0
+
+
+class StagingCleaner:
+    def __init__(self, client, partition: str, timeout_s: float) -> None:
+        self._client, self._partition, self._timeout_s = client, partition, timeout_s
+
+    def clear(self, keys: list[str]) -> None:
+        if keys:
+            self._client.clear(self._partition, keys, timeout_s=self._timeout_s)
+
+
+@dataclass(frozen=True)
+class StepBatch:
+    batch: TrainBatch | None
+    rewards_mean: float
+
+
+def build_train_batch(groups: Sequence[GroupResult], normalize: bool) -> StepBatch:
+    """Advantages per group over valid rows; placeholders are accounted but never trained."""
+    ids, masks, lps, advs = [], [], [], []
+    all_rewards: list[float] = []
+    for group in groups:
+        entries = list(group.entries)
+        valid = [isinstance(e, TrainRow) for e in entries]
+        rewards = [float(e.reward) if isinstance(e, TrainRow) else 0.0 for e in entries]
+        all_rewards += rewards
+        advantages = compute_group_advantages(rewards, len(entries), normalize, valid)
+        for entry, adv in zip(entries, advantages):
+            if isinstance(entry, TrainRow):
+                ids.append(list(entry.token_ids))
+                masks.append([int(m) for m in entry.token_mask])
+                lps.append(list(entry.generation_logprobs))
+                advs.append(adv)
+    batch = TrainBatch(token_ids=ids, token_mask=masks, generation_logprobs=lps, advantages=advs) if ids else None
+    return StepBatch(batch=batch, rewards_mean=sum(all_rewards) / max(1, len(all_rewards)))
+
+
+def probe_sequence(tokenizer_eos: int, length: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 200) for _ in range(length - 1)] + [tokenizer_eos]
+
+
+async def run_grpo(cfg: MasterConfig, progress=print) -> Path:
+    """Run the loop; returns the metrics.jsonl path. Everything started is stopped on exit."""
+    log_dir = Path(cfg.logger.log_dir)
+    model_dir = Path(cfg.model.path) if cfg.model.path else ensure_tiny_model(cfg.model.tiny, progress=progress)
+    pcfg = policy_config(cfg.policy, str(model_dir))
+    stack: Stack = await start_stack(
+        model_dir=model_dir,
+        log_dir=log_dir,
+        generation=cfg.generation,
+        token_capture=cfg.token_capture,
+        data_plane=cfg.data_plane,
+        nemo_gym=cfg.env,
+        num_cpus=cfg.cluster.num_cpus,
+        progress=progress,
+    )
+    pool: FinalizerPool | None = None
+    policy: RayPolicyClient | None = None
+    logger = MetricsLogger(cfg.logger)
+    weights_root = log_dir / "weights"
+    try:
+        assert stack.env is not None and stack.workers is not None
+        policy = RayPolicyClient.spawn(pcfg)
+        finalizer = cleaner = None
+        if cfg.token_capture.enabled:
+            pool = FinalizerPool.from_config(cfg.token_capture, TQSourceFactory(cfg.data_plane, cfg.token_capture.staging_partition))
+            await pool.wait_ready(cfg.data_plane.startup_timeout_s)
+            finalizer = TimedFinalizer(pool)
+            cleaner = StagingCleaner(stack.client, cfg.token_capture.staging_partition, cfg.token_capture.stage_timeout_s)
+        manager = RolloutManager(
+            RolloutManagerConfig(
+                run_id=f"grpo-{uuid.uuid4().hex[:8]}",
+                run_timeout_s=cfg.env.run_timeout_s + 30.0,
+                capture=cfg.token_capture,
+            ),
+            stack.env,
+            finalizer=finalizer,
+            cleaner=cleaner,
+        )
+        from transformers import AutoTokenizer
+
+        eos = AutoTokenizer.from_pretrained(str(model_dir)).eos_token_id
+        probe = probe_sequence(eos, cfg.grpo.refit_probe_tokens, cfg.grpo.seed)
+        previous_engine_probe = stack.workers.prompt_logprobs(probe)[0]
+        sampling = RowSampling(temperature=cfg.grpo.temperature, top_p=cfg.grpo.top_p, max_output_tokens=cfg.grpo.max_output_tokens)
+        n = cfg.grpo.num_generations_per_prompt
+        for step in range(1, cfg.grpo.max_num_steps + 1):
+            metrics: dict[str, float] = {}
+            if finalizer is not None:
+                finalizer.seconds = 0.0
+            with Timer("step_s", metrics):
+                problems = make_problems(cfg.grpo.seed * 100_003 + step, cfg.grpo.num_prompts_per_step)
+                progress(f"[step {step}] dispatching {len(problems)} groups x {n} rollouts")
+                with Timer("generation_s", metrics):
+                    groups = await asyncio.gather(
+                        *(manager.run_group(step, g, build_row(p, sampling), n) for g, p in enumerate(problems))
+                    )
+                metrics["timing/finalize_s"] = finalizer.seconds if finalizer is not None else 0.0
+                metrics.update(finalize_metrics(groups, manager.take_queue_waits_ms()))
+                if metrics["rollouts/dispatched"] != metrics["finalize/rows"] + metrics["finalize/placeholders"]:
+                    raise GRPOError(f"step {step}: always-N accounting broke: {metrics}")
+                step_batch = build_train_batch(groups, cfg.grpo.normalize_rewards)
+                if step_batch.batch is None:
+                    raise GRPOError(
+                        f"step {step}: every rollout became a placeholder ({metrics}); nothing can be trained. "
+                        "See finalize/placeholders/<reason> and the Gym/worker logs under the log dir"
+                    )
+                with Timer("train_s", metrics):
+                    progress(f"[step {step}] training on {step_batch.batch.num_samples} rows")
+                    train = policy.train_step(step_batch.batch, cfg.loss_fn)
+                metrics.update({f"train/{k}": v for k, v in train.items() if k not in ("token_mult_prob_error", "gen_kl_error")})
+                metrics["token_mult_prob_error"] = train["token_mult_prob_error"]
+                metrics["gen_kl_error"] = train["gen_kl_error"]
+                with Timer("refit_s", metrics):
+                    out_dir = policy.export_weights(weights_root / f"step_{step}")
+                    stack.workers.update_weights(out_dir, step)
+                    shutil.rmtree(weights_root / f"step_{step - 1}", ignore_errors=True)
+                engine_probe = stack.workers.prompt_logprobs(probe)[0]
+                trainer_probe = policy.get_logprobs([probe])[0]
+                metrics["refit/engine_trainer_max_abs_diff"] = max(abs(a - b) for a, b in zip(engine_probe, trainer_probe))
+                metrics["refit/engine_logprob_change"] = max(abs(a - b) for a, b in zip(engine_probe, previous_engine_probe))
+                previous_engine_probe = engine_probe
+                metrics["weight_version"] = step
+                metrics["reward/mean"] = metrics.get("reward/mean", step_batch.rewards_mean)
+            logger.log(step, metrics)
+        return logger.metrics_path
+    finally:
+        logger.close()
+        if policy is not None:
+            policy.kill()
+        if pool is not None:
+            pool.shutdown()
+        stack.stop()

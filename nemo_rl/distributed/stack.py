@@ -1,0 +1,98 @@
+"""Bring the whole rollout stack up and down in order: Ray, data plane, vLLM workers, Gym servers.
+
+Contract:
+- `start_stack` starts, in this order, a private local Ray cluster, the TransferQueue data plane
+  (only when token capture is enabled: the staging partition lives there), the vLLM generation
+  workers in their flavored venv, and the Gym servers pointed at the first worker. Each step
+  prints a progress line with its duration; each has its own deadline in its config.
+- `Stack.stop()` tears down exactly what was started, in reverse order, and is idempotent. If a
+  start step fails, everything started before it is stopped before the error propagates.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from nemo_rl.data_plane import DataPlane, DataPlaneClient, DataPlaneConfig, start_data_plane
+from nemo_rl.distributed.ray_cluster import RayClusterHandle, init_local_ray
+from nemo_rl.environments.nemo_gym import NemoGymConfig, NemoGymEnvironment
+from nemo_rl.models.generation.vllm.config import GenerationConfig
+from nemo_rl.models.generation.vllm.launcher import WorkerGroup, launch_workers
+from nemo_rl.token_capture.config import TokenCaptureConfig
+
+
+@dataclass
+class Stack:
+    ray: RayClusterHandle
+    data_plane: DataPlane | None
+    client: DataPlaneClient | None
+    workers: WorkerGroup | None
+    env: NemoGymEnvironment | None
+    timings_s: dict[str, float] = field(default_factory=dict)
+    _stopped: bool = False
+
+    def stop(self) -> None:
+        if self._stopped:
+            return
+        self._stopped = True
+        if self.env is not None:
+            self.env.stop()
+        if self.workers is not None:
+            self.workers.shutdown()
+        if self.client is not None:
+            self.client.close()
+        if self.data_plane is not None:
+            self.data_plane.shutdown()
+        self.ray.shutdown()
+
+
+async def start_stack(
+    *,
+    model_dir: Path,
+    log_dir: Path,
+    generation: GenerationConfig,
+    token_capture: TokenCaptureConfig,
+    data_plane: DataPlaneConfig,
+    nemo_gym: NemoGymConfig,
+    num_cpus: int,
+    progress: Callable[[str], None] = print,
+) -> Stack:
+    log_dir.mkdir(parents=True, exist_ok=True)
+    timings: dict[str, float] = {}
+
+    def step(name: str, t0: float) -> None:
+        timings[name] = time.monotonic() - t0
+        progress(f"[stack] {name} up in {timings[name]:.1f}s")
+
+    t0 = time.monotonic()
+    ray_handle = init_local_ray(num_cpus=num_cpus)
+    stack = Stack(ray=ray_handle, data_plane=None, client=None, workers=None, env=None, timings_s=timings)
+    step("ray", t0)
+    try:
+        if token_capture.enabled:
+            t0 = time.monotonic()
+            stack.data_plane = start_data_plane(data_plane)
+            stack.client = DataPlaneClient.attach(data_plane)
+            step("data_plane", t0)
+        t0 = time.monotonic()
+        stack.workers = launch_workers(
+            model_dir,
+            generation,
+            token_capture.model_dump(),
+            data_plane.model_dump() if token_capture.enabled else None,
+            progress=progress,
+        )
+        step("vllm_workers", t0)
+        t0 = time.monotonic()
+        stack.env = NemoGymEnvironment(
+            nemo_gym, token_capture, worker_base_url=stack.workers.base_urls[0], log_dir=log_dir
+        )
+        await stack.env.start()
+        step("gym_servers", t0)
+    except BaseException:
+        stack.stop()
+        raise
+    return stack

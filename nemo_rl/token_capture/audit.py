@@ -1,0 +1,78 @@
+"""Audit a verified row against the engine's own record of what it sampled (pure).
+
+Contract:
+- `audit_row` walks the row's `link_spans` (root -> terminal). For each call it looks up the
+  engine record by the ledger's `response_id` and requires (a) the engine's prompt ids to equal
+  the row's ids before that call's generated span, and (b) the engine's sampled ids to equal the
+  row's generated span. `ids_match` is true only if every call on the chain matches; a call
+  without an engine record is a mismatch, never skipped. `max_abs_logprob_diff` compares the
+  row's generation logprobs with the engine's over all generated tokens.
+- `retokenization_drift(tokenizer, ids)` is true when decoding the row to text and encoding that
+  text again yields different ids: what a text-based (re-tokenizing) pipeline would train on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from nemo_gym.token_id_capture.staging import CallRecord, LinearizedRow
+
+
+class TextTokenizer(Protocol):
+    def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = ...) -> str: ...
+
+
+@dataclass(frozen=True)
+class CallAudit:
+    model_call_id: str
+    prompt_match: bool
+    ids_match: bool
+    max_abs_logprob_diff: float
+
+
+@dataclass(frozen=True)
+class AuditResult:
+    calls: tuple[CallAudit, ...]
+
+    @property
+    def ids_match(self) -> bool:
+        return bool(self.calls) and all(c.ids_match and c.prompt_match for c in self.calls)
+
+    @property
+    def max_abs_logprob_diff(self) -> float:
+        return max((c.max_abs_logprob_diff for c in self.calls), default=float("inf"))
+
+
+def audit_row(row: LinearizedRow, records: Sequence[CallRecord], engine: Mapping[str, Mapping[str, Any]]) -> AuditResult:
+    by_call = {r.model_call_id: r for r in records}
+    audits: list[CallAudit] = []
+    start = 0
+    for call_id, carry_len, gen_len in row.link_spans:
+        gen_start = start + carry_len
+        gen_end = gen_start + gen_len
+        record = by_call.get(call_id)
+        sample = engine.get(record.response_id) if record is not None and record.response_id else None
+        if sample is None:
+            audits.append(CallAudit(call_id, False, False, float("inf")))
+        else:
+            row_gen = row.token_ids[gen_start:gen_end]
+            diffs = [abs(a - b) for a, b in zip(row.logprobs[gen_start:gen_end], sample["logprobs"])]
+            audits.append(
+                CallAudit(
+                    model_call_id=call_id,
+                    prompt_match=list(sample["prompt_token_ids"]) == row.token_ids[:gen_start],
+                    ids_match=list(sample["token_ids"]) == row_gen,
+                    max_abs_logprob_diff=max(diffs, default=0.0) if len(sample["logprobs"]) == gen_len else float("inf"),
+                )
+            )
+        start = gen_end
+    return AuditResult(tuple(audits))
+
+
+def retokenization_drift(tokenizer: TextTokenizer, ids: Sequence[int]) -> bool:
+    text = tokenizer.decode(list(ids), skip_special_tokens=False)
+    return tokenizer.encode(text, add_special_tokens=False) != list(ids)

@@ -1,0 +1,215 @@
+"""Training rows, masked placeholders and GRPO groups: the finalizer's output types.
+
+Contract:
+- Every dispatched rollout ends as exactly one `TrainRow` (trainable) or one `Placeholder`
+  (masked out of the loss, carrying a typed `PlaceholderReason` and a free-text detail).
+- A `GroupResult` holds exactly N entries, entry i having `sample_index == i`, all in one group,
+  with distinct rollout ids, so `rows + placeholders == dispatched` holds by construction.
+
+Invariants checked at construction (a violation raises `RowInvariantError`):
+- TrainRow: token_ids, token_mask and generation_logprobs have equal, non-zero lengths; token ids
+  are non-negative ints; mask values are exactly 0.0 or 1.0 with at least one 1.0; logprobs are
+  finite and exactly 0.0 wherever the mask is 0.0; the first `prompt_len` tokens are masked out;
+  the per-call tuples (model_call_ids, weight_versions) align; reward is finite.
+- Capture rows count every terminal-chain call as token_in or text root
+  (`token_in_calls + text_root_calls == len(model_call_ids)`), carry an int weight version per
+  call and name the terminal selection method. Legacy (token-echo) rows know neither modes,
+  weight versions nor terminal selection: counts are 0, versions None, selection None.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from enum import Enum
+from typing import Union
+
+
+class RowInvariantError(ValueError):
+    """A row, placeholder or group violates one of the invariants listed in this module."""
+
+
+class RowOrigin(str, Enum):
+    """Where a row's tokens came from."""
+
+    CAPTURE = "capture"  # worker-staged deltas verified by verify_and_linearize
+    LEGACY = "legacy"  # Gym's per-call token echo on the /run result (capture off)
+
+
+class PlaceholderReason(str, Enum):
+    """Why a dispatched rollout was not trained. Values are metric keys: never repurpose one."""
+
+    RUN_FAILED = "run_failed"
+    RUN_TIMEOUT = "run_timeout"
+    MANIFEST_UNAVAILABLE = "manifest_unavailable"
+    EMPTY_MANIFEST = "empty_manifest"
+    CAPTURE_POISONED = "capture_poisoned"
+    TERMINAL_SELECTION_FAILED = "terminal_selection_failed"
+    VERIFICATION_FAILED = "verification_failed"
+    STAGED_RECORD_MISSING = "staged_record_missing"
+    DATA_PLANE_ERROR = "data_plane_error"
+    FINALIZE_TIMEOUT = "finalize_timeout"
+    FINALIZER_UNAVAILABLE = "finalizer_unavailable"
+    REWARD_MISSING = "reward_missing"
+    EMPTY_GENERATION = "empty_generation"
+    LEGACY_TOKEN_ECHO_MISSING = "legacy_token_echo_missing"
+    LEGACY_INVALID_ECHO = "legacy_invalid_echo"
+    LEGACY_NONCONTIGUOUS = "legacy_noncontiguous"
+
+
+def _check_slot(rollout_id: str, group_index: int, sample_index: int) -> None:
+    if not isinstance(rollout_id, str) or not rollout_id:
+        raise RowInvariantError(f"rollout_id must be a non-empty str, got {rollout_id!r}")
+    for name, value in (("group_index", group_index), ("sample_index", sample_index)):
+        if type(value) is not int or value < 0:
+            raise RowInvariantError(f"{rollout_id}: {name} must be a non-negative int, got {value!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class TrainRow:
+    """One verified, trainable rollout: the exact sampled tokens with their loss mask."""
+
+    rollout_id: str
+    group_index: int
+    sample_index: int
+    token_ids: tuple[int, ...]
+    token_mask: tuple[float, ...]
+    generation_logprobs: tuple[float, ...]
+    reward: float
+    prompt_len: int
+    model_call_ids: tuple[str, ...]
+    weight_versions: tuple[int | None, ...]
+    token_in_calls: int
+    text_root_calls: int
+    terminal_selection: str | None
+    origin: RowOrigin
+
+    def __post_init__(self) -> None:
+        _check_slot(self.rollout_id, self.group_index, self.sample_index)
+        where = f"TrainRow {self.rollout_id}"
+        n = len(self.token_ids)
+        if n == 0 or len(self.token_mask) != n or len(self.generation_logprobs) != n:
+            raise RowInvariantError(
+                f"{where}: token_ids/token_mask/generation_logprobs lengths must be equal and "
+                f"non-zero, got {n}/{len(self.token_mask)}/{len(self.generation_logprobs)}"
+            )
+        if any(type(t) is not int or t < 0 for t in self.token_ids):
+            raise RowInvariantError(f"{where}: token_ids must be non-negative ints")
+        if any(m != 0.0 and m != 1.0 for m in self.token_mask):
+            raise RowInvariantError(f"{where}: token_mask values must be 0.0 or 1.0")
+        if 1.0 not in self.token_mask:
+            raise RowInvariantError(f"{where}: token_mask has no masked-in (generated) token")
+        for mask, logprob in zip(self.token_mask, self.generation_logprobs):
+            if not isinstance(logprob, float) or not math.isfinite(logprob):
+                raise RowInvariantError(f"{where}: generation_logprobs must be finite floats, got {logprob!r}")
+            if mask == 0.0 and logprob != 0.0:
+                raise RowInvariantError(f"{where}: masked-out tokens must carry logprob 0.0, got {logprob!r}")
+        if type(self.prompt_len) is not int or not 0 <= self.prompt_len < n:
+            raise RowInvariantError(f"{where}: prompt_len must be in [0, {n}), got {self.prompt_len!r}")
+        if any(m != 0.0 for m in self.token_mask[: self.prompt_len]):
+            raise RowInvariantError(f"{where}: the first prompt_len={self.prompt_len} tokens must be masked out")
+        if not isinstance(self.reward, float) or not math.isfinite(self.reward):
+            raise RowInvariantError(f"{where}: reward must be a finite float, got {self.reward!r}")
+        if not self.model_call_ids or len(self.weight_versions) != len(self.model_call_ids):
+            raise RowInvariantError(
+                f"{where}: need >= 1 model_call_ids and one weight version per call, got "
+                f"{len(self.model_call_ids)} ids and {len(self.weight_versions)} versions"
+            )
+        self._check_origin(where)
+
+    def _check_origin(self, where: str) -> None:
+        if self.origin is RowOrigin.CAPTURE:
+            if self.token_in_calls < 0 or self.text_root_calls < 0 or (
+                self.token_in_calls + self.text_root_calls != len(self.model_call_ids)
+            ):
+                raise RowInvariantError(
+                    f"{where}: token_in_calls={self.token_in_calls} + text_root_calls={self.text_root_calls} "
+                    f"must equal the {len(self.model_call_ids)} terminal-chain calls"
+                )
+            if any(type(v) is not int or v < 0 for v in self.weight_versions):
+                raise RowInvariantError(f"{where}: capture rows need a non-negative int weight version per call")
+            if self.terminal_selection is None:
+                raise RowInvariantError(f"{where}: capture rows must name their terminal_selection method")
+        elif self.origin is RowOrigin.LEGACY:
+            if self.token_in_calls or self.text_root_calls or self.terminal_selection is not None:
+                raise RowInvariantError(f"{where}: legacy rows carry no call modes and no terminal selection")
+            if any(v is not None for v in self.weight_versions):
+                raise RowInvariantError(f"{where}: legacy rows carry no weight versions (the echo has none)")
+        else:
+            raise RowInvariantError(f"{where}: origin must be a RowOrigin, got {self.origin!r}")
+
+    @property
+    def num_generated_tokens(self) -> int:
+        return sum(1 for m in self.token_mask if m == 1.0)
+
+
+@dataclass(frozen=True, slots=True)
+class Placeholder:
+    """A dispatched rollout that is masked out of the loss, with the typed reason why.
+
+    `reward` is the environment's reward when the run produced one (else None); it is kept so
+    reward metrics can count every dispatched rollout. `terminal_selection` is set when a receipt
+    was assembled and named a terminal method before the rollout was rejected.
+    """
+
+    rollout_id: str
+    group_index: int
+    sample_index: int
+    reason: PlaceholderReason
+    detail: str
+    reward: float | None = None
+    terminal_selection: str | None = None
+
+    def __post_init__(self) -> None:
+        _check_slot(self.rollout_id, self.group_index, self.sample_index)
+        if not isinstance(self.reason, PlaceholderReason):
+            raise RowInvariantError(
+                f"Placeholder {self.rollout_id}: reason must be a PlaceholderReason, got {self.reason!r}"
+            )
+        if not isinstance(self.detail, str):
+            raise RowInvariantError(f"Placeholder {self.rollout_id}: detail must be a str, got {self.detail!r}")
+        if self.reward is not None and (not isinstance(self.reward, float) or not math.isfinite(self.reward)):
+            raise RowInvariantError(
+                f"Placeholder {self.rollout_id}: reward must be a finite float or None, got {self.reward!r}"
+            )
+
+
+GroupEntry = Union[TrainRow, Placeholder]
+
+
+@dataclass(frozen=True, slots=True)
+class GroupResult:
+    """Exactly N outcomes for one GRPO group: entry i is sample i, one per dispatched rollout."""
+
+    group_index: int
+    entries: tuple[GroupEntry, ...]
+
+    def __post_init__(self) -> None:
+        if type(self.group_index) is not int or self.group_index < 0:
+            raise RowInvariantError(f"GroupResult: group_index must be a non-negative int, got {self.group_index!r}")
+        if not self.entries:
+            raise RowInvariantError(f"GroupResult {self.group_index}: a group needs at least one entry")
+        seen: set[str] = set()
+        for position, entry in enumerate(self.entries):
+            if not isinstance(entry, (TrainRow, Placeholder)):
+                raise RowInvariantError(f"GroupResult {self.group_index}: entry {position} is {type(entry).__name__}")
+            if entry.sample_index != position or entry.group_index != self.group_index:
+                raise RowInvariantError(
+                    f"GroupResult {self.group_index}: entry {position} is group {entry.group_index} "
+                    f"sample {entry.sample_index}; entries must be samples 0..N-1 of this group in order"
+                )
+            if entry.rollout_id in seen:
+                raise RowInvariantError(f"GroupResult {self.group_index}: rollout id {entry.rollout_id} appears twice")
+            seen.add(entry.rollout_id)
+
+    @property
+    def n(self) -> int:
+        return len(self.entries)
+
+    @property
+    def rows(self) -> tuple[TrainRow, ...]:
+        return tuple(e for e in self.entries if isinstance(e, TrainRow))
+
+    @property
+    def placeholders(self) -> tuple[Placeholder, ...]:
+        return tuple(e for e in self.entries if isinstance(e, Placeholder))

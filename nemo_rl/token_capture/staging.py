@@ -1,0 +1,252 @@
+"""Gym's `StagingSink` / `StagingSource` over the TransferQueue data plane.
+
+Contract (Gym's external-staging protocol, `nemo_gym.token_id_capture.staging.protocols`):
+- One staged call is one data-plane row in `partition`, keyed by Gym's
+  `staging_key(rollout_id, model_call_id)` (= `record.staging_key`).
+- Row layout: `token_ids_delta` int64 tensor; `token_mask_delta` and
+  `generation_log_probs_delta` float64 tensors (exact for every Python float, so the values and
+  the float32-packed digest round-trip bit for bit); `header` = JSON of every other base field
+  (versions, ids, lengths, weight version, digests, hashes); `extras` = JSON of `record.extras`
+  (`null` when absent; Gym restricts extras to JSON types). Base fetches never move `extras`.
+- `TQTokenSink.stage` is thread-safe. The write has completed (any other client can read it)
+  before it returns ok. Re-staging a key that already holds the same digest (a byte-identical
+  retry: the digest covers every field and the extras digest) returns ok without rewriting.
+  A key that holds a different digest is rejected with `ok=False` and an error naming the key.
+  Conflict detection is atomic within one process (a per-key lock around check-then-write);
+  across processes two writers of one key could still race, which cannot happen for Gym's
+  keys (the gate mints a fresh `model_call_id` per call and exactly one worker stages it).
+- Attachments are rejected (`ok=False`, naming the attachment names): the TQ row has no
+  attachment columns, and the protocol forbids dropping them silently. An empty mapping carries
+  nothing and is accepted.
+- Data-plane failures in `stage` (deadline, dead controller) raise `DataPlaneError`; Gym's
+  capture core turns any raise into `capture_failed` coordinates and logs it.
+- `TQTokenSource.fetch(keys)` returns exactly one `StagedCallBaseSnapshot` per key, in request
+  order, each validated by Gym's model (which recomputes the digest). Failures raise a
+  `StagingFetchError` subclass naming the key(s): missing keys, an invalid stored record, or
+  an unavailable store. `fetch_records` also returns extras, verified against `extras_digest`.
+- `TQTokenSource.clear(keys)` removes staged rows (retention); absent keys are ignored.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
+
+import torch
+from nemo_gym.token_id_capture.staging import (
+    StagedCallBaseSnapshot,
+    StagedCallRecord,
+    StagedCallSnapshot,
+    StageResult,
+    staging_key,
+)
+from pydantic import ValidationError
+
+from nemo_rl.data_plane import DataPlaneError, MissingKeysError, Row
+from nemo_rl.data_plane.errors import format_keys
+
+TOKEN_IDS_FIELD = "token_ids_delta"
+TOKEN_MASK_FIELD = "token_mask_delta"
+LOGPROBS_FIELD = "generation_log_probs_delta"
+HEADER_FIELD = "header"
+EXTRAS_FIELD = "extras"
+_ARRAY_FIELDS = (TOKEN_IDS_FIELD, TOKEN_MASK_FIELD, LOGPROBS_FIELD)
+BASE_FIELDS = (*_ARRAY_FIELDS, HEADER_FIELD)
+ALL_FIELDS = (*BASE_FIELDS, EXTRAS_FIELD)
+_INT64_MAX = 2**63 - 1
+# Per-key locks are striped so memory stays bounded however many keys a worker stages.
+_LOCK_STRIPES = 64
+
+
+class StagingStore(Protocol):
+    """What the sink and source need from the data plane (`DataPlaneClient` implements it)."""
+
+    def put(self, partition: str, key: str, fields: Mapping[str, Any], *, timeout_s: float | None = None) -> None: ...
+
+    def get(
+        self, partition: str, keys: Sequence[str], fields: Sequence[str], *, timeout_s: float | None = None
+    ) -> list[Row]: ...
+
+    def clear(self, partition: str, keys: Sequence[str], *, timeout_s: float | None = None) -> None: ...
+
+
+class StagingFetchError(RuntimeError):
+    """A staged record could not be fetched as a valid snapshot."""
+
+
+class StagedKeysMissingError(StagingFetchError):
+    """Requested staging keys are not in the staging partition."""
+
+    def __init__(self, partition: str, keys: Sequence[str]) -> None:
+        self.partition = partition
+        self.keys = list(keys)
+        super().__init__(
+            f"staging keys not found in partition {partition!r}: {format_keys(self.keys)}. The record was never "
+            f"staged (capture failed), was already cleared by retention, or belongs to another run."
+        )
+
+
+class StagedRecordInvalidError(StagingFetchError):
+    """A stored row does not form a valid staged record (corrupt, foreign, or mis-keyed)."""
+
+    def __init__(self, key: str, reason: str) -> None:
+        self.key = key
+        super().__init__(f"staged record under key {key!r} is invalid: {reason}")
+
+
+class StagingStoreUnavailableError(StagingFetchError):
+    """The data plane failed or missed its deadline while fetching."""
+
+
+def record_to_row(record: StagedCallRecord) -> Row:
+    """The data-plane row for one staged record (see the module docstring for the layout)."""
+    if record.token_ids_delta and max(record.token_ids_delta) > _INT64_MAX:
+        raise ValueError(f"token_ids_delta of {record.staging_key!r} holds an id above int64 max")
+    header = record.model_dump(mode="json", exclude={*_ARRAY_FIELDS, "extras"})
+    return {
+        TOKEN_IDS_FIELD: torch.tensor(record.token_ids_delta, dtype=torch.int64),
+        TOKEN_MASK_FIELD: torch.tensor(record.token_mask_delta, dtype=torch.float64),
+        LOGPROBS_FIELD: torch.tensor(record.generation_log_probs_delta, dtype=torch.float64),
+        HEADER_FIELD: json.dumps(header, sort_keys=True, allow_nan=False),
+        EXTRAS_FIELD: json.dumps(record.extras, sort_keys=True, allow_nan=False),
+    }
+
+
+def _row_payload(key: str, row: Row) -> dict[str, Any]:
+    try:
+        payload = json.loads(row[HEADER_FIELD])
+    except (TypeError, json.JSONDecodeError) as e:
+        raise StagedRecordInvalidError(key, f"header is not JSON: {e}") from e
+    if not isinstance(payload, dict):
+        raise StagedRecordInvalidError(key, f"header is {type(payload).__name__}, expected a JSON object")
+    for name in _ARRAY_FIELDS:
+        value = row[name]
+        if not isinstance(value, torch.Tensor):
+            raise StagedRecordInvalidError(key, f"field {name!r} is {type(value).__name__}, expected a tensor")
+        payload[name] = value.tolist()
+    return payload
+
+
+def _validated(key: str, model: type[StagedCallBaseSnapshot], payload: dict[str, Any]) -> Any:
+    try:
+        snapshot = model.model_validate(payload)
+    except ValidationError as e:
+        raise StagedRecordInvalidError(key, str(e)) from e
+    if snapshot.staging_key != key:
+        raise StagedRecordInvalidError(key, f"it describes staging key {snapshot.staging_key!r}")
+    return snapshot
+
+
+def row_to_snapshot(key: str, row: Row) -> StagedCallBaseSnapshot:
+    """Validate one base row as Gym's snapshot (digest recomputed by Gym's model)."""
+    return _validated(key, StagedCallBaseSnapshot, _row_payload(key, row))
+
+
+def row_to_record(key: str, row: Row) -> StagedCallSnapshot:
+    """Validate one full row, extras included (extras digest recomputed by Gym's model)."""
+    payload = _row_payload(key, row)
+    try:
+        payload["extras"] = json.loads(row[EXTRAS_FIELD])
+    except (TypeError, json.JSONDecodeError) as e:
+        raise StagedRecordInvalidError(key, f"extras is not JSON: {e}") from e
+    return _validated(key, StagedCallSnapshot, payload)
+
+
+def conflict_error(key: str, stored_digest: str, new_digest: str) -> str:
+    """The rejection message for a reused key."""
+    return (
+        f"staging key {key!r} already holds a different record (stored digest {stored_digest}, new digest "
+        f"{new_digest}); a key is staged once, so mint a fresh model_call_id instead of reusing it"
+    )
+
+
+class TQTokenSink:
+    """Gym `StagingSink` that writes each staged call as one row of a TQ partition."""
+
+    def __init__(self, client: StagingStore, partition: str, *, timeout_s: float | None = None) -> None:
+        """`timeout_s` bounds each data-plane call; None uses the client's configured deadline."""
+        self._client = client
+        self._partition = partition
+        self._timeout_s = timeout_s
+        self._locks = [threading.Lock() for _ in range(_LOCK_STRIPES)]
+
+    def _stored_digest(self, key: str) -> str | None:
+        try:
+            (row,) = self._client.get(self._partition, [key], [HEADER_FIELD], timeout_s=self._timeout_s)
+        except MissingKeysError:
+            return None
+        digest = json.loads(row[HEADER_FIELD]).get("digest")
+        if not isinstance(digest, str):
+            raise DataPlaneError(f"staging key {key!r} holds a header without a digest; the partition is corrupt")
+        return digest
+
+    def stage(self, record: StagedCallRecord, *, attachments: Mapping[str, Any] | None = None) -> StageResult:
+        """Durably stage one record under its staging key (see the module contract)."""
+        if not isinstance(record, StagedCallRecord):
+            raise TypeError(f"stage expects a StagedCallRecord, got {type(record).__name__}")
+        key = staging_key(record.rollout_id, record.model_call_id)
+        if attachments:
+            return StageResult(
+                ok=False,
+                staging_key=key,
+                error=(
+                    f"staging key {key!r}: attachments {sorted(attachments)} are not supported by the TransferQueue "
+                    f"sink; stage text-only calls or add attachment columns to the staging row"
+                ),
+            )
+        try:
+            row = record_to_row(record)
+        except ValueError as e:
+            return StageResult(ok=False, staging_key=key, error=f"staging key {key!r}: {e}")
+        with self._locks[hash(key) % _LOCK_STRIPES]:
+            stored = self._stored_digest(key)
+            if stored is not None and stored != record.digest:
+                return StageResult(ok=False, staging_key=key, error=conflict_error(key, stored, record.digest))
+            if stored is None:
+                self._client.put(self._partition, key, row, timeout_s=self._timeout_s)
+        return StageResult(ok=True, staging_key=key)
+
+
+class TQTokenSource:
+    """Gym `StagingSource` that reads staged calls back from a TQ partition."""
+
+    def __init__(self, client: StagingStore, partition: str, *, timeout_s: float | None = None) -> None:
+        """`timeout_s` bounds each data-plane call; None uses the client's configured deadline."""
+        self._client = client
+        self._partition = partition
+        self._timeout_s = timeout_s
+
+    def _rows(self, staging_keys: list[str], fields: Sequence[str]) -> list[Row]:
+        try:
+            return self._client.get(self._partition, staging_keys, list(fields), timeout_s=self._timeout_s)
+        except MissingKeysError as e:
+            raise StagedKeysMissingError(self._partition, e.missing_keys) from e
+        except DataPlaneError as e:
+            raise StagingStoreUnavailableError(
+                f"fetching {len(staging_keys)} staging key(s) {format_keys(staging_keys)} from partition "
+                f"{self._partition!r} failed: {e}"
+            ) from e
+
+    def fetch(self, staging_keys: list[str]) -> list[StagedCallBaseSnapshot]:
+        """Exactly one validated base snapshot per key, in request order."""
+        keys = list(staging_keys)
+        if not keys:
+            return []
+        rows = self._rows(keys, BASE_FIELDS)
+        return [row_to_snapshot(key, row) for key, row in zip(keys, rows)]
+
+    def fetch_records(self, staging_keys: list[str]) -> list[StagedCallSnapshot]:
+        """Like `fetch`, plus each record's extras (verified against its extras digest)."""
+        keys = list(staging_keys)
+        if not keys:
+            return []
+        rows = self._rows(keys, ALL_FIELDS)
+        return [row_to_record(key, row) for key, row in zip(keys, rows)]
+
+    def clear(self, staging_keys: list[str]) -> None:
+        """Remove staged rows (retention after a group commits); absent keys are ignored."""
+        keys = list(staging_keys)
+        if keys:
+            self._client.clear(self._partition, keys, timeout_s=self._timeout_s)

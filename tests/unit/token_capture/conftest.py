@@ -1,0 +1,145 @@
+"""Test support: real, verifiable staged-call chains built with Gym's own worker capture core.
+
+Tests reach these helpers through the session fixture `chains` (pytest runs with
+--import-mode=importlib, so test modules cannot import a sibling helper module).
+
+`build_chain` drives `RolloutTokenCapture` exactly like a worker does (text root, then token_in
+children whose prefix is the parent's full sequence) into an in-memory sink, and turns each
+commit into the manifest `CallRecord` the gate would write. The snapshots therefore carry real
+digests, chain hashes and cumulative hashes that `verify_and_linearize` accepts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from nemo_gym.token_id_capture.staging import (
+    CallRecord,
+    CaptureAdmission,
+    RolloutTokenCapture,
+    StagedCallBaseSnapshot,
+    StagedCallRecord,
+    StageResult,
+)
+from nemo_gym.token_id_capture.staging.records import ManifestFailure, RolloutManifest
+
+
+class MemorySink:
+    """A single-process StagingSink: keeps every staged record by key."""
+
+    def __init__(self) -> None:
+        self.records: dict[str, StagedCallRecord] = {}
+
+    def stage(self, record: StagedCallRecord, *, attachments: Mapping[str, Any] | None = None) -> StageResult:
+        self.records[record.staging_key] = record
+        return StageResult(ok=True, staging_key=record.staging_key)
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One model call: the new prompt tokens after the parent's sequence, then the sampled tokens."""
+
+    prompt_tail: tuple[int, ...]
+    generated: tuple[int, ...]
+    logprobs: tuple[float, ...]
+
+
+@dataclass(frozen=True)
+class Chain:
+    rollout_id: str
+    records: tuple[CallRecord, ...]
+    staged: tuple[StagedCallRecord, ...]  # what the worker staged, same order as records
+    snapshots: tuple[StagedCallBaseSnapshot, ...]  # the staged base snapshots, same order
+    full_sequence: tuple[int, ...]  # the terminal call's prompt + generation
+
+    @property
+    def terminal(self) -> CallRecord:
+        return self.records[-1]
+
+    def manifest(self, failures: Sequence[ManifestFailure] = ()) -> RolloutManifest:
+        return RolloutManifest(rollout_id=self.rollout_id, records=list(self.records), failures=list(failures))
+
+
+DEFAULT_TURNS = (
+    Turn(prompt_tail=(11, 12, 13, 14), generated=(21, 22, 23), logprobs=(-0.5, -0.25, -0.125)),
+    Turn(prompt_tail=(31, 32), generated=(41, 42), logprobs=(-1.0, -0.75)),
+)
+
+
+def build_chain(
+    rollout_id: str,
+    turns: Sequence[Turn] = DEFAULT_TURNS,
+    *,
+    call_prefix: str = "call",
+    weight_version: int = 3,
+    admitted_at_base: float = 100.0,
+) -> Chain:
+    """Stage `turns` as root -> token_in -> ... and return manifest rows plus snapshots."""
+    sink = MemorySink()
+    capture = RolloutTokenCapture(sink=sink, weight_version_fn=lambda: weight_version)
+    records: list[CallRecord] = []
+    sequence: list[int] = []
+    parent: CallRecord | None = None
+    for index, turn in enumerate(turns):
+        call_id = f"{call_prefix}{index}"
+        if parent is None:
+            admission = CaptureAdmission(rollout_id=rollout_id, model_call_id=call_id, mode="text")
+        else:
+            admission = CaptureAdmission(
+                rollout_id=rollout_id,
+                model_call_id=call_id,
+                parent_call_id=parent.model_call_id,
+                prev_len=parent.cum_len,
+                mode="token_in",
+                staging_chain=[record.staging_key for record in records],
+                parent_chain_hash=parent.chain_hash,
+            )
+        call = capture.begin_call(admission, prefix_token_ids=list(sequence) if parent else None)
+        prompt = sequence + list(turn.prompt_tail)
+        coords = capture.complete_call(
+            call, prompt_token_ids=prompt, generated_token_ids=list(turn.generated),
+            generated_logprobs=list(turn.logprobs),
+        )
+        assert coords.disposition == "staged", coords
+        parent = CallRecord(
+            model_call_id=call_id,
+            parent_call_id=admission.parent_call_id,
+            prev_len=coords.prev_len,
+            delta_len=coords.delta_len,
+            cum_len=coords.cum_len,
+            weight_version=coords.weight_version,
+            digest=coords.digest,
+            extras_digest=coords.extras_digest,
+            staging_key=coords.staging_key,
+            mode=admission.mode,
+            chain_hash=coords.chain_hash,
+            cumulative_hash=coords.cumulative_hash,
+            response_id=f"chatcmpl-{rollout_id}-{call_id}",
+            admitted_at=admitted_at_base + index,
+        )
+        records.append(parent)
+        sequence = prompt + list(turn.generated)
+    staged = tuple(sink.records[record.staging_key] for record in records)
+    snapshots = tuple(StagedCallBaseSnapshot.model_validate(r.model_dump(exclude={"extras"})) for r in staged)
+    return Chain(rollout_id, tuple(records), staged, snapshots, tuple(sequence))
+
+
+def run_result(reward: float | None = 1.0, response_id: str | None = None) -> dict[str, Any]:
+    """A `/run` result as Gym returns it in capture mode: no token fields, the scored response."""
+    response: dict[str, Any] = {"output": []}
+    if response_id is not None:
+        response["id"] = response_id
+    result: dict[str, Any] = {"response": response, "mask_sample": False}
+    if reward is not None:
+        result["reward"] = reward
+    return result
+
+
+@pytest.fixture(scope="session")
+def chains() -> SimpleNamespace:
+    """`chains.build(...)`, `chains.Turn(...)`, `chains.run_result(...)`, `chains.MemorySink()`."""
+    return SimpleNamespace(build=build_chain, Turn=Turn, run_result=run_result, MemorySink=MemorySink)

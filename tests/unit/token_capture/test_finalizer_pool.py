@@ -1,0 +1,280 @@
+"""FinalizerWorker logic (no Ray) and FinalizerPool on a private local Ray cluster (num_cpus=2)."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import sys
+import time
+
+import pytest
+import ray
+from nemo_gym.token_id_capture.staging import StagedCallBaseSnapshot
+
+from nemo_rl.distributed.ray_cluster import init_local_ray
+from nemo_rl.token_capture.config import TokenCaptureConfig
+from nemo_rl.data_plane import DataPlaneClient, DataPlaneConfig, start_data_plane
+from nemo_rl.token_capture.finalizer_pool import (
+    FinalizeItem,
+    FinalizerPool,
+    FinalizerPoolError,
+    FinalizerWorker,
+    TQSourceFactory,
+    finalize_from_source,
+)
+from nemo_rl.token_capture.receipt import assemble_receipt
+from nemo_rl.token_capture.rows import Placeholder, PlaceholderReason, TrainRow
+from nemo_rl.token_capture.staging import (
+    StagedKeysMissingError,
+    StagedRecordInvalidError,
+    StagingStoreUnavailableError,
+    TQTokenSink,
+    TQTokenSource,
+)
+
+# Ray workers cannot import this test module: ship the fakes below by value.
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+READY_TIMEOUT_S = 120.0  # actor start-up on a loaded 2-core machine
+
+
+class FakeSource:
+    """In-memory staging source: snapshots by key, optional per-key delay, optional failure."""
+
+    def __init__(self, snapshots: dict[str, StagedCallBaseSnapshot], delay_s: dict[str, float] | None = None,
+                 error: Exception | None = None) -> None:
+        self._snapshots = snapshots
+        self._delay_s = delay_s or {}
+        self._error = error
+        self.fetched: list[list[str]] = []
+
+    def fetch(self, staging_keys: list[str]) -> list[StagedCallBaseSnapshot]:
+        self.fetched.append(list(staging_keys))
+        for key in staging_keys:
+            time.sleep(self._delay_s.get(key, 0.0))
+        if self._error is not None:
+            raise self._error
+        missing = [key for key in staging_keys if key not in self._snapshots]
+        if missing:
+            raise StagedKeysMissingError("fake", missing)
+        return [self._snapshots[key] for key in staging_keys]
+
+
+class ShortSource(FakeSource):
+    """Answers one snapshot fewer than asked (the TransferQueue kv_batch_get failure mode)."""
+
+    def fetch(self, staging_keys):
+        return super().fetch(staging_keys)[:-1]
+
+
+def failing_factory() -> FakeSource:
+    raise RuntimeError("cannot reach the data plane")
+
+
+def _item(chains, rollout_id, sample_index, *, group_index=0):
+    chain = chains.build(rollout_id)
+    receipt = assemble_receipt(rollout_id, chain.manifest(), chains.run_result(1.0, chain.terminal.response_id))
+    return chain, FinalizeItem(receipt, group_index, sample_index)
+
+
+def _by_key(*chains_):
+    return {s.staging_key: s for chain in chains_ for s in chain.snapshots}
+
+
+# --- worker logic without Ray --------------------------------------------------------------------
+
+
+def test_worker_fetches_in_manifest_order_and_verifies(chains):
+    chain, item = _item(chains, "r-a", 0)
+    source = FakeSource(_by_key(chain))
+    reply = FinalizerWorker(lambda: source).finalize(item.receipt.model_dump_json(), 0, 0)
+
+    assert isinstance(reply.result, TrainRow)
+    assert reply.result.token_ids == chain.full_sequence
+    assert source.fetched == [["r-a/call0", "r-a/call1"]]
+    assert reply.started_at_s <= time.time()
+
+
+def test_absent_key_is_staged_record_missing(chains):
+    chain, item = _item(chains, "r-a", 0)
+    result = finalize_from_source(FakeSource({chain.snapshots[0].staging_key: chain.snapshots[0]}), item.receipt,
+                                  group_index=0, sample_index=0)
+
+    assert result.reason is PlaceholderReason.STAGED_RECORD_MISSING
+    assert result.detail == str(StagedKeysMissingError("fake", ["r-a/call1"]))
+    assert "r-a/call1" in result.detail
+
+
+@pytest.mark.parametrize(
+    ("error", "reason", "detail"),
+    [
+        (StagedRecordInvalidError("r-a/call0", "header is not JSON"), PlaceholderReason.VERIFICATION_FAILED,
+         "invalid_staged_record: staged record under key 'r-a/call0' is invalid: header is not JSON"),
+        (StagingStoreUnavailableError("get timed out after 10s"), PlaceholderReason.DATA_PLANE_ERROR,
+         "StagingStoreUnavailableError: get timed out after 10s"),
+    ],
+)
+def test_staging_fetch_errors_map_to_typed_reasons(chains, error, reason, detail):
+    chain, item = _item(chains, "r-a", 0)
+    result = finalize_from_source(FakeSource(_by_key(chain), error=error), item.receipt, group_index=0, sample_index=0)
+
+    assert (result.reason, result.detail) == (reason, detail)
+
+
+def test_short_answer_is_staged_record_missing(chains):
+    chain, item = _item(chains, "r-a", 0)
+    result = finalize_from_source(ShortSource(_by_key(chain)), item.receipt, group_index=0, sample_index=0)
+
+    assert (result.reason, result.detail) == (
+        PlaceholderReason.STAGED_RECORD_MISSING, "1 snapshots for 2 keys; missing ['r-a/call1']")
+
+
+def test_source_error_is_a_data_plane_error_before_the_ray_boundary(chains):
+    chain, item = _item(chains, "r-a", 0)
+    worker = FinalizerWorker(lambda: FakeSource(_by_key(chain), error=TimeoutError("kv_batch_get: no answer in 10s")))
+    reply = worker.finalize(item.receipt.model_dump_json(), 0, 0)
+
+    assert reply.result == Placeholder("r-a", 0, 0, PlaceholderReason.DATA_PLANE_ERROR,
+                                       "TimeoutError: kv_batch_get: no answer in 10s", 1.0, "response_id")
+
+
+def test_poisoned_receipt_is_not_fetched(chains):
+    source = FakeSource({})
+    receipt = assemble_receipt("r-p", chains.build("r-other").manifest(), chains.run_result(1.0))
+    result = finalize_from_source(source, receipt, group_index=0, sample_index=4)
+
+    assert (result.reason, result.sample_index, source.fetched) == (PlaceholderReason.CAPTURE_POISONED, 4, [])
+
+
+# --- the pool on real Ray -------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    handle = init_local_ray(num_cpus=2)
+    yield handle
+    handle.shutdown()
+
+
+async def test_pool_finalizes_a_group_in_item_order(ray_cluster, chains):
+    built = [_item(chains, f"r-{k}", k) for k in range(4)]
+    snapshots = _by_key(*(chain for chain, _ in built))
+    tampered_key = built[2][0].snapshots[1].staging_key
+    snapshots[tampered_key] = snapshots[tampered_key].model_copy(update={"token_ids_delta": [31, 32, 41, 99]})
+    pool = FinalizerPool(2, functools.partial(FakeSource, snapshots), call_timeout_s=60.0)
+    try:
+        await pool.wait_ready(READY_TIMEOUT_S)
+        outcomes = await pool.finalize_group([item for _, item in built])
+    finally:
+        pool.shutdown()
+
+    results = [outcome.result for outcome in outcomes]
+    assert [r.sample_index for r in results] == [0, 1, 2, 3]
+    assert [type(r) for r in results] == [TrainRow, TrainRow, Placeholder, TrainRow]
+    assert (results[2].reason, results[2].detail) == (PlaceholderReason.VERIFICATION_FAILED, "corrupt_digest")
+    assert all(r.token_ids == built[k][0].full_sequence for k, r in enumerate(results) if k != 2)
+    assert all(outcome.queue_wait_ms is not None and outcome.queue_wait_ms >= 0.0 for outcome in outcomes)
+
+
+async def test_pool_deadline_yields_finalize_timeout_and_replaces_the_stuck_worker(ray_cluster, chains):
+    slow_chain, slow_item = _item(chains, "r-slow", 0)
+    fast_chain, fast_item = _item(chains, "r-fast", 1)
+    factory = functools.partial(FakeSource, _by_key(slow_chain, fast_chain), {"r-slow/call0": 600.0})
+    pool = FinalizerPool(1, factory, call_timeout_s=3.0)
+    try:
+        await pool.wait_ready(READY_TIMEOUT_S)
+        began = time.monotonic()
+        (timed_out,) = await pool.finalize_group([slow_item])
+        waited_s = time.monotonic() - began
+        await pool.wait_ready(READY_TIMEOUT_S)  # the replacement actor
+        (after,) = await pool.finalize_group([fast_item])
+    finally:
+        pool.shutdown()
+
+    assert timed_out.result == Placeholder(
+        "r-slow", 0, 0, PlaceholderReason.FINALIZE_TIMEOUT, "finalizer worker 0 gave no answer within 3.0s",
+        1.0, "response_id")
+    assert timed_out.queue_wait_ms is None
+    assert 3.0 <= waited_s < 10.0
+    assert pool.replacements == 1
+    assert isinstance(after.result, TrainRow)
+
+
+async def test_dead_worker_is_finalizer_unavailable_then_replaced(ray_cluster, chains):
+    chain, item = _item(chains, "r-a", 0)
+    pool = FinalizerPool(1, functools.partial(FakeSource, _by_key(chain)), call_timeout_s=60.0)
+    try:
+        await pool.wait_ready(READY_TIMEOUT_S)
+        ray.kill(pool._workers[0].handle, no_restart=True)
+        (dead,) = await pool.finalize_group([item])
+        await pool.wait_ready(READY_TIMEOUT_S)
+        (alive,) = await pool.finalize_group([item])
+    finally:
+        pool.shutdown()
+
+    assert dead.result.reason is PlaceholderReason.FINALIZER_UNAVAILABLE
+    assert dead.result.detail.startswith("finalizer worker 0 died: ")
+    assert isinstance(alive.result, TrainRow)
+
+
+async def test_a_worker_that_cannot_build_its_source_fails_loudly_by_index(ray_cluster):
+    pool = FinalizerPool(1, failing_factory, call_timeout_s=60.0)
+    try:
+        with pytest.raises(FinalizerPoolError, match="finalizer workers died while starting \\(0: "):
+            await pool.wait_ready(READY_TIMEOUT_S)
+    finally:
+        pool.shutdown()
+
+
+async def test_shutdown_kills_only_this_pools_actors(ray_cluster, chains):
+    chain, item = _item(chains, "r-a", 0)
+    factory = functools.partial(FakeSource, _by_key(chain))
+    keep = FinalizerPool.from_config(TokenCaptureConfig(num_finalizer_workers=1, finalize_timeout_s=60.0), factory)
+    drop = FinalizerPool(1, factory, 60.0)
+    try:
+        await asyncio.gather(keep.wait_ready(READY_TIMEOUT_S), drop.wait_ready(READY_TIMEOUT_S))
+        drop.shutdown()
+        with pytest.raises(FinalizerPoolError, match="after shutdown"):
+            await drop.finalize_group([item])
+        with pytest.raises(ray.exceptions.RayActorError):
+            await asyncio.wait_for(drop._workers[0].handle.ready.remote(), 60.0)
+        (kept,) = await keep.finalize_group([item])
+        assert isinstance(kept.result, TrainRow)
+    finally:
+        keep.shutdown()
+        drop.shutdown()
+
+
+@pytest.mark.integration
+async def test_pool_reads_records_staged_in_the_real_data_plane(ray_cluster, chains):
+    data_plane = DataPlaneConfig(call_timeout_s=30.0)
+    partition = "finalizer_pool_test"
+    chain, item = _item(chains, "r-tq", 0)
+    keys = [record.staging_key for record in chain.records]
+    plane = start_data_plane(data_plane)
+    try:
+        with DataPlaneClient.attach(data_plane) as client:
+            assert all(TQTokenSink(client, partition).stage(record).ok for record in chain.staged)
+            pool = FinalizerPool(1, TQSourceFactory(data_plane, partition, timeout_s=30.0), call_timeout_s=60.0)
+            try:
+                await pool.wait_ready(READY_TIMEOUT_S)
+                (staged,) = await pool.finalize_group([item])
+                TQTokenSource(client, partition).clear(keys)  # retention, as the RolloutManager does
+                (cleared,) = await pool.finalize_group([item])
+            finally:
+                pool.shutdown()
+    finally:
+        plane.shutdown()
+
+    assert isinstance(staged.result, TrainRow)
+    assert staged.result.token_ids == chain.full_sequence
+    assert staged.result.generation_logprobs == (0.0,) * 4 + (-0.5, -0.25, -0.125) + (0.0,) * 2 + (-1.0, -0.75)
+    assert cleared.result.reason is PlaceholderReason.STAGED_RECORD_MISSING
+    assert "r-tq/call0" in cleared.result.detail
+
+
+def test_pool_rejects_bad_sizes():
+    with pytest.raises(FinalizerPoolError, match="num_workers must be >= 1"):
+        FinalizerPool(0, failing_factory, 1.0)
+    with pytest.raises(FinalizerPoolError, match="call_timeout_s must be > 0"):
+        FinalizerPool(1, failing_factory, 0.0)

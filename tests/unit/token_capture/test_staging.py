@@ -1,0 +1,299 @@
+"""TQTokenSink / TQTokenSource against Gym's staging contract, on a real private Ray + TQ."""
+
+from __future__ import annotations
+
+import struct
+import threading
+import uuid
+from collections.abc import Iterator
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from nemo_gym.token_id_capture.staging import (
+    EXTRAS_DIGEST_VERSION,
+    STAGING_DIGEST_VERSION,
+    STAGING_SCHEMA_VERSION,
+    CallRecord,
+    CaptureAdmission,
+    RolloutReceipt,
+    RolloutTokenCapture,
+    StagedCallRecord,
+    StagingSink,
+    StagingSource,
+    assert_golden_vectors,
+    compute_chain_hash,
+    compute_extras_digest,
+    compute_staging_digest,
+    hash_token_ids,
+    load_golden_vectors,
+    staging_key,
+    verify_and_linearize,
+)
+
+from nemo_rl.data_plane import DataPlaneClient, DataPlaneConfig, start_data_plane
+from nemo_rl.distributed.ray_cluster import init_local_ray
+from nemo_rl.token_capture.staging import (
+    StagedKeysMissingError,
+    StagedRecordInvalidError,
+    StagingFetchError,
+    TQTokenSink,
+    TQTokenSource,
+    record_to_row,
+)
+
+PARTITION = "staging_test"
+CFG = DataPlaneConfig(call_timeout_s=10.0)
+
+
+@pytest.fixture(scope="module")
+def clients() -> Iterator[tuple[DataPlaneClient, DataPlaneClient]]:
+    """A writer client (the worker's) and a separate reader client (the finalizer's)."""
+    cluster = init_local_ray(num_cpus=2)
+    try:
+        plane = start_data_plane(CFG)
+        try:
+            with DataPlaneClient.attach(CFG) as writer, DataPlaneClient.attach(CFG) as reader:
+                yield writer, reader
+        finally:
+            plane.shutdown()
+    finally:
+        cluster.shutdown()
+
+
+@pytest.fixture(scope="module")
+def sink(clients: tuple[DataPlaneClient, DataPlaneClient]) -> TQTokenSink:
+    return TQTokenSink(clients[0], PARTITION)
+
+
+@pytest.fixture(scope="module")
+def source(clients: tuple[DataPlaneClient, DataPlaneClient]) -> TQTokenSource:
+    return TQTokenSource(clients[1], PARTITION)
+
+
+def f64_bits(values: list[float]) -> list[bytes]:
+    return [struct.pack(">d", v) for v in values]
+
+
+def root_record(
+    rollout_id: str,
+    model_call_id: str,
+    token_ids: list[int],
+    mask: list[float],
+    logprobs: list[float],
+    *,
+    weight_version: int = 0,
+) -> StagedCallRecord:
+    """A valid text-root record whose hashes and digest come from Gym's functions."""
+    fields = {
+        "schema_version": STAGING_SCHEMA_VERSION,
+        "digest_version": STAGING_DIGEST_VERSION,
+        "extras_digest_version": EXTRAS_DIGEST_VERSION,
+        "rollout_id": rollout_id,
+        "model_call_id": model_call_id,
+        "parent_call_id": None,
+        "mode": "text",
+        "prev_len": 0,
+        "delta_len": len(token_ids),
+        "cum_len": len(token_ids),
+        "weight_version": weight_version,
+        "token_ids_delta": token_ids,
+        "token_mask_delta": mask,
+        "generation_log_probs_delta": logprobs,
+        "extras_digest": compute_extras_digest(None),
+        "chain_hash": compute_chain_hash(None, token_ids),
+        "cumulative_hash": hash_token_ids(token_ids),
+    }
+    return StagedCallRecord(**fields, digest=compute_staging_digest(**fields))
+
+
+def simple_record(model_call_id: str, *, weight_version: int = 0, rollout_id: str = "r") -> StagedCallRecord:
+    return root_record(
+        rollout_id, model_call_id, [11, 12, 13], [0.0, 1.0, 1.0], [0.0, -0.5, -1 / 3], weight_version=weight_version
+    )
+
+
+def golden_record() -> StagedCallRecord:
+    vectors = load_golden_vectors()
+    return StagedCallRecord(**vectors["staged_call"], digest=vectors["staged_call_digest"], extras=vectors["extras"])
+
+
+def test_implements_gym_protocols(sink: TQTokenSink, source: TQTokenSource) -> None:
+    assert isinstance(sink, StagingSink)
+    assert isinstance(source, StagingSource)
+    assert_golden_vectors()
+
+
+def test_golden_vector_round_trips_through_a_fresh_client(sink: TQTokenSink) -> None:
+    record = golden_record()
+    result = sink.stage(record)
+    assert (result.ok, result.staging_key, result.error) == (True, "rollout-1/call-1", None)
+    with DataPlaneClient.attach(CFG) as fresh:
+        fresh_source = TQTokenSource(fresh, PARTITION)
+        (snapshot,) = fresh_source.fetch(["rollout-1/call-1"])
+        (with_extras,) = fresh_source.fetch_records(["rollout-1/call-1"])
+    assert snapshot.model_dump() == record.model_dump(exclude={"extras"})
+    assert snapshot.digest == load_golden_vectors()["staged_call_digest"]
+    assert f64_bits(snapshot.generation_log_probs_delta) == f64_bits(record.generation_log_probs_delta)
+    assert with_extras.extras == load_golden_vectors()["extras"]
+    assert with_extras.model_dump() == record.model_dump()
+
+
+def test_identical_retry_is_ok_and_conflicting_reuse_is_rejected(sink: TQTokenSink, source: TQTokenSource) -> None:
+    first = simple_record("retry")
+    assert sink.stage(first).ok
+    again = sink.stage(simple_record("retry"))
+    assert (again.ok, again.staging_key) == (True, "r/retry")
+    conflicting = simple_record("retry", weight_version=9)
+    rejected = sink.stage(conflicting)
+    assert rejected.ok is False
+    assert "staging key 'r/retry' already holds a different record" in rejected.error
+    assert first.digest in rejected.error and conflicting.digest in rejected.error
+    (stored,) = source.fetch(["r/retry"])
+    assert stored.digest == first.digest
+
+
+def test_attachments_are_rejected_by_name(sink: TQTokenSink, source: TQTokenSource) -> None:
+    result = sink.stage(simple_record("attach"), attachments={"pixel_values": b"..."})
+    assert result.ok is False
+    assert "staging key 'r/attach'" in result.error and "['pixel_values']" in result.error
+    with pytest.raises(StagedKeysMissingError):
+        source.fetch(["r/attach"])
+    assert sink.stage(simple_record("attach"), attachments={}).ok
+
+
+def test_concurrent_stage_from_eight_threads_all_land(sink: TQTokenSink, source: TQTokenSource) -> None:
+    records = [simple_record(f"conc-{i}", rollout_id="conc") for i in range(8)]
+    barrier = threading.Barrier(len(records) * 2)
+    results: dict[int, object] = {}
+
+    def stage(slot: int, record: StagedCallRecord) -> None:
+        barrier.wait()
+        results[slot] = sink.stage(record)
+
+    # Each record is staged twice concurrently: distinct keys all land, and the racing
+    # identical retries of one key stay idempotent.
+    threads = [threading.Thread(target=stage, args=(i, records[i % 8])) for i in range(16)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert all(not t.is_alive() for t in threads)
+    assert sorted(results) == list(range(16))
+    assert all(r.ok for r in results.values())
+    snapshots = source.fetch([r.staging_key for r in records])
+    assert [s.digest for s in snapshots] == [r.digest for r in records]
+
+
+def test_fetch_preserves_order_and_returns_one_per_key(sink: TQTokenSink, source: TQTokenSource) -> None:
+    records = [simple_record(f"order-{i}", weight_version=i, rollout_id="order") for i in range(10)]
+    for record in records:
+        assert sink.stage(record).ok
+    order = [7, 2, 9, 0, 5, 3, 8, 1, 6, 4]
+    snapshots = source.fetch([records[i].staging_key for i in order])
+    assert len(snapshots) == 10
+    assert [s.model_call_id for s in snapshots] == [f"order-{i}" for i in order]
+    assert [s.weight_version for s in snapshots] == order
+    assert source.fetch([]) == []
+
+
+def test_missing_key_raises_naming_the_key(sink: TQTokenSink, source: TQTokenSource) -> None:
+    assert sink.stage(simple_record("present")).ok
+    with pytest.raises(StagedKeysMissingError) as info:
+        source.fetch(["r/present", "r/never-staged"])
+    assert isinstance(info.value, StagingFetchError)
+    assert info.value.keys == ["r/never-staged"]
+    assert "'r/never-staged'" in str(info.value)
+
+
+def test_clear_retires_keys(sink: TQTokenSink, source: TQTokenSource) -> None:
+    keys = [sink.stage(simple_record(f"clear-{i}", rollout_id="clear")).staging_key for i in range(3)]
+    source.clear(keys[:2] + ["clear/never-staged"])
+    assert [s.model_call_id for s in source.fetch(keys[2:])] == ["clear-2"]
+    with pytest.raises(StagedKeysMissingError) as info:
+        source.fetch(keys)
+    assert info.value.keys == keys[:2]
+
+
+def test_corrupt_or_misfiled_rows_are_rejected_by_key(
+    clients: tuple[DataPlaneClient, DataPlaneClient], source: TQTokenSource
+) -> None:
+    writer = clients[0]
+    tampered = record_to_row(simple_record("tampered"))
+    tampered["header"] = tampered["header"].replace('"weight_version": 0', '"weight_version": 1')
+    writer.put(PARTITION, "r/tampered", tampered)
+    with pytest.raises(StagedRecordInvalidError, match="(?s)'r/tampered' is invalid: .*digest does not match"):
+        source.fetch(["r/tampered"])
+    writer.put(PARTITION, "r/elsewhere", record_to_row(simple_record("original")))
+    with pytest.raises(StagedRecordInvalidError, match="'r/elsewhere' is invalid: it describes staging key 'r/original'"):
+        source.fetch(["r/elsewhere"])
+
+
+def test_gym_capture_core_stages_a_chain_that_linearizes(sink: TQTokenSink, source: TQTokenSource) -> None:
+    """Gym's RolloutTokenCapture stages root + token_in child through the sink; Gym verifies them."""
+    capture = RolloutTokenCapture(sink=sink, weight_version_fn=lambda: 3)
+    rollout = f"chain-{uuid.uuid4().hex[:8]}"
+    root_call = capture.begin_call(CaptureAdmission(rollout_id=rollout, model_call_id="c1", mode="text"))
+    root = capture.complete_call(
+        root_call, prompt_token_ids=[1, 2, 3], generated_token_ids=[4, 5], generated_logprobs=[-0.25, -1e-9]
+    )
+    assert root.disposition == "staged"
+    prefix = [t for s in source.fetch([root.staging_key]) for t in s.token_ids_delta]
+    child_admission = CaptureAdmission(
+        rollout_id=rollout,
+        model_call_id="c2",
+        parent_call_id="c1",
+        prev_len=root.cum_len,
+        mode="token_in",
+        staging_chain=[root.staging_key],
+        parent_chain_hash=root.chain_hash,
+    )
+    child_call = capture.begin_call(child_admission, prefix_token_ids=prefix)
+    child = capture.complete_call(
+        child_call, prompt_token_ids=prefix + [6, 7], generated_token_ids=[8], generated_logprobs=[-3.5]
+    )
+    assert child.disposition == "staged"
+    manifest = [
+        CallRecord(
+            **coords.model_dump(exclude={"disposition", "rollout_id"}),
+            mode=mode,
+            response_id=f"chatcmpl-{coords.model_call_id}",
+        )
+        for coords, mode in [(root, "text"), (child, "token_in")]
+    ]
+    receipt = RolloutReceipt(
+        rollout_id=rollout, reward=1.0, manifest=manifest, terminal_model_call_id="c2", terminal_selection="declared"
+    )
+    row = verify_and_linearize(receipt, source.fetch([r.staging_key for r in manifest]))
+    assert row.token_ids == [1, 2, 3, 4, 5, 6, 7, 8]
+    assert row.token_mask == [0.0, 0.0, 0.0, 1.0, 1.0, 0.0, 0.0, 1.0]
+    assert f64_bits(row.logprobs) == f64_bits([0.0, 0.0, 0.0, -0.25, -1e-9, 0.0, 0.0, -3.5])
+
+
+# Finite floats the float32-packed digest accepts; float64 subnormals included on purpose.
+_LOGPROBS = st.floats(min_value=-3.0e38, max_value=3.0e38, allow_nan=False, allow_infinity=False)
+
+
+@st.composite
+def deltas(draw: st.DrawFn) -> tuple[list[int], list[float], list[float]]:
+    size = draw(st.integers(min_value=1, max_value=48))
+    token_ids = draw(st.lists(st.integers(min_value=0, max_value=2**63 - 1), min_size=size, max_size=size))
+    mask = draw(st.lists(st.sampled_from([0.0, 1.0]), min_size=size, max_size=size))
+    logprobs = [draw(_LOGPROBS) if m == 1.0 else 0.0 for m in mask]
+    return token_ids, mask, logprobs
+
+
+@settings(max_examples=25, deadline=None)
+@given(delta=deltas())
+def test_random_deltas_round_trip_exactly(
+    sink: TQTokenSink, source: TQTokenSource, delta: tuple[list[int], list[float], list[float]]
+) -> None:
+    token_ids, mask, logprobs = delta
+    record = root_record("prop", uuid.uuid4().hex, token_ids, mask, logprobs)
+    result = sink.stage(record)
+    assert result.ok and result.staging_key == staging_key("prop", record.model_call_id)
+    (snapshot,) = source.fetch([result.staging_key])
+    assert snapshot.token_ids_delta == token_ids
+    assert f64_bits(snapshot.token_mask_delta) == f64_bits(mask)
+    assert f64_bits(snapshot.generation_log_probs_delta) == f64_bits(logprobs)
+    assert snapshot.digest == record.digest
