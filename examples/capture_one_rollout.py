@@ -40,13 +40,14 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=7, help="which arithmetic problem to pose")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--max-output-tokens", type=int, default=64)
+    p.add_argument("--model-dir", type=Path, default=None, help="a local HF model folder; default: build/reuse the tiny model")
     return p.parse_args()
 
 
 async def main(args: argparse.Namespace) -> dict:
     log_dir = args.log_dir or Path("logs/capture_one_rollout") / time.strftime("%Y%m%d-%H%M%S")
     t_start = time.monotonic()
-    model_dir = ensure_tiny_model(TinyModelConfig())
+    model_dir = args.model_dir or ensure_tiny_model(TinyModelConfig())
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))

@@ -1,0 +1,211 @@
+"""GRPO math: group-normalised advantages, the clipped surrogate loss, train/generation mismatch.
+
+Pure functions; no model, no Ray, no I/O.
+
+Contract and invariants:
+- `compute_group_advantages`: samples come in consecutive groups of `group_size` (one group per
+  prompt). Per group, the baseline is the mean reward over its VALID samples; with `normalize`
+  the centred reward is divided by (sample std over the valid samples, Bessel-corrected, + eps),
+  as `torch.std` computes it. Invalid samples (masked placeholders) get advantage exactly 0.0 and
+  never enter the statistics. A group whose valid rewards are all equal (including a group with
+  zero or one valid sample) has no learning signal: all its advantages are exactly 0.0.
+- `grpo_clipped_loss`: PPO-style clipped surrogate per token,
+      ratio = exp(curr - prev),  clipped = clamp(ratio, 1 - ratio_clip_min, 1 + ratio_clip_max),
+      per_token = max(-A * ratio, -A * clipped),
+  reduced as a TOKEN-LEVEL mean: sum over every masked token of the batch divided by the number
+  of masked tokens in the batch (long sequences weigh more than short ones; each generated token
+  weighs the same). When the batch is split into micro-batches, pass the whole batch's token
+  count as `normalizer` so the micro-batch losses (and their gradients) sum to the batch loss.
+  `prev` is the policy's own logprobs recomputed before the update (the on-policy ratio); the
+  generation logprobs never enter the loss, they only feed the mismatch metrics.
+- `token_mult_prob_error` = mean over masked tokens of exp(|train - gen|) (NeMo-RL's metric;
+  exactly 1.0 when the trainer reproduces the sampler's logprobs).
+- `gen_kl_error` = mean over masked tokens of exp(d) - d - 1 with d = train - gen: the k3
+  estimator of KL(P_gen || P_train) from tokens sampled by the generator (>= 0, 0 iff equal).
+- Positions outside the mask never influence any result, even if they hold inf or nan.
+- An all-zero mask is an `EmptyMaskError`: a mean over no tokens has no value.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+ADVANTAGE_EPS = 1e-6
+
+
+class GRPOInputError(ValueError):
+    """The inputs of a GRPO function are inconsistent (shape, length, range)."""
+
+
+class EmptyMaskError(GRPOInputError):
+    """A masked mean was asked over a mask with no selected token."""
+
+
+def _group_stats(values: list[float]) -> tuple[float, float]:
+    """Mean and Bessel-corrected std of `values` (std 0.0 for fewer than two values)."""
+    n = len(values)
+    mean = math.fsum(values) / n
+    if n < 2:
+        return mean, 0.0
+    var = math.fsum((v - mean) ** 2 for v in values) / (n - 1)
+    return mean, math.sqrt(var)
+
+
+def compute_group_advantages(
+    rewards: list[float], group_size: int, normalize: bool, valid: list[bool]
+) -> list[float]:
+    """Per-sample advantages, group by group (see the module docstring for the rules)."""
+    if group_size < 1:
+        raise GRPOInputError(f"group_size={group_size} must be >= 1")
+    if len(rewards) != len(valid):
+        raise GRPOInputError(
+            f"len(rewards)={len(rewards)} != len(valid)={len(valid)}; pass one flag per sample"
+        )
+    if len(rewards) % group_size != 0:
+        raise GRPOInputError(
+            f"len(rewards)={len(rewards)} is not a multiple of group_size={group_size}; "
+            "every group must keep all its samples (use placeholders with valid=False)"
+        )
+    advantages = [0.0] * len(rewards)
+    for start in range(0, len(rewards), group_size):
+        idx = [i for i in range(start, start + group_size) if valid[i]]
+        vals = [float(rewards[i]) for i in idx]
+        for i, v in zip(idx, vals):
+            if not math.isfinite(v):
+                raise GRPOInputError(
+                    f"rewards[{i}]={v} is not finite for a valid sample; "
+                    "mark the sample invalid or fix the reward function"
+                )
+        if not vals or min(vals) == max(vals):
+            continue
+        mean, std = _group_stats(vals)
+        scale = 1.0 / (std + ADVANTAGE_EPS) if normalize else 1.0
+        for i, v in zip(idx, vals):
+            advantages[i] = (v - mean) * scale
+    return advantages
+
+
+def _as_bool_mask(mask: torch.Tensor, like: torch.Tensor, name: str) -> torch.Tensor:
+    if mask.shape != like.shape:
+        raise GRPOInputError(
+            f"mask shape {tuple(mask.shape)} != {name} shape {tuple(like.shape)}"
+        )
+    if mask.dtype != torch.bool:
+        if not bool(((mask == 0) | (mask == 1)).all()):
+            raise GRPOInputError("mask must hold only 0 and 1")
+        mask = mask != 0
+    if not bool(mask.any()):
+        raise EmptyMaskError("mask selects no token; a masked mean over zero tokens is undefined")
+    return mask
+
+
+def _check_same_shape(ref: torch.Tensor, **tensors: torch.Tensor) -> None:
+    for name, t in tensors.items():
+        if t.shape != ref.shape:
+            raise GRPOInputError(
+                f"{name} shape {tuple(t.shape)} != expected {tuple(ref.shape)}"
+            )
+
+
+def _masked_sum(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    # torch.where (not multiplication) so inf/nan at unselected positions cannot leak in.
+    return torch.where(mask, values, torch.zeros_like(values)).sum()
+
+
+def _mismatch_sums(
+    train_logprobs: torch.Tensor, gen_logprobs: torch.Tensor, mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    d = (train_logprobs - gen_logprobs).detach().to(torch.float64)
+    mult = _masked_sum(torch.exp(d.abs()), mask)
+    k3 = _masked_sum(torch.exp(d) - d - 1.0, mask)
+    return mult, k3
+
+
+def token_mult_prob_error(
+    train_logprobs: torch.Tensor, gen_logprobs: torch.Tensor, mask: torch.Tensor
+) -> float:
+    """Mean over masked tokens of exp(|train - gen|); 1.0 means the logprobs agree exactly."""
+    _check_same_shape(train_logprobs, gen_logprobs=gen_logprobs)
+    m = _as_bool_mask(mask, train_logprobs, "train_logprobs")
+    mult, _ = _mismatch_sums(train_logprobs, gen_logprobs, m)
+    return float(mult / m.sum())
+
+
+def gen_kl_error(
+    train_logprobs: torch.Tensor, gen_logprobs: torch.Tensor, mask: torch.Tensor
+) -> float:
+    """k3 estimate of KL(P_gen || P_train): mean over masked tokens of exp(d) - d - 1, d = t - g."""
+    _check_same_shape(train_logprobs, gen_logprobs=gen_logprobs)
+    m = _as_bool_mask(mask, train_logprobs, "train_logprobs")
+    _, k3 = _mismatch_sums(train_logprobs, gen_logprobs, m)
+    return float(k3 / m.sum())
+
+
+def grpo_clipped_loss(
+    curr_logprobs: torch.Tensor,
+    prev_logprobs: torch.Tensor,
+    gen_logprobs: torch.Tensor | None,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    ratio_clip_min: float,
+    ratio_clip_max: float,
+    normalizer: float | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Clipped surrogate loss over masked tokens and its metrics.
+
+    Shapes: logprobs and mask are [B, T]; advantages are [B, T] (per token) or [B] (per
+    sample, broadcast over its tokens). `normalizer` is the token count the sums are divided
+    by (default: this mask's count). Metrics ("loss", "probs_ratio", "clip_fraction" and, when
+    `gen_logprobs` is given, "token_mult_prob_error", "gen_kl_error" of `prev_logprobs`, the
+    pre-update policy, against `gen_logprobs`) use the same
+    normalizer, so per-micro-batch metrics computed with the batch count sum to the batch value;
+    "num_tokens" is this mask's count.
+    """
+    if not 0.0 <= ratio_clip_min < 1.0:
+        raise GRPOInputError(f"ratio_clip_min={ratio_clip_min} must be in [0, 1)")
+    if ratio_clip_max < 0.0:
+        raise GRPOInputError(f"ratio_clip_max={ratio_clip_max} must be >= 0")
+    if curr_logprobs.dim() != 2:
+        raise GRPOInputError(
+            f"curr_logprobs must be [B, T], got shape {tuple(curr_logprobs.shape)}"
+        )
+    _check_same_shape(curr_logprobs, prev_logprobs=prev_logprobs)
+    if gen_logprobs is not None:
+        _check_same_shape(curr_logprobs, gen_logprobs=gen_logprobs)
+    if advantages.dim() == 1 and advantages.shape[0] == curr_logprobs.shape[0]:
+        advantages = advantages.unsqueeze(1).expand_as(curr_logprobs)
+    _check_same_shape(curr_logprobs, advantages=advantages)
+    m = _as_bool_mask(mask, curr_logprobs, "curr_logprobs")
+    num_tokens = int(m.sum())
+    denom = float(num_tokens) if normalizer is None else float(normalizer)
+    if not denom >= num_tokens:
+        raise GRPOInputError(
+            f"normalizer={normalizer} is smaller than the mask's token count {num_tokens}; "
+            "pass the whole batch's masked-token count"
+        )
+
+    adv = advantages.detach().to(curr_logprobs.dtype)
+    # Zero the log-ratio outside the mask so exp() cannot overflow into inf * 0 = nan.
+    log_ratio = torch.where(m, curr_logprobs - prev_logprobs.detach(), torch.zeros_like(adv))
+    ratio = torch.exp(log_ratio)
+    clipped = ratio.clamp(1.0 - ratio_clip_min, 1.0 + ratio_clip_max)
+    unclipped_term = -adv * ratio
+    clipped_term = -adv * clipped
+    per_token = torch.maximum(unclipped_term, clipped_term)
+    loss = _masked_sum(per_token, m) / denom
+
+    with torch.no_grad():
+        clip_active = (clipped_term > unclipped_term).to(per_token.dtype)
+        metrics = {
+            "loss": float(loss),
+            "probs_ratio": float(_masked_sum(ratio, m) / denom),
+            "clip_fraction": float(_masked_sum(clip_active, m) / denom),
+            "num_tokens": float(num_tokens),
+        }
+        if gen_logprobs is not None:
+            mult, k3 = _mismatch_sums(prev_logprobs, gen_logprobs, m)
+            metrics["token_mult_prob_error"] = float(mult / denom)
+            metrics["gen_kl_error"] = float(k3 / denom)
+    return loss, metrics

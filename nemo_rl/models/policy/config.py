@@ -1,0 +1,37 @@
+"""Policy and loss configuration: the only home of their defaults.
+
+Invariants: unknown keys are rejected (extra="forbid"); every numeric field is range-checked
+here, so call sites read fields directly and never supply fallbacks.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class PolicyConfig(BaseModel):
+    """How the torch policy is loaded, stepped and called."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    # A local Hugging Face model folder (config.json + safetensors); no hub access is assumed.
+    model_path: str = Field(min_length=1)
+    learning_rate: float = Field(default=1e-4, gt=0.0)
+    weight_decay: float = Field(default=0.0, ge=0.0)
+    max_grad_norm: float = Field(default=1.0, gt=0.0)
+    # Sequences per forward/backward pass; gradients accumulate over a step's micro-batches.
+    train_micro_batch_size: int = Field(default=8, ge=1)
+    # torch intra-op threads of the process that holds the policy.
+    num_threads: int = Field(default=1, ge=1)
+    seed: int = 42
+    # Deadline of one call into a remote PolicyWorker (a train step included).
+    call_timeout_s: float = Field(default=600.0, gt=0.0)
+
+
+class LossConfig(BaseModel):
+    """GRPO clipped-surrogate settings: the ratio is clamped to [1 - min, 1 + max]."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    ratio_clip_min: float = Field(default=0.2, ge=0.0, lt=1.0)
+    ratio_clip_max: float = Field(default=0.2, ge=0.0)

@@ -1,0 +1,240 @@
+"""PolicyCore: a Hugging Face causal LM on CPU in float32, trained with the GRPO clipped loss.
+
+Contract:
+- Loads `PolicyConfig.model_path` (a local HF folder; no hub access) with AutoModelForCausalLM.
+  The model stays in eval mode for its whole life: there is no dropout, so the logprobs used as
+  the ratio's reference and the ones that carry gradients come from one deterministic function.
+- `get_logprobs` returns, per sequence, log p(token_t | tokens_<t) with 0.0 at t = 0. Sequences
+  of different lengths are right-padded inside a micro-batch (`train_micro_batch_size`).
+- `train_step` = one AdamW step on a `TrainBatch`:
+  1. recompute the pre-update logprobs ("prev") once, without gradients, micro-batch by
+     micro-batch (the same micro-batches as `get_logprobs`, so both agree bit for bit);
+  2. token_mult_prob_error and gen_kl_error of prev vs the generation logprobs over all masked
+     tokens (the trainer/sampler agreement before this step changes anything);
+  3. per micro-batch, the GRPO clipped loss over masked (generated) tokens only, normalised by
+     the whole batch's masked-token count, backward (gradients accumulate);
+  4. clip the global grad norm to `max_grad_norm`; a non-finite norm raises
+     `NonFiniteGradientError` and no step is taken; else AdamW steps.
+  A batch without any masked token raises `EmptyMaskError`: there is nothing to train.
+- `export_weights(out_dir)` writes `model.safetensors` (HF parameter names, atomically renamed
+  into place) and copies `config.json`: the layout vLLM's `reload_weights(weights_path=dir)`
+  reads. Tied input/output embeddings are refused (vLLM's CPU backend keeps a stale lm_head).
+- `state_fingerprint()` is a sha256 over (name, dtype, shape, bytes) of every state-dict entry
+  in name order: equal weights give equal fingerprints; any changed bit changes it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM, PreTrainedModel
+
+from nemo_rl.algorithms.grpo import (
+    EmptyMaskError,
+    gen_kl_error,
+    grpo_clipped_loss,
+    token_mult_prob_error,
+)
+from nemo_rl.models.policy.batch import TrainBatch
+from nemo_rl.models.policy.config import LossConfig, PolicyConfig
+from nemo_rl.models.policy.errors import (
+    NonFiniteGradientError,
+    PolicyLoadError,
+    TokenIdOutOfRangeError,
+    WeightExportError,
+)
+from nemo_rl.models.policy.logprobs import gather_token_logprobs, micro_batches, pad_right
+
+WEIGHTS_FILE = "model.safetensors"
+CONFIG_FILE = "config.json"
+
+
+@dataclass(frozen=True)
+class _MicroBatch:
+    """Padded tensors of one micro-batch of a TrainBatch (mask is False on padding)."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    loss_mask: torch.Tensor
+    generation_logprobs: torch.Tensor
+    advantages: torch.Tensor
+
+
+def _load_model(model_dir: Path) -> PreTrainedModel:
+    if not (model_dir / CONFIG_FILE).is_file():
+        raise PolicyLoadError(
+            f"policy.model_path={str(model_dir)!r} has no {CONFIG_FILE}; "
+            "point it at a local Hugging Face model folder"
+        )
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=torch.float32, local_files_only=True
+        )
+    except (OSError, ValueError) as e:
+        raise PolicyLoadError(
+            f"policy.model_path={str(model_dir)!r} could not be loaded as a causal LM: {e}"
+        ) from e
+    model.eval()
+    return model
+
+
+def _prepare(batch: TrainBatch, idx: range) -> _MicroBatch:
+    ids, attn = pad_right([batch.token_ids[i] for i in idx], 0, torch.long)
+    mask, _ = pad_right([batch.token_mask[i] for i in idx], 0, torch.long)
+    gen, _ = pad_right([batch.generation_logprobs[i] for i in idx], 0.0, torch.float32)
+    adv = torch.tensor([batch.advantages[i] for i in idx], dtype=torch.float32)
+    return _MicroBatch(ids, attn, mask.bool(), gen, adv)
+
+
+class PolicyCore:
+    """The in-process policy; see the module docstring for the contract."""
+
+    def __init__(self, cfg: PolicyConfig) -> None:
+        torch.set_num_threads(cfg.num_threads)
+        torch.manual_seed(cfg.seed)
+        self._cfg = cfg
+        self._model_dir = Path(cfg.model_path)
+        self._model = _load_model(self._model_dir)
+        self._vocab_size = int(self._model.get_output_embeddings().weight.shape[0])
+        self._optimizer = torch.optim.AdamW(
+            self._model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay
+        )
+
+    @property
+    def model(self) -> PreTrainedModel:
+        return self._model
+
+    def _check_token_ids(self, token_ids: list[list[int]] | tuple[tuple[int, ...], ...]) -> None:
+        if not token_ids:
+            raise TokenIdOutOfRangeError("token_ids is empty; pass at least one sequence")
+        for i, seq in enumerate(token_ids):
+            if not seq:
+                raise TokenIdOutOfRangeError(f"token_ids[{i}] is empty")
+            for t, tok in enumerate(seq):
+                if not 0 <= tok < self._vocab_size:
+                    raise TokenIdOutOfRangeError(
+                        f"token_ids[{i}][{t}]={tok} is outside the vocabulary [0, "
+                        f"{self._vocab_size}) of policy.model_path={self._cfg.model_path!r}; "
+                        "the tokens must come from this model's tokenizer"
+                    )
+
+    def _forward_logprobs(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor
+    ) -> torch.Tensor:
+        logits = self._model(input_ids=input_ids, attention_mask=attention_mask).logits
+        return gather_token_logprobs(logits, input_ids)
+
+    def get_logprobs(self, token_ids: list[list[int]]) -> list[list[float]]:
+        self._check_token_ids(token_ids)
+        out: list[list[float]] = []
+        with torch.no_grad():
+            for idx in micro_batches(len(token_ids), self._cfg.train_micro_batch_size):
+                rows = [token_ids[i] for i in idx]
+                ids, attn = pad_right(rows, 0, torch.long)
+                lp = self._forward_logprobs(ids, attn)
+                out.extend(lp[j, : len(row)].tolist() for j, row in enumerate(rows))
+        return out
+
+    def train_step(self, batch: TrainBatch, loss_cfg: LossConfig) -> dict[str, float]:
+        self._check_token_ids(batch.token_ids)
+        num_tokens = batch.num_masked_tokens
+        if num_tokens == 0:
+            raise EmptyMaskError(
+                f"TrainBatch of {batch.num_samples} samples has no masked token (all "
+                "placeholders?); skip the step instead of training on nothing"
+            )
+        parts = [
+            _prepare(batch, idx)
+            for idx in micro_batches(batch.num_samples, self._cfg.train_micro_batch_size)
+        ]
+        with torch.no_grad():
+            prev = [self._forward_logprobs(p.input_ids, p.attention_mask) for p in parts]
+            flat_prev = torch.cat([pv[p.loss_mask] for p, pv in zip(parts, prev)]).unsqueeze(0)
+            flat_gen = torch.cat([p.generation_logprobs[p.loss_mask] for p in parts]).unsqueeze(0)
+            all_tokens = torch.ones_like(flat_prev, dtype=torch.bool)
+            mult_err = token_mult_prob_error(flat_prev, flat_gen, all_tokens)
+            kl_err = gen_kl_error(flat_prev, flat_gen, all_tokens)
+
+        self._optimizer.zero_grad(set_to_none=True)
+        loss_sum = 0.0
+        clip_sum = 0.0
+        for p, pv in zip(parts, prev):
+            if not bool(p.loss_mask.any()):
+                continue  # an all-placeholder micro-batch contributes no token and no gradient
+            curr = self._forward_logprobs(p.input_ids, p.attention_mask)
+            loss, m = grpo_clipped_loss(
+                curr,
+                pv,
+                None,
+                p.advantages,
+                p.loss_mask,
+                loss_cfg.ratio_clip_min,
+                loss_cfg.ratio_clip_max,
+                normalizer=num_tokens,
+            )
+            loss.backward()
+            loss_sum += m["loss"]
+            clip_sum += m["clip_fraction"]
+
+        params = [q for q in self._model.parameters() if q.grad is not None]
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self._cfg.max_grad_norm))
+        if not math.isfinite(grad_norm):
+            self._optimizer.zero_grad(set_to_none=True)
+            raise NonFiniteGradientError(
+                f"grad norm is {grad_norm} on a batch of {batch.num_samples} samples / "
+                f"{num_tokens} tokens; the step was not taken (check advantages and logprobs)"
+            )
+        self._optimizer.step()
+        return {
+            "loss": loss_sum,
+            "grad_norm": grad_norm,
+            "token_mult_prob_error": mult_err,
+            "gen_kl_error": kl_err,
+            "clip_fraction": clip_sum,
+            "num_tokens": float(num_tokens),
+            "num_samples": float(batch.num_samples),
+        }
+
+    def export_weights(self, out_dir: str | Path) -> Path:
+        out = Path(out_dir)
+        emb_in = self._model.get_input_embeddings().weight
+        emb_out = self._model.get_output_embeddings().weight
+        if self._model.config.tie_word_embeddings or emb_in.data_ptr() == emb_out.data_ptr():
+            raise WeightExportError(
+                f"policy.model_path={self._cfg.model_path!r} ties input and output embeddings; "
+                "vLLM's reload_weights would keep a stale lm_head. Use an untied model "
+                "(tie_word_embeddings=false)"
+            )
+        out.mkdir(parents=True, exist_ok=True)
+        stale = sorted(
+            f.name
+            for f in out.iterdir()
+            if f.name != WEIGHTS_FILE
+            and (f.name.endswith(".safetensors") or f.name.endswith(".safetensors.index.json"))
+        )
+        if stale:
+            raise WeightExportError(
+                f"export dir {str(out)!r} already holds other weight files {stale}; a reload "
+                "would read them too. Export into an empty folder"
+            )
+        tensors = {k: v.detach().contiguous() for k, v in self._model.state_dict().items()}
+        partial = out / (WEIGHTS_FILE + ".partial")
+        save_file(tensors, str(partial), metadata={"format": "pt"})
+        shutil.copyfile(self._model_dir / CONFIG_FILE, out / CONFIG_FILE)
+        os.replace(partial, out / WEIGHTS_FILE)
+        return out
+
+    def state_fingerprint(self) -> str:
+        h = hashlib.sha256()
+        for name, t in sorted(self._model.state_dict().items()):
+            data = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+            h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+            h.update(data.numpy().tobytes())
+        return h.hexdigest()

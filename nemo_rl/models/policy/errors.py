@@ -1,0 +1,44 @@
+"""Named failures of the torch policy and of its Ray worker.
+
+Every error message names the offending field or value and the fix. `PolicyWorkerError` and its
+subclasses are what callers of a remote worker see; they carry only strings so they cross the
+Ray boundary intact.
+"""
+
+from __future__ import annotations
+
+
+class PolicyError(Exception):
+    """Base class of every policy failure."""
+
+
+class PolicyLoadError(PolicyError):
+    """The model folder could not be loaded."""
+
+
+class TrainBatchError(PolicyError, ValueError):
+    """A TrainBatch violates one of its invariants."""
+
+
+class TokenIdOutOfRangeError(PolicyError, ValueError):
+    """A token id is outside the model's vocabulary."""
+
+
+class NonFiniteGradientError(PolicyError):
+    """The gradient norm of a step is inf or nan; the optimizer step was not taken."""
+
+
+class WeightExportError(PolicyError):
+    """The weights cannot be exported in a form the generation engine reloads correctly."""
+
+
+class PolicyWorkerError(PolicyError):
+    """A call into a remote PolicyWorker failed inside the worker."""
+
+
+class PolicyWorkerTimeoutError(PolicyWorkerError):
+    """A call into a remote PolicyWorker missed its deadline."""
+
+
+class PolicyWorkerDiedError(PolicyWorkerError):
+    """The remote PolicyWorker process is gone."""

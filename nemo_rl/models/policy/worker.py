@@ -1,0 +1,96 @@
+"""The Ray shell around PolicyCore, and the deadline-bounded client the loop calls.
+
+- `PolicyWorker` (num_cpus=1) holds one PolicyCore. Any failure inside a method leaves the actor
+  as a `PolicyWorkerError` naming the method and the original error, so callers catch one
+  named class whatever went wrong inside.
+- `RayPolicyClient` implements `PolicyWorkerHandle` over an actor handle: every call waits at
+  most `PolicyConfig.call_timeout_s` (`PolicyWorkerTimeoutError`); a dead actor is a
+  `PolicyWorkerDiedError`. The first call also waits for the actor to start (model load).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import ray
+from ray.actor import ActorHandle
+from ray.exceptions import GetTimeoutError, RayActorError
+
+from nemo_rl.models.policy.batch import TrainBatch
+from nemo_rl.models.policy.config import LossConfig, PolicyConfig
+from nemo_rl.models.policy.core import PolicyCore
+from nemo_rl.models.policy.errors import (
+    PolicyWorkerDiedError,
+    PolicyWorkerError,
+    PolicyWorkerTimeoutError,
+)
+
+T = TypeVar("T")
+
+
+def _guard(method: str, fn: Callable[..., T], *args: Any) -> T:
+    try:
+        return fn(*args)
+    except PolicyWorkerError:
+        raise
+    except Exception as e:  # re-raised by name: the one class callers catch across Ray
+        raise PolicyWorkerError(f"PolicyWorker.{method} failed: {type(e).__name__}: {e}") from e
+
+
+@ray.remote(num_cpus=1)
+class PolicyWorker:
+    def __init__(self, cfg: PolicyConfig) -> None:
+        self._core = _guard("__init__", PolicyCore, cfg)
+
+    def get_logprobs(self, token_ids: list[list[int]]) -> list[list[float]]:
+        return _guard("get_logprobs", self._core.get_logprobs, token_ids)
+
+    def train_step(self, batch: TrainBatch, loss_cfg: LossConfig) -> dict[str, float]:
+        return _guard("train_step", self._core.train_step, batch, loss_cfg)
+
+    def export_weights(self, out_dir: str) -> str:
+        return str(_guard("export_weights", self._core.export_weights, out_dir))
+
+    def state_fingerprint(self) -> str:
+        return _guard("state_fingerprint", self._core.state_fingerprint)
+
+
+class RayPolicyClient:
+    """PolicyWorkerHandle over a PolicyWorker actor, with a deadline on every call."""
+
+    def __init__(self, actor: ActorHandle, call_timeout_s: float, name: str) -> None:
+        self._actor = actor
+        self._timeout = call_timeout_s
+        self._name = name
+
+    @classmethod
+    def spawn(cls, cfg: PolicyConfig, name: str = "policy_worker") -> RayPolicyClient:
+        return cls(PolicyWorker.remote(cfg), cfg.call_timeout_s, name)
+
+    def _get(self, method: str, ref: ray.ObjectRef) -> Any:
+        try:
+            return ray.get(ref, timeout=self._timeout)
+        except GetTimeoutError as e:
+            raise PolicyWorkerTimeoutError(
+                f"{self._name}.{method} missed its deadline of {self._timeout}s "
+                "(policy.call_timeout_s); the worker is stuck or overloaded"
+            ) from e
+        except RayActorError as e:
+            raise PolicyWorkerDiedError(f"{self._name}.{method}: the actor died: {e}") from e
+
+    def get_logprobs(self, token_ids: list[list[int]]) -> list[list[float]]:
+        return self._get("get_logprobs", self._actor.get_logprobs.remote(token_ids))
+
+    def train_step(self, batch: TrainBatch, loss_cfg: LossConfig) -> dict[str, float]:
+        return self._get("train_step", self._actor.train_step.remote(batch, loss_cfg))
+
+    def export_weights(self, out_dir: str | Path) -> Path:
+        return Path(self._get("export_weights", self._actor.export_weights.remote(str(out_dir))))
+
+    def state_fingerprint(self) -> str:
+        return self._get("state_fingerprint", self._actor.state_fingerprint.remote())
+
+    def kill(self) -> None:
+        ray.kill(self._actor, no_restart=True)

@@ -1,0 +1,68 @@
+"""Every example recipe validates; the loop's batch assembly trains rows only (exact values)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from nemo_rl.algorithms.grpo_config import load_master_config
+from nemo_rl.algorithms.grpo_single_controller import build_train_batch
+from nemo_rl.token_capture.rows import GroupResult, Placeholder, PlaceholderReason, RowOrigin, TrainRow
+from nemo_rl.utils.config import ConfigError
+
+CONFIGS = sorted((Path(__file__).resolve().parents[3] / "examples" / "configs").glob("*.yaml"))
+CHILD_RECIPES = [p for p in CONFIGS if p.name != "grpo_base.yaml"]
+
+
+def test_example_configs_exist():
+    assert {p.name for p in CONFIGS} >= {"grpo_base.yaml", "grpo_capture_tiny_cpu.yaml", "grpo_legacy_tiny_cpu.yaml"}
+
+
+@pytest.mark.parametrize("path", CHILD_RECIPES, ids=lambda p: p.name)
+def test_every_example_recipe_validates(path):
+    cfg = load_master_config(path, ["grpo.max_num_steps=1"])
+    assert cfg.grpo.max_num_steps == 1
+    assert cfg.logger.log_dir
+
+
+def test_base_recipe_needs_a_log_dir_and_capture_recipe_turns_capture_on():
+    with pytest.raises(ConfigError, match=r"logger\.log_dir is mandatory"):
+        load_master_config(CONFIGS[0].parent / "grpo_base.yaml")
+    cfg = load_master_config(CONFIGS[0].parent / "grpo_base.yaml", ["logger.log_dir=/tmp/x"])
+    assert cfg.token_capture.enabled is False
+    capture = load_master_config(CONFIGS[0].parent / "grpo_capture_tiny_cpu.yaml")
+    assert capture.token_capture.enabled is True
+    off = load_master_config(CONFIGS[0].parent / "grpo_capture_tiny_cpu.yaml", ["token_capture.enabled=false"])
+    assert off.token_capture.enabled is False
+
+
+def test_bad_values_name_the_key():
+    recipe = CONFIGS[0].parent / "grpo_capture_tiny_cpu.yaml"
+    with pytest.raises(ConfigError, match=r"token_capture\.num_finalizer_workers=0"):
+        load_master_config(recipe, ["token_capture.num_finalizer_workers=0"])
+    with pytest.raises(ConfigError, match=r"policy\.model_path"):
+        load_master_config(recipe, ["+policy.model_path=/x"])
+    with pytest.raises(ConfigError, match=r"policy\.learning_rate"):
+        load_master_config(recipe, ["policy.learning_rate=-1"])
+    with pytest.raises(ConfigError, match="grpo.no_such_key"):
+        load_master_config(recipe, ["grpo.no_such_key=1"])
+
+
+def _row(group: int, index: int, reward: float) -> TrainRow:
+    return TrainRow(
+        rollout_id=f"r-{group}-{index}", group_index=group, sample_index=index,
+        token_ids=(1, 2, 3), token_mask=(0.0, 1.0, 1.0), generation_logprobs=(0.0, -0.5, -0.25),
+        reward=reward, prompt_len=1, model_call_ids=("c",), weight_versions=(0,),
+        token_in_calls=0, text_root_calls=1, terminal_selection="response_id", origin=RowOrigin.CAPTURE,
+    )
+
+
+def test_build_train_batch_skips_placeholders_and_normalises_per_group():
+    ph = Placeholder(rollout_id="r-0-2", group_index=0, sample_index=2, reason=PlaceholderReason.CAPTURE_POISONED, detail="x")
+    groups = [GroupResult(0, (_row(0, 0, 1.0), _row(0, 1, 0.0), ph)), GroupResult(1, (_row(1, 0, 1.0), _row(1, 1, 1.0)))]
+    out = build_train_batch(groups, normalize=False)
+    assert out.batch is not None and out.batch.num_samples == 4
+    assert out.batch.advantages == (0.5, -0.5, 0.0, 0.0)
+    assert out.batch.token_mask[0] == (0, 1, 1)
+    assert out.rewards_mean == pytest.approx(3.0 / 5.0)

@@ -1,0 +1,166 @@
+"""PolicyCore on a tiny random untied Qwen2: logprobs, the GRPO step, export, fingerprints."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoConfig, Qwen2ForCausalLM
+
+from nemo_rl.algorithms.grpo import EmptyMaskError
+from nemo_rl.models.policy import LossConfig, PolicyConfig, PolicyWorkerHandle, TrainBatch
+from nemo_rl.models.policy.core import PolicyCore
+from nemo_rl.models.policy.errors import (
+    PolicyLoadError,
+    TokenIdOutOfRangeError,
+    WeightExportError,
+)
+
+LOSS = LossConfig()
+PROMPT = [3, 17, 42, 9]
+GEN = [77, 5, 101, 64, 12]
+SEQ = PROMPT + GEN
+MASK = [0] * len(PROMPT) + [1] * len(GEN)
+
+
+def _core(model_dir: Path, **overrides) -> PolicyCore:
+    return PolicyCore(PolicyConfig(model_path=str(model_dir), **overrides))
+
+
+def _masked_sum(lps: list[float], mask: list[int]) -> float:
+    return sum(lp for lp, m in zip(lps, mask) if m)
+
+
+def _batch(seqs, masks, advs, gen=None) -> TrainBatch:
+    gen = gen if gen is not None else [[0.0] * len(s) for s in seqs]
+    return TrainBatch(token_ids=seqs, token_mask=masks, generation_logprobs=gen, advantages=advs)
+
+
+def test_get_logprobs_equals_manual_log_softmax(tiny_model_dir: Path) -> None:
+    core = _core(tiny_model_dir)
+    assert isinstance(core, PolicyWorkerHandle)
+    seqs = [SEQ, [1, 2, 3], list(range(100, 112))]  # ragged: exercises right padding
+    got = core.get_logprobs(seqs)
+    for seq, lps in zip(seqs, got):
+        with torch.no_grad():
+            logits = core.model(input_ids=torch.tensor([seq])).logits[0]
+        ref = torch.log_softmax(logits[:-1], dim=-1).gather(-1, torch.tensor(seq[1:])[:, None])
+        assert len(lps) == len(seq)
+        assert lps[0] == 0.0
+        assert torch.allclose(torch.tensor(lps[1:]), ref.squeeze(-1), atol=1e-5)
+
+
+def test_positive_advantage_raises_masked_logprob_negative_lowers_it(tiny_model_dir: Path) -> None:
+    for adv, sign in ((1.0, 1.0), (-1.0, -1.0)):
+        core = _core(tiny_model_dir, learning_rate=1e-3)
+        before = _masked_sum(core.get_logprobs([SEQ])[0], MASK)
+        fp0 = core.state_fingerprint()
+        metrics = core.train_step(_batch([SEQ], [MASK], [adv]), LOSS)
+        after = _masked_sum(core.get_logprobs([SEQ])[0], MASK)
+        assert sign * (after - before) > 0.01
+        assert core.state_fingerprint() != fp0
+        assert metrics["num_tokens"] == len(GEN)
+        assert metrics["loss"] == pytest.approx(-adv, rel=1e-6)  # ratio 1 on-policy
+        assert metrics["grad_norm"] > 0.0
+
+
+def test_placeholder_advantage_and_unmasked_values_do_not_touch_the_update(
+    tiny_model_dir: Path,
+) -> None:
+    other = [9, 8, 7, 6, 5, 4]
+    placeholder_mask = [0] * len(other)
+    # Garbage where nothing is trained: the placeholder's advantage, unmasked sampler logprobs.
+    gen_a = [[0.0] * len(SEQ), [0.0] * len(other)]
+    gen_b = [[-50.0] * len(PROMPT) + [0.0] * len(GEN), [float("nan")] * len(other)]
+    fingerprints = []
+    for adv_other, gen in ((5.0, gen_a), (-5.0, gen_b)):
+        core = _core(tiny_model_dir)
+        core.train_step(_batch([SEQ, other], [MASK, placeholder_mask], [1.0, adv_other], gen), LOSS)
+        fingerprints.append(core.state_fingerprint())
+    assert fingerprints[0] == fingerprints[1]
+    # Control: training one more token of the same sequence does change the update.
+    core = _core(tiny_model_dir)
+    wider = [0] * (len(PROMPT) - 1) + [1] * (len(GEN) + 1)
+    core.train_step(_batch([SEQ, other], [wider, placeholder_mask], [1.0, 5.0]), LOSS)
+    assert core.state_fingerprint() != fingerprints[0]
+
+
+def test_micro_batching_keeps_the_token_level_mean(tiny_model_dir: Path) -> None:
+    seqs = [SEQ, [1, 2, 3, 4], [50, 60, 70, 80, 90, 100, 110]]
+    masks = [MASK, [0, 0, 1, 1], [0, 1, 1, 1, 1, 1, 1]]
+    batch = _batch(seqs, masks, [1.0, -2.0, 0.5])
+    whole, split = _core(tiny_model_dir), _core(tiny_model_dir, train_micro_batch_size=1)
+    m_whole = whole.train_step(batch, LOSS)
+    m_split = split.train_step(batch, LOSS)
+    expected_loss = -(1.0 * 5 - 2.0 * 2 + 0.5 * 6) / 13
+    assert m_whole["loss"] == pytest.approx(expected_loss, rel=1e-6)
+    assert m_split["loss"] == pytest.approx(expected_loss, rel=1e-6)
+    assert m_whole["grad_norm"] == pytest.approx(m_split["grad_norm"], rel=1e-4)
+    for p, q in zip(whole.model.parameters(), split.model.parameters()):
+        assert torch.allclose(p, q, atol=1e-6)
+
+
+def test_mismatch_metrics_exact_when_gen_equals_train(tiny_model_dir: Path) -> None:
+    core = _core(tiny_model_dir)
+    seqs = [SEQ, [1, 2, 3, 4, 5]]
+    masks = [MASK, [0, 0, 1, 1, 1]]
+    gen = core.get_logprobs(seqs)
+    metrics = core.train_step(_batch(seqs, masks, [1.0, -1.0], gen), LOSS)
+    assert metrics["token_mult_prob_error"] == 1.0
+    assert metrics["gen_kl_error"] == 0.0
+    # A known offset of 0.1 nats on every generated token: exp(0.1) exactly, pre-update.
+    gen2 = [
+        [lp - 0.1 * m for lp, m in zip(row, mask)]
+        for row, mask in zip(core.get_logprobs(seqs), masks)
+    ]
+    metrics2 = core.train_step(_batch(seqs, masks, [1.0, -1.0], gen2), LOSS)
+    assert metrics2["token_mult_prob_error"] == pytest.approx(1.1051709180756477, rel=1e-5)
+
+
+def test_export_round_trips_to_identical_logits(tiny_model_dir: Path, tmp_path: Path) -> None:
+    core = _core(tiny_model_dir, learning_rate=1e-3)
+    core.train_step(_batch([SEQ], [MASK], [1.0]), LOSS)
+    out = core.export_weights(tmp_path / "export")
+    assert sorted(f.name for f in out.iterdir()) == ["config.json", "model.safetensors"]
+    # HF parameter names, exactly those of the checkpoint the policy was loaded from.
+    exported = load_file(str(out / "model.safetensors"))
+    assert exported.keys() == load_file(str(tiny_model_dir / "model.safetensors")).keys()
+    fresh = Qwen2ForCausalLM(AutoConfig.from_pretrained(out))
+    fresh.load_state_dict(exported, strict=True)
+    fresh.eval()
+    ids = torch.tensor([SEQ])
+    with torch.no_grad():
+        assert torch.equal(fresh(input_ids=ids).logits, core.model(input_ids=ids).logits)
+    # Re-export into the same folder overwrites; a foreign shard there is refused.
+    core.export_weights(out)
+    (out / "model-00001-of-00002.safetensors").write_bytes(b"")
+    with pytest.raises(WeightExportError, match="model-00001-of-00002.safetensors"):
+        core.export_weights(out)
+
+
+def test_tied_model_export_is_refused(tmp_path: Path, make_tiny_model: Callable[..., Path]) -> None:
+    core = _core(make_tiny_model(tmp_path / "tied", tie_word_embeddings=True))
+    with pytest.raises(WeightExportError, match="tie_word_embeddings=false"):
+        core.export_weights(tmp_path / "export")
+
+
+def test_fingerprint_is_a_function_of_the_weights(
+    tiny_model_dir: Path, tmp_path: Path, make_tiny_model: Callable[..., Path]
+) -> None:
+    a, b = _core(tiny_model_dir), _core(tiny_model_dir)
+    assert a.state_fingerprint() == b.state_fingerprint()
+    c = _core(make_tiny_model(tmp_path / "other", seed=1))
+    assert c.state_fingerprint() != a.state_fingerprint()
+
+
+def test_named_errors(tiny_model_dir: Path, tmp_path: Path) -> None:
+    with pytest.raises(PolicyLoadError, match="no config.json"):
+        _core(tmp_path / "missing")
+    core = _core(tiny_model_dir)
+    with pytest.raises(TokenIdOutOfRangeError, match=r"token_ids\[0\]\[1\]=128"):
+        core.get_logprobs([[1, 128]])
+    with pytest.raises(EmptyMaskError, match="no masked token"):
+        core.train_step(_batch([SEQ], [[0] * len(SEQ)], [1.0]), LOSS)

@@ -1,0 +1,53 @@
+"""The Ray shell: same answers as the core, named errors, deadlines, a dead actor by name."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import ray
+
+from nemo_rl.models.policy import PolicyConfig, PolicyWorkerHandle
+from nemo_rl.models.policy.core import PolicyCore
+from nemo_rl.models.policy.errors import (
+    PolicyWorkerDiedError,
+    PolicyWorkerError,
+    PolicyWorkerTimeoutError,
+)
+from nemo_rl.models.policy.worker import PolicyWorker, RayPolicyClient
+
+
+@pytest.fixture
+def private_ray(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    # A short private dir: Ray's unix socket paths must stay under the OS length limit.
+    tmp = tempfile.mkdtemp(prefix="nrlpol_")
+    monkeypatch.setenv("RAY_TMPDIR", tmp)
+    try:
+        ray.init(address="local", num_cpus=1, _temp_dir=tmp, include_dashboard=False)
+        yield
+    finally:
+        ray.shutdown()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def test_policy_worker_actor_shell(private_ray: None, tiny_model_dir: Path) -> None:
+    cfg = PolicyConfig(model_path=str(tiny_model_dir))
+    actor = PolicyWorker.remote(cfg)
+    impatient = RayPolicyClient(actor, call_timeout_s=1e-3, name="policy")
+    with pytest.raises(PolicyWorkerTimeoutError, match=r"policy.state_fingerprint missed"):
+        impatient.state_fingerprint()  # the actor is still importing torch and loading
+
+    client = RayPolicyClient(actor, call_timeout_s=120.0, name="policy")
+    assert isinstance(client, PolicyWorkerHandle)
+    local = PolicyCore(cfg)
+    assert client.state_fingerprint() == local.state_fingerprint()
+    assert client.get_logprobs([[1, 2, 3]]) == local.get_logprobs([[1, 2, 3]])
+    with pytest.raises(PolicyWorkerError, match="get_logprobs failed: TokenIdOutOfRangeError"):
+        client.get_logprobs([[1, 999]])
+
+    client.kill()
+    with pytest.raises(PolicyWorkerDiedError, match="policy.state_fingerprint: the actor died"):
+        client.state_fingerprint()
