@@ -1,0 +1,74 @@
+"""Named data-plane errors; every TransferQueue failure surfaces as one of these.
+
+Contract: each error names the operation, the partition and (where it applies) the keys, the
+deadline or the field, plus what to do about it. TQ exceptions are chained (`raise ... from e`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+# Long key lists are cut in messages; the full list stays on the exception object.
+_MAX_KEYS_IN_MESSAGE = 20
+
+
+def format_keys(keys: Sequence[str]) -> str:
+    """A readable, bounded rendering of a key list for error messages."""
+    shown = ", ".join(repr(k) for k in keys[:_MAX_KEYS_IN_MESSAGE])
+    if len(keys) > _MAX_KEYS_IN_MESSAGE:
+        shown += f", ... ({len(keys)} keys in total)"
+    return f"[{shown}]"
+
+
+class DataPlaneError(RuntimeError):
+    """Base class of every data-plane failure."""
+
+
+class DataPlaneConfigError(DataPlaneError):
+    """The process cannot honour the given DataPlaneConfig."""
+
+
+class DataPlaneUnavailableError(DataPlaneError):
+    """The data plane is not running (or not reachable) where the caller expects it."""
+
+
+class DataPlaneClosedError(DataPlaneError):
+    """The client was closed; attach a new one."""
+
+
+class FieldEncodingError(DataPlaneError):
+    """A row has a field value the data plane does not store (see the package docstring)."""
+
+
+class DataPlaneTimeoutError(DataPlaneError):
+    """An operation did not finish within its deadline (a dead or stalled TQ component)."""
+
+    def __init__(self, operation: str, partition: str | None, timeout_s: float, detail: str = "") -> None:
+        self.operation = operation
+        self.partition = partition
+        self.timeout_s = timeout_s
+        where = f" on partition {partition!r}" if partition is not None else ""
+        message = (
+            f"data plane {operation}{where} did not finish within its {timeout_s:.3g} s deadline: the "
+            f"TransferQueue controller or a storage unit is dead or stalled. Check that the process "
+            f"owning the DataPlane is alive; raise call_timeout_s only if the store is merely slow."
+        )
+        super().__init__(message + (f" ({detail})" if detail else ""))
+
+
+class MissingKeysError(DataPlaneError):
+    """Requested keys are not readable: absent, cleared, unwritten, or lacking requested fields."""
+
+    def __init__(
+        self, partition: str, missing_keys: Sequence[str], fields: Sequence[str] = (), operation: str = "get"
+    ) -> None:
+        self.partition = partition
+        self.missing_keys = list(missing_keys)
+        self.fields = list(fields)
+        self.operation = operation
+        with_fields = f" with fields {self.fields}" if self.fields else ""
+        super().__init__(
+            f"data plane {operation}: {len(self.missing_keys)} key(s) not readable{with_fields} in partition "
+            f"{partition!r}: {format_keys(self.missing_keys)}. They were never written, were cleared, were "
+            f"written without these fields, or their write has not completed."
+        )

@@ -1,0 +1,69 @@
+"""The owner side: start the TransferQueue deployment once per Ray job, stop it once.
+
+Contract:
+- `start_data_plane(cfg)` runs in the driver after Ray is up (`init_local_ray`). It starts one
+  controller and `cfg.num_storage_units` storage units (all `num_cpus=0`), bounded by
+  `cfg.startup_timeout_s`, and returns the `DataPlane` that owns them. A data plane already
+  running in the cluster is an error, never silently shared.
+- `DataPlane.shutdown()` kills exactly the actors this `DataPlane` started, once; it is the only
+  call in the package that stops the controller. Clients' `close()` never does. Call it only
+  when no process still needs the data (the owner decides; clients then fail by deadline or
+  with `DataPlaneUnavailableError`, never hang).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import ray
+
+from nemo_rl.data_plane import tq_backend
+from nemo_rl.data_plane.config import DataPlaneConfig
+from nemo_rl.data_plane.errors import DataPlaneUnavailableError
+
+
+class DataPlane:
+    """Handle on the TQ controller and storage-unit actors one `start_data_plane` created."""
+
+    def __init__(self, cfg: DataPlaneConfig, actors: tq_backend.StartedActors, startup_s: float) -> None:
+        """Use `start_data_plane(cfg)`; this constructor only records what was started."""
+        self.cfg = cfg
+        self.startup_s = startup_s
+        self._actors = actors
+        self._stopped = False
+        self._lock = threading.Lock()
+
+    @property
+    def controller(self) -> Any:
+        """The controller's Ray actor handle."""
+        return self._actors.controller
+
+    @property
+    def storage_units(self) -> dict[str, Any]:
+        """Storage-unit Ray actor handles by name."""
+        return dict(self._actors.storage_units)
+
+    @property
+    def stopped(self) -> bool:
+        return self._stopped
+
+    def shutdown(self) -> None:
+        """Kill the actors this data plane started (idempotent; a no-op once Ray itself is down)."""
+        with self._lock:
+            if self._stopped:
+                return
+            self._stopped = True
+        if ray.is_initialized():
+            tq_backend.kill_actors(self._actors)
+
+
+def start_data_plane(cfg: DataPlaneConfig) -> DataPlane:
+    """Start the TransferQueue controller and storage units in the current Ray cluster."""
+    if not ray.is_initialized():
+        raise DataPlaneUnavailableError("Ray is not initialized; call init_local_ray(...) before start_data_plane")
+    tq_backend.prepare_process(cfg)
+    started = time.monotonic()
+    actors = tq_backend.start_actors(cfg)
+    return DataPlane(cfg, actors, startup_s=time.monotonic() - started)

@@ -1,0 +1,332 @@
+"""The one module that imports `transfer_queue` (TQ 0.1.11); every TQ sharp edge is owned here.
+
+Contract:
+- `prepare_process(cfg)` must run before TQ is used in a process: TQ reads its knobs from
+  environment variables once, at import, so this sets them from `DataPlaneConfig` and only then
+  imports TQ. If TQ was already imported with other values, it raises `DataPlaneConfigError`
+  (the knobs cannot change inside a running process).
+- `start_actors` creates the controller and the storage units with `num_cpus=0` (TQ's own
+  `tq.init()` reserves 1 CPU each, which never schedules on a 2-CPU cluster and hangs silently),
+  under the well-known names `tq.init()` looks up, and waits for them with a deadline.
+- Client side: each `new_client` is a private `AsyncTransferQueueClient` (never TQ's
+  process-global one, whose `tq.close()` kills the shared controller). The async row functions
+  mirror TQ's kv_* helpers on that private client and add what TQ leaves out: reads check that
+  every requested key and field came back (TQ's kv_batch_get silently drops missing keys).
+- Deadlines are NOT applied here; `nemo_rl.data_plane.client` runs these coroutines under
+  `asyncio.wait_for` on its own event-loop thread.
+- Encoding on the wire: tensor fields travel as jagged nested tensors (one row per key, dtype
+  kept), str/bytes fields as TQ non-tensor stacks (pickled by TQ).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from importlib import resources
+from typing import Any
+
+import ray
+import torch
+
+from nemo_rl.data_plane.config import DataPlaneConfig
+from nemo_rl.data_plane.errors import (
+    DataPlaneConfigError,
+    DataPlaneError,
+    DataPlaneTimeoutError,
+    DataPlaneUnavailableError,
+    MissingKeysError,
+)
+from nemo_rl.data_plane.fields import Row, Schema
+
+# The names and namespace TQ's own `tq.init()` uses to find a running deployment, so a process
+# that attaches with plain TQ still finds ours.
+CONTROLLER_NAME = "TransferQueueController"
+TQ_NAMESPACE = "transfer_queue"
+STORAGE_UNIT_NAME = "TransferQueueStorageUnit#{rank}"
+STORAGE_BACKEND = "SimpleStorage"
+_CONFIG_POLL_INTERVAL_S = 0.2
+
+
+def tq_env(cfg: DataPlaneConfig) -> dict[str, str]:
+    """The TQ environment knobs for one config (for this process and the actors)."""
+    return {
+        "TQ_NUM_THREADS": str(cfg.tq_num_threads),
+        "TQ_SIMPLE_STORAGE_SEND_RECV_TIMEOUT": str(cfg.tq_storage_send_recv_timeout_s),
+        "TQ_SIMPLE_STORAGE_MAX_ATTEMPTS": str(cfg.tq_storage_max_attempts),
+        "TQ_LOGGING_LEVEL": cfg.tq_log_level,
+    }
+
+
+def _imported_knobs() -> dict[str, str]:
+    """The knob values the already-imported TQ modules captured at import."""
+    client = sys.modules["transfer_queue.client"]
+    manager = sys.modules["transfer_queue.storage.managers.simple_storage_manager"]
+    return {
+        "TQ_NUM_THREADS": str(client.TQ_NUM_THREADS),
+        "TQ_SIMPLE_STORAGE_SEND_RECV_TIMEOUT": str(manager.TQ_SIMPLE_STORAGE_SEND_RECV_TIMEOUT),
+        "TQ_SIMPLE_STORAGE_MAX_ATTEMPTS": str(manager.TQ_SIMPLE_STORAGE_MAX_ATTEMPTS),
+    }
+
+
+def prepare_process(cfg: DataPlaneConfig) -> None:
+    """Set TQ's env knobs from cfg, then import TQ (once per process)."""
+    wanted = tq_env(cfg)
+    if "transfer_queue" in sys.modules:
+        imported = _imported_knobs()
+        conflicts = {k: (imported[k], wanted[k]) for k in imported if imported[k] != wanted[k]}
+        if conflicts:
+            raise DataPlaneConfigError(
+                f"transfer_queue was already imported in this process with knobs {conflicts} "
+                f"(imported, requested); TQ reads them once at import. Use one DataPlaneConfig per process."
+            )
+        return
+    os.environ.update(wanted)
+    import transfer_queue  # noqa: F401  (the import is the point: it freezes the knobs just set)
+
+
+def _tq_modules() -> Any:
+    """TQ's modules, imported after `prepare_process` fixed the knobs."""
+    if "transfer_queue" not in sys.modules:
+        raise DataPlaneConfigError("call prepare_process(cfg) before using TransferQueue in this process")
+    import transfer_queue.client as tq_client
+    import transfer_queue.controller as tq_controller
+    import transfer_queue.sampler as tq_sampler
+    import transfer_queue.storage.simple_storage as tq_storage
+    import transfer_queue.utils.common as tq_common
+
+    return tq_client, tq_controller, tq_sampler, tq_storage, tq_common
+
+
+# ---------------------------------------------------------------- owner side (driver)
+
+
+@dataclass(frozen=True)
+class StartedActors:
+    """Actors one `start_actors` call created (and only those)."""
+
+    controller: Any
+    storage_units: dict[str, Any]
+
+
+def controller_exists() -> bool:
+    """Whether a TQ controller is already registered in this Ray cluster."""
+    try:
+        ray.get_actor(CONTROLLER_NAME, namespace=TQ_NAMESPACE)
+    except ValueError:
+        return False
+    return True
+
+
+def _base_conf(cfg: DataPlaneConfig) -> Any:
+    from omegaconf import OmegaConf
+
+    conf = OmegaConf.merge(
+        OmegaConf.create({}, flags={"allow_objects": True}),
+        OmegaConf.load(resources.files("transfer_queue") / "config.yaml"),
+    )
+    conf.backend.storage_backend = STORAGE_BACKEND
+    conf.backend.SimpleStorage.num_data_storage_units = cfg.num_storage_units
+    conf.backend.SimpleStorage.total_storage_size = cfg.storage_capacity
+    return conf
+
+
+def kill_actors(actors: StartedActors) -> None:
+    """Kill exactly these actors (storage units first, then the controller)."""
+    for handle in actors.storage_units.values():
+        ray.kill(handle, no_restart=True)
+    ray.kill(actors.controller, no_restart=True)
+
+
+def _create_actors(cfg: DataPlaneConfig, conf: Any, created: dict[str, Any]) -> None:
+    """Create the controller and storage units, recording each handle in `created` as it exists."""
+    _, tq_controller, tq_sampler, tq_storage, tq_common = _tq_modules()
+    runtime_env = {"env_vars": tq_env(cfg)}
+    created[CONTROLLER_NAME] = tq_controller.TransferQueueController.options(
+        name=CONTROLLER_NAME, namespace=TQ_NAMESPACE, num_cpus=0, runtime_env=runtime_env
+    ).remote(sampler=tq_sampler.SequentialSampler, polling_mode=False)
+    storage_conf = dict(conf.backend.SimpleStorage)
+    storage_conf["_run_id"] = uuid.uuid4().hex
+    strategies = tq_common.get_node_round_robin_scheduling_strategies(cfg.num_storage_units)
+    for rank in range(cfg.num_storage_units):
+        name = STORAGE_UNIT_NAME.format(rank=rank)
+        created[name] = tq_storage.SimpleStorageUnit.options(
+            name=name, namespace=TQ_NAMESPACE, num_cpus=0, runtime_env=runtime_env, scheduling_strategy=strategies[rank]
+        ).remote(config=storage_conf)
+
+
+def _kill_created(created: dict[str, Any]) -> None:
+    for handle in created.values():
+        ray.kill(handle, no_restart=True)
+
+
+def start_actors(cfg: DataPlaneConfig) -> StartedActors:
+    """Start the controller and storage units; publish the config clients attach with."""
+    if controller_exists():
+        raise DataPlaneError(
+            f"a TransferQueue controller {CONTROLLER_NAME!r} already runs in this Ray cluster; attach a "
+            f"DataPlaneClient to it instead of starting a second data plane"
+        )
+    deadline = time.monotonic() + cfg.startup_timeout_s
+    conf = _base_conf(cfg)
+    created: dict[str, Any] = {}
+    try:
+        _create_actors(cfg, conf, created)
+        controller = created[CONTROLLER_NAME]
+        units = {name: handle for name, handle in created.items() if name != CONTROLLER_NAME}
+        infos = ray.get(
+            [controller.get_zmq_server_info.remote()] + [u.get_zmq_server_info.remote() for u in units.values()],
+            timeout=max(deadline - time.monotonic(), 0.0),
+        )
+        conf.controller.zmq_info = infos[0]
+        conf.backend.SimpleStorage.zmq_info = dict(zip(units, infos[1:]))
+        ray.get(controller.store_config.remote(conf), timeout=max(deadline - time.monotonic(), 0.0))
+    except ray.exceptions.GetTimeoutError as e:
+        _kill_created(created)
+        raise DataPlaneTimeoutError("start", None, cfg.startup_timeout_s, "controller/storage actors not up") from e
+    except (ray.exceptions.RayError, ValueError, RuntimeError) as e:
+        _kill_created(created)
+        raise DataPlaneError(f"TransferQueue actors failed to start: {type(e).__name__}: {e}") from e
+    return StartedActors(controller=controller, storage_units=units)
+
+
+# ---------------------------------------------------------------- client side (any process)
+
+
+def fetch_published_conf(timeout_s: float) -> Any:
+    """The config the owner published on the controller (polls until published or deadline)."""
+    if not ray.is_initialized():
+        raise DataPlaneUnavailableError(
+            "Ray is not initialized in this process; attach from the driver after init_local_ray, or "
+            "from inside a Ray actor of the same job"
+        )
+    deadline = time.monotonic() + timeout_s
+    try:
+        controller = ray.get_actor(CONTROLLER_NAME, namespace=TQ_NAMESPACE)
+    except ValueError as e:
+        raise DataPlaneUnavailableError(
+            f"no TransferQueue controller {CONTROLLER_NAME!r} in namespace {TQ_NAMESPACE!r}: start the data "
+            f"plane (start_data_plane) in the driver before attaching clients"
+        ) from e
+    while True:
+        try:
+            conf = ray.get(controller.get_config.remote(), timeout=max(deadline - time.monotonic(), 0.0))
+        except ray.exceptions.GetTimeoutError as e:
+            raise DataPlaneTimeoutError("attach", None, timeout_s, "controller did not answer get_config") from e
+        except ray.exceptions.RayActorError as e:
+            raise DataPlaneUnavailableError(f"the TransferQueue controller is dead: {e}") from e
+        if conf is not None:
+            return conf
+        if time.monotonic() + _CONFIG_POLL_INTERVAL_S > deadline:
+            raise DataPlaneTimeoutError("attach", None, timeout_s, "controller has not published its config")
+        time.sleep(_CONFIG_POLL_INTERVAL_S)
+
+
+def new_client(conf: Any, io_threads: int) -> Any:
+    """A private async TQ client bound to the published deployment (blocking handshake)."""
+    tq_client = _tq_modules()[0]
+    backend = conf.backend.storage_backend
+    client = tq_client.AsyncTransferQueueClient(
+        client_id=f"nrl-dp-{os.getpid()}-{uuid.uuid4().hex[:8]}",
+        controller_info=conf.controller.zmq_info,
+        zmq_io_threads=io_threads,
+    )
+    client.initialize_storage_manager(manager_type=backend, config=conf.backend[backend])
+    return client
+
+
+def close_client(client: Any) -> None:
+    """Release one private client's sockets and threads; the shared controller is untouched."""
+    client.close()
+
+
+def rows_to_tensordict(rows: list[Row], schema: Schema) -> Any:
+    """Columns for one batch put: jagged int64/float64 tensors, non-tensor stacks for str/bytes."""
+    from tensordict import TensorDict
+    from tensordict.tensorclass import NonTensorStack
+
+    columns: dict[str, Any] = {}
+    for name, kind in schema:
+        values = [row[name] for row in rows]
+        if kind in ("int64", "float64"):
+            columns[name] = torch.nested.nested_tensor(values, layout=torch.jagged)
+        else:
+            columns[name] = NonTensorStack(*values)
+    return TensorDict(columns, batch_size=[len(rows)])
+
+
+def _column(data: Any, name: str, count: int) -> list[Any]:
+    value = data[name]
+    if isinstance(value, torch.Tensor):
+        items = list(value.unbind()) if value.is_nested else [value[i] for i in range(value.shape[0])]
+    elif isinstance(value, (str, bytes)):
+        items = [value]
+    else:
+        items = list(value)
+    if len(items) != count:
+        raise DataPlaneError(f"TransferQueue returned {len(items)} values for field {name!r}, expected {count}")
+    return items
+
+
+async def put_rows(client: Any, partition: str, keys: list[str], rows: list[Row], schema: Schema) -> None:
+    """Write rows under keys (overwriting existing keys); returns once the controller has ACKed."""
+    meta = await client.async_kv_retrieve_meta(keys=keys, partition_id=partition, create=True)
+    if meta.size != len(keys):
+        raise DataPlaneError(f"put on partition {partition!r}: controller registered {meta.size} of {len(keys)} keys")
+    await client.async_put(rows_to_tensordict(rows, schema), meta)
+
+
+async def _keys_lacking(client: Any, partition: str, keys: list[str], fields: list[str]) -> list[str]:
+    """Keys (in order) that are absent or lack one of fields, checked one by one (error path only)."""
+    lacking = []
+    for key in keys:
+        meta = await client.async_kv_retrieve_meta(keys=[key], partition_id=partition, create=False)
+        if meta.size == 0 or not set(fields) <= set(meta.field_names):
+            lacking.append(key)
+        elif not meta.select_fields(fields).is_ready:
+            lacking.append(key)
+    return lacking
+
+
+async def get_rows(client: Any, partition: str, keys: list[str], fields: list[str]) -> list[Row]:
+    """Rows for unique keys, in key order.
+
+    MissingKeysError names the absent keys or, when none is absent, the keys lacking a requested
+    field (registered but never written, or written without it).
+    """
+    meta = await client.async_kv_retrieve_meta(keys=keys, partition_id=partition, create=False)
+    if meta.size != len(keys):
+        # TQ dropped the absent keys; one reverse lookup names them without a per-key scan.
+        found = await client.async_kv_retrieve_keys(meta.global_indexes, partition) if meta.size else []
+        present = set(found)
+        raise MissingKeysError(partition, [k for k in keys if k not in present], fields)
+    complete = set(fields) <= set(meta.field_names)
+    if complete:
+        meta = meta.select_fields(fields)
+        complete = meta.is_ready
+    if not complete:
+        missing = await _keys_lacking(client, partition, keys, fields)
+        if not missing:
+            raise DataPlaneError(
+                f"get on partition {partition!r}: TQ reported the batch incomplete but every key is readable "
+                f"on its own; a concurrent write or clear raced this read, retry it"
+            )
+        raise MissingKeysError(partition, missing, fields)
+    data = await client.async_get_data(meta)
+    columns = {name: _column(data, name, len(keys)) for name in fields}
+    return [{name: columns[name][i] for name in fields} for i in range(len(keys))]
+
+
+async def list_keys(client: Any, partition: str) -> list[str]:
+    """Keys registered in the partition ([] when the partition does not exist)."""
+    info = await client.async_kv_list(partition)
+    return list(info.get(partition, {}))
+
+
+async def clear_keys(client: Any, partition: str, keys: list[str]) -> None:
+    """Remove keys and their data; absent keys are ignored (clearing is idempotent)."""
+    meta = await client.async_kv_retrieve_meta(keys=keys, partition_id=partition, create=False)
+    if meta.size > 0:
+        await client.async_clear_samples(meta)
