@@ -123,7 +123,7 @@ async def run_grpo(cfg: MasterConfig, progress=print) -> Path:
         policy = RayPolicyClient.spawn(pcfg)
         finalizer = cleaner = None
         if cfg.token_capture.enabled:
-            pool = FinalizerPool.from_config(cfg.token_capture, TQSourceFactory(cfg.data_plane, cfg.token_capture.staging_partition))
+            pool = FinalizerPool.from_config(cfg.token_capture, TQSourceFactory.from_config(cfg.data_plane, cfg.token_capture))
             await pool.wait_ready(cfg.data_plane.startup_timeout_s)
             finalizer = TimedFinalizer(pool)
             cleaner = StagingCleaner(stack.client, cfg.token_capture.staging_partition, cfg.token_capture.stage_timeout_s)

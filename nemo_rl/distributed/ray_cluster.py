@@ -98,6 +98,30 @@ class RayClusterHandle:
         self._stopped = True
 
 
+# Ray gives a new node a hard-coded 30 s to register with its GCS; on a loaded 2-core host that
+# startup race is lost now and then although nothing is wrong. It is retried, loudly, this often.
+NODE_STARTUP_ATTEMPTS = 3
+_NODE_STARTUP_TIMEOUT = "timed out during startup"
+
+
+def _init_with_retry(num_cpus: int, temp_dir: str):
+    for attempt in range(1, NODE_STARTUP_ATTEMPTS + 1):
+        try:
+            return ray.init(
+                address="local",
+                num_cpus=num_cpus,
+                _temp_dir=temp_dir,
+                include_dashboard=False,
+                runtime_env=job_runtime_env(repo_root(), os.environ.get("PYTHONPATH")),
+            )
+        except Exception as e:  # Ray raises a bare Exception for this race; anything else re-raises
+            if _NODE_STARTUP_TIMEOUT not in str(e) or attempt == NODE_STARTUP_ATTEMPTS:
+                raise
+            print(f"[ray] node startup timed out (attempt {attempt}/{NODE_STARTUP_ATTEMPTS}); retrying", flush=True)
+            ray.shutdown()
+    raise AssertionError("unreachable")
+
+
 def init_local_ray(num_cpus: int, temp_dir: str | None = None) -> RayClusterHandle:
     """Start a private local Ray instance with `num_cpus` logical CPUs.
 
@@ -119,13 +143,7 @@ def init_local_ray(num_cpus: int, temp_dir: str | None = None) -> RayClusterHand
     previous = os.environ.get("RAY_TMPDIR")
     os.environ["RAY_TMPDIR"] = temp_dir
     try:
-        context = ray.init(
-            address="local",
-            num_cpus=num_cpus,
-            _temp_dir=temp_dir,
-            include_dashboard=False,
-            runtime_env=job_runtime_env(repo_root(), os.environ.get("PYTHONPATH")),
-        )
+        context = _init_with_retry(num_cpus, temp_dir)
     except Exception as e:
         if previous is None:
             os.environ.pop("RAY_TMPDIR", None)

@@ -1,15 +1,18 @@
 """The arithmetic tool task: problems, the calculator tool, the exact verifier.
 
 Contract (shared by the tiny-model builder, the resources server and the tests):
-- A problem is a small integer expression over + - * with 2-3 operands in [0, 99]; its answer
-  is the exact integer value. `make_problem(rng)` is a pure function of the RNG state.
+- A problem is `a op b` with single-digit operands a, b in [1, 9] and op in + - *; its answer is
+  the exact integer value. `make_problem(rng)` is a pure function of the RNG state. (Single
+  digits keep the task within reach of the tiny CPU policy, so GRPO groups carry signal.)
 - The policy sees SYSTEM_PROMPT, the tool CALCULATOR_TOOL and `user_prompt(problem)`.
   The intended transcript is: one `calculator` tool call with the expression, the tool result,
   then a final answer `The answer is <int>.`.
 - `calculate(expression)` evaluates only that grammar (no `eval`); anything else is a
   `CalculatorError` whose message names the offending input.
-- `verify(final_text, problem)` is exact: reward 1.0 iff the last integer in the final
-  assistant text equals the answer, else 0.0.
+- `is_exact(final_text, problem)`: the last integer in the final assistant text equals the answer.
+- `verify(final_text, problem)` is the reward: 1.0 when exact; a wrong integer earns partial
+  credit `0.5 / (1 + |error|)` (strictly below 0.5, shrinking with the error, so a weak policy's
+  group is rarely all-equal); no integer at all earns 0.0.
 """
 
 from __future__ import annotations
@@ -61,12 +64,7 @@ class Problem:
 
 
 def make_problem(rng: random.Random) -> Problem:
-    n_operands = rng.choice((2, 3))
-    parts = [str(rng.randint(0, 99))]
-    for _ in range(n_operands - 1):
-        parts.append(rng.choice(_OPS))
-        parts.append(str(rng.randint(0, 99)))
-    expression = " ".join(parts)
+    expression = f"{rng.randint(1, 9)} {rng.choice(_OPS)} {rng.randint(1, 9)}"
     return Problem(expression=expression, answer=calculate(expression))
 
 
@@ -124,6 +122,19 @@ def final_answer_text(answer: int) -> str:
     return f"The answer is {answer}."
 
 
-def verify(final_text: str, problem: Problem) -> float:
+def _last_int(final_text: str) -> int | None:
     ints = _INT_RE.findall(final_text or "")
-    return 1.0 if ints and int(ints[-1]) == problem.answer else 0.0
+    return int(ints[-1]) if ints else None
+
+
+def is_exact(final_text: str, problem: Problem) -> bool:
+    return _last_int(final_text) == problem.answer
+
+
+def verify(final_text: str, problem: Problem) -> float:
+    value = _last_int(final_text)
+    if value is None:
+        return 0.0
+    if value == problem.answer:
+        return 1.0
+    return 0.5 / (1 + abs(value - problem.answer))

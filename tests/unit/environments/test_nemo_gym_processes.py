@@ -219,7 +219,7 @@ async def test_legacy_run_rewards_the_tool_answer_with_token_echo(tmp_path: Path
     assert output[2]["generation_log_probs"] == [-0.5] * len("The answer is 27.")
     assert output[2]["prompt_token_ids"] == _render(worker.requests[1]["messages"])
     assert (calc_status, calc_text) == (200, "error: calculator: unexpected character at 1 in expression '7 / 0'")
-    assert (wrong_status, wrong_json["reward"], wrong_json["final_text"]) == (200, 0.0, "The answer is 26.")
+    assert (wrong_status, wrong_json["reward"], wrong_json["final_text"]) == (200, 0.25, "The answer is 26.")  # partial credit 0.5/(1+|26-27|)
     assert corrupt_status == 500 and "InvalidGroundTruthError" in corrupt_text
 
 
