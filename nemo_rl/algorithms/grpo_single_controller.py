@@ -99,6 +99,16 @@ def probe_sequence(tokenizer_eos: int, length: int, seed: int) -> list[int]:
     return [rng.randrange(3, 200) for _ in range(length - 1)] + [tokenizer_eos]
 
 
+async def _reported(run, step: int, total: int, progress) -> GroupResult:
+    group = await run
+    progress(
+        f"[step {step}] group {group.group_index + 1}/{total}: {len(group.rows)} rows, "
+        f"{len(group.placeholders)} placeholders"
+        + "".join(f" [{p.reason.value}: {p.detail[:120]}]" for p in group.placeholders)
+    )
+    return group
+
+
 async def run_grpo(cfg: MasterConfig, progress=print) -> Path:
     """Run the loop; returns the metrics.jsonl path. Everything started is stopped on exit."""
     log_dir = Path(cfg.logger.log_dir)
@@ -153,7 +163,10 @@ async def run_grpo(cfg: MasterConfig, progress=print) -> Path:
                 progress(f"[step {step}] dispatching {len(problems)} groups x {n} rollouts")
                 with Timer("generation_s", metrics):
                     groups = await asyncio.gather(
-                        *(manager.run_group(step, g, build_row(p, sampling), n) for g, p in enumerate(problems))
+                        *(
+                            _reported(manager.run_group(step, g, build_row(p, sampling), n), step, len(problems), progress)
+                            for g, p in enumerate(problems)
+                        )
                     )
                 metrics["timing/finalize_s"] = finalizer.seconds if finalizer is not None else 0.0
                 metrics.update(finalize_metrics(groups, manager.take_queue_waits_ms()))

@@ -3,7 +3,9 @@
 Contract:
 - A flavor is a `VenvSpec`: a name, the interpreter it is built from, a pinned requirements file
   committed under `nemo_rl/utils/venv_specs/`, and local packages built from this repository
-  (the nemo-gym build glue). Its folder name is `<name>-<sha256(spec)[:16]>`, where the hash
+  (the nemo-gym build glue). The CPU spec leaves out torchvision/torchaudio/torchcodec/triton:
+  their registry builds are CUDA builds that break `transformers` beside CPU torch, and vLLM
+  serves text models without them. Its folder name is `<name>-<sha256(spec)[:16]>`, where the hash
   covers every input that changes what gets installed (spec text, interpreter version, local
   package sources, builder version). A venv built for one spec is therefore never reused for
   another: editing a pin yields a new folder instead of a stale cache hit.
@@ -36,9 +38,6 @@ BUILDER_VERSION = "1"
 MARKER = ".nrl_venv_complete"
 FORCE_ENV = "NRL_FORCE_REBUILD_VENVS_LIST"
 VENVS_DIR_ENV = "NRL_VENVS_DIR"
-# Registry builds of these are CUDA-only and break `transformers` imports beside CPU torch;
-# vLLM runs text models without them.
-_EXCLUDED_ON_CPU = ("torchvision", "torchaudio", "torchcodec", "triton")
 
 
 class VenvBuildError(RuntimeError):
