@@ -32,7 +32,9 @@ from nemo_rl.models.tiny_model.behaviour import Sampling, run_episode, summarize
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=None, help="new or empty folder; default: the cache")
-    parser.add_argument("--cache-root", type=Path, default=None, help="cache root (default: $NRL_CACHE_DIR or <repo>/.cache)")
+    parser.add_argument(
+        "--cache-root", type=Path, default=None, help="cache root (default: $NRL_CACHE_DIR or <repo>/.cache)"
+    )
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--sft-steps", type=int, default=None)
     parser.add_argument("--sft-batch-size", type=int, default=None)
@@ -66,7 +68,9 @@ def check_behaviour(folder: Path, count: int, seed: int) -> None:
         f"greedy: tool call {g.tool_call_ok}/{g.episodes}, exact expression {g.expression_exact}/{g.episodes}, "
         f"final answer {g.final_answer_ok}/{g.episodes}, correct {g.correct}/{g.episodes}"
     )
-    sampled = summarize([run_episode(model, tokenizer, p, Sampling(do_sample=True, seed=i)) for i, p in enumerate(problems)])
+    sampled = summarize(
+        [run_episode(model, tokenizer, p, Sampling(do_sample=True, seed=i)) for i, p in enumerate(problems)]
+    )
     print(
         f"sampled (T=1.0): tool call {sampled.tool_call_ok}/{sampled.episodes}, "
         f"exact expression {sampled.expression_exact}/{sampled.episodes}, correct {sampled.correct}/{sampled.episodes}"

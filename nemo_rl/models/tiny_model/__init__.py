@@ -1,0 +1,42 @@
+"""A tiny local tool-using policy for the arithmetic task, built on this machine (no model hub).
+
+Public API: `TinyModelConfig`, `build_tiny_model(cfg, out_dir, progress)`,
+`ensure_tiny_model(cfg, cache_root, progress)`, `cache_folder(cfg, cache_root)`, `cache_key(cfg)`,
+`CHAT_TEMPLATE` and its token constants. See the
+submodules for their contracts: config (defaults), chat_template (rendering rules),
+tokenizer (BPE), corpus (task transcripts), encoding (capture-path token encoding),
+sft (initialisation and warm start), build (artefact and cache), behaviour (HF generate check).
+"""
+
+from nemo_rl.models.tiny_model.build import (
+    TinyModelBuildError,
+    build_tiny_model,
+    cache_folder,
+    cache_key,
+    ensure_tiny_model,
+)
+from nemo_rl.models.tiny_model.chat_template import (
+    CHAT_TEMPLATE,
+    EOS_TOKEN,
+    GENERATION_PROMPT,
+    PAD_TOKEN,
+    TOOL_CALL_PATTERN,
+    TURN_END,
+)
+from nemo_rl.models.tiny_model.config import TinyModelConfig, config_digest
+
+__all__ = [
+    "CHAT_TEMPLATE",
+    "EOS_TOKEN",
+    "GENERATION_PROMPT",
+    "PAD_TOKEN",
+    "TOOL_CALL_PATTERN",
+    "TURN_END",
+    "TinyModelBuildError",
+    "TinyModelConfig",
+    "build_tiny_model",
+    "cache_folder",
+    "cache_key",
+    "config_digest",
+    "ensure_tiny_model",
+]
