@@ -7,7 +7,10 @@ per-reason counts, which appear for every reason that occurred.
 Definitions (dispatched = all entries of all groups = rows + placeholders):
 - finalize/placeholders/<reason>: placeholders with that `PlaceholderReason` value.
 - finalize/token_in_calls, finalize/text_root_calls: terminal-chain calls of trained rows by
-  capture mode; token_in_rate = token_in / (token_in + text_root). Legacy rows add neither.
+  capture mode. finalize/token_in_rate: among continuation calls (every call after a row's
+  first), the share served from exact parent ids: token_in / (token_in + text_root - rows with
+  a root). 1.0 means no continuation was re-rendered from text; 0.0 when no row has a
+  continuation. Legacy rows add neither count.
 - finalize/capture_poisoned_rollouts: placeholders with reason capture_poisoned.
 - finalize/invalid_row_rate = placeholders / dispatched.
 - finalize/heuristic_terminal_fraction: among entries whose receipt named a terminal method
@@ -47,7 +50,7 @@ def finalize_metrics(groups: Sequence[GroupResult], queue_waits_ms: Sequence[flo
         "finalize/placeholders": float(len(placeholders)),
         "finalize/token_in_calls": float(token_in),
         "finalize/text_root_calls": float(text_root),
-        "finalize/token_in_rate": _ratio(token_in, token_in + text_root),
+        "finalize/token_in_rate": _ratio(token_in, token_in + text_root - sum(row.text_root_calls > 0 for row in rows)),
         "finalize/capture_poisoned_rollouts": float(reasons[PlaceholderReason.CAPTURE_POISONED]),
         "finalize/invalid_row_rate": _ratio(len(placeholders), len(entries)),
         "finalize/heuristic_terminal_fraction": _ratio(sum(s == "heuristic" for s in selected), len(selected)),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from nemo_rl.token_capture.metrics import finalize_metrics
 from nemo_rl.token_capture.rows import GroupResult, Placeholder, PlaceholderReason, RowOrigin, TrainRow
 
@@ -41,7 +43,7 @@ def test_metrics_over_mixed_groups():
         "finalize/placeholders": 5.0,
         "finalize/token_in_calls": 3.0,  # 2 + 0 + 1
         "finalize/text_root_calls": 3.0,
-        "finalize/token_in_rate": 0.5,
+        "finalize/token_in_rate": 1.0,  # 3 continuations (a: 2, e: 1), all token-in
         "finalize/capture_poisoned_rollouts": 2.0,
         "finalize/invalid_row_rate": 5 / 8,
         # selections named: a, b(h), c(h), e, f -> 2 heuristic of 5
@@ -88,3 +90,11 @@ def test_legacy_rows_add_no_capture_calls():
     assert metrics["finalize/placeholders/legacy_noncontiguous"] == 1.0
     assert metrics["reward/mean"] == 0.5
     assert metrics["finalize/heuristic_terminal_fraction"] == 0.0
+
+
+def test_token_in_rate_counts_continuations_re_rendered_as_roots():
+    row = _row("a", 0, 0, calls=3)
+    rerooted = dataclasses.replace(row, token_in_calls=1, text_root_calls=2)
+    metrics = finalize_metrics([GroupResult(0, (rerooted,))], [])
+    # 2 continuations: one served token-in, one re-rendered from text as a second root
+    assert metrics["finalize/token_in_rate"] == 0.5
