@@ -7,7 +7,7 @@ Usage (from the repository root):
 
 Prints the folder, the build time and, with --check N > 0, how many of N held-out problems get
 a parseable calculator call, the exact expression, a final answer and the correct answer under
-greedy decoding, and the tool-call rate when sampling at temperature 1.0.
+greedy decoding, and the same counts when sampling at temperature 1.0.
 """
 
 from __future__ import annotations
@@ -16,10 +16,6 @@ import argparse
 import sys
 import time
 from pathlib import Path
-
-if __package__ in (None, ""):
-    # Run as a script: make the repository root importable (the project is not an installed package).
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -2,10 +2,10 @@
 
 Public API: `TinyModelConfig`, `build_tiny_model(cfg, out_dir, progress)`,
 `ensure_tiny_model(cfg, cache_root, progress)`, `cache_folder(cfg, cache_root)`, `cache_key(cfg)`,
-`CHAT_TEMPLATE` and its token constants. See the
-submodules for their contracts: config (defaults), chat_template (rendering rules),
-tokenizer (BPE), corpus (task transcripts), encoding (capture-path token encoding),
-sft (initialisation and warm start), build (artefact and cache), behaviour (HF generate check).
+`CHAT_TEMPLATE` and its token constants. The submodules state their contracts: config
+(defaults), chat_template (rendering rules), tokenizer (BPE), corpus (task transcripts),
+encoding (capture-path token encoding), sft (initialisation and warm start), build (artefact
+and cache), behaviour (HF `generate` check of the two-call tool loop).
 """
 
 from nemo_rl.models.tiny_model.build import (

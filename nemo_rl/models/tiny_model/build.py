@@ -108,7 +108,11 @@ def _write_config_json(out_dir: Path) -> None:
 def build_tiny_model(
     cfg: TinyModelConfig, out_dir: Path | str, progress: Callable[[str], None] = print
 ) -> Path:
-    out_dir = Path(out_dir)
+    return _build(cfg, Path(out_dir), progress, cache_key(cfg))
+
+
+def _build(cfg: TinyModelConfig, out_dir: Path, progress: Callable[[str], None], key: str) -> Path:
+    # `key` is taken before any work, so build_info names the sources the build started from.
     _check_out_dir(out_dir)
     start = time.monotonic()
     problems = arith_task.make_problems(cfg.seed, max(cfg.sft_examples, cfg.tokenizer_transcripts))
@@ -139,7 +143,7 @@ def build_tiny_model(
     info = {
         "config": cfg.model_dump(mode="json"),
         "config_digest": config_digest(cfg),
-        "cache_key": cache_key(cfg),
+        "cache_key": key,
         "weights_sha256": sha256_file(weights),
         "tokenizer_sha256": sha256_file(out_dir / "tokenizer.json"),
         "sft_first_loss": losses[0] if losses else None,
@@ -176,24 +180,28 @@ def _check_cached(folder: Path, key: str) -> Path:
     return folder
 
 
+def _folder_for(key: str, cache_root: Path | str | None) -> Path:
+    root = Path(cache_root) if cache_root is not None else default_cache_root()
+    return root / "tiny_model" / key[:24]
+
+
 def cache_folder(cfg: TinyModelConfig, cache_root: Path | str | None = None) -> Path:
     """Where `ensure_tiny_model` keeps the build of `cfg` (the folder may not exist yet)."""
-    root = Path(cache_root) if cache_root is not None else default_cache_root()
-    return root / "tiny_model" / cache_key(cfg)[:24]
+    return _folder_for(cache_key(cfg), cache_root)
 
 
 def ensure_tiny_model(
     cfg: TinyModelConfig, cache_root: Path | str | None = None, progress: Callable[[str], None] = print
 ) -> Path:
     key = cache_key(cfg)
-    folder = cache_folder(cfg, cache_root)
+    folder = _folder_for(key, cache_root)
     parent = folder.parent
     if folder.exists():
         return _check_cached(folder, key)
     parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".building-{folder.name}-", dir=parent))
     try:
-        build_tiny_model(cfg, staging, progress)
+        _build(cfg, staging, progress, key)
         try:
             staging.rename(folder)
         except OSError:

@@ -5,16 +5,19 @@ Contract:
   OpenAI chat messages: system, user question, assistant calculator call with the exact
   expression (arguments as the JSON string `json.dumps({"expression": ...})`), the tool
   result `str(calculate(expression))`, assistant `final_answer_text(answer)`.
-- `english_text(modules)` returns the docstrings of the named standard-library modules and
-  their public members, read from disk through `inspect` (no network), in a fixed order.
-- Every function here is pure: equal inputs give equal outputs.
+- `english_text(modules)` returns the docstrings of the named pure-Python standard-library
+  modules and of their public classes and functions, parsed from the source files on disk
+  (`ast`, no import, no network) in source order: a function of those files alone.
+- Every function here is deterministic: equal inputs (and source files) give equal outputs,
+  whatever else the process has imported.
 """
 
 from __future__ import annotations
 
-import importlib
-import inspect
+import ast
+import importlib.util
 import json
+from pathlib import Path
 
 from nemo_rl.environments import arith_task
 
@@ -54,26 +57,38 @@ def task_conversation(problem: arith_task.Problem, call_id: str = "call_0") -> l
     ]
 
 
-def _public_members(module: object) -> list[tuple[str, object]]:
-    names = getattr(module, "__all__", None)
-    if names is None:
-        names = [n for n in vars(module) if not n.startswith("_")]
-    return [(n, getattr(module, n)) for n in sorted(names) if hasattr(module, n)]
+def _source_path(name: str) -> Path:
+    try:
+        spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError) as e:
+        raise CorpusError(
+            f"english_modules entry {name!r} cannot be located; remove it from TinyModelConfig.english_modules"
+        ) from e
+    if spec is None or spec.origin is None or not spec.origin.endswith(".py"):
+        raise CorpusError(
+            f"english_modules entry {name!r} has no Python source file (origin "
+            f"{None if spec is None else spec.origin!r}); name a pure-Python standard-library module"
+        )
+    return Path(spec.origin)
+
+
+def docstrings(source: str) -> list[str]:
+    """The module docstring and those of its public classes and functions, in source order."""
+    tree = ast.parse(source)
+    docs = [ast.get_docstring(tree)]
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and not node.name.startswith("_"):
+            docs.append(ast.get_docstring(node))
+    return [d for d in docs if d]
 
 
 def english_text(modules: tuple[str, ...]) -> list[str]:
+    # Parsed from the source files rather than read off live objects: libraries imported in the
+    # same process patch standard-library functions (and their docstrings), which would make
+    # the corpus, and so the tokenizer, depend on what else the process imported.
     texts: list[str] = []
     for name in modules:
-        try:
-            module = importlib.import_module(name)
-        except ImportError as e:
-            raise CorpusError(
-                f"english_modules entry {name!r} is not an importable standard-library module; "
-                "remove it from TinyModelConfig.english_modules"
-            ) from e
-        members = [obj for _, obj in _public_members(module) if inspect.isroutine(obj) or inspect.isclass(obj)]
-        docs = [inspect.getdoc(module)] + [inspect.getdoc(obj) for obj in members]
-        texts.extend(d for d in docs if d)
+        texts.extend(docstrings(_source_path(name).read_text(encoding="utf-8")))
     if not texts:
         raise CorpusError(f"english_modules={modules!r} yielded no docstrings; name modules that have them")
     return texts

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import textwrap
 import unicodedata
 from pathlib import Path
 
@@ -28,7 +29,7 @@ from nemo_rl.models.tiny_model import (
 from nemo_rl.models.tiny_model.behaviour import Sampling, parse_calculator_call, run_episode
 from nemo_rl.models.tiny_model.build import cache_folder, cache_key, default_cache_root
 from nemo_rl.models.tiny_model.chat_template import SPECIAL_TOKENS, TOOL_TOKENS
-from nemo_rl.models.tiny_model.corpus import TASK_TOOLS, CorpusError, task_conversation
+from nemo_rl.models.tiny_model.corpus import TASK_TOOLS, CorpusError, english_text, task_conversation
 from nemo_rl.models.tiny_model.encoding import encode_transcript, render
 from nemo_rl.models.tiny_model.sft import collate, deterministic_torch, init_model, masked_loss
 
@@ -366,6 +367,18 @@ def test_run_episode_stops_without_a_parseable_call(tokenizer: PreTrainedTokeniz
     episode = run_episode(model, tokenizer, PROBLEM, Sampling(do_sample=False))
     assert (episode.tool_call_ok, episode.final_reply, episode.reward) == (False, None, 0.0)
     assert len(model.prompts) == 1
+
+
+def test_english_text_reads_source_files_not_live_objects(monkeypatch: pytest.MonkeyPatch) -> None:
+    before = english_text(("textwrap",))
+    assert textwrap.dedent.__doc__.strip().splitlines()[0] in "\n".join(before)
+    monkeypatch.setattr(textwrap.dedent, "__doc__", "patched by another library")
+    assert english_text(("textwrap",)) == before
+
+
+def test_english_text_rejects_modules_without_python_source() -> None:
+    with pytest.raises(CorpusError, match="'math' has no Python source file"):
+        english_text(("math",))
 
 
 def test_parse_calculator_call() -> None:
