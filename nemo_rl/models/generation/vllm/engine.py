@@ -41,8 +41,9 @@ def cpu_engine_env(cfg: VllmConfig) -> dict[str, str]:
     """Environment a CPU engine needs (set before vLLM is imported)."""
     cpus = os.cpu_count() or 1
     bind = cfg.omp_threads_bind if cfg.omp_threads_bind != "auto" else f"0-{cpus - 1}"
+    # No VLLM_CPU_KVCACHE_SPACE: it would override the exact `kv_cache_memory_bytes` engine arg
+    # with whole GiB.
     return {
-        "VLLM_CPU_KVCACHE_SPACE": str(max(1, cfg.kv_cache_memory_bytes // (1024**3))),
         "VLLM_CPU_OMP_THREADS_BIND": bind,
         "VLLM_NO_USAGE_STATS": "1",
         "VLLM_LOGGING_LEVEL": "WARNING",
