@@ -36,6 +36,7 @@ from nemo_rl.models.policy.worker import RayPolicyClient
 from nemo_rl.models.tiny_model import ensure_tiny_model
 from nemo_rl.token_capture.finalizer_pool import FinalizeItem, FinalizeOutcome, FinalizerPool, TQSourceFactory
 from nemo_rl.token_capture.metrics import finalize_metrics
+from nemo_rl.token_capture.retention import TQStagingCleaner
 from nemo_rl.token_capture.rows import GroupResult, TrainRow
 from nemo_rl.utils.logger import MetricsLogger, Timer
 
@@ -57,15 +58,6 @@ class TimedFinalizer:
             return await self.pool.finalize_group(items)
         finally:
             self.seconds += time.monotonic() - t0
-
-
-class StagingCleaner:
-    def __init__(self, client, partition: str, timeout_s: float) -> None:
-        self._client, self._partition, self._timeout_s = client, partition, timeout_s
-
-    def clear(self, keys: list[str]) -> None:
-        if keys:
-            self._client.clear(self._partition, keys, timeout_s=self._timeout_s)
 
 
 @dataclass(frozen=True)
@@ -136,7 +128,7 @@ async def run_grpo(cfg: MasterConfig, progress=print) -> Path:
             pool = FinalizerPool.from_config(cfg.token_capture, TQSourceFactory.from_config(cfg.data_plane, cfg.token_capture))
             await pool.wait_ready(cfg.data_plane.startup_timeout_s)
             finalizer = TimedFinalizer(pool)
-            cleaner = StagingCleaner(stack.client, cfg.token_capture.staging_partition, cfg.token_capture.stage_timeout_s)
+            cleaner = TQStagingCleaner(stack.client, cfg.token_capture.staging_partition, cfg.token_capture.stage_timeout_s)
         manager = RolloutManager(
             RolloutManagerConfig(
                 run_id=f"grpo-{uuid.uuid4().hex[:8]}",
@@ -170,6 +162,7 @@ async def run_grpo(cfg: MasterConfig, progress=print) -> Path:
                     )
                 metrics["timing/finalize_s"] = finalizer.seconds if finalizer is not None else 0.0
                 metrics.update(finalize_metrics(groups, manager.take_queue_waits_ms()))
+                metrics["finalize/orphaned_staged_keys"] = float(manager.take_orphaned_staged_keys())
                 if metrics["rollouts/dispatched"] != metrics["finalize/rows"] + metrics["finalize/placeholders"]:
                     raise GRPOError(f"step {step}: always-N accounting broke: {metrics}")
                 step_batch = build_train_batch(groups, cfg.grpo.normalize_rewards)

@@ -3,7 +3,8 @@
 Contract:
 - `DataPlaneClient.attach(cfg)` works in any process of the Ray job (the driver, actors in this
   venv, actors in another venv with the same ray/transferqueue versions) once the owner ran
-  `start_data_plane`. It is bounded by `cfg.call_timeout_s`.
+  `start_data_plane`. Finding the controller and the storage handshake are bounded by
+  `cfg.call_timeout_s` (the one-time import of transfer_queue in the process is not).
 - Every call is bounded: TQ's async API runs under `asyncio.wait_for` on a private event-loop
   thread, and the calling thread additionally waits on the result with the same deadline plus
   a short grace, so even a loop blocked inside TQ cannot hang the caller. A missed deadline
@@ -108,8 +109,10 @@ class DataPlaneClient:
     def attach(cls, cfg: DataPlaneConfig, *, timeout_s: float | None = None) -> DataPlaneClient:
         """Connect a new private client to the running data plane, within the deadline."""
         deadline = cfg.call_timeout_s if timeout_s is None else timeout_s
-        started = time.monotonic()
+        # The first import of transfer_queue (torch, zmq, ...) can take longer than a call deadline
+        # in a fresh actor on a loaded host; it cannot hang, so only the network part is bounded.
         tq_backend.prepare_process(cfg)
+        started = time.monotonic()
         conf = tq_backend.fetch_published_conf(deadline)
         loop = _LoopThread(name="nrl-data-plane-client")
 

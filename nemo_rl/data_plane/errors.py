@@ -48,10 +48,11 @@ class DataPlaneTimeoutError(DataPlaneError):
         self.partition = partition
         self.timeout_s = timeout_s
         where = f" on partition {partition!r}" if partition is not None else ""
+        knob = "data_plane.startup_timeout_s" if operation == "start" else "data_plane.call_timeout_s"
         message = (
             f"data plane {operation}{where} did not finish within its {timeout_s:.3g} s deadline: the "
             f"TransferQueue controller or a storage unit is dead or stalled. Check that the process "
-            f"owning the DataPlane is alive; raise call_timeout_s only if the store is merely slow."
+            f"owning the DataPlane is alive; raise {knob} only if the host is merely slow."
         )
         super().__init__(message + (f" ({detail})" if detail else ""))
 

@@ -1,10 +1,13 @@
 """Bring the whole rollout stack up and down in order: Ray, data plane, vLLM workers, Gym servers.
 
 Contract:
-- `start_stack` starts, in this order, a private local Ray cluster, the TransferQueue data plane
-  (only when token capture is enabled: the staging partition lives there), the vLLM generation
-  workers in their flavored venv, and the Gym servers pointed at the first worker. Each step
-  prints a progress line with its duration; each has its own deadline in its config.
+- `start_stack` starts a private local Ray cluster, then the vLLM generation workers in their
+  flavored venv (ports open at once, answering 503; engines loading). While the engines load
+  it starts the TransferQueue data plane (only when token capture is enabled: the staging
+  partition lives there) and the Gym servers pointed at the first worker. Last, the workers
+  install capture and start serving. Each step prints a progress line with its duration
+  (`vllm_workers` counts from spawn, so it spans the overlapped steps); each has its own
+  deadline in its config.
 - `Stack.stop()` tears down exactly what was started, in reverse order, and is idempotent. If a
   start step fails, everything started before it is stopped before the error propagates.
 """
@@ -20,7 +23,7 @@ from nemo_rl.data_plane import DataPlane, DataPlaneClient, DataPlaneConfig, star
 from nemo_rl.distributed.ray_cluster import RayClusterHandle, init_local_ray
 from nemo_rl.environments.nemo_gym import NemoGymConfig, NemoGymEnvironment
 from nemo_rl.models.generation.vllm.config import GenerationConfig
-from nemo_rl.models.generation.vllm.launcher import WorkerGroup, launch_workers
+from nemo_rl.models.generation.vllm.launcher import WorkerGroup, await_workers, spawn_workers
 from nemo_rl.token_capture.config import TokenCaptureConfig
 
 
@@ -72,26 +75,28 @@ async def start_stack(
     stack = Stack(ray=ray_handle, data_plane=None, client=None, workers=None, env=None, timings_s=timings)
     step("ray", t0)
     try:
-        if token_capture.enabled:
-            t0 = time.monotonic()
-            stack.data_plane = start_data_plane(data_plane)
-            stack.client = DataPlaneClient.attach(data_plane)
-            step("data_plane", t0)
         t0 = time.monotonic()
-        stack.workers = launch_workers(
+        # The engines import vLLM for about a minute; the data plane and the Gym servers start
+        # meanwhile on the other core (the workers answer 503 until they serve).
+        pending = spawn_workers(
             model_dir,
             generation,
             token_capture.model_dump(),
             data_plane.model_dump() if token_capture.enabled else None,
             progress=progress,
         )
-        step("vllm_workers", t0)
-        t0 = time.monotonic()
-        stack.env = NemoGymEnvironment(
-            nemo_gym, token_capture, worker_base_url=stack.workers.base_urls[0], log_dir=log_dir
-        )
+        stack.workers = pending.group
+        if token_capture.enabled:
+            t_dp = time.monotonic()
+            stack.data_plane = start_data_plane(data_plane)
+            stack.client = DataPlaneClient.attach(data_plane)
+            step("data_plane", t_dp)
+        t_gym = time.monotonic()
+        stack.env = NemoGymEnvironment(nemo_gym, token_capture, worker_base_url=pending.base_urls[0], log_dir=log_dir)
         await stack.env.start()
-        step("gym_servers", t0)
+        step("gym_servers", t_gym)
+        stack.workers = await_workers(pending, progress=progress)
+        step("vllm_workers", t0)
     except BaseException:
         stack.stop()
         raise

@@ -34,7 +34,7 @@ import secrets
 import subprocess
 import sys
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -289,20 +289,19 @@ class NemoGymEnvironment:
                 )
             body[ROLLOUT_ID_FIELD] = check_rollout_id(rollout_id)
         agent_url = self.agent_url
-        try:
-            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self._cfg.run_timeout_s)) as session:
-                async with session.post(f"{agent_url}/run", json=body) as resp:
-                    text = await resp.text()
-                    status = resp.status
-        except asyncio.TimeoutError as e:
-            raise GymRunTimeoutError(
+        status, text = await _http(
+            "POST",
+            f"{agent_url}/run",
+            self._cfg.run_timeout_s,
+            on_timeout=lambda: GymRunTimeoutError(
                 f"rollout {rollout_id!r}: agent /run did not answer within run_timeout_s={self._cfg.run_timeout_s}; "
                 f"{self._server_state(launch.AGENT)}"
-            ) from e
-        except aiohttp.ClientError as e:
-            raise GymRunError(
+            ),
+            on_client_error=lambda e: GymRunError(
                 f"rollout {rollout_id!r}: agent /run at {agent_url} failed: {e!r}; {self._server_state(launch.AGENT)}"
-            ) from e
+            ),
+            json_body=body,
+        )
         if status != 200:
             raise GymRunError(
                 f"rollout {rollout_id!r}: agent /run answered HTTP {status}: {_quote(text)} "
@@ -322,21 +321,19 @@ class NemoGymEnvironment:
             raise CaptureModeError("manifest() needs token_capture.enabled=true; the legacy gate keeps no ledger")
         url = f"{self.gate_url}{manifest_path(rollout_id)}"
         timeout_s = self._capture_cfg.manifest_timeout_s
-        headers = {"Authorization": f"Bearer {self._bearer}"}
-        try:
-            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as session:
-                async with session.get(url, headers=headers) as resp:
-                    text = await resp.text()
-                    status = resp.status
-        except asyncio.TimeoutError as e:
-            raise ManifestTimeoutError(
+        status, text = await _http(
+            "GET",
+            url,
+            timeout_s,
+            on_timeout=lambda: ManifestTimeoutError(
                 f"rollout {rollout_id!r}: manifest not answered within token_capture.manifest_timeout_s={timeout_s}; "
                 f"{self._server_state(launch.GATE)}"
-            ) from e
-        except aiohttp.ClientError as e:
-            raise ManifestServerError(
+            ),
+            on_client_error=lambda e: ManifestServerError(
                 f"rollout {rollout_id!r}: manifest GET {url} failed: {e!r}; {self._server_state(launch.GATE)}"
-            ) from e
+            ),
+            headers={"Authorization": f"Bearer {self._bearer}"},
+        )
         if status == 401:
             raise ManifestAuthError(
                 f"rollout {rollout_id!r}: the gate rejected the control bearer (HTTP 401: {_quote(text)}); the gate "
@@ -360,6 +357,27 @@ class NemoGymEnvironment:
                     continue
                 removed.append(path)
         return removed
+
+
+async def _http(
+    method: str,
+    url: str,
+    timeout_s: float,
+    *,
+    on_timeout: Callable[[], Exception],
+    on_client_error: Callable[[aiohttp.ClientError], Exception],
+    json_body: Any = None,
+    headers: Mapping[str, str] | None = None,
+) -> tuple[int, str]:
+    """(status, body text) of one request bounded by timeout_s; transport failures raise the caller's errors."""
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as session:
+            async with session.request(method, url, json=json_body, headers=headers) as resp:
+                return resp.status, await resp.text()
+    except asyncio.TimeoutError as e:
+        raise on_timeout() from e
+    except aiohttp.ClientError as e:
+        raise on_client_error(e) from e
 
 
 def _parse_manifest(rollout_id: str, text: str) -> RolloutManifest:

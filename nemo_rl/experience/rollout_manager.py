@@ -15,8 +15,10 @@ Contract of `RolloutManager.run_group(step, group_index, row, n) -> GroupResult`
   `Placeholder` with its typed reason; an id that never reached an outcome (cancellation) is a
   `run_failed` placeholder with detail "aborted". Nothing is lost or counted twice.
 - Retention (capture mode): after the group is accounted, ledger files are retired
-  (`env.retire(ids)`) and every staged key named by a fetched manifest is cleared
-  (`cleaner.clear(keys)`), each bounded by `token_capture.stage_timeout_s` (skipped when
+  (`env.retire(ids)`) and every staged key of the group's rollout ids is cleared: those named by
+  a fetched manifest and orphans no manifest names (`cleaner.clear(keys, ids)`; the orphan
+  count is reported by `take_orphaned_staged_keys()`), each bounded by
+  `token_capture.stage_timeout_s` (skipped when
   `retire_after_commit` is false); a failure raises `RetentionError` carrying the accounted group.
 - Cancellation mid-group: in-flight runs are cancelled, the accounted (aborted) group is kept
   for `take_aborted_groups()`, retention runs, and the `CancelledError` propagates.
@@ -25,6 +27,7 @@ Contract of `RolloutManager.run_group(step, group_index, row, n) -> GroupResult`
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -64,9 +67,11 @@ class GroupFinalizer(Protocol):
 
 
 class StagingCleaner(Protocol):
-    """Deletes staged records by key once their group is accounted (synchronous, like a source's fetch)."""
+    """Deletes a group's staged records once it is accounted (synchronous, like a source's fetch):
+    the keys its manifests named and any other key of its rollout ids (orphans, whose commit
+    never reached a ledger). Returns how many orphans it cleared."""
 
-    def clear(self, keys: list[str]) -> object: ...
+    def clear(self, named_keys: list[str], rollout_ids: list[str]) -> int: ...
 
 
 class RolloutManagerConfig(BaseModel):
@@ -154,6 +159,7 @@ class RolloutManager:
         self._cleaner = cleaner
         self._attempts: dict[tuple[int, int], int] = {}
         self._queue_waits_ms: list[float] = []
+        self._orphaned_staged_keys = 0
         self._aborted: list[GroupResult] = []
 
     def _reserve(self, step: int, group_index: int, n: int) -> list[str]:
@@ -169,6 +175,11 @@ class RolloutManager:
         """Finalizer queue waits recorded since the last call (for `finalize/queue_wait_ms`)."""
         waits, self._queue_waits_ms = self._queue_waits_ms, []
         return waits
+
+    def take_orphaned_staged_keys(self) -> int:
+        """Staged keys cleared since the last call that no manifest named (commit never ledgered)."""
+        count, self._orphaned_staged_keys = self._orphaned_staged_keys, 0
+        return count
 
     def take_aborted_groups(self) -> list[GroupResult]:
         """Accounted results of groups whose run_group was cancelled, since the last call."""
@@ -262,15 +273,19 @@ class RolloutManager:
         if not (capture.enabled and capture.retire_after_commit):
             return []
         keys = [key for index in sorted(state.staged_keys) for key in state.staged_keys[index]]
+        ids = list(state.rollout_ids)
         jobs = {
-            "retire ledger files": (self._env.retire, list(state.rollout_ids)),
-            "clear staged keys": (self._cleaner.clear, keys),
+            "retire ledger files": functools.partial(self._env.retire, ids),
+            "clear staged keys": functools.partial(self._cleaner.clear, keys, ids),
         }
         # Both are synchronous file-system / TransferQueue work: off the event loop, each bounded.
         results = await asyncio.gather(
-            *(asyncio.wait_for(asyncio.to_thread(fn, arg), capture.stage_timeout_s) for fn, arg in jobs.values()),
+            *(asyncio.wait_for(asyncio.to_thread(job), capture.stage_timeout_s) for job in jobs.values()),
             return_exceptions=True,
         )
+        cleared = results[list(jobs).index("clear staged keys")]
+        if isinstance(cleared, int):
+            self._orphaned_staged_keys += cleared
         failures = []
         for name, outcome in zip(jobs, results):
             if isinstance(outcome, asyncio.TimeoutError):

@@ -51,6 +51,7 @@ def test_grpo_capture_on_is_engaged_exact_and_refits(tmp_path):
         assert m["finalize/calls_per_rollout"] > 1.5  # multi-turn rollouts (tool call, then answer)
         assert m["finalize/token_in_calls"] >= 1
         assert m["finalize/capture_poisoned_rollouts"] == 0
+        assert m["finalize/orphaned_staged_keys"] == 0  # every staged call was committed
         assert m["token_mult_prob_error"] < 1.01
         # The engine serves the new weights: its probe logprobs moved and match the trainer's.
         assert m["refit/engine_logprob_change"] > 1e-4

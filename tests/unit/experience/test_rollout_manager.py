@@ -136,16 +136,22 @@ class ScriptedFinalizer:
 
 
 class RecordingCleaner:
-    def __init__(self, error: Exception | None = None, delay_s: float = 0.0) -> None:
+    """Records what it was asked to clear; reports `orphans` orphaned keys per call."""
+
+    def __init__(self, error: Exception | None = None, delay_s: float = 0.0, orphans: int = 0) -> None:
         self.cleared: list[list[str]] = []
+        self.rollout_ids: list[list[str]] = []
         self._error = error
         self._delay_s = delay_s
+        self._orphans = orphans
 
-    def clear(self, keys: list[str]) -> None:
+    def clear(self, named_keys: list[str], rollout_ids: list[str]) -> int:
         time.sleep(self._delay_s)
         if self._error is not None:
             raise self._error
-        self.cleared.append(list(keys))
+        self.cleared.append(list(named_keys))
+        self.rollout_ids.append(list(rollout_ids))
+        return self._orphans
 
 
 def _config(*, enabled=True, run_timeout_s=0.05, retire=True, stage_timeout_s=1.0) -> RolloutManagerConfig:
@@ -247,6 +253,19 @@ async def test_retention_has_a_deadline():
     manager, *_ = _manager(["success"], cleaner=slow, stage_timeout_s=0.1)
     with pytest.raises(RetentionError, match=r"clear staged keys: no answer within token_capture.stage_timeout_s=0.1s"):
         await manager.run_group(0, 0, {}, 1)
+
+
+async def test_orphaned_staged_keys_are_counted_per_take():
+    manager, _, _, cleaner = _manager(["success", "run_error"], cleaner=RecordingCleaner(orphans=2))
+    await manager.run_group(0, 0, {}, 2)
+    await manager.run_group(0, 1, {}, 2)
+
+    assert cleaner.rollout_ids == [
+        ["run7-s0-g0-i0-a0", "run7-s0-g0-i1-a0"],
+        ["run7-s0-g1-i0-a0", "run7-s0-g1-i1-a0"],
+    ]
+    assert manager.take_orphaned_staged_keys() == 4
+    assert manager.take_orphaned_staged_keys() == 0
 
 
 async def test_retention_can_be_turned_off():

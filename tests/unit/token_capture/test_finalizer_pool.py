@@ -200,12 +200,26 @@ async def test_pool_deadline_yields_finalize_timeout_and_replaces_the_stuck_work
     assert isinstance(after.result, TrainRow)
 
 
+async def _until_dead(handle, timeout_s: float) -> None:
+    """Return once calls on the actor fail with RayActorError (ray.kill lands asynchronously:
+    a call sent right after it may still be answered)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            await asyncio.wait_for(handle.ready.remote(), timeout_s)
+        except ray.exceptions.RayActorError:
+            return
+        assert time.monotonic() < deadline, f"the killed actor still answers {timeout_s} s after shutdown"
+        await asyncio.sleep(0.2)
+
+
 async def test_dead_worker_is_finalizer_unavailable_then_replaced(ray_cluster, chains):
     chain, item = _item(chains, "r-a", 0)
     pool = FinalizerPool(1, functools.partial(FakeSource, _by_key(chain)), call_timeout_s=60.0)
     try:
         await pool.wait_ready(READY_TIMEOUT_S)
         ray.kill(pool._workers[0].handle, no_restart=True)
+        await _until_dead(pool._workers[0].handle, 60.0)
         (dead,) = await pool.finalize_group([item])
         await pool.wait_ready(READY_TIMEOUT_S)
         (alive,) = await pool.finalize_group([item])
@@ -236,8 +250,7 @@ async def test_shutdown_kills_only_this_pools_actors(ray_cluster, chains):
         drop.shutdown()
         with pytest.raises(FinalizerPoolError, match="after shutdown"):
             await drop.finalize_group([item])
-        with pytest.raises(ray.exceptions.RayActorError):
-            await asyncio.wait_for(drop._workers[0].handle.ready.remote(), 60.0)
+        await _until_dead(drop._workers[0].handle, 60.0)
         (kept,) = await keep.finalize_group([item])
         assert isinstance(kept.result, TrainRow)
     finally:

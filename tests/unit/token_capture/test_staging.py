@@ -33,6 +33,7 @@ from nemo_gym.token_id_capture.staging import (
 
 from nemo_rl.data_plane import DataPlaneClient, DataPlaneConfig, start_data_plane
 from nemo_rl.distributed.ray_cluster import init_local_ray
+from nemo_rl.token_capture.retention import TQStagingCleaner
 from nemo_rl.token_capture.staging import (
     StagedKeysMissingError,
     StagedRecordInvalidError,
@@ -297,3 +298,16 @@ def test_random_deltas_round_trip_exactly(
     assert f64_bits(snapshot.token_mask_delta) == f64_bits(mask)
     assert f64_bits(snapshot.generation_log_probs_delta) == f64_bits(logprobs)
     assert snapshot.digest == record.digest
+
+
+def test_cleaner_clears_named_keys_and_the_groups_orphans_only(clients: tuple[DataPlaneClient, DataPlaneClient]) -> None:
+    writer, reader = clients
+    partition = "retention_test"
+    keys = ["g-i0/c0", "g-i0/c1", "g-i1/c0", "next-i0/c0"]
+    writer.put_many(partition, keys, [{"tag": k} for k in keys])
+    cleaner = TQStagingCleaner(reader, partition, timeout_s=10.0)
+
+    assert cleaner.clear(["g-i0/c0"], ["g-i0", "g-i1"]) == 2
+    assert reader.list_keys(partition) == ["next-i0/c0"]
+    assert reader.get(partition, ["next-i0/c0"], ["tag"]) == [{"tag": "next-i0/c0"}]
+    assert cleaner.clear([], ["g-i0", "g-i1"]) == 0

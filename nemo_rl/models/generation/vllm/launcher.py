@@ -1,8 +1,11 @@
 """Driver-side launch of vLLM generation workers in their flavored venv, with deadlines.
 
-Contract: `launch_workers` builds (or reuses) the venv named by the hash of its spec, starts
-`num_workers` Ray actors whose interpreter is that venv's python, and returns handles whose
-`base_url`s answer HTTP. Every actor call made through `WorkerGroup` has a deadline; an actor
+Contract: `spawn_workers` builds (or reuses) the venv named by the hash of its spec, starts
+`num_workers` Ray actors whose interpreter is that venv's python and returns their base URLs as
+soon as the ports are open, without waiting for the engines (so the caller can start other
+components meanwhile); `await_workers` waits for the engines within
+`generation.vllm.startup_timeout_s` and returns handles whose `base_url`s serve requests.
+Every actor call made through `WorkerGroup` has a deadline; an actor
 that dies or hangs surfaces as `WorkerError` naming the worker and the operation.
 """
 
@@ -10,6 +13,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +36,6 @@ def detect_flavor(requested: str) -> str:
 def worker_env(gen: GenerationConfig, flavor: str) -> dict[str, str]:
     env = {
         "PYTHONPATH": str(REPO_ROOT),
-        "TQ_NUM_THREADS": "2",
         "TOKENIZERS_PARALLELISM": "false",
     }
     if flavor == "cpu":
@@ -80,16 +83,48 @@ class WorkerGroup:
         self.handles = []
 
 
-def launch_workers(
+@dataclass
+class PendingWorkers:
+    """Worker actors with open (503) endpoints whose engines are starting (see `spawn_workers`)."""
+
+    group: WorkerGroup
+    base_urls: list[str]
+    engine_refs: list[Any]
+    deadline: float  # time.monotonic() by which the workers must serve
+    timeout_s: float
+
+
+def _startup_get(group: WorkerGroup, refs: list[Any], deadline: float, timeout_s: float, what: str) -> list[Any]:
+    """ray.get within the start-up deadline; the group is shut down before any error propagates."""
+    try:
+        return ray.get(refs, timeout=max(deadline - time.monotonic(), 0.0))
+    except ray.exceptions.GetTimeoutError as e:
+        group.shutdown()
+        raise WorkerError(
+            f"vLLM workers did not {what} within generation.vllm.startup_timeout_s={timeout_s:.0f}"
+        ) from e
+    except ray.exceptions.RayError as e:
+        group.shutdown()
+        raise WorkerError(f"vLLM worker failed to {what}: {e}") from e
+
+
+def spawn_workers(
     model_dir: Path,
     gen: GenerationConfig,
     token_capture_cfg: dict,
     data_plane_cfg: dict | None,
     *,
     progress: Callable[[str], None] = print,
-) -> WorkerGroup:
+) -> PendingWorkers:
+    """Build (or reuse) the venv, create the actors, open their ports and start their engines.
+
+    Returns once every worker has a base URL (its routes answer 503 until `await_workers`), so
+    the caller can point the Gym servers at it while vLLM loads. The venv build is not under the
+    start-up deadline (it prints its own progress and is bounded by its installer); the rest is.
+    """
     flavor = detect_flavor(gen.vllm.flavor)
     venv = ensure_venv(vllm_spec(flavor), progress=progress)
+    deadline = time.monotonic() + gen.vllm.startup_timeout_s
     actor_cls = ray.remote(num_cpus=0)(VllmGenerationWorker)
     handles = [
         actor_cls.options(
@@ -101,13 +136,27 @@ def launch_workers(
     ]
     progress(f"[generation] starting {len(handles)} vLLM worker(s) ({flavor}) from {model_dir}")
     group = WorkerGroup(handles=handles, base_urls=[], call_timeout_s=gen.vllm.call_timeout_s)
-    try:
-        group.base_urls = ray.get([h.start.remote() for h in handles], timeout=gen.vllm.startup_timeout_s)
-    except ray.exceptions.GetTimeoutError as e:
-        group.shutdown()
-        raise WorkerError(f"vLLM workers did not start within {gen.vllm.startup_timeout_s:.0f}s") from e
-    except ray.exceptions.RayError as e:
-        group.shutdown()
-        raise WorkerError(f"vLLM worker failed to start: {e}") from e
+    # bind before start_engine: the engine's synchronous start blocks the actor's event loop.
+    base_urls = _startup_get(group, [h.bind.remote() for h in handles], deadline, gen.vllm.startup_timeout_s, "open their ports")
+    return PendingWorkers(
+        group=group,
+        base_urls=base_urls,
+        engine_refs=[h.start_engine.remote() for h in handles],
+        deadline=deadline,
+        timeout_s=gen.vllm.startup_timeout_s,
+    )
+
+
+def await_workers(pending: PendingWorkers, *, progress: Callable[[str], None] = print) -> WorkerGroup:
+    """Wait for the engines, then let every worker serve; the group is shut down on failure.
+
+    When token capture is enabled the data plane must be running before this is called: `serve`
+    attaches the staging sink before the first request is let through.
+    """
+    group = pending.group
+    _startup_get(group, pending.engine_refs, pending.deadline, pending.timeout_s, "start their engines")
+    group.base_urls = _startup_get(
+        group, [h.serve.remote() for h in group.handles], pending.deadline, pending.timeout_s, "start serving"
+    )
     progress(f"[generation] workers ready at {', '.join(group.base_urls)}")
     return group

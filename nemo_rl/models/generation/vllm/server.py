@@ -3,12 +3,17 @@
 Routes: POST /v1/chat/completions, POST /tokenize (and /v1/tokenize), GET /v1/models,
 GET /health. Handlers only parse JSON, call the service and map `HttpError` to its status with
 an OpenAI-style error body; any other exception is a 500 that names its type.
+
+The port can be opened before the engine is up (so the Gym servers can be pointed at it while
+vLLM loads): until `get_service()` returns a service, every route answers 503 `worker_starting`
+and nothing is generated.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 
 from aiohttp import web
 
@@ -28,8 +33,16 @@ def _error(e: HttpError) -> web.Response:
     return web.json_response(e.body(), status=e.status)
 
 
-def build_app(service: ChatService, *, model_name: str, max_model_len: int) -> web.Application:
+_STARTING = HttpError(503, "worker_starting", "the vLLM worker is still starting; retry once /health answers 200")
+
+
+def build_app(
+    get_service: Callable[[], ChatService | None], *, model_name: str, max_model_len: int
+) -> web.Application:
     async def chat(request: web.Request) -> web.Response:
+        service = get_service()
+        if service is None:
+            return _error(_STARTING)
         try:
             return web.json_response(await service.chat_completions(await _json_body(request)))
         except HttpError as e:
@@ -39,6 +52,9 @@ def build_app(service: ChatService, *, model_name: str, max_model_len: int) -> w
             return _error(HttpError(500, "engine_error", f"{type(e).__name__}: {e}"))
 
     async def tokenize(request: web.Request) -> web.Response:
+        service = get_service()
+        if service is None:
+            return _error(_STARTING)
         try:
             out = service.tokenize(await _json_body(request))
         except HttpError as e:
@@ -51,6 +67,8 @@ def build_app(service: ChatService, *, model_name: str, max_model_len: int) -> w
         )
 
     async def health(_: web.Request) -> web.Response:
+        if get_service() is None:
+            return _error(_STARTING)
         return web.json_response({"status": "ok"})
 
     app = web.Application(client_max_size=64 * 1024 * 1024)

@@ -5,7 +5,11 @@ Contract:
   `engine.py`, the request logic in `serving.py`, the transport in `server.py`. This class is
   the thin actor shell that wires them and converts failures into `WorkerError` before they
   cross the Ray boundary.
-- `install_token_capture` (called by `start` when token capture is enabled) hosts Gym's
+- Start-up is three calls so the driver can start the data plane and the Gym servers while
+  vLLM loads: `bind()` opens the HTTP port and returns its base URL (every route answers 503
+  `worker_starting`), `start_engine()` loads vLLM (slow), `serve()` installs token capture when
+  enabled and only then lets requests through, so no request is ever served uncaptured.
+- `install_token_capture` (called by `serve` when token capture is enabled) hosts Gym's
   `RolloutTokenCapture` with the TransferQueue sink over the `ChatService`, and gives the
   service a bounded `PrefixCache` over the TQ source for `staging_chain` admissions.
 - `update_weights(dir, version)` refits the engine; every later sample carries `version`.
@@ -42,16 +46,16 @@ class VllmGenerationWorker:
         self._dp_cfg = DataPlaneConfig.model_validate(data_plane_cfg) if data_plane_cfg is not None else None
         self._engine = None
         self._service = None
+        self._serving = None  # the service the HTTP routes use; None answers 503 worker_starting
         self._runner = None
         self._client: DataPlaneClient | None = None
         self.base_url: str | None = None
 
-    async def start(self) -> str:
-        """Start engine + HTTP server; returns the OpenAI base URL (`http://127.0.0.1:<port>/v1`)."""
+    async def start_engine(self) -> None:
+        """Start the vLLM engine (the slow part: vLLM imports, model load); serves nothing yet."""
         from transformers import AutoTokenizer
 
         from nemo_rl.models.generation.vllm.engine import VllmEngine, wait_ready
-        from nemo_rl.models.generation.vllm.server import build_app, serve
         from nemo_rl.models.generation.vllm.serving import ChatService
 
         t0 = time.monotonic()
@@ -59,17 +63,39 @@ class VllmGenerationWorker:
             tokenizer = AutoTokenizer.from_pretrained(str(self._model_dir))
             self._engine = VllmEngine.start(self._model_dir, self._gen.vllm, tokenizer.eos_token_id)
             await wait_ready(self._engine, self._gen.vllm.startup_timeout_s)
-            self._service = ChatService(
-                self._engine, tokenizer, model_name=self._gen.model_name, default_max_tokens=self._gen.max_new_tokens
-            )
-            if self._capture_cfg.enabled:
-                self.install_token_capture()
-            app = build_app(self._service, model_name=self._gen.model_name, max_model_len=self._gen.vllm.max_model_len)
-            self._runner, port = await serve(app)
         except Exception as e:
-            raise WorkerError(f"vLLM worker failed to start from {self._model_dir}: {type(e).__name__}: {e}") from e
+            raise WorkerError(f"vLLM engine failed to start from {self._model_dir}: {type(e).__name__}: {e}") from e
+        self._service = ChatService(
+            self._engine, tokenizer, model_name=self._gen.model_name, default_max_tokens=self._gen.max_new_tokens
+        )
+        LOGGER.warning("vLLM engine for %s up after %.1fs", self._model_dir.name, time.monotonic() - t0)
+
+    async def bind(self) -> str:
+        """Open the HTTP endpoint (503 until `serve`); returns `http://127.0.0.1:<port>/v1`."""
+        from nemo_rl.models.generation.vllm.server import build_app, serve
+
+        if self.base_url is not None:
+            return self.base_url
+        app = build_app(lambda: self._serving, model_name=self._gen.model_name, max_model_len=self._gen.vllm.max_model_len)
+        try:
+            self._runner, port = await serve(app)
+        except OSError as e:
+            raise WorkerError(f"vLLM worker could not open its HTTP port on 127.0.0.1: {e}") from e
         self.base_url = f"http://127.0.0.1:{port}/v1"
-        LOGGER.warning("vLLM worker serving %s at %s after %.1fs", self._model_dir.name, self.base_url, time.monotonic() - t0)
+        return self.base_url
+
+    async def serve(self) -> str:
+        """Install token capture (when enabled; the data plane must be up), then let requests
+        through; returns the base URL. Capture is in place before the first request is served."""
+        if self._service is None or self.base_url is None:
+            raise WorkerError("serve called before bind and start_engine")
+        if self._serving is None:
+            if self._capture_cfg.enabled:
+                try:
+                    self.install_token_capture()
+                except Exception as e:
+                    raise WorkerError(f"installing token capture failed: {type(e).__name__}: {e}") from e
+            self._serving = self._service
         return self.base_url
 
     def install_token_capture(self, capture=None) -> None:

@@ -289,3 +289,39 @@ async def test_tail_render_failure_is_capture_failed_not_silent(tokenizer):
     assert svc.capture_failures[-1]["model_call_id"] == "c2"
     assert "tail_render_failed" in svc.capture_failures[-1]["reason"]
     assert "r1/c2" not in staging.records
+
+
+# --- the HTTP transport (server.py) -------------------------------------------------------------
+
+
+async def test_http_routes_answer_503_until_the_service_is_let_through(tokenizer):
+    from aiohttp import ClientSession
+
+    from nemo_rl.models.generation.vllm.server import build_app, serve
+
+    svc, engine, _ = _service(tokenizer, [_gen(tokenizer, "The answer is 17.")], capture=False)
+    holder: dict[str, ChatService | None] = {"service": None}
+    runner, port = await serve(build_app(lambda: holder["service"], model_name="tiny", max_model_len=2048))
+    base = f"http://127.0.0.1:{port}"
+    try:
+        async with ClientSession() as http:
+            for method, path, body in [
+                ("GET", "/health", None),
+                ("POST", "/v1/chat/completions", {"messages": MESSAGES}),
+                ("POST", "/tokenize", {"messages": MESSAGES}),
+            ]:
+                async with http.request(method, base + path, json=body) as resp:
+                    assert (resp.status, (await resp.json())["error"]["type"]) == (503, "worker_starting"), path
+            assert engine.prompts == []
+
+            holder["service"] = svc
+            async with http.get(base + "/health") as resp:
+                assert (resp.status, await resp.json()) == (200, {"status": "ok"})
+            async with http.post(base + "/v1/chat/completions", json={"messages": MESSAGES}) as resp:
+                assert resp.status == 200
+                assert (await resp.json())["choices"][0]["message"]["content"] == "The answer is 17."
+            async with http.post(base + "/v1/chat/completions", data=b"{not json") as resp:
+                assert (resp.status, (await resp.json())["error"]["type"]) == (400, "invalid_json")
+    finally:
+        await runner.cleanup()
+    assert len(engine.prompts) == 1
