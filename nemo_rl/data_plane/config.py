@@ -45,12 +45,14 @@ class DataPlaneConfig(BaseModel):
         ),
     )
     startup_timeout_s: float = Field(
-        default=120.0,
+        default=300.0,
         gt=0.0,
         allow_inf_nan=False,
         description=(
-            "Deadline in seconds for starting the controller and storage-unit actors; each imports "
-            "torch, which takes tens of seconds on a loaded 2-core host."
+            "Deadline in seconds for starting the controller and storage-unit actors. Each imports "
+            "torch and TQ's tensordict (which pulls in torch._dynamo): ~17 s of one core each, "
+            "over 120 s when a shared 2-core host is 3x oversubscribed. An actor that crashes "
+            "fails at once regardless; only a stall waits this long."
         ),
     )
     client_zmq_io_threads: int = Field(
