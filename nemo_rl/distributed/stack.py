@@ -95,7 +95,7 @@ async def start_stack(
         stack.env = NemoGymEnvironment(nemo_gym, token_capture, worker_base_url=pending.base_urls[0], log_dir=log_dir)
         await stack.env.start()
         step("gym_servers", t_gym)
-        stack.workers = await_workers(pending, progress=progress)
+        await_workers(pending, progress=progress)
         step("vllm_workers", t0)
     except BaseException:
         stack.stop()

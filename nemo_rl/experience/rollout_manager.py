@@ -283,11 +283,11 @@ class RolloutManager:
             *(asyncio.wait_for(asyncio.to_thread(job), capture.stage_timeout_s) for job in jobs.values()),
             return_exceptions=True,
         )
-        cleared = results[list(jobs).index("clear staged keys")]
-        if isinstance(cleared, int):
-            self._orphaned_staged_keys += cleared
+        outcomes = dict(zip(jobs, results))
+        if isinstance(outcomes["clear staged keys"], int):
+            self._orphaned_staged_keys += outcomes["clear staged keys"]
         failures = []
-        for name, outcome in zip(jobs, results):
+        for name, outcome in outcomes.items():
             if isinstance(outcome, asyncio.TimeoutError):
                 failures.append(f"{name}: no answer within token_capture.stage_timeout_s={capture.stage_timeout_s}s")
             elif isinstance(outcome, BaseException):

@@ -6,8 +6,8 @@ Contract:
   of `rollout_ids` but that no fetched manifest named. They exist when a worker staged a call
   whose commit never reached the ledger (the gate or the run died in between, or the manifest
   could not be fetched); nothing would ever read or clear them otherwise.
-- `TQStagingCleaner.clear(named_keys, rollout_ids)` clears the named keys and those orphans in
-  one bounded TransferQueue call and returns how many orphans it cleared. Keys of other
+- `TQStagingCleaner.clear(named_keys, rollout_ids)` lists the partition, then clears the named
+  keys and those orphans in one call (each call bounded) and returns how many orphans it cleared. Keys of other
   rollouts are never touched, so groups in flight are unaffected.
 - A call a worker stages after its group was cleared (a run abandoned mid-call) is not seen
   here; it stays until the partition is dropped with the data plane.

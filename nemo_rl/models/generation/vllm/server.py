@@ -40,11 +40,8 @@ def build_app(
     get_service: Callable[[], ChatService | None], *, model_name: str, max_model_len: int
 ) -> web.Application:
     async def chat(request: web.Request) -> web.Response:
-        service = get_service()
-        if service is None:
-            return _error(_STARTING)
         try:
-            return web.json_response(await service.chat_completions(await _json_body(request)))
+            return web.json_response(await get_service().chat_completions(await _json_body(request)))
         except HttpError as e:
             return _error(e)
         except Exception as e:
@@ -52,11 +49,8 @@ def build_app(
             return _error(HttpError(500, "engine_error", f"{type(e).__name__}: {e}"))
 
     async def tokenize(request: web.Request) -> web.Response:
-        service = get_service()
-        if service is None:
-            return _error(_STARTING)
         try:
-            out = service.tokenize(await _json_body(request))
+            out = get_service().tokenize(await _json_body(request))
         except HttpError as e:
             return _error(e)
         return web.json_response({**out, "max_model_len": max_model_len})
@@ -67,11 +61,16 @@ def build_app(
         )
 
     async def health(_: web.Request) -> web.Response:
-        if get_service() is None:
-            return _error(_STARTING)
         return web.json_response({"status": "ok"})
 
-    app = web.Application(client_max_size=64 * 1024 * 1024)
+    @web.middleware
+    async def starting_gate(request: web.Request, handler) -> web.StreamResponse:
+        # One gate for every route: nothing is served before the service is let through.
+        if get_service() is None:
+            return _error(_STARTING)
+        return await handler(request)
+
+    app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=[starting_gate])
     app.router.add_post("/v1/chat/completions", chat)
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/v1/tokenize", tokenize)
