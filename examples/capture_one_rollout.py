@@ -2,9 +2,10 @@
 
 Brings up the real stack (private Ray, TransferQueue, the vLLM worker in its flavored venv, Gym's
 gate + simple_agent + our arithmetic resources server on loopback), runs one rollout with
-token capture on, then: fetches the manifest (bearer), assembles the receipt, fetches the staged
-deltas from TQ, runs Gym's `verify_and_linearize`, and compares the row, call by call, with what
-the engine sampled. The last stdout line is one JSON object; the exit code is 0 only when the
+token capture on, then: fetches the manifest (bearer) and the workers' served-call report,
+fetches the staged deltas from TQ, runs the project's one judge (`judge_rollout`, which runs
+Gym's `verify_and_linearize` per chain), and compares every row, call by call, with what the
+engine sampled. The last stdout line is one JSON object; the exit code is 0 only when the
 row verified and its generated ids equal the engine's.
 
     uv run python examples/capture_one_rollout.py [--log-dir DIR] [--seed N] [--temperature T]
@@ -20,17 +21,17 @@ import time
 import uuid
 from pathlib import Path
 
-from nemo_gym.token_id_capture.staging import ReceiptVerificationError, verify_and_linearize
-
 from nemo_rl.data_plane import DataPlaneConfig
 from nemo_rl.distributed.stack import start_stack
 from nemo_rl.environments.arith_task import make_problems
 from nemo_rl.environments.nemo_gym import NemoGymConfig, RowSampling, build_row
 from nemo_rl.models.generation.vllm.config import GenerationConfig
 from nemo_rl.models.tiny_model import TinyModelConfig, ensure_tiny_model
-from nemo_rl.token_capture.audit import audit_row, retokenization_drift
+from nemo_rl.token_capture.audit import audit_train_row, retokenization_drift
 from nemo_rl.token_capture.config import TokenCaptureConfig
-from nemo_rl.token_capture.receipt import assemble_receipt
+from nemo_rl.token_capture.finalizer import fetch_snapshots
+from nemo_rl.token_capture.judge import RolloutEvidence, judge_rollout
+from nemo_rl.token_capture.rows import KeptRollout
 from nemo_rl.token_capture.staging import TQTokenSource
 
 
@@ -72,9 +73,11 @@ async def main(args: argparse.Namespace) -> dict:
         result = await stack.env.run(rollout_id, row_body)
         rollout_s = time.monotonic() - t0
         manifest = await stack.env.manifest(rollout_id)
-        receipt = assemble_receipt(rollout_id, manifest, result)
-        keys = [r.staging_key for r in manifest.records if r.staging_key]
-        snapshots = TQTokenSource(stack.client, capture.staging_partition).fetch(keys)
+        served = tuple(await stack.workers.take_served_async([rollout_id]))
+        evidence = RolloutEvidence(rollout_id, 0, 0, result, None, manifest, None, served)
+        snapshots, problems = fetch_snapshots(
+            TQTokenSource(stack.client, capture.staging_partition), evidence.staging_keys())
+        verdict = judge_rollout(evidence, snapshots, problems, capture)
         summary: dict = {
             "rollout_id": rollout_id,
             "calls": len(manifest.records) + len(manifest.failures),
@@ -82,21 +85,23 @@ async def main(args: argparse.Namespace) -> dict:
             "staged": len(snapshots),
             "manifest_failures": [f.reason for f in manifest.failures],
             "reward": result.get("reward"),
-            "terminal_selection": receipt.terminal_selection,
+            "terminal_selection": verdict.terminal_selection,
+            "served_generated_tokens": sum(call.generated_tokens for call in served),
         }
-        try:
-            row = verify_and_linearize(receipt, snapshots)
-        except ReceiptVerificationError as e:
-            summary.update(verified=False, verify_error=str(e), ids_match_engine=False)
+        if not isinstance(verdict, KeptRollout):
+            summary.update(verified=False, verify_error=f"{verdict.reason.value}: {verdict.detail}", ids_match_engine=False)
             return summary
         engine = stack.workers.engine_records([r.response_id for r in manifest.records])
-        audit = audit_row(row, manifest.records, engine)
+        audits = [audit_train_row(row, manifest.records, engine) for row in verdict.rows]
+        row = verdict.rows[0]
         summary.update(
             verified=True,
+            rows=len(verdict.rows),
             row_tokens=len(row.token_ids),
-            generated_tokens=int(sum(row.token_mask)),
-            ids_match_engine=audit.ids_match,
-            max_abs_logprob_diff=audit.max_abs_logprob_diff,
+            generated_tokens=verdict.num_generated_tokens,
+            kept_generated_tokens=verdict.yield_.kept_generated_tokens,
+            ids_match_engine=all(audit.ids_match for audit in audits),
+            max_abs_logprob_diff=max(audit.max_abs_logprob_diff for audit in audits),
             weight_versions=list(row.weight_versions),
             retokenization_drift=retokenization_drift(tokenizer, row.token_ids),
             rollout_s=round(rollout_s, 3),

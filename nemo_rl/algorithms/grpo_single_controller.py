@@ -5,13 +5,18 @@ Contract of one step (`run_grpo`):
 2. dispatch one group of N rollouts per problem through the `RolloutManager` (receipt mode when
    `token_capture.enabled`, Gym's legacy token echo otherwise); every group comes back with
    exactly N entries, rows or typed placeholders;
-3. group-normalised advantages over the valid rows (placeholders get 0 and are not trained);
+3. group-normalised advantages over the kept ROLLOUTS (placeholders get 0 and are not trained);
+   every row of a kept rollout (one per verified chain) carries its rollout's advantage;
 4. one GRPO train step on the policy worker (loss mask = generated tokens only), which also
    reports `token_mult_prob_error` / `gen_kl_error` of its logprobs against the generation's;
-5. export the new weights and refit every vLLM worker with `weight_version = step`; a probe
-   sequence is then scored by engine and trainer to prove the engine serves the new weights;
+5. export the new weights and refit every vLLM worker to version `step`; the version each worker
+   reports back is the one the next step's rows must carry (checked from the rows, per call);
+   a probe sequence is then scored by engine and trainer to prove the engine serves the new weights;
 6. log one metrics line (stdout, `<log_dir>/metrics.jsonl`, TensorBoard when enabled).
-Invariant checked every step: `rollouts/dispatched == finalize/rows + finalize/placeholders`.
+Invariant checked every step: `rollouts/dispatched == finalize/kept_rollouts + finalize/placeholders`.
+A step whose rollouts are all placeholders is logged loudly, counted (`steps/masked_consecutive`)
+and skipped (no train, no refit); `token_capture.max_consecutive_masked_steps` such steps in a row
+raise `MaskedStepsError`.
 """
 
 from __future__ import annotations
@@ -34,15 +39,24 @@ from nemo_rl.experience.rollout_manager import RolloutManager, RolloutManagerCon
 from nemo_rl.models.policy import TrainBatch
 from nemo_rl.models.policy.worker import RayPolicyClient
 from nemo_rl.models.tiny_model import ensure_tiny_model
-from nemo_rl.token_capture.finalizer_pool import FinalizeItem, FinalizeOutcome, FinalizerPool, TQSourceFactory
+from nemo_rl.token_capture.finalizer_pool import FinalizeOutcome, FinalizerPool, TQSourceFactory
+from nemo_rl.token_capture.judge import RolloutEvidence
 from nemo_rl.token_capture.metrics import finalize_metrics
 from nemo_rl.token_capture.retention import TQStagingCleaner
-from nemo_rl.token_capture.rows import GroupResult, TrainRow
+from nemo_rl.token_capture.rows import GroupResult, KeptRollout
 from nemo_rl.utils.logger import MetricsLogger, Timer
 
 
 class GRPOError(RuntimeError):
     """The training loop cannot continue (the message names the step and the cause)."""
+
+
+class MaskedStepsError(GRPOError):
+    """Too many consecutive steps in which every rollout became a placeholder."""
+
+
+class StaleWeightsError(GRPOError):
+    """Rows carry a weight version other than the one the loop refit into every worker."""
 
 
 class TimedFinalizer:
@@ -52,7 +66,7 @@ class TimedFinalizer:
         self.pool = pool
         self.seconds = 0.0
 
-    async def finalize_group(self, items: Sequence[FinalizeItem]) -> list[FinalizeOutcome]:
+    async def finalize_group(self, items: Sequence[RolloutEvidence]) -> list[FinalizeOutcome]:
         t0 = time.monotonic()
         try:
             return await self.pool.finalize_group(items)
@@ -67,20 +81,26 @@ class StepBatch:
 
 
 def build_train_batch(groups: Sequence[GroupResult], normalize: bool) -> StepBatch:
-    """Advantages per group over valid rows; placeholders are accounted but never trained."""
+    """Advantages per group over kept rollouts; each of a rollout's rows gets its rollout's advantage.
+
+    Placeholders are accounted but never trained. Normalising per rollout (not per row) keeps a
+    rollout that branched into several rows from weighing more in its group's statistics.
+    """
     ids, masks, lps, advs = [], [], [], []
     all_rewards: list[float] = []
     for group in groups:
         entries = list(group.entries)
-        valid = [isinstance(e, TrainRow) for e in entries]
-        rewards = [float(e.reward) if isinstance(e, TrainRow) else 0.0 for e in entries]
+        valid = [isinstance(e, KeptRollout) for e in entries]
+        rewards = [float(e.reward) if isinstance(e, KeptRollout) else 0.0 for e in entries]
         all_rewards += rewards
         advantages = compute_group_advantages(rewards, len(entries), normalize, valid)
         for entry, adv in zip(entries, advantages):
-            if isinstance(entry, TrainRow):
-                ids.append(list(entry.token_ids))
-                masks.append([int(m) for m in entry.token_mask])
-                lps.append(list(entry.generation_logprobs))
+            if not isinstance(entry, KeptRollout):
+                continue
+            for row in entry.rows:
+                ids.append(list(row.token_ids))
+                masks.append([int(m) for m in row.token_mask])
+                lps.append(list(row.generation_logprobs))
                 advs.append(adv)
     batch = TrainBatch(token_ids=ids, token_mask=masks, generation_logprobs=lps, advantages=advs) if ids else None
     return StepBatch(batch=batch, rewards_mean=sum(all_rewards) / max(1, len(all_rewards)))
@@ -99,6 +119,42 @@ async def _reported(run, step: int, total: int, progress) -> GroupResult:
         + "".join(f" [{p.reason.value}: {p.detail[:120]}]" for p in group.placeholders)
     )
     return group
+
+
+def check_row_versions(groups: Sequence[GroupResult], served_version: int, step: int) -> None:
+    """Every call of every row must carry the version the loop last refit into the workers."""
+    stale = sorted({
+        version for group in groups for row in group.rows for version in row.weight_versions
+        if version is not None and version != served_version
+    })
+    if stale:
+        raise StaleWeightsError(
+            f"step {step}: rows carry weight versions {stale} but every worker was refit to version "
+            f"{served_version}; a worker served stale (or future) weights"
+        )
+
+
+async def _train_and_refit(cfg: MasterConfig, step: int, step_batch: StepBatch, policy, stack: Stack,
+                           probe_state: dict, metrics: dict[str, float], weights_root: Path, progress) -> int:
+    """Train on the batch, refit every worker to version `step`; returns the version they report."""
+    with Timer("train_s", metrics):
+        progress(f"[step {step}] training on {step_batch.batch.num_samples} rows")
+        train = policy.train_step(step_batch.batch, cfg.loss_fn)
+    metrics.update({f"train/{k}": v for k, v in train.items() if k not in ("token_mult_prob_error", "gen_kl_error")})
+    metrics["token_mult_prob_error"] = train["token_mult_prob_error"]
+    metrics["gen_kl_error"] = train["gen_kl_error"]
+    with Timer("refit_s", metrics):
+        out_dir = policy.export_weights(weights_root / f"step_{step}")
+        versions = stack.workers.update_weights(out_dir, step)
+        shutil.rmtree(weights_root / f"step_{step - 1}", ignore_errors=True)
+    if set(versions) != {step}:
+        raise StaleWeightsError(f"step {step}: refit to version {step} but the workers report versions {versions}")
+    engine_probe = stack.workers.prompt_logprobs(probe_state["tokens"])[0]
+    trainer_probe = policy.get_logprobs([probe_state["tokens"]])[0]
+    metrics["refit/engine_trainer_max_abs_diff"] = max(abs(a - b) for a, b in zip(engine_probe, trainer_probe))
+    metrics["refit/engine_logprob_change"] = max(abs(a - b) for a, b in zip(engine_probe, probe_state["previous"]))
+    probe_state["previous"] = engine_probe
+    return step
 
 
 async def run_grpo(cfg: MasterConfig, progress=print) -> Path:
@@ -138,14 +194,20 @@ async def run_grpo(cfg: MasterConfig, progress=print) -> Path:
             stack.env,
             finalizer=finalizer,
             cleaner=cleaner,
+            served=stack.workers if cfg.token_capture.enabled else None,
         )
         from transformers import AutoTokenizer
 
         eos = AutoTokenizer.from_pretrained(str(model_dir)).eos_token_id
         probe = probe_sequence(eos, cfg.grpo.refit_probe_tokens, cfg.grpo.seed)
-        previous_engine_probe = stack.workers.prompt_logprobs(probe)[0]
+        probe_state = {"tokens": probe, "previous": stack.workers.prompt_logprobs(probe)[0]}
         sampling = RowSampling(temperature=cfg.grpo.temperature, top_p=cfg.grpo.top_p, max_output_tokens=cfg.grpo.max_output_tokens)
         n = cfg.grpo.num_generations_per_prompt
+        initial_versions = set(stack.workers.weight_versions())
+        if len(initial_versions) != 1:
+            raise StaleWeightsError(f"the generation workers start from different weight versions {sorted(initial_versions)}")
+        served_version = initial_versions.pop()
+        masked_streak = 0
         for step in range(1, cfg.grpo.max_num_steps + 1):
             metrics: dict[str, float] = {}
             if finalizer is not None:
@@ -163,31 +225,32 @@ async def run_grpo(cfg: MasterConfig, progress=print) -> Path:
                 metrics["timing/finalize_s"] = finalizer.seconds if finalizer is not None else 0.0
                 metrics.update(finalize_metrics(groups, manager.take_queue_waits_ms()))
                 metrics["finalize/orphaned_staged_keys"] = float(manager.take_orphaned_staged_keys())
-                if metrics["rollouts/dispatched"] != metrics["finalize/rows"] + metrics["finalize/placeholders"]:
+                metrics["finalize/dropped_groups"] = float(manager.take_dropped_groups())
+                metrics["finalize/served_report_failures"] = float(manager.take_served_report_failures())
+                if metrics["rollouts/dispatched"] != metrics["finalize/kept_rollouts"] + metrics["finalize/placeholders"]:
                     raise GRPOError(f"step {step}: always-N accounting broke: {metrics}")
+                check_row_versions(groups, served_version, step)
                 step_batch = build_train_batch(groups, cfg.grpo.normalize_rewards)
-                if step_batch.batch is None:
-                    raise GRPOError(
-                        f"step {step}: every rollout became a placeholder ({metrics}); nothing can be trained. "
-                        "See finalize/placeholders/<reason> and the Gym/worker logs under the log dir"
-                    )
-                with Timer("train_s", metrics):
-                    progress(f"[step {step}] training on {step_batch.batch.num_samples} rows")
-                    train = policy.train_step(step_batch.batch, cfg.loss_fn)
-                metrics.update({f"train/{k}": v for k, v in train.items() if k not in ("token_mult_prob_error", "gen_kl_error")})
-                metrics["token_mult_prob_error"] = train["token_mult_prob_error"]
-                metrics["gen_kl_error"] = train["gen_kl_error"]
-                with Timer("refit_s", metrics):
-                    out_dir = policy.export_weights(weights_root / f"step_{step}")
-                    stack.workers.update_weights(out_dir, step)
-                    shutil.rmtree(weights_root / f"step_{step - 1}", ignore_errors=True)
-                engine_probe = stack.workers.prompt_logprobs(probe)[0]
-                trainer_probe = policy.get_logprobs([probe])[0]
-                metrics["refit/engine_trainer_max_abs_diff"] = max(abs(a - b) for a, b in zip(engine_probe, trainer_probe))
-                metrics["refit/engine_logprob_change"] = max(abs(a - b) for a, b in zip(engine_probe, previous_engine_probe))
-                previous_engine_probe = engine_probe
-                metrics["weight_version"] = step
+                masked_streak = masked_streak + 1 if step_batch.batch is None else 0
+                metrics["steps/masked_consecutive"] = float(masked_streak)
                 metrics["reward/mean"] = metrics.get("reward/mean", step_batch.rewards_mean)
+                if step_batch.batch is None:
+                    progress(
+                        f"[step {step}] WARNING: every rollout became a placeholder; step skipped (no train, no refit), "
+                        f"{masked_streak}/{cfg.token_capture.max_consecutive_masked_steps} in a row. Reasons: "
+                        + ", ".join(f"{k.rsplit('/', 1)[-1]}={int(v)}" for k, v in metrics.items()
+                                    if k.startswith("finalize/placeholders/"))
+                    )
+                    if masked_streak >= cfg.token_capture.max_consecutive_masked_steps:
+                        logger.log(step, metrics)
+                        raise MaskedStepsError(
+                            f"step {step}: {masked_streak} consecutive steps had no trainable rollout "
+                            f"(token_capture.max_consecutive_masked_steps={cfg.token_capture.max_consecutive_masked_steps}); "
+                            "see finalize/placeholders/<reason> in metrics.jsonl and the Gym/worker logs under the log dir"
+                        )
+                else:
+                    served_version = await _train_and_refit(
+                        cfg, step, step_batch, policy, stack, probe_state, metrics, weights_root, progress)
             logger.log(step, metrics)
         return logger.metrics_path
     finally:

@@ -193,7 +193,7 @@ class NemoGymEnvironment:
         # A trainer that exits without stop() must not leave servers behind (they run in their own sessions).
         atexit.register(self.stop)
         try:
-            for spec in launch.server_specs(ports):
+            for spec in launch.server_specs(ports, wiring):
                 log_path = self._log_dir / f"gym_{spec.name}.log"
                 env = launch.server_env(
                     inherited_env,
@@ -206,7 +206,7 @@ class NemoGymEnvironment:
                 self._procs[spec.name] = launch.start_server(
                     spec, python=sys.executable, env=env, cwd=cwd, log_path=log_path
                 )
-            await self._wait_healthy(launch.server_specs(ports), began + self._cfg.startup_timeout_s)
+            await self._wait_healthy(launch.server_specs(ports, wiring), began + self._cfg.startup_timeout_s)
         except BaseException:
             self.stop()
             raise
@@ -387,8 +387,5 @@ def _parse_manifest(rollout_id: str, text: str) -> RolloutManifest:
         raise ManifestServerError(
             f"rollout {rollout_id!r}: the gate's manifest is not a valid RolloutManifest ({e}); body: {_quote(text)}"
         ) from e
-    if manifest.rollout_id != rollout_id:
-        raise ManifestServerError(
-            f"asked for the manifest of rollout {rollout_id!r} but the gate answered for {manifest.rollout_id!r}"
-        )
+    # A manifest naming another rollout is returned as is: the judge alone decides its verdict.
     return manifest

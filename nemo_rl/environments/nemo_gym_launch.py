@@ -3,7 +3,8 @@
 Contract:
 - Three Gym servers run as plain subprocesses of the current interpreter, bound to 127.0.0.1,
   without Ray, Gym's per-server venvs or Gym's head server:
-  `policy_model` (Gym's `vllm_model`, the gate, pointed at the worker's base_url),
+  `policy_model` (the gate, pointed at the worker's base_url: Gym's `vllm_model` module, or with
+  capture wiring our `capture_gate`, which is the same server with our ledger policy),
   `arith_resources` (our `arith_resources` server) and `arith_agent` (Gym's `simple_agent`
   wired to both by name).
 - Each process gets the whole resolved global config as `NEMO_GYM_CONFIG_DICT` (JSON, which
@@ -16,7 +17,8 @@ Contract:
   absolute ledger `dir`, the bearer's variable name) and opts the agent in; without it the
   gate runs the legacy token echo (`return_token_id_information: true`). `sink` and
   `lineage_store` stay unset: Gym validates custom endpoints with a 3.12-only protocol
-  attribute, and the default `FileLineageStore(dir)` is the non-evicting ledger it needs.
+  attribute. `capture_gate` installs its ledger (`BranchingCaptureLedger(dir)`, a
+  `FileLineageStore` over the same files) with `install_lineage_store` instead.
 - Inherited `NEMO_GYM_*` variables are dropped from the children's environment, so a stray
   variable (e.g. a model URL override) can never re-route a server.
 - `terminate_processes` signals only the process groups of the processes it is handed
@@ -43,6 +45,7 @@ GATE = "policy_model"
 RESOURCES = "arith_resources"
 AGENT = "arith_agent"
 GATE_MODULE = "responses_api_models.vllm_model.app"
+CAPTURE_GATE_MODULE = "nemo_rl.environments.capture_gate"
 RESOURCES_MODULE = "nemo_rl.environments.arith_resources"
 AGENT_MODULE = "responses_api_agents.simple_agent.app"
 CONFIG_DICT_ENV = "NEMO_GYM_CONFIG_DICT"
@@ -152,9 +155,14 @@ def _reject_interpolation(node: Any, where: str) -> None:
         raise ValueError(f"Gym config value {where}={node!r} contains '${{', which OmegaConf would interpolate; rename it")
 
 
-def server_specs(ports: ServerPorts) -> tuple[ServerSpec, ...]:
+def gate_module(capture: CaptureWiring | None) -> str:
+    """Our capture gate (Gym's gate plus our ledger policy) with capture wiring, Gym's own gate without."""
+    return CAPTURE_GATE_MODULE if capture is not None else GATE_MODULE
+
+
+def server_specs(ports: ServerPorts, capture: CaptureWiring | None = None) -> tuple[ServerSpec, ...]:
     return (
-        ServerSpec(GATE, GATE_MODULE, ports.gate),
+        ServerSpec(GATE, gate_module(capture), ports.gate),
         ServerSpec(RESOURCES, RESOURCES_MODULE, ports.resources),
         ServerSpec(AGENT, AGENT_MODULE, ports.agent),
     )

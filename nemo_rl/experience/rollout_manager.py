@@ -8,8 +8,14 @@ Contract of `RolloutManager.run_group(step, group_index, row, n) -> GroupResult`
   per manifest; the finalizer pool bounds its own calls (`token_capture.finalize_timeout_s`).
 - Capture mode: runs all N through `env.run` concurrently, each bounded by `run_timeout_s`;
   fetches every manifest (bounded by `manifest_timeout_s`; also after a failed run, so that its
-  staged keys can be cleared); assembles each receipt; finalizes the unpoisoned ones through
-  the `GroupFinalizer` (the finalizer pool) and the rest in-process (no tokens needed).
+  staged keys can be cleared); takes the workers' served-call report for the group's ids
+  (bounded; unavailable -> None, counted); and sends one `RolloutEvidence` per rollout to the
+  `GroupFinalizer` (the finalizer pool), whose actors run the one judge (`judge.judge_rollout`).
+  The manager decides nothing about a rollout's fate: it dispatches, collects and accounts.
+  `collect_group` runs the same path for rollouts an external harness drove itself.
+- `token_capture.min_valid_fraction_per_group`: a group with fewer kept rollouts than that
+  fraction of N is dropped whole (every entry a `group_below_min_valid_fraction` placeholder,
+  counted by `take_dropped_groups()`).
 - Legacy mode (capture off): runs all N and builds rows from Gym's token echo.
 - Always-N: the result holds exactly N entries, one per reserved id, each a `TrainRow` or a
   `Placeholder` with its typed reason; an id that never reached an outcome (cancellation) is a
@@ -27,23 +33,25 @@ Contract of `RolloutManager.run_group(step, group_index, row, n) -> GroupResult`
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from nemo_gym.token_id_capture.staging import RolloutReceipt
 from nemo_gym.token_id_capture.staging.records import RolloutManifest
 from nemo_gym.token_id_capture.store import validate_rollout_id
 from pydantic import BaseModel, ConfigDict, Field
 
 from nemo_rl.environments.nemo_gym_config import GymRunTimeoutError
 from nemo_rl.token_capture.config import TokenCaptureConfig
-from nemo_rl.token_capture.finalizer import finalize_rollout, legacy_row_from_result
-from nemo_rl.token_capture.finalizer_pool import FinalizeItem, FinalizeOutcome
-from nemo_rl.token_capture.receipt import assemble_receipt, reward_of
-from nemo_rl.token_capture.rows import GroupEntry, GroupResult, Placeholder, PlaceholderReason
+from nemo_rl.token_capture.finalizer import legacy_row_from_result
+from nemo_rl.token_capture.finalizer_pool import FinalizeOutcome
+from nemo_rl.token_capture.judge import RolloutEvidence, RunFailure
+from nemo_rl.token_capture.receipt import reward_of
+from nemo_rl.token_capture.rows import GroupEntry, GroupResult, KeptRollout, Placeholder, PlaceholderReason
+from nemo_rl.token_capture.served import ServedCall
 
 LOGGER = logging.getLogger(__name__)
 ABORTED_DETAIL = "aborted"
@@ -63,7 +71,13 @@ class RolloutEnvironment(Protocol):
 class GroupFinalizer(Protocol):
     """The finalizer pool: one outcome per item, in order, never raising per item."""
 
-    async def finalize_group(self, items: Sequence[FinalizeItem]) -> list[FinalizeOutcome]: ...
+    async def finalize_group(self, items: Sequence[RolloutEvidence]) -> list[FinalizeOutcome]: ...
+
+
+class ServedReporter(Protocol):
+    """The generation workers' served-call report (`WorkerGroup.take_served_async`), bounded."""
+
+    async def take_served_async(self, rollout_ids: list[str]) -> list[ServedCall]: ...
 
 
 class StagingCleaner(Protocol):
@@ -106,6 +120,22 @@ def rollout_id_for(run_id: str, step: int, group_index: int, sample_index: int, 
     return validate_rollout_id(f"{run_id}-s{step}-g{group_index}-i{sample_index}-a{attempt}")
 
 
+def enforce_min_valid_fraction(group: GroupResult, fraction: float) -> GroupResult:
+    """The group itself, or, when its kept share is below `fraction`, every entry as a placeholder."""
+    kept = len(group.kept)
+    if not group.kept or kept >= fraction * group.n:
+        return group
+    detail = f"{kept}/{group.n} rollouts kept < token_capture.min_valid_fraction_per_group={fraction}"
+    entries = []
+    for entry in group.entries:
+        if isinstance(entry, KeptRollout):
+            entry = Placeholder(entry.rollout_id, entry.group_index, entry.sample_index,
+                                PlaceholderReason.GROUP_BELOW_MIN_VALID_FRACTION, detail, entry.reward,
+                                entry.terminal_selection)
+        entries.append(entry)
+    return GroupResult(group.group_index, tuple(entries))
+
+
 def account_group(group_index: int, rollout_ids: Sequence[str], outcomes: Mapping[int, GroupEntry]) -> GroupResult:
     """Exactly one entry per reserved id; unfilled slots become `run_failed`/"aborted" placeholders."""
     stray = set(outcomes) - set(range(len(rollout_ids)))
@@ -133,11 +163,6 @@ class _GroupState:
     outcomes: dict[int, GroupEntry] = field(default_factory=dict)
     staged_keys: dict[int, list[str]] = field(default_factory=dict)  # by sample index
 
-    def placeholder(
-        self, index: int, reason: PlaceholderReason, detail: str, reward: float | None = None
-    ) -> Placeholder:
-        return Placeholder(self.rollout_ids[index], self.group_index, index, reason, detail, reward)
-
 
 def _describe(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"
@@ -150,13 +175,20 @@ class RolloutManager:
         env: RolloutEnvironment,
         finalizer: GroupFinalizer | None = None,
         cleaner: StagingCleaner | None = None,
+        served: ServedReporter | None = None,
     ) -> None:
-        if cfg.capture.enabled and (finalizer is None or cleaner is None):
-            raise ValueError("token_capture.enabled=true needs a finalizer (FinalizerPool) and a staging cleaner")
+        if cfg.capture.enabled and (finalizer is None or cleaner is None or served is None):
+            raise ValueError(
+                "token_capture.enabled=true needs a finalizer (FinalizerPool), a staging cleaner and the "
+                "workers' served-call reporter (WorkerGroup)"
+            )
         self._cfg = cfg
         self._env = env
         self._finalizer = finalizer
         self._cleaner = cleaner
+        self._served = served
+        self._served_report_failures = 0
+        self._dropped_groups = 0
         self._attempts: dict[tuple[int, int], int] = {}
         self._queue_waits_ms: list[float] = []
         self._orphaned_staged_keys = 0
@@ -181,20 +213,60 @@ class RolloutManager:
         count, self._orphaned_staged_keys = self._orphaned_staged_keys, 0
         return count
 
+    def take_served_report_failures(self) -> int:
+        """Groups whose served-call report could not be read, since the last call."""
+        count, self._served_report_failures = self._served_report_failures, 0
+        return count
+
+    def take_dropped_groups(self) -> int:
+        """Groups dropped by `min_valid_fraction_per_group` since the last call."""
+        count, self._dropped_groups = self._dropped_groups, 0
+        return count
+
+    def reserve(self, step: int, group_index: int, n: int) -> list[str]:
+        """Fresh rollout ids for a group an external harness drives itself (see `collect_group`)."""
+        return self._reserve(step, group_index, n)
+
     def take_aborted_groups(self) -> list[GroupResult]:
         """Accounted results of groups whose run_group was cancelled, since the last call."""
         aborted, self._aborted = self._aborted, []
         return aborted
 
     async def run_group(self, step: int, group_index: int, row: dict[str, Any], n: int) -> GroupResult:
-        state = _GroupState(group_index, self._reserve(step, group_index, n))
+        rollout_ids = self._reserve(step, group_index, n)
+        if not self._cfg.capture.enabled:
+            return await self._account(_GroupState(group_index, rollout_ids), self._legacy_group, row)
+        runs = [functools.partial(self._run, rollout_id, row) for rollout_id in rollout_ids]
+        return await self._account(_GroupState(group_index, rollout_ids), self._capture_group, runs)
+
+    async def collect_group(
+        self, group_index: int, rollout_ids: Sequence[str], outcomes: Sequence[dict[str, Any] | RunFailure]
+    ) -> GroupResult:
+        """Judge and account rollouts an external harness already ran (ids from `reserve`), capture on."""
+        if not self._cfg.capture.enabled:
+            raise ValueError("collect_group needs token_capture.enabled=true (it judges captured rollouts)")
+        if len(outcomes) != len(rollout_ids):
+            raise ValueError(f"{len(outcomes)} run outcomes for {len(rollout_ids)} rollout ids")
+
+        async def given(outcome: dict[str, Any] | RunFailure) -> dict[str, Any] | RunFailure:
+            return outcome
+
+        runs = [functools.partial(given, outcome) for outcome in outcomes]
+        return await self._account(_GroupState(group_index, list(rollout_ids)), self._capture_group, runs)
+
+    async def _account(self, state: _GroupState, body, arg) -> GroupResult:
+        group_index = state.group_index
         result: GroupResult | None = None
         try:
-            if self._cfg.capture.enabled:
-                await self._capture_group(state, row)
-            else:
-                await self._legacy_group(state, row)
+            await body(state, arg)
             result = account_group(group_index, state.rollout_ids, state.outcomes)
+            floor = self._cfg.capture.min_valid_fraction_per_group
+            enforced = enforce_min_valid_fraction(result, floor) if self._cfg.capture.enabled else result
+            if enforced is not result:
+                self._dropped_groups += 1
+                LOGGER.warning("group %d dropped: %d/%d kept < min_valid_fraction_per_group=%s",
+                               group_index, len(result.kept), result.n, floor)
+            result = enforced
         except asyncio.CancelledError:
             self._aborted.append(account_group(group_index, state.rollout_ids, state.outcomes))
             raise
@@ -206,63 +278,70 @@ class RolloutManager:
                 LOGGER.error("group %d did not complete and retention failed: %s", group_index, "; ".join(failures))
         return result
 
-    async def _run(self, state: _GroupState, index: int, row: dict[str, Any]) -> dict[str, Any] | None:
-        """The run result, or None after filing a run_failed / run_timeout placeholder."""
+    async def _run(self, rollout_id: str, row: dict[str, Any]) -> dict[str, Any] | RunFailure:
+        """The run result, or the typed failure of the run."""
         try:
-            return await asyncio.wait_for(self._env.run(state.rollout_ids[index], row), self._cfg.run_timeout_s)
+            return await asyncio.wait_for(self._env.run(rollout_id, row), self._cfg.run_timeout_s)
         except asyncio.TimeoutError:
-            state.outcomes[index] = state.placeholder(
-                index, PlaceholderReason.RUN_TIMEOUT, f"no /run result within {self._cfg.run_timeout_s}s")
+            return RunFailure(PlaceholderReason.RUN_TIMEOUT, f"no /run result within {self._cfg.run_timeout_s}s")
         except GymRunTimeoutError as error:
-            state.outcomes[index] = state.placeholder(index, PlaceholderReason.RUN_TIMEOUT, _describe(error))
+            return RunFailure(PlaceholderReason.RUN_TIMEOUT, _describe(error))
         except Exception as error:  # the environment is an external boundary; its failure is this rollout's verdict
-            state.outcomes[index] = state.placeholder(index, PlaceholderReason.RUN_FAILED, _describe(error))
-        return None
+            return RunFailure(PlaceholderReason.RUN_FAILED, _describe(error))
 
     async def _legacy_group(self, state: _GroupState, row: dict[str, Any]) -> None:
         async def one(index: int) -> None:
-            result = await self._run(state, index, row)
-            if result is not None:
+            rollout_id = state.rollout_ids[index]
+            result = await self._run(rollout_id, row)
+            if isinstance(result, RunFailure):
+                state.outcomes[index] = Placeholder(rollout_id, state.group_index, index, result.reason, result.detail)
+            else:
                 state.outcomes[index] = legacy_row_from_result(
-                    result, rollout_id=state.rollout_ids[index], group_index=state.group_index, sample_index=index)
+                    result, rollout_id=rollout_id, group_index=state.group_index, sample_index=index)
 
         await asyncio.gather(*(one(i) for i in range(len(state.rollout_ids))))
 
-    async def _receipt(self, state: _GroupState, index: int, row: dict[str, Any]) -> RolloutReceipt | None:
-        """Run, fetch the manifest, assemble the receipt; None once a placeholder is filed."""
+    async def _evidence(self, state: _GroupState, index: int, run) -> RolloutEvidence:
+        """Run (or take the harness's outcome), then fetch the manifest; the served report comes later."""
         rollout_id = state.rollout_ids[index]
-        result = await self._run(state, index, row)
+        outcome = await run()
+        manifest, problem = None, None
         try:
             manifest = await asyncio.wait_for(self._env.manifest(rollout_id), self._cfg.capture.manifest_timeout_s)
         except asyncio.TimeoutError:
-            manifest, problem = None, f"no manifest within {self._cfg.capture.manifest_timeout_s}s"
+            problem = f"no manifest within {self._cfg.capture.manifest_timeout_s}s"
         except Exception as error:  # the gate's control route is an external boundary
-            manifest, problem = None, _describe(error)
+            problem = _describe(error)
         if manifest is not None and manifest.rollout_id == rollout_id:
             state.staged_keys[index] = [record.staging_key for record in manifest.records]
-        if result is None:
-            return None
-        if manifest is None:
-            state.outcomes[index] = state.placeholder(
-                index, PlaceholderReason.MANIFEST_UNAVAILABLE, problem, reward_of(result))
-            return None
-        return assemble_receipt(rollout_id, manifest, result)
+        failed = isinstance(outcome, RunFailure)
+        return RolloutEvidence(
+            rollout_id, state.group_index, index, None if failed else outcome, outcome if failed else None,
+            manifest, problem, None,
+        )
 
-    async def _capture_group(self, state: _GroupState, row: dict[str, Any]) -> None:
-        receipts = await asyncio.gather(*(self._receipt(state, i, row) for i in range(len(state.rollout_ids))))
-        items: list[FinalizeItem] = []
-        for index, receipt in enumerate(receipts):
-            if receipt is None:
-                continue
-            if receipt.capture_poisoned or receipt.reward is None:
-                state.outcomes[index] = finalize_rollout(
-                    receipt, (), group_index=state.group_index, sample_index=index)
-            else:
-                items.append(FinalizeItem(receipt, state.group_index, index))
-        outcomes = await self._finalizer.finalize_group(items)
-        if len(outcomes) != len(items):
-            raise AccountingError(f"finalizer answered {len(outcomes)} outcomes for {len(items)} items")
-        for item, outcome in zip(items, outcomes):
+    async def _served_report(self, rollout_ids: list[str]) -> dict[str, tuple[ServedCall, ...]] | None:
+        try:
+            calls = await self._served.take_served_async(rollout_ids)
+        except Exception as error:  # the workers are an external boundary; the judge fails closed without it
+            self._served_report_failures += 1
+            LOGGER.error("served-call report for %s.. unavailable: %s", rollout_ids[0], _describe(error))
+            return None
+        by_rollout: dict[str, list[ServedCall]] = {rollout_id: [] for rollout_id in rollout_ids}
+        for call in calls:
+            if call.rollout_id in by_rollout:
+                by_rollout[call.rollout_id].append(call)
+        return {rollout_id: tuple(found) for rollout_id, found in by_rollout.items()}
+
+    async def _capture_group(self, state: _GroupState, runs) -> None:
+        evidence = list(await asyncio.gather(*(self._evidence(state, i, run) for i, run in enumerate(runs))))
+        served = await self._served_report(list(state.rollout_ids))
+        if served is not None:
+            evidence = [dataclasses.replace(ev, served=served[ev.rollout_id]) for ev in evidence]
+        outcomes = await self._finalizer.finalize_group(evidence)
+        if len(outcomes) != len(evidence):
+            raise AccountingError(f"finalizer answered {len(outcomes)} outcomes for {len(evidence)} items")
+        for item, outcome in zip(evidence, outcomes):
             state.outcomes[item.sample_index] = outcome.result
             if outcome.queue_wait_ms is not None:
                 self._queue_waits_ms.append(outcome.queue_wait_ms)

@@ -7,6 +7,10 @@ Contract:
   row's generated span. `ids_match` is true only if every call on the chain matches; a call
   without an engine record is a mismatch, never skipped. `max_abs_logprob_diff` compares the
   row's generation logprobs with the engine's over all generated tokens.
+- `audit_train_row` does the same for a judged `TrainRow` (any chain of a kept rollout): per
+  call span it requires the engine's prompt ids + sampled ids to equal the row's ids up to the
+  span's end, and every LOSS token's logprob to equal the engine's (tokens masked because an
+  earlier row owns them are checked for ids only).
 - `retokenization_drift(tokenizer, ids)` is true when decoding the row to text and encoding that
   text again yields different ids: what a text-based (re-tokenizing) pipeline would train on.
 """
@@ -18,6 +22,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from nemo_gym.token_id_capture.staging import CallRecord, LinearizedRow
+
+from nemo_rl.token_capture.rows import TrainRow
 
 
 class TextTokenizer(Protocol):
@@ -70,6 +76,33 @@ def audit_row(row: LinearizedRow, records: Sequence[CallRecord], engine: Mapping
                 )
             )
         start = gen_end
+    return AuditResult(tuple(audits))
+
+
+def audit_train_row(
+    row: TrainRow, records: Sequence[CallRecord], engine: Mapping[str, Mapping[str, Any]]
+) -> AuditResult:
+    by_call = {r.model_call_id: r for r in records}
+    audits: list[CallAudit] = []
+    for call_id, (start, end) in zip(row.model_call_ids, row.call_spans):
+        record = by_call.get(call_id)
+        sample = engine.get(record.response_id) if record is not None and record.response_id else None
+        if sample is None or not start <= end - len(sample["token_ids"]):
+            audits.append(CallAudit(call_id, False, False, float("inf")))
+            continue
+        gen_start = end - len(sample["token_ids"])
+        diffs = [
+            abs(row.generation_logprobs[i] - sample["logprobs"][i - gen_start])
+            for i in range(gen_start, end) if row.token_mask[i] == 1.0
+        ]
+        audits.append(
+            CallAudit(
+                model_call_id=call_id,
+                prompt_match=list(sample["prompt_token_ids"]) == list(row.token_ids[:gen_start]),
+                ids_match=list(sample["token_ids"]) == list(row.token_ids[gen_start:end]),
+                max_abs_logprob_diff=max(diffs, default=0.0) if len(sample["logprobs"]) == end - gen_start else float("inf"),
+            )
+        )
     return AuditResult(tuple(audits))
 
 

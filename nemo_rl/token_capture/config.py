@@ -14,6 +14,8 @@ Contract:
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field
 
 
@@ -92,5 +94,42 @@ class TokenCaptureConfig(BaseModel):
         description=(
             "After a group's rows are committed, clear its staged TransferQueue keys and "
             "retire its ledger files so memory and disk stay bounded over a long run."
+        ),
+    )
+    branch_policy: Literal["terminal_chain", "all_chains"] = Field(
+        default="all_chains",
+        description=(
+            "Which verified chains of a rollout become training rows. `all_chains`: every verified "
+            "chain (branches after a history rewrite, retried siblings), each with the rollout's "
+            "advantage, every generated token in the loss at most once. `terminal_chain`: only the "
+            "chain that ends at the scored response (NeMo-Gym's default)."
+        ),
+    )
+    mixed_weight_version_policy: Literal["allow", "reject"] = Field(
+        default="allow",
+        description=(
+            "A chain whose calls were served by different policy versions: `allow` trains it (each "
+            "token keeps its own version), `reject` drops the chain (a rejected terminal chain makes "
+            "the rollout a `mixed_weight_version` placeholder)."
+        ),
+    )
+    min_valid_fraction_per_group: float = Field(
+        default=0.0,
+        ge=0.0,
+        le=1.0,
+        allow_inf_nan=False,
+        description=(
+            "A GRPO group whose kept rollouts are fewer than this fraction of N is dropped whole "
+            "(every rollout becomes a `group_below_min_valid_fraction` placeholder, counted). "
+            "0.0 keeps every group that has at least one kept rollout."
+        ),
+    )
+    max_consecutive_masked_steps: int = Field(
+        default=3,
+        ge=1,
+        description=(
+            "A step in which every rollout is a placeholder is logged loudly, counted and skipped "
+            "(no train step, no refit); the run stops with MaskedStepsError after this many such "
+            "steps in a row."
         ),
     )

@@ -1,103 +1,86 @@
-"""Turn one rollout into a `TrainRow` or a typed `Placeholder` (pure functions, never raise on data).
+"""Fetch a rollout's staged snapshots for the judge; rebuild legacy rows from Gym's token echo.
 
-Capture path, `finalize_rollout(receipt, snapshots, *, group_index, sample_index)`:
-- `snapshots` are the staged base snapshots for the receipt's manifest rows, in manifest order.
-- A poisoned receipt becomes a placeholder (`poison_reason`), a missing reward becomes
-  `reward_missing`; otherwise Gym's `verify_and_linearize` decides. Its
-  `ReceiptVerificationError` becomes `capture_poisoned` (codes rollout_failed/capture_poisoned)
-  or `verification_failed`, with `detail` = the error code.
-- A verified row counts its terminal-chain calls by mode (token_in vs text root).
+Capture path, `fetch_snapshots(source, keys) -> (snapshots_by_key, problems_by_key)`: reads every
+key from the staging source and never raises for a per-key fault: a missing key becomes a
+`staged_record_missing` problem, a stored record that fails Gym's validation a
+`verification_failed` problem, and an unavailable store a `data_plane_error` problem for every
+key still unread. The judge (`judge.judge_rollout`) then drops exactly the chains that need a
+faulty key. Bounded: at most one extra fetch per faulty key.
 
 Legacy path (capture off), `legacy_row_from_result(run_result, ...)`, rebuilds NeMo-RL's row from
 Gym's token echo: every `/run` output item that carries `generation_token_ids` is one model call
 with `prompt_token_ids` and `generation_log_probs`. Each call's prompt must extend the sequence
 seen so far; its new prompt tokens `prompt_token_ids[seen:]` are appended as carry (mask 0,
 logprob 0.0) and its generated tokens as mask 1 with their logprobs. Missing echo, malformed echo,
-a non-extending prompt or no generated token at all yield typed placeholders.
+a non-extending prompt or no generated token at all yield typed placeholders. A row is returned
+as a one-row `KeptRollout`.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
-from nemo_gym.token_id_capture.staging import (
-    ReceiptVerificationError,
-    RolloutReceipt,
-    StagedCallBaseSnapshot,
-    verify_and_linearize,
+from nemo_gym.token_id_capture.staging import StagedCallBaseSnapshot
+
+from nemo_rl.token_capture.judge import FetchProblem
+from nemo_rl.token_capture.receipt import reward_of
+from nemo_rl.token_capture.rows import GroupEntry, KeptRollout, Placeholder, PlaceholderReason, RowOrigin, TrainRow
+from nemo_rl.token_capture.staging import (
+    StagedKeysMissingError,
+    StagedRecordInvalidError,
+    StagingFetchError,
 )
 
-from nemo_rl.token_capture.receipt import poison_reason, reward_of
-from nemo_rl.token_capture.rows import GroupEntry, Placeholder, PlaceholderReason, RowOrigin, TrainRow
-
-_POISON_CODES = frozenset({"rollout_failed", "capture_poisoned"})
 _ECHO_FIELDS = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
 
 
-def receipt_placeholder(
-    receipt: RolloutReceipt, reason: PlaceholderReason, detail: str, *, group_index: int, sample_index: int
-) -> Placeholder:
-    """A placeholder for this receipt's rollout, keeping its reward and terminal method."""
-    return Placeholder(
-        rollout_id=receipt.rollout_id,
-        group_index=group_index,
-        sample_index=sample_index,
-        reason=reason,
-        detail=detail,
-        reward=receipt.reward,
-        terminal_selection=receipt.terminal_selection,
-    )
+class SnapshotSource(Protocol):
+    """Gym's `StagingSource` shape (`TQTokenSource` implements it): one base snapshot per key, in
+    key order, or a `StagingFetchError` subclass naming the keys (missing / invalid / unavailable).
+    """
+
+    def fetch(self, staging_keys: list[str]) -> list[StagedCallBaseSnapshot]: ...
 
 
-def placeholder_for_poisoned(receipt: RolloutReceipt, *, group_index: int, sample_index: int) -> Placeholder:
-    """The placeholder for a receipt that `assemble_receipt` poisoned (no snapshots needed)."""
-    if not receipt.capture_poisoned:
-        raise ValueError(f"receipt {receipt.rollout_id} is not poisoned; finalize it with finalize_rollout")
-    detail = receipt.failure_reason or ""
-    return receipt_placeholder(
-        receipt, poison_reason(receipt), detail, group_index=group_index, sample_index=sample_index
-    )
-
-
-def finalize_rollout(
-    receipt: RolloutReceipt,
-    snapshots: Sequence[StagedCallBaseSnapshot],
-    *,
-    group_index: int,
-    sample_index: int,
-) -> GroupEntry:
-    """Verify and linearize one receipt; every rejection is a typed placeholder."""
-    slot = {"group_index": group_index, "sample_index": sample_index}
-    if receipt.capture_poisoned:
-        return placeholder_for_poisoned(receipt, **slot)
-    if receipt.reward is None:
-        return receipt_placeholder(receipt, PlaceholderReason.REWARD_MISSING, "run result has no finite reward", **slot)
-    try:
-        row = verify_and_linearize(receipt, snapshots)
-    except ReceiptVerificationError as error:
-        poisoned = error.code in _POISON_CODES
-        reason = PlaceholderReason.CAPTURE_POISONED if poisoned else PlaceholderReason.VERIFICATION_FAILED
-        return receipt_placeholder(receipt, reason, error.code, **slot)
-    modes = {record.model_call_id: record.mode for record in receipt.manifest}
-    token_in = sum(1 for call_id in row.model_call_ids if modes[call_id] == "token_in")
-    return TrainRow(
-        rollout_id=receipt.rollout_id,
-        group_index=group_index,
-        sample_index=sample_index,
-        token_ids=tuple(row.token_ids),
-        token_mask=tuple(row.token_mask),
-        generation_logprobs=tuple(row.logprobs),
-        reward=receipt.reward,
-        prompt_len=row.prompt_len,
-        model_call_ids=tuple(row.model_call_ids),
-        weight_versions=tuple(row.weight_versions),
-        token_in_calls=token_in,
-        text_root_calls=len(row.model_call_ids) - token_in,
-        terminal_selection=receipt.terminal_selection,
-        origin=RowOrigin.CAPTURE,
-    )
+def fetch_snapshots(
+    source: SnapshotSource, keys: Sequence[str]
+) -> tuple[dict[str, StagedCallBaseSnapshot], dict[str, FetchProblem]]:
+    """Every readable snapshot by key, and a typed problem for every key that is not."""
+    pending = list(dict.fromkeys(keys))
+    problems: dict[str, FetchProblem] = {}
+    for _ in range(len(pending) + 1):
+        if not pending:
+            return {}, problems
+        try:
+            snapshots = source.fetch(pending)
+        except StagedKeysMissingError as error:
+            missing = [key for key in error.keys if key in pending] or list(pending)
+            for key in missing:
+                problems[key] = FetchProblem(PlaceholderReason.STAGED_RECORD_MISSING, str(error))
+            pending = [key for key in pending if key not in problems]
+            continue
+        except StagedRecordInvalidError as error:
+            key = error.key if error.key in pending else pending[0]
+            problems[key] = FetchProblem(PlaceholderReason.VERIFICATION_FAILED, f"invalid_staged_record: {error}")
+            pending = [k for k in pending if k != key]
+            continue
+        except StagingFetchError as error:
+            for key in pending:
+                problems[key] = FetchProblem(PlaceholderReason.DATA_PLANE_ERROR, f"{type(error).__name__}: {error}")
+            return {}, problems
+        by_key = {}
+        for key, snapshot in zip(pending, snapshots):
+            if isinstance(snapshot, StagedCallBaseSnapshot) and snapshot.staging_key == key:
+                by_key[key] = snapshot
+        for key in pending:
+            if key not in by_key:
+                problems[key] = FetchProblem(
+                    PlaceholderReason.STAGED_RECORD_MISSING, f"the source answered {len(snapshots)} snapshots for "
+                    f"{len(pending)} keys and none for {key}")
+        return by_key, problems
+    raise AssertionError("unreachable: every iteration removes at least one pending key")
 
 
 def _echo_problem(item: dict[str, Any]) -> str | None:
@@ -120,6 +103,15 @@ def legacy_row_from_result(
     run_result: dict[str, Any], *, rollout_id: str, group_index: int, sample_index: int
 ) -> GroupEntry:
     """Rebuild the legacy token-echo row (see the module docstring); never raises for bad data."""
+    entry = _legacy_entry(run_result, rollout_id=rollout_id, group_index=group_index, sample_index=sample_index)
+    if isinstance(entry, TrainRow):
+        return KeptRollout(rollout_id, group_index, sample_index, (entry,), entry.reward, None)
+    return entry
+
+
+def _legacy_entry(
+    run_result: dict[str, Any], *, rollout_id: str, group_index: int, sample_index: int
+) -> TrainRow | Placeholder:
     reward = reward_of(run_result)
 
     def placeholder(reason: PlaceholderReason, detail: str) -> Placeholder:

@@ -1,19 +1,20 @@
-"""Finalizer actors: fetch a rollout's staged snapshots and run `finalize_rollout` off the driver.
+"""Finalizer actors: fetch a rollout's staged snapshots and run the judge off the driver.
 
 Contract:
 - `FinalizerWorker` is a thin Ray actor shell. Its snapshot source is built inside the actor by
   the `source_factory` passed in (so the real TransferQueue source, whose client cannot be
-  pickled, is created where it is used). `finalize(receipt_json, group_index, sample_index)`
-  fetches one snapshot per manifest row IN MANIFEST ORDER and returns a `WorkerReply`; every
-  failure is already a typed `Placeholder` before it crosses the Ray boundary: missing keys
-  (`StagedKeysMissingError`) or a short answer -> staged_record_missing; a stored record that
-  fails Gym's validation (`StagedRecordInvalidError`) -> verification_failed; an unavailable
-  store or any other source error -> data_plane_error. `TQSourceFactory` builds the real
-  TransferQueue source (`TQTokenSource` over `DataPlaneClient.attach`).
+  pickled, is created where it is used). `finalize(evidence)` fetches the snapshots of every
+  committed record of the evidence's manifest (`finalizer.fetch_snapshots`: per-key faults
+  become typed problems) and returns a `WorkerReply` holding `judge.judge_rollout`'s verdict:
+  the same pure judge the driver and `capture_one_rollout.py` use. An exception inside the
+  actor is a bug (data faults are verdicts, never exceptions): it surfaces as
+  `FinalizerBugError` with the actor's traceback and stops the run.
+  `TQSourceFactory` builds the real TransferQueue source (`TQTokenSource` over
+  `DataPlaneClient.attach`).
 - `FinalizerPool.finalize_group(items)` answers exactly one `FinalizeOutcome` per item, in item
   order, never raising for a per-item failure: each actor call is bounded by `call_timeout_s`
-  (expiry -> finalize_timeout), a dead actor -> finalizer_unavailable, a task error ->
-  data_plane_error. Work is spread round-robin over healthy workers; a worker that timed out or
+  (expiry -> finalize_timeout), a dead actor -> finalizer_unavailable; a task error raises
+  `FinalizerBugError`. Work is spread round-robin over healthy workers; a worker that timed out or
   died gets no new work and is killed and replaced once its last in-flight call has resolved.
 - Queue wait = worker start time - driver submit time (wall clock, both on the same host for
   a meaningful number), reported per answered item; None when the worker never answered.
@@ -27,33 +28,19 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
-from nemo_gym.token_id_capture.staging import RolloutReceipt, StagedCallBaseSnapshot
-
 from nemo_rl.data_plane import DataPlaneClient, DataPlaneConfig
 from nemo_rl.token_capture.config import TokenCaptureConfig
-from nemo_rl.token_capture.finalizer import finalize_rollout, receipt_placeholder
-from nemo_rl.token_capture.rows import GroupEntry, PlaceholderReason
-from nemo_rl.token_capture.staging import (
-    StagedKeysMissingError,
-    StagedRecordInvalidError,
-    StagingFetchError,
-    TQTokenSource,
-)
+from nemo_rl.token_capture.finalizer import SnapshotSource, fetch_snapshots
+from nemo_rl.token_capture.judge import RolloutEvidence, judge_rollout
+from nemo_rl.token_capture.receipt import reward_of
+from nemo_rl.token_capture.rows import GroupEntry, Placeholder, PlaceholderReason
+from nemo_rl.token_capture.staging import TQTokenSource
 
 LOGGER = logging.getLogger(__name__)
-
-
-class SnapshotSource(Protocol):
-    """Gym's `StagingSource` shape (`TQTokenSource` implements it): one base snapshot per key, in
-    key order, or a `StagingFetchError` subclass naming the keys (missing / invalid / unavailable).
-    """
-
-    def fetch(self, staging_keys: list[str]) -> list[StagedCallBaseSnapshot]: ...
 
 
 SourceFactory = Callable[[], SnapshotSource]
@@ -79,13 +66,8 @@ class FinalizerPoolError(RuntimeError):
     """The pool cannot serve: misconfigured, not ready within its deadline, or shut down."""
 
 
-@dataclass(frozen=True)
-class FinalizeItem:
-    """One unpoisoned receipt to finalize, with its place in the GRPO group."""
-
-    receipt: RolloutReceipt
-    group_index: int
-    sample_index: int
+class FinalizerBugError(RuntimeError):
+    """The judge raised inside a finalizer actor: a bug in our code, never a data verdict."""
 
 
 @dataclass(frozen=True)
@@ -100,54 +82,31 @@ class FinalizeOutcome:
     queue_wait_ms: float | None  # None when the worker never answered
 
 
-def finalize_from_source(
-    source: SnapshotSource, receipt: RolloutReceipt, *, group_index: int, sample_index: int
-) -> GroupEntry:
-    """Fetch the receipt's snapshots in manifest order and finalize; data faults become placeholders."""
-    slot = {"group_index": group_index, "sample_index": sample_index}
-    if receipt.capture_poisoned or receipt.reward is None:
-        return finalize_rollout(receipt, (), **slot)
-    keys = [record.staging_key for record in receipt.manifest]
-    try:
-        snapshots = source.fetch(keys)
-    except StagedKeysMissingError as error:
-        return receipt_placeholder(receipt, PlaceholderReason.STAGED_RECORD_MISSING, str(error), **slot)
-    except StagedRecordInvalidError as error:
-        detail = f"invalid_staged_record: {error}"
-        return receipt_placeholder(receipt, PlaceholderReason.VERIFICATION_FAILED, detail, **slot)
-    except StagingFetchError as error:
-        detail = f"{type(error).__name__}: {error}"
-        return receipt_placeholder(receipt, PlaceholderReason.DATA_PLANE_ERROR, detail, **slot)
-    if len(snapshots) != len(keys):
-        answered = {s.staging_key for s in snapshots if isinstance(s, StagedCallBaseSnapshot)}
-        missing = [key for key in keys if key not in answered]
-        return receipt_placeholder(
-            receipt, PlaceholderReason.STAGED_RECORD_MISSING,
-            f"{len(snapshots)} snapshots for {len(keys)} keys; missing {missing}", **slot,
-        )
-    return finalize_rollout(receipt, snapshots, **slot)
+def judge_from_source(source: SnapshotSource, evidence: RolloutEvidence, cfg: TokenCaptureConfig) -> GroupEntry:
+    """Fetch what the judge needs from the staging source and judge the rollout."""
+    snapshots, problems = fetch_snapshots(source, evidence.staging_keys())
+    return judge_rollout(evidence, snapshots, problems, cfg)
+
+
+def evidence_placeholder(evidence: RolloutEvidence, reason: PlaceholderReason, detail: str) -> Placeholder:
+    """A transport verdict (the finalizer could not judge): keeps the run's reward for metrics."""
+    reward = reward_of(evidence.run_result) if evidence.run_result is not None else None
+    return Placeholder(evidence.rollout_id, evidence.group_index, evidence.sample_index, reason, detail, reward)
 
 
 class FinalizerWorker:
-    """Thin actor shell around `finalize_from_source` (plain class, usable without Ray)."""
+    """Thin actor shell around `judge_from_source` (plain class, usable without Ray)."""
 
-    def __init__(self, source_factory: SourceFactory) -> None:
+    def __init__(self, source_factory: SourceFactory, cfg: TokenCaptureConfig) -> None:
         self._source = source_factory()
+        self._cfg = cfg
 
     def ready(self) -> bool:
         return True
 
-    def finalize(self, receipt_json: str, group_index: int, sample_index: int) -> WorkerReply:
+    def finalize(self, evidence: RolloutEvidence) -> WorkerReply:
         started_at_s = time.time()
-        receipt = RolloutReceipt.model_validate_json(receipt_json)
-        try:
-            result = finalize_from_source(self._source, receipt, group_index=group_index, sample_index=sample_index)
-        except Exception as error:  # the Ray boundary: the source is third-party, ship a typed verdict
-            LOGGER.exception("finalizing rollout %s failed", receipt.rollout_id)
-            result = receipt_placeholder(
-                receipt, PlaceholderReason.DATA_PLANE_ERROR, f"{type(error).__name__}: {error}",
-                group_index=group_index, sample_index=sample_index,
-            )
+        result = judge_from_source(self._source, evidence, self._cfg)
         return WorkerReply(result=result, started_at_s=started_at_s)
 
 
@@ -166,7 +125,8 @@ class FinalizerPool:
     """Round-robin pool of `FinalizerWorker` actors with a deadline on every call."""
 
     def __init__(
-        self, num_workers: int, source_factory: SourceFactory, call_timeout_s: float, *, worker_num_cpus: float = 0.0
+        self, num_workers: int, source_factory: SourceFactory, call_timeout_s: float, cfg: TokenCaptureConfig,
+        *, worker_num_cpus: float = 0.0,
     ) -> None:
         if num_workers < 1:
             raise FinalizerPoolError(
@@ -175,6 +135,7 @@ class FinalizerPool:
         if not call_timeout_s > 0:
             raise FinalizerPoolError(f"call_timeout_s must be > 0, got {call_timeout_s}")
         self._source_factory = source_factory
+        self._cfg = cfg
         self._call_timeout_s = float(call_timeout_s)
         self._worker_num_cpus = worker_num_cpus
         self._workers = [_WorkerSlot(i, self._spawn()) for i in range(num_workers)]
@@ -185,10 +146,10 @@ class FinalizerPool:
     @classmethod
     def from_config(cls, cfg: TokenCaptureConfig, source_factory: SourceFactory) -> "FinalizerPool":
         """`num_finalizer_workers` actors, each call bounded by `finalize_timeout_s`."""
-        return cls(cfg.num_finalizer_workers, source_factory, cfg.finalize_timeout_s)
+        return cls(cfg.num_finalizer_workers, source_factory, cfg.finalize_timeout_s, cfg)
 
     def _spawn(self) -> ray.actor.ActorHandle:
-        return _RemoteFinalizerWorker.options(num_cpus=self._worker_num_cpus).remote(self._source_factory)
+        return _RemoteFinalizerWorker.options(num_cpus=self._worker_num_cpus).remote(self._source_factory, self._cfg)
 
     async def wait_ready(self, timeout_s: float) -> None:
         """Block until every worker has built its source (one shared deadline); failures name the workers."""
@@ -219,12 +180,12 @@ class FinalizerPool:
             slot.suspect = False
             self.replacements += 1
 
-    async def _finalize_one(self, item: FinalizeItem) -> FinalizeOutcome:
+    async def _finalize_one(self, item: RolloutEvidence) -> FinalizeOutcome:
         slot = self._pick()
         slot.inflight += 1
         submitted_at_s = time.time()
         try:
-            ref = slot.handle.finalize.remote(item.receipt.model_dump_json(), item.group_index, item.sample_index)
+            ref = slot.handle.finalize.remote(item)
             reply: WorkerReply = await asyncio.wait_for(ref, self._call_timeout_s)
         except (asyncio.TimeoutError, GetTimeoutError):
             slot.suspect = True
@@ -236,20 +197,20 @@ class FinalizerPool:
                 item, PlaceholderReason.FINALIZER_UNAVAILABLE, f"finalizer worker {slot.index} died: {error}"
             )
         except RayTaskError as error:
-            return self._failed(item, PlaceholderReason.DATA_PLANE_ERROR, f"finalizer worker {slot.index}: {error}")
+            raise FinalizerBugError(
+                f"finalizer worker {slot.index} raised while judging rollout {item.rollout_id} (a bug, not a data "
+                f"fault):\n{error}"
+            ) from error
         finally:
             self._release(slot)
         wait_ms = max(0.0, (reply.started_at_s - submitted_at_s) * 1000.0)
         return FinalizeOutcome(result=reply.result, queue_wait_ms=wait_ms)
 
     @staticmethod
-    def _failed(item: FinalizeItem, reason: PlaceholderReason, detail: str) -> FinalizeOutcome:
-        placeholder = receipt_placeholder(
-            item.receipt, reason, detail, group_index=item.group_index, sample_index=item.sample_index
-        )
-        return FinalizeOutcome(result=placeholder, queue_wait_ms=None)
+    def _failed(item: RolloutEvidence, reason: PlaceholderReason, detail: str) -> FinalizeOutcome:
+        return FinalizeOutcome(result=evidence_placeholder(item, reason, detail), queue_wait_ms=None)
 
-    async def finalize_group(self, items: Sequence[FinalizeItem]) -> list[FinalizeOutcome]:
+    async def finalize_group(self, items: Sequence[RolloutEvidence]) -> list[FinalizeOutcome]:
         """One outcome per item, in item order (see the module docstring)."""
         if self._closed:
             raise FinalizerPoolError("finalize_group called after shutdown(); build a new FinalizerPool")

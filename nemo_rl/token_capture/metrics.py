@@ -2,24 +2,31 @@
 
 `finalize_metrics(groups, queue_waits_ms) -> dict[str, float]`. Every rate has a defined value
 on an empty denominator (0.0), so a step's metric set never changes shape except for the
-per-reason counts, which appear for every reason that occurred.
+per-reason / per-method counts, which appear for every reason or method that occurred.
 
-Definitions (dispatched = all entries of all groups = rows + placeholders):
+Definitions (dispatched = all entries of all groups = kept rollouts + placeholders):
+- finalize/kept_rollouts, finalize/placeholders; finalize/rows: training rows (a kept rollout
+  contributes one row per verified chain); finalize/rows_per_rollout = rows / kept rollouts;
+  finalize/chains_per_rollout: mean number of chains (leaves) in the manifests of kept rollouts.
 - finalize/placeholders/<reason>: placeholders with that `PlaceholderReason` value.
-- finalize/token_in_calls, finalize/text_root_calls: terminal-chain calls of trained rows by
-  capture mode. finalize/token_in_rate: among continuation calls (every call after a row's
-  first), the share served from exact parent ids: token_in / (token_in + text_root - rows with
-  a root). 1.0 means no continuation was re-rendered from text; 0.0 when no row has a
-  continuation. Legacy rows add neither count.
+- finalize/token_in_calls, finalize/text_root_calls: chain calls of trained rows by capture mode.
+  finalize/token_in_rate: among continuation calls (every call after a row's first), the share
+  served from exact parent ids. 1.0 means no continuation was re-rendered from text.
 - finalize/capture_poisoned_rollouts: placeholders with reason capture_poisoned.
 - finalize/invalid_row_rate = placeholders / dispatched.
-- finalize/heuristic_terminal_fraction: among entries whose receipt named a terminal method
-  (rows and placeholders alike), the fraction chosen by the heuristic parent-link walk.
-- finalize/calls_per_rollout: mean terminal-chain length over trained rows.
+- finalize/terminal_selection/<method>: rollouts (kept or not) whose terminal was named by that
+  method; finalize/heuristic_terminal_fraction is the heuristic share among them;
+  finalize/terminal_witness_disagreements counts rollouts masked because witnesses disagreed.
+- finalize/served_generated_tokens: generated tokens the workers report having served for the
+  step's rollouts (their own counters); finalize/kept_generated_token_fraction = generated tokens
+  in the loss / served, over rollouts with a report (0.0 when none);
+  finalize/unverifiable_generated_tokens/<reason>: served tokens not in the loss, by reason.
+- weight_version/min, weight_version/max: over every call of every trained row (measured from
+  the rows, never from the step counter); -1.0 when no row carries a version (legacy).
+- finalize/calls_per_rollout: mean chain length over trained rows.
 - finalize/queue_wait_ms (mean) and finalize/queue_wait_ms_max over the given waits.
-- reward/mean over ALL dispatched rollouts: a row counts its reward, a placeholder its
-  environment reward when the run produced one and 0.0 otherwise, so a step whose rollouts
-  fail cannot report a better mean than one whose rollouts succeed.
+- reward/mean over ALL dispatched rollouts: a kept rollout counts its reward, a placeholder its
+  environment reward when the run produced one and 0.0 otherwise.
 """
 
 from __future__ import annotations
@@ -27,38 +34,70 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 
-from nemo_rl.token_capture.rows import GroupResult, Placeholder, PlaceholderReason, TrainRow
+from nemo_rl.token_capture.rows import GroupResult, KeptRollout, Placeholder, PlaceholderReason
 
 
 def _ratio(numerator: float, denominator: float) -> float:
     return numerator / denominator if denominator else 0.0
 
 
+def _yield_metrics(entries: Sequence[KeptRollout | Placeholder]) -> dict[str, float]:
+    served = kept = 0
+    lost: Counter[str] = Counter()
+    for entry in entries:
+        report = entry.yield_
+        if report is None or report.served_generated_tokens is None:
+            continue
+        served += report.served_generated_tokens
+        kept += report.kept_generated_tokens
+        for reason, tokens in report.unverifiable:
+            lost[reason] += tokens
+    metrics = {
+        "finalize/served_generated_tokens": float(served),
+        "finalize/kept_generated_token_fraction": _ratio(kept, served),
+    }
+    for reason, tokens in sorted(lost.items()):
+        metrics[f"finalize/unverifiable_generated_tokens/{reason}"] = float(tokens)
+    return metrics
+
+
 def finalize_metrics(groups: Sequence[GroupResult], queue_waits_ms: Sequence[float]) -> dict[str, float]:
     entries = [entry for group in groups for entry in group.entries]
-    rows = [entry for entry in entries if isinstance(entry, TrainRow)]
+    kept = [entry for entry in entries if isinstance(entry, KeptRollout)]
+    rows = [row for rollout in kept for row in rollout.rows]
     placeholders = [entry for entry in entries if isinstance(entry, Placeholder)]
     reasons = Counter(placeholder.reason for placeholder in placeholders)
     token_in = sum(row.token_in_calls for row in rows)
     text_root = sum(row.text_root_calls for row in rows)
-    selected = [entry.terminal_selection for entry in entries if entry.terminal_selection is not None]
-    rewards = [row.reward for row in rows] + [p.reward if p.reward is not None else 0.0 for p in placeholders]
+    selected = Counter(entry.terminal_selection for entry in entries if entry.terminal_selection is not None)
+    rewards = [rollout.reward for rollout in kept] + [p.reward if p.reward is not None else 0.0 for p in placeholders]
+    versions = [v for row in rows for v in row.weight_versions if v is not None]
+    disagreements = sum(1 for p in placeholders if p.reason is PlaceholderReason.TERMINAL_WITNESS_DISAGREEMENT)
 
     metrics: dict[str, float] = {
         "rollouts/dispatched": float(len(entries)),
+        "finalize/kept_rollouts": float(len(kept)),
         "finalize/rows": float(len(rows)),
         "finalize/placeholders": float(len(placeholders)),
+        "finalize/rows_per_rollout": _ratio(len(rows), len(kept)),
+        "finalize/chains_per_rollout": _ratio(sum(k.yield_.chains for k in kept if k.yield_), len(kept)),
         "finalize/token_in_calls": float(token_in),
         "finalize/text_root_calls": float(text_root),
         "finalize/token_in_rate": _ratio(token_in, token_in + text_root - sum(row.text_root_calls > 0 for row in rows)),
         "finalize/capture_poisoned_rollouts": float(reasons[PlaceholderReason.CAPTURE_POISONED]),
         "finalize/invalid_row_rate": _ratio(len(placeholders), len(entries)),
-        "finalize/heuristic_terminal_fraction": _ratio(sum(s == "heuristic" for s in selected), len(selected)),
+        "finalize/heuristic_terminal_fraction": _ratio(selected["heuristic"], sum(selected.values())),
+        "finalize/terminal_witness_disagreements": float(disagreements),
         "finalize/calls_per_rollout": _ratio(sum(len(row.model_call_ids) for row in rows), len(rows)),
         "finalize/queue_wait_ms": _ratio(sum(queue_waits_ms), len(queue_waits_ms)),
         "finalize/queue_wait_ms_max": max(queue_waits_ms, default=0.0),
+        "weight_version/min": float(min(versions)) if versions else -1.0,
+        "weight_version/max": float(max(versions)) if versions else -1.0,
         "reward/mean": _ratio(sum(rewards), len(rewards)),
     }
+    metrics.update(_yield_metrics(entries))
+    for method, count in sorted(selected.items()):
+        metrics[f"finalize/terminal_selection/{method}"] = float(count)
     for reason, count in sorted(reasons.items(), key=lambda item: item[0].value):
         metrics[f"finalize/placeholders/{reason.value}"] = float(count)
     return metrics

@@ -1,17 +1,22 @@
-"""Training rows, masked placeholders and GRPO groups: the finalizer's output types.
+"""Training rows, kept rollouts, masked placeholders and GRPO groups: the judge's output types.
 
 Contract:
-- Every dispatched rollout ends as exactly one `TrainRow` (trainable) or one `Placeholder`
+- Every dispatched rollout ends as exactly one `KeptRollout` (one or more trainable `TrainRow`s,
+  one per verified chain, all sharing the rollout's reward and advantage) or one `Placeholder`
   (masked out of the loss, carrying a typed `PlaceholderReason` and a free-text detail).
 - A `GroupResult` holds exactly N entries, entry i having `sample_index == i`, all in one group,
-  with distinct rollout ids, so `rows + placeholders == dispatched` holds by construction.
+  with distinct rollout ids, so `kept + placeholders == dispatched` holds by construction.
+- Within a kept rollout, a generated token is in the loss at most once: rows are distinct
+  chains, and `KeptRollout` rejects two rows whose loss spans cover the same call.
 
 Invariants checked at construction (a violation raises `RowInvariantError`):
 - TrainRow: token_ids, token_mask and generation_logprobs have equal, non-zero lengths; token ids
   are non-negative ints; mask values are exactly 0.0 or 1.0 with at least one 1.0; logprobs are
   finite and exactly 0.0 wherever the mask is 0.0; the first `prompt_len` tokens are masked out;
   the per-call tuples (model_call_ids, weight_versions) align; reward is finite.
-- Capture rows count every terminal-chain call as token_in or text root
+- `call_spans[i] = (start, end)` is call i's contiguous token span (calls in chain order, covering
+  the row exactly); `token_weight_versions` expands the per-call versions over those spans.
+- Capture rows count every chain call as token_in or text root
   (`token_in_calls + text_root_calls == len(model_call_ids)`), carry an int weight version per
   call and name the terminal selection method. Legacy (token-echo) rows know neither modes,
   weight versions nor terminal selection: counts are 0, versions None, selection None.
@@ -55,6 +60,11 @@ class PlaceholderReason(str, Enum):
     LEGACY_TOKEN_ECHO_MISSING = "legacy_token_echo_missing"
     LEGACY_INVALID_ECHO = "legacy_invalid_echo"
     LEGACY_NONCONTIGUOUS = "legacy_noncontiguous"
+    TERMINAL_DECLARED_UNMATCHED = "terminal_declared_unmatched"
+    TERMINAL_WITNESS_DISAGREEMENT = "terminal_witness_disagreement"
+    SERVED_NOT_STAGED = "served_not_staged"
+    MIXED_WEIGHT_VERSION = "mixed_weight_version"
+    GROUP_BELOW_MIN_VALID_FRACTION = "group_below_min_valid_fraction"
 
 
 def _check_slot(rollout_id: str, group_index: int, sample_index: int) -> None:
@@ -83,10 +93,12 @@ class TrainRow:
     text_root_calls: int
     terminal_selection: str | None
     origin: RowOrigin
+    call_spans: tuple[tuple[int, int], ...] = ()
+    chain_index: int = 0  # 0 is the terminal chain; others follow in manifest order of their leaf
 
     def __post_init__(self) -> None:
         _check_slot(self.rollout_id, self.group_index, self.sample_index)
-        where = f"TrainRow {self.rollout_id}"
+        where = f"TrainRow {self.rollout_id}#{self.chain_index}"
         n = len(self.token_ids)
         if n == 0 or len(self.token_mask) != n or len(self.generation_logprobs) != n:
             raise RowInvariantError(
@@ -115,7 +127,44 @@ class TrainRow:
                 f"{where}: need >= 1 model_call_ids and one weight version per call, got "
                 f"{len(self.model_call_ids)} ids and {len(self.weight_versions)} versions"
             )
+        self._check_spans(where, n)
         self._check_origin(where)
+
+    def _check_spans(self, where: str, n: int) -> None:
+        if type(self.chain_index) is not int or self.chain_index < 0:
+            raise RowInvariantError(f"{where}: chain_index must be a non-negative int")
+        if not self.call_spans:
+            if self.origin is RowOrigin.CAPTURE:
+                raise RowInvariantError(f"{where}: capture rows need one call span per call")
+            return
+        if len(self.call_spans) != len(self.model_call_ids):
+            raise RowInvariantError(f"{where}: {len(self.call_spans)} call spans for {len(self.model_call_ids)} calls")
+        cursor = 0
+        for start, end in self.call_spans:
+            if start != cursor or end <= start:
+                raise RowInvariantError(f"{where}: call spans must be contiguous, non-empty and start at 0")
+            cursor = end
+        if cursor != n:
+            raise RowInvariantError(f"{where}: call spans cover {cursor} tokens of {n}")
+
+    @property
+    def token_weight_versions(self) -> tuple[int | None, ...]:
+        """The policy version that produced (or carried) each token, expanded from the call spans."""
+        if not self.call_spans:
+            return (None,) * len(self.token_ids)
+        out: list[int | None] = []
+        for (start, end), version in zip(self.call_spans, self.weight_versions):
+            out += [version] * (end - start)
+        return tuple(out)
+
+    def loss_call_ids(self) -> frozenset[str]:
+        """Calls that contribute at least one token to the loss in this row."""
+        if not self.call_spans:
+            return frozenset(self.model_call_ids)
+        return frozenset(
+            call_id for call_id, (start, end) in zip(self.model_call_ids, self.call_spans)
+            if any(m == 1.0 for m in self.token_mask[start:end])
+        )
 
     def _check_origin(self, where: str) -> None:
         if self.origin is RowOrigin.CAPTURE:
@@ -124,7 +173,7 @@ class TrainRow:
             ):
                 raise RowInvariantError(
                     f"{where}: token_in_calls={self.token_in_calls} + text_root_calls={self.text_root_calls} "
-                    f"must equal the {len(self.model_call_ids)} terminal-chain calls"
+                    f"must equal the {len(self.model_call_ids)} chain calls"
                 )
             if any(type(v) is not int or v < 0 for v in self.weight_versions):
                 raise RowInvariantError(f"{where}: capture rows need a non-negative int weight version per call")
@@ -159,9 +208,12 @@ class Placeholder:
     detail: str
     reward: float | None = None
     terminal_selection: str | None = None
+    yield_: "RolloutYield | None" = None
 
     def __post_init__(self) -> None:
         _check_slot(self.rollout_id, self.group_index, self.sample_index)
+        if self.yield_ is not None and self.yield_.kept_generated_tokens:
+            raise RowInvariantError(f"Placeholder {self.rollout_id}: a placeholder keeps no generated token")
         if not isinstance(self.reason, PlaceholderReason):
             raise RowInvariantError(
                 f"Placeholder {self.rollout_id}: reason must be a PlaceholderReason, got {self.reason!r}"
@@ -174,7 +226,77 @@ class Placeholder:
             )
 
 
-GroupEntry = Union[TrainRow, Placeholder]
+@dataclass(frozen=True, slots=True)
+class RolloutYield:
+    """Where one rollout's served generated tokens went (the workers' own counts as denominator).
+
+    `served_generated_tokens` comes from the workers' served-call report (None when no report was
+    available); `kept_generated_tokens` are loss tokens of the rollout's rows; `unverifiable`
+    lists (reason, generated tokens) for every served call whose tokens are not in the loss.
+    """
+
+    served_generated_tokens: int | None
+    kept_generated_tokens: int
+    unverifiable: tuple[tuple[str, int], ...] = ()
+    chains: int = 0
+    witness_disagreement: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("kept_generated_tokens", "chains"):
+            value = getattr(self, name)
+            if type(value) is not int or value < 0:
+                raise RowInvariantError(f"RolloutYield: {name} must be a non-negative int, got {value!r}")
+        if self.served_generated_tokens is not None and (
+            type(self.served_generated_tokens) is not int or self.served_generated_tokens < 0
+        ):
+            raise RowInvariantError("RolloutYield: served_generated_tokens must be a non-negative int or None")
+        if any(type(tokens) is not int or tokens < 0 for _, tokens in self.unverifiable):
+            raise RowInvariantError("RolloutYield: unverifiable token counts must be non-negative ints")
+
+
+@dataclass(frozen=True, slots=True)
+class KeptRollout:
+    """A rollout that trains: its verified chains as rows (terminal chain first), one reward."""
+
+    rollout_id: str
+    group_index: int
+    sample_index: int
+    rows: tuple[TrainRow, ...]
+    reward: float
+    terminal_selection: str | None
+    yield_: RolloutYield | None = None
+
+    def __post_init__(self) -> None:
+        _check_slot(self.rollout_id, self.group_index, self.sample_index)
+        where = f"KeptRollout {self.rollout_id}"
+        if not self.rows:
+            raise RowInvariantError(f"{where}: a kept rollout needs at least one row")
+        owned: set[str] = set()
+        for position, row in enumerate(self.rows):
+            if not isinstance(row, TrainRow):
+                raise RowInvariantError(f"{where}: row {position} is {type(row).__name__}")
+            if (row.rollout_id, row.group_index, row.sample_index) != (
+                self.rollout_id, self.group_index, self.sample_index
+            ):
+                raise RowInvariantError(f"{where}: row {position} belongs to {row.rollout_id} slot "
+                                        f"{row.group_index}/{row.sample_index}")
+            if row.chain_index != position or row.reward != self.reward:
+                raise RowInvariantError(f"{where}: row {position} must have chain_index {position} and the rollout's reward")
+            shared = owned & row.loss_call_ids()
+            if shared:
+                raise RowInvariantError(f"{where}: calls {sorted(shared)} are in the loss of two rows")
+            owned |= row.loss_call_ids()
+        if self.yield_ is not None and self.yield_.kept_generated_tokens != self.num_generated_tokens:
+            raise RowInvariantError(
+                f"{where}: yield counts {self.yield_.kept_generated_tokens} kept tokens, rows hold {self.num_generated_tokens}"
+            )
+
+    @property
+    def num_generated_tokens(self) -> int:
+        return sum(row.num_generated_tokens for row in self.rows)
+
+
+GroupEntry = Union[KeptRollout, Placeholder]
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,7 +313,7 @@ class GroupResult:
             raise RowInvariantError(f"GroupResult {self.group_index}: a group needs at least one entry")
         seen: set[str] = set()
         for position, entry in enumerate(self.entries):
-            if not isinstance(entry, (TrainRow, Placeholder)):
+            if not isinstance(entry, (KeptRollout, Placeholder)):
                 raise RowInvariantError(f"GroupResult {self.group_index}: entry {position} is {type(entry).__name__}")
             if entry.sample_index != position or entry.group_index != self.group_index:
                 raise RowInvariantError(
@@ -207,8 +329,13 @@ class GroupResult:
         return len(self.entries)
 
     @property
+    def kept(self) -> tuple[KeptRollout, ...]:
+        return tuple(e for e in self.entries if isinstance(e, KeptRollout))
+
+    @property
     def rows(self) -> tuple[TrainRow, ...]:
-        return tuple(e for e in self.entries if isinstance(e, TrainRow))
+        """Every training row of the group (a kept rollout may contribute several)."""
+        return tuple(row for kept in self.kept for row in kept.rows)
 
     @property
     def placeholders(self) -> tuple[Placeholder, ...]:

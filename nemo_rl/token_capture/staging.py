@@ -24,6 +24,15 @@ Contract (Gym's external-staging protocol, `nemo_gym.token_id_capture.staging.pr
   order, each validated by Gym's model (which recomputes the digest). Failures raise a
   `StagingFetchError` subclass naming the key(s): missing keys, an invalid stored record, or
   an unavailable store. `fetch_records` also returns extras, verified against `extras_digest`.
+- `TQTokenSource.fetch_extras(keys, expected_extras_digests=None)` moves only `header` and
+  `extras` (never the token columns) in one data-plane call under the source's deadline and
+  returns each record's extras (a dict, or None when the call staged none), in request order.
+  Each payload is re-digested with Gym's `compute_extras_digest` and must equal the stored
+  header's `extras_digest` and, when given, the caller's expected digest: pass the verified
+  row's `LinearizedRow.extras_commitments` digests (receipt-bound, which is what authenticates
+  the payload; the header alone is only authenticated by a base `fetch`). A mismatch raises
+  `ExtrasDigestMismatchError` (a `StagedRecordInvalidError`, so existing handlers map it to
+  verification_failed). `fetch_row_extras(row)` does this for a `LinearizedRow`'s chain.
 - `TQTokenSource.clear(keys)` removes staged rows (retention); absent keys are ignored.
 """
 
@@ -36,10 +45,12 @@ from typing import Any, Protocol
 
 import torch
 from nemo_gym.token_id_capture.staging import (
+    LinearizedRow,
     StagedCallBaseSnapshot,
     StagedCallRecord,
     StagedCallSnapshot,
     StageResult,
+    compute_extras_digest,
     staging_key,
 )
 from pydantic import ValidationError
@@ -96,6 +107,20 @@ class StagedRecordInvalidError(StagingFetchError):
         super().__init__(f"staged record under key {key!r} is invalid: {reason}")
 
 
+class ExtrasDigestMismatchError(StagedRecordInvalidError):
+    """A fetched extras payload does not hash to the digest it is bound to."""
+
+    def __init__(self, key: str, expected: str, actual: str, bound_by: str) -> None:
+        self.expected = expected
+        self.actual = actual
+        self.bound_by = bound_by
+        super().__init__(
+            key,
+            f"extras digest {actual} does not match the {bound_by} extras_digest {expected}; the extras were "
+            f"altered after staging or belong to another record, so they must not be used",
+        )
+
+
 class StagingStoreUnavailableError(StagingFetchError):
     """The data plane failed or missed its deadline while fetching."""
 
@@ -144,13 +169,61 @@ def row_to_snapshot(key: str, row: Row) -> StagedCallBaseSnapshot:
     return _validated(key, StagedCallBaseSnapshot, _row_payload(key, row))
 
 
+def _row_extras(key: str, row: Row) -> dict[str, Any] | None:
+    try:
+        extras = json.loads(row[EXTRAS_FIELD])
+    except (TypeError, json.JSONDecodeError) as e:
+        raise StagedRecordInvalidError(key, f"extras is not JSON: {e}") from e
+    if extras is not None and not isinstance(extras, dict):
+        raise StagedRecordInvalidError(key, f"extras is {type(extras).__name__}, expected a JSON object or null")
+    return extras
+
+
+def _extras_digest(key: str, extras: dict[str, Any] | None) -> str:
+    try:
+        return compute_extras_digest(extras)
+    except (TypeError, ValueError) as e:
+        raise StagedRecordInvalidError(key, f"extras cannot be digested: {e}") from e
+
+
+def verified_extras(key: str, row: Row, expected_extras_digest: str | None = None) -> dict[str, Any] | None:
+    """The extras of one `header` + `extras` row, checked against the stored and expected digests.
+
+    Raises `StagedRecordInvalidError` for a malformed row and `ExtrasDigestMismatchError` when the
+    payload's digest differs from the header's `extras_digest` or from `expected_extras_digest`.
+    """
+    try:
+        header = json.loads(row[HEADER_FIELD])
+    except (TypeError, json.JSONDecodeError) as e:
+        raise StagedRecordInvalidError(key, f"header is not JSON: {e}") from e
+    if not isinstance(header, dict):
+        raise StagedRecordInvalidError(key, f"header is {type(header).__name__}, expected a JSON object")
+    try:
+        described = staging_key(header.get("rollout_id", ""), header.get("model_call_id", ""))
+    except ValueError as e:
+        raise StagedRecordInvalidError(key, f"header names no record: {e}") from e
+    if described != key:
+        raise StagedRecordInvalidError(key, f"it describes staging key {described!r}")
+    stored = header.get("extras_digest")
+    if not isinstance(stored, str):
+        raise StagedRecordInvalidError(key, "header has no extras_digest")
+    extras = _row_extras(key, row)
+    actual = _extras_digest(key, extras)
+    if actual != stored:
+        raise ExtrasDigestMismatchError(key, stored, actual, "staged")
+    if expected_extras_digest is not None and actual != expected_extras_digest:
+        raise ExtrasDigestMismatchError(key, expected_extras_digest, actual, "committed")
+    return extras
+
+
 def row_to_record(key: str, row: Row) -> StagedCallSnapshot:
     """Validate one full row, extras included (extras digest recomputed by Gym's model)."""
     payload = _row_payload(key, row)
-    try:
-        payload["extras"] = json.loads(row[EXTRAS_FIELD])
-    except (TypeError, json.JSONDecodeError) as e:
-        raise StagedRecordInvalidError(key, f"extras is not JSON: {e}") from e
+    payload["extras"] = _row_extras(key, row)
+    stored = payload.get("extras_digest")
+    actual = _extras_digest(key, payload["extras"])
+    if isinstance(stored, str) and stored != actual:
+        raise ExtrasDigestMismatchError(key, stored, actual, "staged")
     return _validated(key, StagedCallSnapshot, payload)
 
 
@@ -244,6 +317,35 @@ class TQTokenSource:
             return []
         rows = self._rows(keys, ALL_FIELDS)
         return [row_to_record(key, row) for key, row in zip(keys, rows)]
+
+    def fetch_extras(
+        self, staging_keys: list[str], expected_extras_digests: Sequence[str] | None = None
+    ) -> list[dict[str, Any] | None]:
+        """Each record's verified extras (None when it staged none), in request order.
+
+        Moves only `header` and `extras` in one data-plane call under this source's deadline.
+        `expected_extras_digests` (one per key) binds each payload to the caller's verified row;
+        see the module contract for the errors.
+        """
+        keys = list(staging_keys)
+        expected: list[str | None] = [None] * len(keys)
+        if expected_extras_digests is not None:
+            expected = list(expected_extras_digests)
+            if len(expected) != len(keys):
+                raise ValueError(f"{len(expected)} expected extras digests for {len(keys)} staging keys")
+        if not keys:
+            return []
+        rows = self._rows(keys, (HEADER_FIELD, EXTRAS_FIELD))
+        return [verified_extras(key, row, digest) for key, row, digest in zip(keys, rows, expected)]
+
+    def fetch_row_extras(self, row: LinearizedRow) -> list[dict[str, Any] | None]:
+        """The verified extras of a `LinearizedRow`'s calls, root to terminal, bound to its commitments."""
+        by_call = {c.model_call_id: c.extras_digest for c in row.extras_commitments}
+        missing = [call_id for call_id in row.model_call_ids if call_id not in by_call]
+        if missing:
+            raise ValueError(f"row {row.rollout_id!r} has no extras commitment for calls {missing}")
+        keys = [staging_key(row.rollout_id, call_id) for call_id in row.model_call_ids]
+        return self.fetch_extras(keys, [by_call[call_id] for call_id in row.model_call_ids])
 
     def clear(self, staging_keys: list[str]) -> None:
         """Remove staged rows (retention after a group commits); absent keys are ignored."""

@@ -40,6 +40,9 @@ def test_capture_one_rollout_verifies_and_matches_engine(tmp_path):
     assert summary["manifest_failures"] == []
     assert summary["max_abs_logprob_diff"] == 0.0
     assert summary["generated_tokens"] < summary["row_tokens"]
+    # Yield from the worker's own counter: every generated token it served is in the loss once.
+    assert summary["rows"] == 1
+    assert summary["kept_generated_tokens"] == summary["generated_tokens"] == summary["served_generated_tokens"] > 0
     assert isinstance(summary["retokenization_drift"], bool)
     stats = summary["worker_capture_stats"]
     assert stats["capture_failures"] == []

@@ -21,7 +21,10 @@ REQUIRED_KEYS = {
     "finalize/token_in_rate", "finalize/token_in_calls", "finalize/text_root_calls",
     "finalize/capture_poisoned_rollouts", "finalize/invalid_row_rate", "finalize/heuristic_terminal_fraction",
     "finalize/calls_per_rollout", "finalize/queue_wait_ms", "token_mult_prob_error", "gen_kl_error",
-    "weight_version", "timing/step_s", "timing/generation_s", "timing/finalize_s", "timing/train_s", "timing/refit_s",
+    "finalize/kept_rollouts", "finalize/rows_per_rollout", "finalize/chains_per_rollout",
+    "finalize/kept_generated_token_fraction", "finalize/served_generated_tokens",
+    "finalize/terminal_witness_disagreements", "steps/masked_consecutive",
+    "weight_version/min", "weight_version/max", "timing/step_s", "timing/generation_s", "timing/finalize_s", "timing/train_s", "timing/refit_s",
 }
 
 
@@ -38,7 +41,8 @@ def _run(log_dir: Path, *overrides: str) -> list[dict]:
     assert [m["step"] for m in lines] == [1, 2]
     for m in lines:
         assert REQUIRED_KEYS <= set(m), REQUIRED_KEYS - set(m)
-        assert m["rollouts/dispatched"] == m["finalize/rows"] + m["finalize/placeholders"]
+        assert m["rollouts/dispatched"] == m["finalize/kept_rollouts"] + m["finalize/placeholders"]
+        assert m["finalize/rows"] >= m["finalize/kept_rollouts"]
         assert m["rollouts/dispatched"] == 4 * 4
     return lines
 
@@ -56,7 +60,12 @@ def test_grpo_capture_on_is_engaged_exact_and_refits(tmp_path):
         # The engine serves the new weights: its probe logprobs moved and match the trainer's.
         assert m["refit/engine_logprob_change"] > 1e-4
         assert m["refit/engine_trainer_max_abs_diff"] < 0.02
-    assert [m["weight_version"] for m in lines] == [1, 2]
+        # Yield measured against the worker's own served-token counter.
+        assert m["finalize/served_generated_tokens"] > 0
+        assert m["finalize/kept_generated_token_fraction"] >= 0.99
+    # Rows carry the version the workers served: step 1 samples from the initial weights (0),
+    # step 2 from the weights refit after step 1.
+    assert [(m["weight_version/min"], m["weight_version/max"]) for m in lines] == [(0.0, 0.0), (1.0, 1.0)]
 
 
 @pytest.mark.integration
@@ -65,3 +74,4 @@ def test_grpo_capture_off_runs_the_legacy_path(tmp_path):
     for m in lines:
         assert m["finalize/token_in_calls"] == 0
         assert m["finalize/rows"] >= 1
+        assert m["weight_version/min"] == m["weight_version/max"] == -1.0  # the token echo carries no version

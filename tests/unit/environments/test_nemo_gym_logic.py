@@ -184,13 +184,17 @@ def test_server_env_drops_inherited_gym_variables(tmp_path: Path) -> None:
     assert launch.server_command("py", spec) == ["py", "-m", "responses_api_models.vllm_model.app"]
 
 
-def test_server_specs_name_our_module_not_a_gym_package() -> None:
+def test_server_specs_name_our_module_not_a_gym_package(tmp_path: Path) -> None:
     modules = {s.name: s.module for s in launch.server_specs(PORTS)}
     assert modules == {
         "policy_model": "responses_api_models.vllm_model.app",
         "arith_resources": "nemo_rl.environments.arith_resources",
         "arith_agent": "responses_api_agents.simple_agent.app",
     }
+    assert launch.server_specs(PORTS, None) == launch.server_specs(PORTS)
+    wiring = launch.CaptureWiring(ledger_dir=tmp_path / "ledger", control_token_env="MY_BEARER")
+    captured = {s.name: s.module for s in launch.server_specs(PORTS, wiring)}
+    assert captured == {**modules, "policy_model": "nemo_rl.environments.capture_gate"}
 
 
 # --- rows, tool text, final text ---------------------------------------------------------
@@ -276,11 +280,11 @@ def test_manifest_path_is_gyms_control_route() -> None:
     assert manifest_path("r-1") == f"{CONTROL_ROUTE_PREFIX}/rollouts/r-1/manifest"
 
 
-def test_parse_manifest_checks_the_rollout_and_the_schema() -> None:
+def test_parse_manifest_checks_the_schema_and_leaves_the_rollout_verdict_to_the_judge() -> None:
     empty = _parse_manifest("r1", '{"schema_version": 2, "rollout_id": "r1", "records": [], "failures": []}')
     assert empty == RolloutManifest(rollout_id="r1")
-    with pytest.raises(ManifestServerError, match="answered for 'r2'"):
-        _parse_manifest("r1", '{"rollout_id": "r2"}')
+    # A manifest of another rollout is returned as is; judge_rollout makes it capture_poisoned.
+    assert _parse_manifest("r1", '{"rollout_id": "r2"}') == RolloutManifest(rollout_id="r2")
     with pytest.raises(ManifestServerError, match="not a valid RolloutManifest"):
         _parse_manifest("r1", '{"records": []}')
 

@@ -143,3 +143,104 @@ def run_result(reward: float | None = 1.0, response_id: str | None = None) -> di
 def chains() -> SimpleNamespace:
     """`chains.build(...)`, `chains.Turn(...)`, `chains.run_result(...)`, `chains.MemorySink()`."""
     return SimpleNamespace(build=build_chain, Turn=Turn, run_result=run_result, MemorySink=MemorySink)
+
+
+# --- forests: several roots, siblings under one parent, retries, compaction ---------------------
+
+
+@dataclass(frozen=True)
+class Call:
+    """One call of a forest: `parent=None` is a text root, else a token_in child of `parent`."""
+
+    call_id: str
+    parent: str | None
+    turn: Turn
+    weight_version: int = 3
+
+
+@dataclass(frozen=True)
+class Tree:
+    """A rollout's staged forest, built exactly like `build_chain` (real digests and hashes)."""
+
+    rollout_id: str
+    records: tuple[CallRecord, ...]  # manifest order (the order of the given calls)
+    snapshots: tuple[StagedCallBaseSnapshot, ...]  # same order
+    sequences: dict[str, tuple[int, ...]]  # call id -> its full sequence (prompt + generation)
+    calls: dict[str, Call]
+
+    @property
+    def by_id(self) -> dict[str, CallRecord]:
+        return {record.model_call_id: record for record in self.records}
+
+    @property
+    def snapshots_by_key(self) -> dict[str, StagedCallBaseSnapshot]:
+        return {snapshot.staging_key: snapshot for snapshot in self.snapshots}
+
+    def snapshot(self, call_id: str) -> StagedCallBaseSnapshot:
+        return next(s for s in self.snapshots if s.model_call_id == call_id)
+
+    def manifest(self, failures: Sequence[ManifestFailure] = (), records: Sequence[CallRecord] | None = None
+                 ) -> RolloutManifest:
+        chosen = self.records if records is None else records
+        return RolloutManifest(rollout_id=self.rollout_id, records=list(chosen), failures=list(failures))
+
+    def served(self, **overrides: Any) -> list[Any]:
+        """The workers' served report for every committed call (staged, generated = len(turn.generated))."""
+        from nemo_rl.token_capture.served import ServedCall
+
+        return [
+            ServedCall(self.rollout_id, call.call_id, call.parent, "text" if call.parent is None else "token_in",
+                       len(call.turn.generated), True, **overrides)
+            for call in self.calls.values()
+        ]
+
+
+def build_tree(rollout_id: str, calls: Sequence[Call], *, admitted_at_base: float = 100.0) -> Tree:
+    """Stage every call of a forest (parents listed before children) through one RolloutTokenCapture."""
+    sink = MemorySink()
+    capture = RolloutTokenCapture(sink=sink, weight_version_fn=lambda: 0)
+    records: dict[str, CallRecord] = {}
+    sequences: dict[str, tuple[int, ...]] = {}
+    chains_: dict[str, list[str]] = {}  # call id -> staging chain including itself
+    for index, spec in enumerate(calls):
+        parent = records.get(spec.parent) if spec.parent is not None else None
+        if spec.parent is not None and parent is None:
+            raise ValueError(f"{spec.call_id}: parent {spec.parent} must be listed (and staged) first")
+        if parent is None:
+            admission = CaptureAdmission(rollout_id=rollout_id, model_call_id=spec.call_id, mode="text")
+            prefix: list[int] = []
+        else:
+            admission = CaptureAdmission(
+                rollout_id=rollout_id, model_call_id=spec.call_id, parent_call_id=parent.model_call_id,
+                prev_len=parent.cum_len, mode="token_in", staging_chain=list(chains_[parent.model_call_id]),
+                parent_chain_hash=parent.chain_hash,
+            )
+            prefix = list(sequences[parent.model_call_id])
+        active = capture.begin_call(admission, prefix_token_ids=prefix if parent else None,
+                                    weight_version=spec.weight_version)
+        prompt = prefix + list(spec.turn.prompt_tail)
+        coords = capture.complete_call(active, prompt_token_ids=prompt, generated_token_ids=list(spec.turn.generated),
+                                       generated_logprobs=list(spec.turn.logprobs))
+        assert coords.disposition == "staged", coords
+        record = CallRecord(
+            model_call_id=spec.call_id, parent_call_id=admission.parent_call_id, prev_len=coords.prev_len,
+            delta_len=coords.delta_len, cum_len=coords.cum_len, weight_version=coords.weight_version,
+            digest=coords.digest, extras_digest=coords.extras_digest, staging_key=coords.staging_key,
+            mode=admission.mode, chain_hash=coords.chain_hash, cumulative_hash=coords.cumulative_hash,
+            response_id=f"chatcmpl-{rollout_id}-{spec.call_id}", admitted_at=admitted_at_base + index,
+        )
+        records[spec.call_id] = record
+        sequences[spec.call_id] = tuple(prompt + list(spec.turn.generated))
+        chains_[spec.call_id] = ([] if parent is None else chains_[parent.model_call_id]) + [coords.staging_key]
+    ordered = tuple(records[spec.call_id] for spec in calls)
+    snapshots = tuple(
+        StagedCallBaseSnapshot.model_validate(sink.records[r.staging_key].model_dump(exclude={"extras"}))
+        for r in ordered
+    )
+    return Tree(rollout_id, ordered, snapshots, sequences, {spec.call_id: spec for spec in calls})
+
+
+@pytest.fixture(scope="session")
+def trees() -> SimpleNamespace:
+    """`trees.build(rollout_id, [trees.Call(...), ...])`, `trees.Call`, `trees.Turn`, `trees.run_result`."""
+    return SimpleNamespace(build=build_tree, Call=Call, Turn=Turn, run_result=run_result)

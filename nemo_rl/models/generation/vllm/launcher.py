@@ -7,10 +7,15 @@ components meanwhile); `await_workers` waits for the engines within
 `generation.vllm.startup_timeout_s` and returns handles whose `base_url`s serve requests.
 Every actor call made through `WorkerGroup` has a deadline; an actor
 that dies or hangs surfaces as `WorkerError` naming the worker and the operation.
+Worker `i` (0-based, the order of `handles`/`base_urls`) is constructed with `worker_index=i`.
+`take_served` / `take_served_async` pop what every worker served for the given rollouts and
+merge it (`merge_served`, worker order then call order); the async variant awaits the refs under
+`asyncio.wait_for(call_timeout_s)` so a driver coroutine never blocks its event loop in ray.get.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import time
@@ -24,6 +29,7 @@ import ray
 from nemo_rl.models.generation.vllm.config import GenerationConfig
 from nemo_rl.models.generation.vllm.engine import cpu_engine_env
 from nemo_rl.models.generation.vllm.worker import VllmGenerationWorker, WorkerError
+from nemo_rl.token_capture.served import ServedCall
 from nemo_rl.utils.venvs import REPO_ROOT, ensure_venv, venv_python, vllm_spec
 
 
@@ -43,6 +49,15 @@ def worker_env(gen: GenerationConfig, flavor: str) -> dict[str, str]:
     return env
 
 
+def merge_served(parts: list[list[dict]]) -> list[ServedCall]:
+    """Every worker's `take_served` answer (wire dicts), in worker order, as `ServedCall`s.
+
+    Nothing is dropped or deduplicated: each record is one completion a worker produced.
+    A malformed record raises `ServedCallError` (a worker/driver version mismatch).
+    """
+    return [ServedCall.from_wire(record) for part in parts for record in part]
+
+
 @dataclass
 class WorkerGroup:
     handles: list[Any]
@@ -60,6 +75,10 @@ class WorkerGroup:
     def update_weights(self, weights_dir: Path, version: int) -> list[int]:
         return self._get([h.update_weights.remote(str(weights_dir), version) for h in self.handles], "update_weights")
 
+    def weight_versions(self) -> list[int]:
+        """The weight version each worker serves, in worker order (measured from the workers)."""
+        return self._get([h.weight_version.remote() for h in self.handles], "weight_version")
+
     def engine_records(self, request_ids: list[str]) -> dict[str, dict]:
         merged: dict[str, dict] = {}
         for part in self._get([h.engine_records.remote(request_ids) for h in self.handles], "engine_records"):
@@ -69,8 +88,25 @@ class WorkerGroup:
     def prompt_logprobs(self, token_ids: list[int]) -> list[list[float]]:
         return self._get([h.prompt_logprobs.remote(token_ids) for h in self.handles], "prompt_logprobs")
 
+    async def _get_async(self, refs: list[Any], op: str) -> list[Any]:
+        try:
+            return list(await asyncio.wait_for(asyncio.gather(*refs), self.call_timeout_s))
+        except asyncio.TimeoutError as e:
+            raise WorkerError(f"vLLM worker {op} exceeded its {self.call_timeout_s:.0f}s deadline") from e
+        except ray.exceptions.RayActorError as e:
+            raise WorkerError(f"vLLM worker died during {op}: {e}") from e
+
     def capture_stats(self) -> list[dict]:
         return self._get([h.capture_stats.remote() for h in self.handles], "capture_stats")
+
+    def take_served(self, rollout_ids: list[str]) -> list[ServedCall]:
+        """Pop what every worker served for `rollout_ids` (blocking; not for coroutines)."""
+        return merge_served(self._get([h.take_served.remote(list(rollout_ids)) for h in self.handles], "take_served"))
+
+    async def take_served_async(self, rollout_ids: list[str]) -> list[ServedCall]:
+        """`take_served` for the async driver loop: awaits the refs, never blocks the loop."""
+        refs = [h.take_served.remote(list(rollout_ids)) for h in self.handles]
+        return merge_served(await self._get_async(refs, "take_served"))
 
     def shutdown(self) -> None:
         refs = [h.shutdown.remote() for h in self.handles]
@@ -131,8 +167,8 @@ def spawn_workers(
             name=None,
             max_concurrency=1000,
             runtime_env={"py_executable": str(venv_python(venv)), "env_vars": worker_env(gen, flavor)},
-        ).remote(str(model_dir), gen.model_dump(), token_capture_cfg, data_plane_cfg)
-        for _ in range(gen.num_workers)
+        ).remote(str(model_dir), gen.model_dump(), token_capture_cfg, data_plane_cfg, worker_index=i)
+        for i in range(gen.num_workers)
     ]
     progress(f"[generation] starting {len(handles)} vLLM worker(s) ({flavor}) from {model_dir}")
     group = WorkerGroup(handles=handles, base_urls=[], call_timeout_s=gen.vllm.call_timeout_s)

@@ -14,14 +14,27 @@ Contract (the transport, `server.py`, is a thin shell over `ChatService`):
 - Caller errors are `HttpError`s with a status and a named type: 400 for an invalid request or
   admission, 503 when the staged prefix cannot be fetched, 409 when it does not match the
   admission. Generation never starts from an unverified prefix.
+- Context overflow (vLLM's rule, checked on the final prompt ids BEFORE `begin_call` and before
+  generation, for plain and admitted calls alike): a prompt of `max_model_len` tokens or more, or
+  an explicit `max_tokens` that does not fit after the prompt, is a 400 `context_length_exceeded`
+  whose message is vLLM's ("This model's maximum context length is N tokens. However, you
+  requested M tokens ..."); Gym's gate matches "context length" in a worker 400 and answers a
+  synthetic empty completion. Nothing is generated, staged or recorded for such a call. A request
+  without `max_tokens` is clipped to the room left (vLLM's default), never rejected for it.
+- Served witness: every admitted call that produced a completion leaves one `ServedCall`
+  (generated-token count, parent, staged or why not, this worker's index) in a bounded per-rollout
+  registry; `take_served(rollout_ids)` pops them. Plain calls and calls that produced no
+  completion (rejected, or the engine raised) leave none. Past `max_served_rollouts` rollouts the
+  least recently written one is dropped and counted in `stats["served_evicted_rollouts"]`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections import Counter, deque
-from dataclasses import dataclass
+import threading
+from collections import Counter, OrderedDict, deque
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from pydantic import ValidationError
@@ -43,8 +56,11 @@ from nemo_rl.models.generation.vllm.chat import (
     sampling_from_body,
 )
 from nemo_rl.models.generation.vllm.prefix_cache import PrefixCache, PrefixError, PrefixMismatchError
+from nemo_rl.token_capture.served import ServedCall
 
 LOGGER = logging.getLogger(__name__)
+
+DEFAULT_MAX_SERVED_ROLLOUTS = 100_000
 
 
 class HttpError(Exception):
@@ -79,18 +95,97 @@ class _Plan:
     prefix: list[int] | None
     prompt_ids: list[int]
     tail_error: str | None
+    sampling: SamplingRequest
+
+
+def requested_max_tokens(body: dict) -> int | None:
+    """The `max_tokens` the caller asked for (None when it relies on the server default)."""
+    return body.get("max_completion_tokens") or body.get("max_tokens") or None
+
+
+def context_overflow_message(prompt_len: int, requested: int | None, max_model_len: int) -> str | None:
+    """vLLM's context-length rejection for this request, or None when it fits.
+
+    `requested` is the caller's explicit max_tokens (None: the server default, clipped to the
+    room left). The wording is vLLM's, so anything that recognizes a vLLM overflow (Gym's gate
+    looks for "context length" in a 400) recognizes ours.
+    """
+    if prompt_len >= max_model_len:
+        return (
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{prompt_len} tokens in the messages, Please reduce the length of the messages."
+        )
+    if requested is not None and prompt_len + requested > max_model_len:
+        return (
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{prompt_len + requested} tokens ({prompt_len} in the messages, {requested} in the completion). "
+            "Please reduce the length of the messages or completion."
+        )
+    return None
+
+
+class ServedRegistry:
+    """Bounded rollout_id -> [ServedCall] (call order kept); thread-safe.
+
+    Rollouts are ordered by their latest record; past `max_rollouts` the least recently written
+    rollout is dropped whole. `record` returns how many rollouts it evicted.
+    """
+
+    def __init__(self, max_rollouts: int) -> None:
+        if max_rollouts < 1:
+            raise ValueError(f"max_rollouts={max_rollouts}: must be >= 1")
+        self._max_rollouts = max_rollouts
+        self._by_rollout: OrderedDict[str, list[ServedCall]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def record(self, call: ServedCall) -> int:
+        with self._lock:
+            self._by_rollout.setdefault(call.rollout_id, []).append(call)
+            self._by_rollout.move_to_end(call.rollout_id)
+            evicted = 0
+            while len(self._by_rollout) > self._max_rollouts:
+                self._by_rollout.popitem(last=False)
+                evicted += 1
+        return evicted
+
+    def take(self, rollout_ids: list[str]) -> list[ServedCall]:
+        """Pop the records of `rollout_ids` (in the order asked; unknown ids contribute nothing)."""
+        out: list[ServedCall] = []
+        with self._lock:
+            for rid in rollout_ids:
+                out.extend(self._by_rollout.pop(rid, ()))
+        return out
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._by_rollout)
 
 
 class ChatService:
-    def __init__(self, engine: Generator, tokenizer: ChatTemplateTokenizer, *, model_name: str, default_max_tokens: int) -> None:
+    def __init__(
+        self,
+        engine: Generator,
+        tokenizer: ChatTemplateTokenizer,
+        *,
+        model_name: str,
+        default_max_tokens: int,
+        max_model_len: int,
+        worker_index: int = 0,
+        max_served_rollouts: int = DEFAULT_MAX_SERVED_ROLLOUTS,
+    ) -> None:
+        if max_model_len < 1:
+            raise ValueError(f"max_model_len={max_model_len}: must be >= 1")
         self._engine = engine
         self._tokenizer = tokenizer
         self._model_name = model_name
         self._default_max_tokens = default_max_tokens
+        self._max_model_len = max_model_len
+        self.worker_index = worker_index
         self.capture: RolloutTokenCapture | None = None
         self.prefix_cache: PrefixCache | None = None
         self.stats: Counter[str] = Counter()
         self.capture_failures: deque[dict] = deque(maxlen=1000)
+        self._served = ServedRegistry(max_served_rollouts)
 
     # Gym's `install_capture(serving_layer, ...)` seam.
     def install_token_capture(self, capture: RolloutTokenCapture) -> None:
@@ -110,11 +205,28 @@ class ChatService:
             sampling = sampling_from_body(body, default_max_tokens=self._default_max_tokens)
         except InvalidChatRequest as e:
             raise HttpError(400, "invalid_request", str(e)) from e
+        requested = requested_max_tokens(body)
         raw_admission = body.get("ng_capture")
         if raw_admission is None:
-            return await self._serve_plain(messages, tools, sampling)
-        plan = await self._plan_admitted(raw_admission, body, messages, tools)
-        return await self._serve_admitted(plan, sampling)
+            return await self._serve_plain(messages, tools, sampling, requested)
+        plan = await self._plan_admitted(raw_admission, body, messages, tools, sampling, requested)
+        return await self._serve_admitted(plan)
+
+    def take_served(self, rollout_ids: list[str]) -> list[ServedCall]:
+        """Pop and return the served-call records of `rollout_ids` (unknown ids: nothing)."""
+        return self._served.take(list(rollout_ids))
+
+    def served_rollouts_pending(self) -> int:
+        return len(self._served)
+
+    def _fit_context(self, prompt_ids: list[int], sampling: SamplingRequest, requested: int | None) -> SamplingRequest:
+        """400 on context overflow; otherwise the sampling with max_tokens clipped to the room left."""
+        message = context_overflow_message(len(prompt_ids), requested, self._max_model_len)
+        if message is not None:
+            self.stats["context_length_exceeded"] += 1
+            raise HttpError(400, "context_length_exceeded", message)
+        room = self._max_model_len - len(prompt_ids)
+        return sampling if sampling.max_tokens <= room else replace(sampling, max_tokens=room)
 
     def tokenize(self, body: Any) -> dict:
         if not isinstance(body, dict):
@@ -130,13 +242,25 @@ class ChatService:
             raise HttpError(400, "invalid_request", str(e)) from e
         return {"tokens": ids, "count": len(ids)}
 
-    async def _serve_plain(self, messages: list[dict], tools: list[dict] | None, sampling: SamplingRequest) -> dict:
+    async def _serve_plain(
+        self, messages: list[dict], tools: list[dict] | None, sampling: SamplingRequest, requested: int | None
+    ) -> dict:
         prompt_ids = render_root_prompt(self._tokenizer, messages, tools)
+        sampling = self._fit_context(prompt_ids, sampling, requested)
         result = await self._generate(prompt_ids, sampling)
         self.stats["plain_calls"] += 1
+        self.stats["served_calls"] += 1
         return self._response(result, include_logprobs=sampling.logprobs, include_token_ids=sampling.return_token_ids)
 
-    async def _plan_admitted(self, raw: Any, body: dict, messages: list[dict], tools: list[dict] | None) -> _Plan:
+    async def _plan_admitted(
+        self,
+        raw: Any,
+        body: dict,
+        messages: list[dict],
+        tools: list[dict] | None,
+        sampling: SamplingRequest,
+        requested: int | None,
+    ) -> _Plan:
         if self.capture is None:
             raise HttpError(
                 400,
@@ -161,11 +285,12 @@ class ChatService:
             except TailRenderError as e:
                 # Serve the turn from the re-rendered conversation, but never as captured.
                 prompt_ids, tail_error = render_root_prompt(self._tokenizer, messages, tools), f"tail_render_failed: {e}"
+        sampling = self._fit_context(prompt_ids, sampling, requested)  # before any capture lifecycle step
         try:
             self.capture.begin_call(admission, prefix_token_ids=prefix, stream=False, weight_version=0)
         except CaptureError as e:
             raise HttpError(400, "invalid_capture_admission", str(e)) from e
-        return _Plan(admission=admission, prefix=prefix, prompt_ids=prompt_ids, tail_error=tail_error)
+        return _Plan(admission=admission, prefix=prefix, prompt_ids=prompt_ids, tail_error=tail_error, sampling=sampling)
 
     async def _resolve_prefix(self, admission: CaptureAdmission, body: dict) -> list[int]:
         if admission.staging_chain:
@@ -187,9 +312,9 @@ class ChatService:
             raise HttpError(400, "invalid_capture_admission", "top-level required_prefix_token_ids disagree with ng_capture")
         return inline
 
-    async def _serve_admitted(self, plan: _Plan, sampling: SamplingRequest) -> dict:
+    async def _serve_admitted(self, plan: _Plan) -> dict:
         assert self.capture is not None and plan.admission is not None
-        result = await self._generate(plan.prompt_ids, sampling)
+        result = await self._generate(plan.prompt_ids, plan.sampling)
         call = self.capture.begin_call(plan.admission, prefix_token_ids=plan.prefix, stream=False, weight_version=result.weight_version)
         native = self._response(result, include_logprobs=True, include_token_ids=True)
         if plan.tail_error is not None:
@@ -199,6 +324,8 @@ class ChatService:
             coords = await asyncio.to_thread(self.capture.complete_call_from_response, call, native)
             reason = None if coords.disposition == "staged" else "staging_failed (see worker log)"
         self.stats[f"{plan.admission.mode}_calls"] += 1
+        self.stats["served_calls"] += 1
+        self._record_served(plan.admission, generated_tokens=len(result.token_ids), failure=reason)
         if reason is not None:
             self.stats["capture_failed"] += 1
             self.capture_failures.append(
@@ -207,6 +334,22 @@ class ChatService:
             LOGGER.error("capture_failed rollout=%s call=%s: %s", plan.admission.rollout_id, plan.admission.model_call_id, reason)
         native["ng_commit_coords"] = coords.model_dump(mode="json")
         return native
+
+    def _record_served(self, admission: CaptureAdmission, *, generated_tokens: int, failure: str | None) -> None:
+        served = ServedCall(
+            rollout_id=admission.rollout_id,
+            model_call_id=admission.model_call_id,
+            parent_call_id=admission.parent_call_id,
+            mode=admission.mode,
+            generated_tokens=generated_tokens,
+            staged=failure is None,
+            failure=failure,
+            worker_index=self.worker_index,
+        )
+        evicted = self._served.record(served)
+        if evicted:
+            self.stats["served_evicted_rollouts"] += evicted
+            LOGGER.warning("served-call registry full: evicted %d rollout(s) never taken", evicted)
 
     async def _generate(self, prompt_ids: list[int], sampling: SamplingRequest) -> GenerationResultLike:
         try:

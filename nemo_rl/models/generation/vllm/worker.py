@@ -13,6 +13,10 @@ Contract:
   `RolloutTokenCapture` with the TransferQueue sink over the `ChatService`, and gives the
   service a bounded `PrefixCache` over the TQ source for `staging_chain` admissions.
 - `update_weights(dir, version)` refits the engine; every later sample carries `version`.
+- `worker_index` (given by the launcher, 0..num_workers-1) stamps every `ServedCall` this worker
+  records; `take_served(rollout_ids)` pops them as wire dicts (`ServedCall.to_wire`).
+- `capture_stats()["served_calls"]` counts the completions this worker produced (plain and
+  admitted), for per-worker call metrics.
 """
 
 from __future__ import annotations
@@ -39,8 +43,11 @@ class VllmGenerationWorker:
         generation_cfg: dict,
         token_capture_cfg: dict,
         data_plane_cfg: dict | None,
+        *,
+        worker_index: int = 0,
     ) -> None:
         self._model_dir = Path(model_dir)
+        self._worker_index = worker_index
         self._gen = GenerationConfig.model_validate(generation_cfg)
         self._capture_cfg = TokenCaptureConfig.model_validate(token_capture_cfg)
         self._dp_cfg = DataPlaneConfig.model_validate(data_plane_cfg) if data_plane_cfg is not None else None
@@ -66,7 +73,12 @@ class VllmGenerationWorker:
         except Exception as e:
             raise WorkerError(f"vLLM engine failed to start from {self._model_dir}: {type(e).__name__}: {e}") from e
         self._service = ChatService(
-            self._engine, tokenizer, model_name=self._gen.model_name, default_max_tokens=self._gen.max_new_tokens
+            self._engine,
+            tokenizer,
+            model_name=self._gen.model_name,
+            default_max_tokens=self._gen.max_new_tokens,
+            max_model_len=self._gen.vllm.max_model_len,
+            worker_index=self._worker_index,
         )
         LOGGER.warning("vLLM engine for %s up after %.1fs", self._model_dir.name, time.monotonic() - t0)
 
@@ -149,11 +161,20 @@ class VllmGenerationWorker:
             raise WorkerError("prompt_logprobs called before start")
         return await self._engine.prompt_logprobs(token_ids)
 
+    def take_served(self, rollout_ids: list[str]) -> list[dict]:
+        """Pop what this worker served for `rollout_ids`, as `ServedCall` wire dicts."""
+        if self._service is None:
+            raise WorkerError("take_served called before start")
+        return [call.to_wire() for call in self._service.take_served(rollout_ids)]
+
     def capture_stats(self) -> dict:
         if self._service is None:
             raise WorkerError("capture_stats called before start")
         cache = self._service.prefix_cache
         return {
+            "worker_index": self._worker_index,
+            "served_calls": self._service.stats["served_calls"],
+            "served_rollouts_pending": self._service.served_rollouts_pending(),
             "calls": dict(self._service.stats),
             "capture_failures": list(self._service.capture_failures),
             "prefix_cache_fetched_keys": cache.fetched_keys if cache else 0,

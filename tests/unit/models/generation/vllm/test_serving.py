@@ -25,11 +25,12 @@ from nemo_gym.token_id_capture.staging import (
     verify_and_linearize,
 )
 from nemo_rl.environments import arith_task
-from nemo_rl.models.generation.vllm.chat import render_root_prompt
+from nemo_rl.models.generation.vllm.chat import normalize_messages, render_root_prompt
 from nemo_rl.models.generation.vllm.prefix_cache import PrefixCache
-from nemo_rl.models.generation.vllm.serving import ChatService, HttpError
+from nemo_rl.models.generation.vllm.serving import ChatService, HttpError, ServedRegistry, context_overflow_message
 from nemo_rl.models.tiny_model.corpus import task_conversation
 from nemo_rl.models.tiny_model.tokenizer import train_tokenizer
+from nemo_rl.token_capture.served import ServedCall
 
 
 @pytest.fixture(scope="module")
@@ -54,10 +55,12 @@ class ScriptedEngine:
     def __init__(self, script: list[list[int]]) -> None:
         self.script = list(script)
         self.prompts: list[list[int]] = []
+        self.samplings: list = []
         self.weight_version = 3
 
     async def generate(self, prompt_ids, sampling, request_id):
         self.prompts.append(list(prompt_ids))
+        self.samplings.append(sampling)
         ids = self.script.pop(0)
         return _Result(request_id, list(prompt_ids), ids, [-0.5 - 0.01 * i for i in range(len(ids))], "stop", self.weight_version)
 
@@ -84,10 +87,18 @@ class MemoryStaging:
         return [StagedCallBaseSnapshot.model_validate(self.records[k].model_dump(exclude={"extras"})) for k in keys]
 
 
-def _service(tokenizer, script, *, capture=True):
+def _service(tokenizer, script, *, capture=True, staging=None, max_model_len=2048, worker_index=0, max_served_rollouts=100_000):
     engine = ScriptedEngine(script)
-    svc = ChatService(engine, tokenizer, model_name="tiny", default_max_tokens=16)
-    staging = MemoryStaging()
+    svc = ChatService(
+        engine,
+        tokenizer,
+        model_name="tiny",
+        default_max_tokens=16,
+        max_model_len=max_model_len,
+        worker_index=worker_index,
+        max_served_rollouts=max_served_rollouts,
+    )
+    staging = staging if staging is not None else MemoryStaging()
     if capture:
         install_capture(svc, sink=staging, weight_version_fn=lambda: engine.weight_version, adapter=VLLMCaptureAdapter())
         svc.install_prefix_cache(PrefixCache(staging, max_tokens=100_000))
@@ -107,10 +118,10 @@ TOOLS = [arith_task.CALCULATOR_TOOL]
 CALL_TEXT = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "12 + 5"}}\n</tool_call>'
 
 
-def _admission(mode, call_id, *, parent=None, prev_len=0, chain=(), parent_hash=None, inline=()):
+def _admission(mode, call_id, *, parent=None, prev_len=0, chain=(), parent_hash=None, inline=(), rollout="r1"):
     return {
         "schema_version": 2,
-        "rollout_id": "r1",
+        "rollout_id": rollout,
         "model_call_id": call_id,
         "parent_call_id": parent,
         "prev_len": prev_len,
@@ -325,3 +336,197 @@ async def test_http_routes_answer_503_until_the_service_is_let_through(tokenizer
     finally:
         await runner.cleanup()
     assert len(engine.prompts) == 1
+
+
+# --- the served-call witness (ServedCall registry) ----------------------------------------------
+
+
+class RejectingStaging(MemoryStaging):
+    """A sink that answers every write with a failed StageResult (the store is down)."""
+
+    def stage(self, record, *, attachments=None):
+        return StageResult(ok=False, error="store down")
+
+
+async def _root_then_token_in(svc, engine, rollout="r1"):
+    r1 = await svc.chat_completions({"messages": MESSAGES, "tools": TOOLS, "ng_capture": _admission("text", "c1", rollout=rollout)})
+    c1 = r1["ng_commit_coords"]
+    adm2 = _admission(
+        "token_in", "c2", parent="c1", prev_len=c1["cum_len"], chain=[c1["staging_key"]], parent_hash=c1["chain_hash"], rollout=rollout
+    )
+    r2 = await svc.chat_completions({"messages": _second_turn_messages(r1), "tools": TOOLS, "ng_capture": adm2})
+    return r1, r2
+
+
+async def test_served_records_root_and_token_in_exactly(tokenizer):
+    gen1, gen2 = _gen(tokenizer, CALL_TEXT), _gen(tokenizer, "The answer is 17.")
+    svc, engine, _ = _service(tokenizer, [gen1, gen2], worker_index=2)
+    _, r2 = await _root_then_token_in(svc, engine)
+    assert r2["ng_commit_coords"]["disposition"] == "staged"
+    assert svc.take_served(["r1"]) == [
+        ServedCall("r1", "c1", None, "text", generated_tokens=len(gen1), staged=True, failure=None, worker_index=2),
+        ServedCall("r1", "c2", "c1", "token_in", generated_tokens=len(gen2), staged=True, failure=None, worker_index=2),
+    ]
+    assert svc.take_served(["r1"]) == []  # popped
+    assert svc.stats["served_calls"] == 2
+
+
+async def test_staging_failure_is_served_but_not_staged(tokenizer):
+    gen1 = _gen(tokenizer, CALL_TEXT)
+    svc, _, staging = _service(tokenizer, [gen1], staging=RejectingStaging())
+    r = await svc.chat_completions({"messages": MESSAGES, "tools": TOOLS, "ng_capture": _admission("text", "c1")})
+    assert r["ng_commit_coords"]["disposition"] == "capture_failed"
+    assert staging.records == {}
+    [served] = svc.take_served(["r1"])
+    assert (served.staged, served.failure, served.generated_tokens) == (False, "staging_failed (see worker log)", len(gen1))
+
+
+async def test_tail_render_failure_is_served_with_its_reason(tokenizer):
+    gen1, gen2 = _gen(tokenizer, CALL_TEXT), [5, tokenizer.eos_token_id]
+    svc, _, _ = _service(tokenizer, [gen1, gen2])
+    r1 = await svc.chat_completions({"messages": MESSAGES, "tools": TOOLS, "ng_capture": _admission("text", "c1")})
+    c1 = r1["ng_commit_coords"]
+    adm = _admission("token_in", "c2", parent="c1", prev_len=c1["cum_len"], chain=[c1["staging_key"]], parent_hash=c1["chain_hash"])
+    await svc.chat_completions({"messages": MESSAGES + [{"role": "user", "content": "again"}], "tools": TOOLS, "ng_capture": adm})
+    root, child = svc.take_served(["r1"])
+    assert root.staged and root.failure is None
+    assert (child.parent_call_id, child.staged, child.generated_tokens) == ("c1", False, 2)
+    assert child.failure.startswith("tail_render_failed")
+
+
+async def test_plain_calls_record_nothing(tokenizer):
+    svc, _, _ = _service(tokenizer, [_gen(tokenizer, "The answer is 17.")])
+    await svc.chat_completions({"messages": MESSAGES})
+    assert svc.served_rollouts_pending() == 0
+    assert svc.take_served(["r1"]) == []
+    assert (svc.stats["plain_calls"], svc.stats["served_calls"]) == (1, 1)
+
+
+async def test_take_served_pops_exactly_the_asked_rollouts(tokenizer):
+    svc, _, _ = _service(tokenizer, [[7, tokenizer.eos_token_id]] * 3)
+    for rid in ("ra", "rb", "rc"):
+        await svc.chat_completions({"messages": MESSAGES, "ng_capture": _admission("text", "c1", rollout=rid)})
+    assert [c.rollout_id for c in svc.take_served(["rc", "unknown", "ra"])] == ["rc", "ra"]
+    assert svc.take_served(["ra", "rc"]) == []
+    assert [c.rollout_id for c in svc.take_served(["rb"])] == ["rb"]
+    assert svc.served_rollouts_pending() == 0
+
+
+async def test_served_registry_is_bounded_and_counts_evictions(tokenizer):
+    svc, _, _ = _service(tokenizer, [[7, tokenizer.eos_token_id]] * 4, max_served_rollouts=2)
+    for rid, call in (("ra", "c1"), ("rb", "c1"), ("ra", "c2"), ("rc", "c1")):
+        adm = _admission("text", call, rollout=rid)  # two roots in "ra": the registry does not judge lineage
+        await svc.chat_completions({"messages": MESSAGES, "ng_capture": adm})
+    # "ra" was written after "rb", so "rb" is the least recently written rollout and goes first.
+    assert svc.stats["served_evicted_rollouts"] == 1
+    assert svc.take_served(["rb"]) == []
+    assert [(c.rollout_id, c.model_call_id) for c in svc.take_served(["ra", "rc"])] == [("ra", "c1"), ("ra", "c2"), ("rc", "c1")]
+
+
+def test_served_registry_rejects_a_zero_bound():
+    with pytest.raises(ValueError, match="max_rollouts"):
+        ServedRegistry(0)
+
+
+# --- context overflow: vLLM's 400, before any capture step --------------------------------------
+
+
+GYM_CONTEXT_SUBSTRING = "context length"  # responses_api_models/vllm_model/app.py: is_out_of_context_length
+
+
+def _root_prompt_len(tokenizer):
+    return len(render_root_prompt(tokenizer, normalize_messages(MESSAGES), TOOLS))
+
+
+@pytest.mark.parametrize("admitted", [False, True])
+async def test_prompt_beyond_max_model_len_is_400_and_nothing_is_recorded(tokenizer, admitted):
+    n = _root_prompt_len(tokenizer)
+    svc, engine, staging = _service(tokenizer, [[1]], max_model_len=n)  # no room for a single token
+    body = {"messages": MESSAGES, "tools": TOOLS}
+    if admitted:
+        body["ng_capture"] = _admission("text", "c1")
+    with pytest.raises(HttpError) as e:
+        await svc.chat_completions(body)
+    assert (e.value.status, e.value.err_type) == (400, "context_length_exceeded")
+    assert e.value.message.startswith(f"This model's maximum context length is {n} tokens. However, you requested {n} tokens")
+    assert GYM_CONTEXT_SUBSTRING in json.dumps(e.value.body())
+    assert engine.prompts == [] and staging.records == {}
+    assert svc.take_served(["r1"]) == [] and svc.stats["served_calls"] == 0
+
+
+async def test_explicit_max_tokens_beyond_the_room_is_400_default_is_clipped(tokenizer):
+    n = _root_prompt_len(tokenizer)
+    svc, engine, _ = _service(tokenizer, [[7, tokenizer.eos_token_id]] * 2, max_model_len=n + 10)
+    too_long = {"messages": MESSAGES, "tools": TOOLS, "max_tokens": 11, "ng_capture": _admission("text", "c1")}
+    with pytest.raises(HttpError) as e:
+        await svc.chat_completions(too_long)
+    assert e.value.status == 400
+    assert e.value.message.startswith(
+        f"This model's maximum context length is {n + 10} tokens. "
+        f"However, you requested {n + 11} tokens ({n} in the messages, 11 in the completion)."
+    )
+    assert engine.prompts == [] and svc.take_served(["r1"]) == []
+    await svc.chat_completions({"messages": MESSAGES, "tools": TOOLS, "max_tokens": 10})  # fits exactly
+    await svc.chat_completions({"messages": MESSAGES, "tools": TOOLS})  # default 16, clipped to the room
+    assert [s.max_tokens for s in engine.samplings] == [10, 10]
+
+
+async def test_token_in_overflow_is_400_before_begin_call(tokenizer):
+    gen1 = _gen(tokenizer, CALL_TEXT)
+    n = _root_prompt_len(tokenizer)
+    svc, engine, staging = _service(tokenizer, [gen1, [1]], max_model_len=n + len(gen1) + 2)
+    r1 = await svc.chat_completions({"messages": MESSAGES, "tools": TOOLS, "ng_capture": _admission("text", "c1")})
+    c1 = r1["ng_commit_coords"]
+    adm = _admission("token_in", "c2", parent="c1", prev_len=c1["cum_len"], chain=[c1["staging_key"]], parent_hash=c1["chain_hash"])
+    with pytest.raises(HttpError) as e:
+        await svc.chat_completions({"messages": _second_turn_messages(r1), "tools": TOOLS, "ng_capture": adm})
+    assert e.value.status == 400 and "maximum context length" in e.value.message
+    assert len(engine.prompts) == 1 and list(staging.records) == ["r1/c1"]
+    assert [c.model_call_id for c in svc.take_served(["r1"])] == ["c1"]
+
+
+async def test_http_context_overflow_body_matches_gyms_check(tokenizer):
+    from aiohttp import ClientSession
+
+    from nemo_rl.models.generation.vllm.server import build_app, serve
+
+    svc, engine, _ = _service(tokenizer, [[1]], capture=False, max_model_len=8)
+    runner, port = await serve(build_app(lambda: svc, model_name="tiny", max_model_len=8))
+    try:
+        async with ClientSession() as http:
+            async with http.post(f"http://127.0.0.1:{port}/v1/chat/completions", json={"messages": MESSAGES}) as resp:
+                raw = await resp.read()
+                # Gym's gate: e.status == 400 and "context length" in e.response_content.decode()
+                assert resp.status == 400 and GYM_CONTEXT_SUBSTRING in raw.decode()
+                assert json.loads(raw)["error"]["type"] == "context_length_exceeded"
+    finally:
+        await runner.cleanup()
+    assert engine.prompts == []
+
+
+def test_context_overflow_message_follows_vllm():
+    assert context_overflow_message(10, None, 11) is None
+    assert context_overflow_message(10, 1, 11) is None
+    assert "you requested 11 tokens in the messages" in context_overflow_message(11, None, 11)
+    assert "you requested 12 tokens (10 in the messages, 2 in the completion)" in context_overflow_message(10, 2, 11)
+
+
+# --- the worker actor shell (no Ray, no vLLM: a service set by hand) ----------------------------
+
+
+async def test_worker_take_served_returns_wire_dicts_and_counts_calls(tokenizer):
+    from nemo_rl.models.generation.vllm.config import GenerationConfig
+    from nemo_rl.models.generation.vllm.worker import VllmGenerationWorker, WorkerError
+
+    worker = VllmGenerationWorker("/nonexistent", GenerationConfig().model_dump(), {}, None, worker_index=1)
+    with pytest.raises(WorkerError, match="take_served called before start"):
+        worker.take_served(["r1"])
+    svc, _, _ = _service(tokenizer, [[7, tokenizer.eos_token_id]] * 2, worker_index=1)
+    worker._service = svc
+    await svc.chat_completions({"messages": MESSAGES, "ng_capture": _admission("text", "c1")})
+    await svc.chat_completions({"messages": MESSAGES})
+    stats = worker.capture_stats()
+    assert (stats["worker_index"], stats["served_calls"], stats["served_rollouts_pending"]) == (1, 2, 1)
+    wire = worker.take_served(["r1"])
+    assert wire == [ServedCall("r1", "c1", None, "text", 2, True, None, 1).to_wire()]
+    assert worker.take_served(["r1"]) == []

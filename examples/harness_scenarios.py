@@ -1,0 +1,489 @@
+"""Drive the capture stack the way real agent harnesses do, with the official `openai` client.
+
+Brings up the real stack (private Ray, TransferQueue, the vLLM CPU engine with the tiny local
+model, Gym's capture gate on loopback) and, with no Gym agent, drives one rollout per harness
+behaviour through `openai.AsyncOpenAI(base_url=<gate>/ng-rollout/<id>/training-token-capture/v1)`:
+
+- plain            multi-call tool loop; the returned `ChatCompletionMessage` object is appended
+                   to `messages` as is, then the tool result, then the next call.
+- distinct_retry   one call re-sent with the same messages at temperature 1 (as after a client
+                   timeout; re-sent again, at most a few times, while the replies are
+                   identical); the harness continues from the last reply.
+- identical_retry  the same at temperature 0 with a fixed seed: identical replies.
+- compaction       two calls, then the history is replaced by system + a summary user message,
+                   then two more calls.
+- rerendered       the assistant turn is re-serialised by the harness (tool-call arguments JSON
+                   re-dumped with other spacing and sorted keys, reasoning stripped from content).
+- failed_final     the last request overflows the model's context (`max_model_len`): the worker
+                   answers 400 and the client gets an error or Gym's synthetic empty completion;
+                   the scored response stays the previous one.
+- subagent         a sub-agent with its own system prompt and user message runs two calls inside
+                   the same rollout id, then the main conversation continues.
+
+Each scenario ends with a Gym-`/run`-like outcome `{"reward", "response": {"id", "output": []},
+"terminal_response_id"}` naming the completion the harness kept. The manifest and the engine's
+own records are read first; then the group is judged through the project's path
+(`RolloutManager.collect_group` with the FinalizerPool, TQStagingCleaner and the workers'
+served-call report), which also runs retention. One JSON line per scenario goes to stdout
+(progress to stderr); the exit code is 0 only when every scenario is kept, exact and keeps
+>= 99% of the generated tokens the workers served.
+
+    uv run python examples/harness_scenarios.py [--log-dir DIR] [--only plain,compaction]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import re
+import sys
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import openai
+
+from nemo_rl.data_plane import DataPlaneConfig
+from nemo_rl.distributed.stack import start_stack
+from nemo_rl.environments.arith_task import CALCULATOR_TOOL, SYSTEM_PROMPT, make_problems, user_prompt
+from nemo_rl.environments.nemo_gym import NemoGymConfig
+from nemo_rl.environments.nemo_gym_rows import calculator_tool_output
+from nemo_rl.experience.rollout_manager import RetentionError, RolloutManager, RolloutManagerConfig
+from nemo_rl.models.generation.vllm.config import GenerationConfig
+from nemo_rl.models.tiny_model import TinyModelConfig, ensure_tiny_model
+from nemo_rl.token_capture.config import TokenCaptureConfig
+from nemo_rl.token_capture.finalizer_pool import FinalizerPool, TQSourceFactory
+from nemo_rl.token_capture.harness import check_rows_exact
+from nemo_rl.token_capture.judge import RunFailure
+from nemo_rl.token_capture.receipt import TERMINAL_RESPONSE_ID_KEY
+from nemo_rl.token_capture.retention import TQStagingCleaner
+from nemo_rl.token_capture.rows import KeptRollout, PlaceholderReason
+
+MIN_FRACTION = 0.99
+SUBAGENT_SYSTEM = "You are a checking sub-agent. Recompute the expression with the calculator and report it."
+COMPACTION_SUMMARY = "Summary of the work so far: you were asked {question!r}; the calculator was used{result}. {next_q}"
+_THINK_RE = re.compile(r"<think>.*?</think>", re.DOTALL)
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--log-dir", type=Path, default=None, help="default: logs/harness_scenarios/<timestamp>")
+    p.add_argument("--seed", type=int, default=11, help="which arithmetic problems to pose")
+    p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--call-timeout-s", type=float, default=90.0, help="openai client timeout per call")
+    p.add_argument("--scenario-timeout-s", type=float, default=300.0)
+    p.add_argument("--only", default="", help="comma-separated scenario names (default: all)")
+    return p.parse_args()
+
+
+# --- the harness side -------------------------------------------------------------------------
+@dataclass
+class CallLog:
+    label: str
+    response_id: str | None
+    ok: bool
+    detail: str = ""
+
+
+@dataclass
+class ScenarioRun:
+    """What one scenario did: the kept completion and every call it made."""
+
+    kept: Any = None  # the ChatCompletion the harness scored
+    calls: list[CallLog] = field(default_factory=list)
+    facts: dict[str, Any] = field(default_factory=dict)
+
+    def outcome(self) -> dict[str, Any]:
+        message = self.kept.choices[0].message
+        content = (message.content or "").strip()
+        return {
+            "reward": 1.0 if content else 0.0,
+            "response": {"id": self.kept.id, "output": []},
+            TERMINAL_RESPONSE_ID_KEY: self.kept.id,
+        }
+
+
+class Harness:
+    """One rollout's client: the official SDK pointed at the gate's capture route for that id."""
+
+    def __init__(self, gate_url: str, rollout_id: str, model: str, args: argparse.Namespace, run: ScenarioRun) -> None:
+        self.client = openai.AsyncOpenAI(
+            base_url=f"{gate_url}/ng-rollout/{rollout_id}/training-token-capture/v1",
+            api_key="dummy",
+            timeout=args.call_timeout_s,
+            max_retries=0,
+        )
+        self.model = model
+        self.max_tokens = args.max_tokens
+        self.run = run
+
+    async def call(self, messages: list, label: str, *, temperature: float = 0.0, seed: int | None = None,
+                   tools: bool = True):
+        kwargs: dict[str, Any] = {"model": self.model, "messages": messages, "temperature": temperature,
+                                  "max_tokens": self.max_tokens}
+        if tools:
+            kwargs["tools"] = [CALCULATOR_TOOL]
+        if seed is not None:
+            kwargs["seed"] = seed
+        try:
+            completion = await self.client.chat.completions.create(**kwargs)
+        except openai.APIError as error:
+            self.run.calls.append(CallLog(label, None, False, f"{type(error).__name__}: {str(error)[:300]}"))
+            raise
+        message = completion.choices[0].message
+        summary = f"tool_calls={len(message.tool_calls or [])} content={(message.content or '')[:60]!r}"
+        self.run.calls.append(CallLog(label, completion.id, True, summary))
+        log(f"[{label}] {completion.id}: {summary}")
+        return completion
+
+    async def close(self) -> None:
+        await self.client.close()
+
+
+def tool_results(message) -> list[dict]:
+    """The calculator's answers to the message's tool calls (the harness executes them)."""
+    out = []
+    for tool_call in message.tool_calls or []:
+        try:
+            expression = json.loads(tool_call.function.arguments).get("expression", "")
+        except (json.JSONDecodeError, AttributeError):
+            expression = tool_call.function.arguments
+        out.append({"role": "tool", "tool_call_id": tool_call.id, "content": calculator_tool_output(str(expression))})
+    return out
+
+
+def next_turn(message, follow_up: str) -> list[dict]:
+    """Tool results if the model called the tool, else the user's next question."""
+    return tool_results(message) or [{"role": "user", "content": follow_up}]
+
+
+def reply_key(completion) -> str:
+    message = completion.choices[0].message
+    calls = [(c.function.name, c.function.arguments) for c in message.tool_calls or []]
+    return json.dumps([message.content, calls])
+
+
+def rerender(message) -> dict:
+    """The harness's own serialisation of an assistant turn (what many agent frameworks send back)."""
+    content = _THINK_RE.sub("", message.content or "").strip() or None
+    out: dict[str, Any] = {"role": "assistant", "content": content}
+    if message.tool_calls:
+        calls = []
+        for tool_call in message.tool_calls:
+            try:
+                arguments = json.dumps(json.loads(tool_call.function.arguments), sort_keys=True, indent=2,
+                                       separators=(",", ":"))
+            except json.JSONDecodeError:
+                arguments = " " + tool_call.function.arguments + " "
+            calls.append({"id": tool_call.id, "type": "function",
+                          "function": {"name": tool_call.function.name, "arguments": arguments}})
+        out["tool_calls"] = calls
+    return out
+
+
+def overflow_text(tokenizer, max_model_len: int, seed: int) -> tuple[str, int]:
+    """A user message longer than the model's whole context window (measured with its tokenizer)."""
+    rng = random.Random(seed)
+    words: list[str] = []
+    count = 0
+    while count <= max_model_len + 256:
+        words += ["".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(3, 8)))
+                  for _ in range(max_model_len // 2)]
+        text = " ".join(words)
+        count = len(tokenizer.encode(text, add_special_tokens=False))
+    return text, count
+
+
+# --- scenarios --------------------------------------------------------------------------------
+@dataclass
+class Context:
+    problems: list
+    tokenizer: Any
+    max_model_len: int
+    seed: int
+
+
+async def scenario_plain(h: Harness, ctx: Context, run: ScenarioRun) -> None:
+    p, q = ctx.problems[0], ctx.problems[1]
+    messages: list = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": user_prompt(p)}]
+    for index in range(4):
+        completion = await h.call(messages, f"plain#{index}")
+        run.kept = completion
+        message = completion.choices[0].message
+        if not message.tool_calls and index >= 1:
+            break
+        messages.append(message)  # the SDK's ChatCompletionMessage object itself
+        messages += next_turn(message, user_prompt(q))
+
+
+async def _retry(h: Harness, ctx: Context, run: ScenarioRun, name: str, temperature: float,
+                 seed: int | None) -> None:
+    p, q = ctx.problems[2], ctx.problems[3]
+    messages: list = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": user_prompt(p)}]
+    first = await h.call(messages, f"{name}#0", temperature=temperature, seed=seed)
+    messages.append(first.choices[0].message)
+    messages += next_turn(first.choices[0].message, user_prompt(q))
+    # The call the client "timed out" on, then its re-send with the very same messages.
+    replies = [await h.call(messages, f"{name}#1", temperature=temperature, seed=seed)]
+    replies.append(await h.call(messages, f"{name}#1-retry", temperature=temperature, seed=seed))
+    while temperature > 0 and reply_key(replies[-1]) == reply_key(replies[0]) and len(replies) < 4:
+        replies.append(await h.call(messages, f"{name}#1-retry{len(replies)}", temperature=temperature, seed=seed))
+    run.facts["sends_of_retried_call"] = len(replies)
+    run.facts["replies_identical"] = len({reply_key(r) for r in replies}) == 1
+    kept = replies[-1]
+    messages.append(kept.choices[0].message)
+    messages += next_turn(kept.choices[0].message, user_prompt(p))
+    run.kept = await h.call(messages, f"{name}#2", temperature=temperature, seed=seed)
+
+
+async def scenario_distinct_retry(h: Harness, ctx: Context, run: ScenarioRun) -> None:
+    await _retry(h, ctx, run, "distinct_retry", temperature=1.0, seed=None)
+
+
+async def scenario_identical_retry(h: Harness, ctx: Context, run: ScenarioRun) -> None:
+    await _retry(h, ctx, run, "identical_retry", temperature=0.0, seed=1234)
+
+
+async def scenario_compaction(h: Harness, ctx: Context, run: ScenarioRun) -> None:
+    p, q = ctx.problems[4], ctx.problems[5]
+    messages: list = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": user_prompt(p)}]
+    first = await h.call(messages, "compaction#0")
+    messages.append(first.choices[0].message)
+    tools_out = tool_results(first.choices[0].message)
+    messages += tools_out or [{"role": "user", "content": user_prompt(q)}]
+    second = await h.call(messages, "compaction#1")
+    result = f" and returned {tools_out[0]['content']}" if tools_out else ""
+    summary = COMPACTION_SUMMARY.format(question=user_prompt(p), result=result, next_q=user_prompt(q))
+    messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": summary}]
+    run.facts["compacted_after_calls"] = 2
+    run.facts["pre_compaction_final"] = second.id
+    third = await h.call(messages, "compaction#2")
+    messages.append(third.choices[0].message)
+    messages += next_turn(third.choices[0].message, user_prompt(p))
+    run.kept = await h.call(messages, "compaction#3")
+
+
+async def scenario_rerendered(h: Harness, ctx: Context, run: ScenarioRun) -> None:
+    p, q = ctx.problems[6], ctx.problems[7]
+    messages: list = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": user_prompt(p)}]
+    first = await h.call(messages, "rerendered#0")
+    original = first.choices[0].message
+    rewritten = rerender(original)
+    run.facts["rerender_changed"] = rewritten["content"] != original.content or any(
+        a["function"]["arguments"] != b.function.arguments
+        for a, b in zip(rewritten.get("tool_calls", []), original.tool_calls or [])
+    )
+    messages.append(rewritten)
+    messages += next_turn(original, user_prompt(q))
+    second = await h.call(messages, "rerendered#1")
+    messages.append(second.choices[0].message)  # verbatim this time
+    messages += next_turn(second.choices[0].message, user_prompt(p))
+    run.kept = await h.call(messages, "rerendered#2")
+
+
+async def scenario_failed_final(h: Harness, ctx: Context, run: ScenarioRun) -> None:
+    p, q = ctx.problems[8], ctx.problems[9]
+    messages: list = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": user_prompt(p)}]
+    first = await h.call(messages, "failed_final#0")
+    messages.append(first.choices[0].message)
+    messages += next_turn(first.choices[0].message, user_prompt(q))
+    run.kept = await h.call(messages, "failed_final#1")
+    messages.append(run.kept.choices[0].message)
+    text, tokens = overflow_text(ctx.tokenizer, ctx.max_model_len, ctx.seed)
+    messages.append({"role": "user", "content": text + "\n" + user_prompt(q)})
+    run.facts["overflow_prompt_tokens_at_least"] = tokens
+    try:
+        last = await h.call(messages, "failed_final#2-overflow")
+    except openai.APIError as error:
+        run.facts["final_failed"] = True
+        run.facts["final_failure"] = f"client error {type(error).__name__} status={getattr(error, 'status_code', None)}"
+        return
+    message = last.choices[0].message
+    if not (message.content or message.tool_calls):
+        # Gym's gate turns the worker's context-length 400 into a synthetic empty completion.
+        run.facts["final_failed"] = True
+        run.facts["final_failure"] = f"synthetic empty completion id={last.id} finish_reason={last.choices[0].finish_reason}"
+    else:
+        run.facts["final_failed"] = False
+        run.kept = last  # not expected: the overflow was served
+
+
+async def scenario_subagent(h: Harness, ctx: Context, run: ScenarioRun) -> None:
+    p, q = ctx.problems[10], ctx.problems[11]
+    main: list = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": user_prompt(p)}]
+    first = await h.call(main, "subagent:main#0")
+    main.append(first.choices[0].message)
+    main += next_turn(first.choices[0].message, user_prompt(q))
+    sub: list = [{"role": "system", "content": SUBAGENT_SYSTEM}, {"role": "user", "content": user_prompt(q)}]
+    sub_first = await h.call(sub, "subagent:sub#0")
+    sub.append(sub_first.choices[0].message)
+    sub += next_turn(sub_first.choices[0].message, user_prompt(p))
+    await h.call(sub, "subagent:sub#1")
+    run.facts["subagent_calls"] = 2
+    run.kept = await h.call(main, "subagent:main#1")
+
+
+SCENARIOS: dict[str, Callable[[Harness, Context, ScenarioRun], Awaitable[None]]] = {
+    "plain": scenario_plain,
+    "distinct_retry": scenario_distinct_retry,
+    "identical_retry": scenario_identical_retry,
+    "compaction": scenario_compaction,
+    "rerendered": scenario_rerendered,
+    "failed_final": scenario_failed_final,
+    "subagent": scenario_subagent,
+}
+
+
+# --- the trainer side -------------------------------------------------------------------------
+def summarize(name: str, rollout_id: str, run: ScenarioRun, outcome, entry, manifest, manifest_problem: str | None,
+              engine: dict) -> dict[str, Any]:
+    records = list(manifest.records) if manifest is not None else []
+    line: dict[str, Any] = {
+        "scenario": name,
+        "rollout_id": rollout_id,
+        "kept": isinstance(entry, KeptRollout),
+        "rows": len(entry.rows) if isinstance(entry, KeptRollout) else 0,
+        "kept_generated_token_fraction": None,
+        "exact": False,
+        "reason": None,
+        "calls": len(run.calls),
+        "chains": None,
+        "manifest_records": len(records),
+        "manifest_failures": sorted({f.reason for f in manifest.failures}) if manifest is not None else None,
+        "token_in_records": sum(1 for r in records if r.mode == "token_in"),
+        "text_root_records": sum(1 for r in records if r.mode != "token_in"),
+        "terminal_selection": entry.terminal_selection,
+        "declared_terminal": outcome.get(TERMINAL_RESPONSE_ID_KEY) if isinstance(outcome, dict) else None,
+        "engine_records_found": sum(1 for r in records if r.response_id in engine),
+        "client_calls": [f"{c.label}:{'ok' if c.ok else 'error'}" for c in run.calls],
+        **run.facts,
+    }
+    if manifest_problem:
+        line["manifest_problem"] = manifest_problem
+    if isinstance(outcome, RunFailure):
+        line["run_failure"] = f"{outcome.reason.value}: {outcome.detail}"
+    y = entry.yield_
+    if y is not None:
+        line["chains"] = y.chains
+        line["served_generated_tokens"] = y.served_generated_tokens
+        line["kept_generated_tokens"] = y.kept_generated_tokens
+        line["unverifiable"] = [list(u) for u in y.unverifiable]
+        if y.served_generated_tokens:
+            line["kept_generated_token_fraction"] = round(y.kept_generated_tokens / y.served_generated_tokens, 6)
+    if isinstance(entry, KeptRollout):
+        report = check_rows_exact(entry.rows, records, engine)
+        line["exact"] = report.exact
+        line["loss_tokens"] = report.loss_tokens
+        line["row_calls"] = [len(row.model_call_ids) for row in entry.rows]
+        line["row_call_modes"] = [f"{row.token_in_calls} token_in + {row.text_root_calls} text" for row in entry.rows]
+        if report.problems:
+            line["exact_problems"] = list(report.problems)[:6]
+    else:
+        line["reason"] = f"{entry.reason.value}: {entry.detail}"
+    return line
+
+
+def passed(line: dict[str, Any]) -> bool:
+    fraction = line.get("kept_generated_token_fraction")
+    return bool(line["kept"] and line["exact"] and fraction is not None and fraction >= MIN_FRACTION)
+
+
+async def main(args: argparse.Namespace) -> list[dict[str, Any]]:
+    names = [n for n in args.only.split(",") if n] or list(SCENARIOS)
+    unknown = sorted(set(names) - set(SCENARIOS))
+    if unknown:
+        raise SystemExit(f"unknown scenarios {unknown}; known: {sorted(SCENARIOS)}")
+    log_dir = args.log_dir or Path("logs/harness_scenarios") / time.strftime("%Y%m%d-%H%M%S")
+    model_dir = ensure_tiny_model(TinyModelConfig(), progress=log)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    capture = TokenCaptureConfig(enabled=True)  # retire_after_commit=True: collect_group runs retention
+    dp_cfg = DataPlaneConfig()
+    generation = GenerationConfig()
+    gym_cfg = NemoGymConfig()
+    stack = await start_stack(model_dir=model_dir, log_dir=log_dir, generation=generation, token_capture=capture,
+                              data_plane=dp_cfg, nemo_gym=gym_cfg, num_cpus=2, progress=log)
+    pool: FinalizerPool | None = None
+    try:
+        assert stack.env is not None and stack.workers is not None and stack.client is not None
+        pool = FinalizerPool.from_config(capture, TQSourceFactory.from_config(dp_cfg, capture))
+        await pool.wait_ready(dp_cfg.startup_timeout_s)
+        cleaner = TQStagingCleaner(stack.client, capture.staging_partition, capture.stage_timeout_s)
+        manager = RolloutManager(
+            RolloutManagerConfig(run_id=f"harness-{uuid.uuid4().hex[:8]}", run_timeout_s=args.scenario_timeout_s,
+                                 capture=capture),
+            stack.env, finalizer=pool, cleaner=cleaner, served=stack.workers,
+        )
+        rollout_ids = manager.reserve(1, 0, len(names))
+        ctx = Context(make_problems(args.seed, 12), tokenizer, generation.vllm.max_model_len, args.seed)
+        runs: list[ScenarioRun] = []
+        outcomes: list[dict[str, Any] | RunFailure] = []
+        for name, rollout_id in zip(names, rollout_ids):
+            log(f"[scenario] {name} -> rollout {rollout_id}")
+            run = ScenarioRun()
+            harness = Harness(stack.env.gate_url, rollout_id, generation.model_name, args, run)
+            try:
+                await asyncio.wait_for(SCENARIOS[name](harness, ctx, run), args.scenario_timeout_s)
+                outcome: dict[str, Any] | RunFailure = run.outcome() if run.kept is not None else RunFailure(
+                    PlaceholderReason.RUN_FAILED, "the harness kept no completion")
+            except asyncio.TimeoutError:
+                outcome = RunFailure(PlaceholderReason.RUN_TIMEOUT, f"scenario exceeded {args.scenario_timeout_s}s")
+            except Exception as error:  # the scenario's verdict, reported, never fatal to the others
+                outcome = RunFailure(PlaceholderReason.RUN_FAILED, f"{type(error).__name__}: {str(error)[:500]}")
+            finally:
+                await harness.close()
+            runs.append(run)
+            outcomes.append(outcome)
+        # Read the ledger and the engine's own records before collect_group retires the ledger
+        # and clears the staged keys.
+        manifests: list = []
+        problems: list[str | None] = []
+        for rollout_id in rollout_ids:
+            try:
+                manifests.append(await asyncio.wait_for(stack.env.manifest(rollout_id), capture.manifest_timeout_s))
+                problems.append(None)
+            except Exception as error:
+                manifests.append(None)
+                problems.append(f"{type(error).__name__}: {error}")
+        response_ids = [r.response_id for m in manifests if m is not None for r in m.records if r.response_id]
+        engine = await asyncio.to_thread(stack.workers.engine_records, response_ids)
+        log(f"[collect] judging {len(rollout_ids)} rollouts ({len(response_ids)} committed calls)")
+        retention_error = None
+        try:
+            group = await asyncio.wait_for(manager.collect_group(0, rollout_ids, outcomes),
+                                           capture.finalize_timeout_s + capture.manifest_timeout_s + 120.0)
+        except RetentionError as error:
+            group, retention_error = error.group, str(error)
+        lines = []
+        for name, rollout_id, run, outcome, entry, manifest, problem in zip(
+            names, rollout_ids, runs, outcomes, group.entries, manifests, problems
+        ):
+            line = summarize(name, rollout_id, run, outcome, entry, manifest, problem, engine)
+            if retention_error:
+                line["retention_error"] = retention_error
+            lines.append(line)
+        return lines
+    finally:
+        if pool is not None:
+            pool.shutdown()
+        stack.stop()
+
+
+if __name__ == "__main__":
+    results = asyncio.run(main(parse_args()))
+    for result in results:
+        print(json.dumps(result, sort_keys=True), flush=True)
+    failed = [r["scenario"] for r in results if not passed(r)]
+    log(f"[done] {len(results) - len(failed)}/{len(results)} scenarios kept, exact and >= {MIN_FRACTION} kept; "
+        f"failed: {failed}")
+    sys.exit(0 if not failed and results else 1)

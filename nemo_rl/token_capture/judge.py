@@ -1,0 +1,329 @@
+"""The one judge: run outcome + manifest + staged snapshots + served report -> rows or a placeholder.
+
+`judge_rollout(evidence, snapshots, fetch_problems, cfg) -> KeptRollout | Placeholder` is pure and
+never raises for bad data; the RolloutManager (dispatch), the finalizer actors (snapshot fetch)
+and `capture_one_rollout.py` all call it, and nothing else decides a rollout's fate.
+
+Rules, in order (each rejection is a placeholder with a typed reason and a detail):
+1. The run failed or timed out -> `run_failed` / `run_timeout`. No manifest -> `manifest_unavailable`.
+   A manifest of another rollout or with duplicate call ids -> `capture_poisoned`.
+   No finite reward -> `reward_missing`. No committed call -> `empty_manifest`.
+2. Failure rows are split by what happened to the call (Gym's rows carry no parent):
+   - off-chain: only `request_finished_without_staged_coordinates` (no completion returned:
+     context overflow, engine error, cancelled). It cannot be on any chain; it never poisons.
+   - served, not staged (`worker_capture_failed`, missing/invalid commit coordinates,
+     `unresolved_parent`, ...): its completion reached the agent without custody. The workers'
+     served report names its parent P; the chain that ends at P is cut (its continuation was
+     lost) and is dropped, and only that chain. Without a report entry for it the call cannot
+     be located and the rollout is poisoned (fail closed, Gym's default).
+3. The terminal call comes from `receipt.choose_terminal` (declared > witnesses > heuristic > mask).
+4. Chains: the terminal chain (root -> terminal) and, with `branch_policy=all_chains`, every
+   other leaf's chain (branches after a history rewrite, retried siblings), in manifest order.
+   A chain with a missing/invalid staged record, a cut, a mixed weight version (policy
+   `reject`) or a failed `verify_and_linearize` is dropped with that reason; if the terminal
+   chain is dropped the rollout is a placeholder with the terminal chain's reason.
+5. Each surviving chain is verified and linearized by Gym's `verify_and_linearize` on a receipt
+   holding exactly that chain's records and snapshots (so one corrupt chain cannot veto
+   another). Loss ownership: the terminal chain owns its calls' generated tokens; a later row
+   masks (mask 0, logprob 0.0) every call an earlier row already owns, so a generated token is
+   in the loss at most once. A row left with no loss token is not emitted.
+6. Yield: kept generated tokens (loss tokens) against the workers' served counts, with every
+   served-but-untrained call's tokens listed under its reason.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from nemo_gym.token_id_capture.staging import (
+    CallRecord,
+    ReceiptVerificationError,
+    RolloutReceipt,
+    StagedCallBaseSnapshot,
+    verify_and_linearize,
+)
+from nemo_gym.token_id_capture.staging.records import RolloutManifest
+
+from nemo_rl.token_capture.config import TokenCaptureConfig
+from nemo_rl.token_capture.receipt import TerminalChoice, choose_terminal, reward_of
+from nemo_rl.token_capture.rows import (
+    GroupEntry,
+    KeptRollout,
+    Placeholder,
+    PlaceholderReason,
+    RolloutYield,
+    RowOrigin,
+    TrainRow,
+)
+from nemo_rl.token_capture.served import ServedCall
+
+OFF_CHAIN_REASONS = frozenset({"request_finished_without_staged_coordinates"})
+_POISON_CODES = frozenset({"rollout_failed", "capture_poisoned"})
+# Reasons for served tokens that are not in the loss (metric keys; keep them stable).
+CUT_BY_UNSTAGED_CHILD = "cut_by_unstaged_child"
+SERVED_NOT_STAGED = "served_not_staged"
+STAGED_NOT_COMMITTED = "staged_not_committed"
+EXCLUDED_BY_BRANCH_POLICY = "excluded_by_branch_policy"
+
+
+@dataclass(frozen=True)
+class RunFailure:
+    reason: PlaceholderReason  # run_failed or run_timeout
+    detail: str
+
+
+@dataclass(frozen=True)
+class RolloutEvidence:
+    """Everything the dispatcher learned about one rollout; snapshots are fetched by the finalizer."""
+
+    rollout_id: str
+    group_index: int
+    sample_index: int
+    run_result: dict[str, Any] | None
+    run_failure: RunFailure | None
+    manifest: RolloutManifest | None
+    manifest_problem: str | None
+    served: tuple[ServedCall, ...] | None  # None when the workers' report was unavailable
+
+    def __post_init__(self) -> None:
+        if (self.run_result is None) == (self.run_failure is None):
+            raise ValueError(f"{self.rollout_id}: evidence holds a run result or a run failure, exactly one")
+        if self.manifest is None and self.manifest_problem is None and self.run_failure is None:
+            raise ValueError(f"{self.rollout_id}: a missing manifest needs a manifest_problem")
+
+    def staging_keys(self) -> list[str]:
+        """The staged keys the judge may need (every committed record of this rollout's manifest)."""
+        if self.manifest is None or self.manifest.rollout_id != self.rollout_id:
+            return []
+        return [record.staging_key for record in self.manifest.records]
+
+
+@dataclass(frozen=True)
+class FetchProblem:
+    """Why one staged key could not be read as a valid snapshot."""
+
+    reason: PlaceholderReason  # staged_record_missing, verification_failed or data_plane_error
+    detail: str
+
+
+@dataclass(frozen=True)
+class _Chain:
+    calls: tuple[CallRecord, ...]  # root -> leaf
+    leaf: str
+
+
+def _placeholder(ev: RolloutEvidence, reason: PlaceholderReason, detail: str, reward: float | None,
+                 selection: str | None = None, served_yield: RolloutYield | None = None) -> Placeholder:
+    return Placeholder(ev.rollout_id, ev.group_index, ev.sample_index, reason, detail, reward, selection, served_yield)
+
+
+def _all_served_lost(ev: RolloutEvidence, reason: str, chains: int = 0, disagreement: bool = False) -> RolloutYield:
+    if ev.served is None:
+        return RolloutYield(None, 0, (), chains, disagreement)
+    total = sum(call.generated_tokens for call in ev.served)
+    return RolloutYield(total, 0, ((reason, total),) if total else (), chains, disagreement)
+
+
+def _chain_to(call_id: str, by_id: Mapping[str, CallRecord]) -> tuple[CallRecord, ...] | None:
+    """Root -> call_id through parent links; None for an orphaned or cyclic lineage."""
+    path: list[CallRecord] = []
+    seen: set[str] = set()
+    cursor: str | None = call_id
+    while cursor is not None:
+        record = by_id.get(cursor)
+        if record is None or cursor in seen:
+            return None
+        seen.add(cursor)
+        path.append(record)
+        cursor = record.parent_call_id
+    return tuple(reversed(path))
+
+
+def _candidate_chains(records: Sequence[CallRecord], terminal: str, policy: str) -> list[str]:
+    """Leaf ids of the chains to train, terminal first, then other leaves in manifest order."""
+    if policy == "terminal_chain":
+        return [terminal]
+    parents = {r.parent_call_id for r in records if r.parent_call_id is not None}
+    return [terminal] + [r.model_call_id for r in records if r.model_call_id not in parents and r.model_call_id != terminal]
+
+
+def _linearize(ev: RolloutEvidence, chain: Sequence[CallRecord], snapshots: Mapping[str, StagedCallBaseSnapshot],
+               reward: float, selection: str):
+    receipt = RolloutReceipt(
+        rollout_id=ev.rollout_id, reward=reward, manifest=list(chain),
+        terminal_model_call_id=chain[-1].model_call_id, terminal_selection=selection,
+    )
+    return verify_and_linearize(receipt, [snapshots[record.staging_key] for record in chain])
+
+
+def _owned_row(ev: RolloutEvidence, linear, chain: Sequence[CallRecord], owned: set[str], reward: float,
+               selection: str, chain_index: int) -> TrainRow | None:
+    """The chain's TrainRow with calls already in another row's loss masked out; None if nothing is left."""
+    mask = list(linear.token_mask)
+    logprobs = list(linear.logprobs)
+    spans = []
+    for span in linear.weight_version_spans:
+        spans.append((span.start, span.end))
+        if span.model_call_id in owned:
+            for i in range(span.start, span.end):
+                mask[i], logprobs[i] = 0.0, 0.0
+    if 1.0 not in mask:
+        return None
+    token_in = sum(1 for record in chain if record.mode == "token_in")
+    return TrainRow(
+        rollout_id=ev.rollout_id, group_index=ev.group_index, sample_index=ev.sample_index,
+        token_ids=tuple(linear.token_ids), token_mask=tuple(mask), generation_logprobs=tuple(logprobs),
+        reward=reward, prompt_len=linear.prompt_len, model_call_ids=tuple(linear.model_call_ids),
+        weight_versions=tuple(linear.weight_versions), token_in_calls=token_in,
+        text_root_calls=len(chain) - token_in, terminal_selection=selection, origin=RowOrigin.CAPTURE,
+        call_spans=tuple(spans), chain_index=chain_index,
+    )
+
+
+def _chain_problem(chain: Sequence[CallRecord], fetch_problems: Mapping[str, FetchProblem], cut_leaves: set[str],
+                   cfg: TokenCaptureConfig) -> tuple[PlaceholderReason, str] | None:
+    for record in chain:
+        problem = fetch_problems.get(record.staging_key)
+        if problem is not None:
+            return problem.reason, f"{record.staging_key}: {problem.detail}"
+    if chain[-1].model_call_id in cut_leaves:
+        return PlaceholderReason.SERVED_NOT_STAGED, f"{CUT_BY_UNSTAGED_CHILD}: a child of {chain[-1].model_call_id} was served without custody"
+    versions = sorted({record.weight_version for record in chain})
+    if cfg.mixed_weight_version_policy == "reject" and len(versions) > 1:
+        return PlaceholderReason.MIXED_WEIGHT_VERSION, f"chain served by weight versions {versions}"
+    return None
+
+
+def _verification_reason(error: ReceiptVerificationError) -> PlaceholderReason:
+    return PlaceholderReason.CAPTURE_POISONED if error.code in _POISON_CODES else PlaceholderReason.VERIFICATION_FAILED
+
+
+def _precheck(ev: RolloutEvidence) -> Placeholder | None:
+    """Verdicts that need neither chains nor snapshots."""
+    if ev.run_failure is not None:
+        return _placeholder(ev, ev.run_failure.reason, ev.run_failure.detail, None,
+                            served_yield=_all_served_lost(ev, ev.run_failure.reason.value))
+    reward = reward_of(ev.run_result)
+    manifest = ev.manifest
+    if manifest is None:
+        reason = PlaceholderReason.MANIFEST_UNAVAILABLE
+        return _placeholder(ev, reason, ev.manifest_problem or "", reward, served_yield=_all_served_lost(ev, reason.value))
+    poisoned = PlaceholderReason.CAPTURE_POISONED
+    if manifest.rollout_id != ev.rollout_id:
+        return _placeholder(ev, poisoned, f"manifest_rollout_mismatch:{manifest.rollout_id}", reward,
+                            served_yield=_all_served_lost(ev, poisoned.value))
+    if len({r.model_call_id for r in manifest.records}) != len(manifest.records):
+        return _placeholder(ev, poisoned, "duplicate_model_call_id", reward, served_yield=_all_served_lost(ev, poisoned.value))
+    if reward is None:
+        reason = PlaceholderReason.REWARD_MISSING
+        return _placeholder(ev, reason, "run result has no finite reward", None, served_yield=_all_served_lost(ev, reason.value))
+    if not manifest.records:
+        reason = PlaceholderReason.EMPTY_MANIFEST
+        failures = sorted({f.reason for f in manifest.failures})
+        detail = f"no committed call; failures: {failures}" if failures else "no committed call and no failure row"
+        return _placeholder(ev, reason, detail, reward, served_yield=_all_served_lost(ev, reason.value))
+    return None
+
+
+def _unstaged_calls(ev: RolloutEvidence) -> tuple[dict[str, str], list[str]]:
+    """Served-not-staged failure rows: {call_id: reason}, and those the served report cannot locate."""
+    committed = {r.model_call_id for r in ev.manifest.records}
+    reasons: dict[str, set[str]] = {}
+    for failure in ev.manifest.failures:
+        reasons.setdefault(failure.model_call_id, set()).add(failure.reason)
+    unstaged = {
+        call_id: ",".join(sorted(found - OFF_CHAIN_REASONS))
+        for call_id, found in reasons.items()
+        if found - OFF_CHAIN_REASONS or call_id in committed
+    }
+    served_ids = {call.model_call_id for call in ev.served or ()}
+    unlocated = sorted(call_id for call_id in unstaged if call_id not in served_ids or call_id in committed)
+    return unstaged, unlocated
+
+
+def judge_rollout(
+    ev: RolloutEvidence,
+    snapshots: Mapping[str, StagedCallBaseSnapshot],
+    fetch_problems: Mapping[str, FetchProblem],
+    cfg: TokenCaptureConfig,
+) -> GroupEntry:
+    """One verdict for one rollout; see the module docstring for the rules."""
+    early = _precheck(ev)
+    if early is not None:
+        return early
+    reward = reward_of(ev.run_result)
+    records = list(ev.manifest.records)
+    by_id = {r.model_call_id: r for r in records}
+    parents = {r.parent_call_id for r in records if r.parent_call_id is not None}
+    leaves = sum(1 for r in records if r.model_call_id not in parents)
+
+    unstaged, unlocated = _unstaged_calls(ev)
+    if unlocated:
+        reason = PlaceholderReason.CAPTURE_POISONED
+        detail = f"{SERVED_NOT_STAGED}_unlocated: calls {unlocated} ({[unstaged[c] for c in unlocated]})"
+        return _placeholder(ev, reason, detail, reward, served_yield=_all_served_lost(ev, reason.value, leaves))
+
+    terminal: TerminalChoice = choose_terminal(records, ev.run_result)
+    if terminal.rejection is not None:
+        return _placeholder(ev, terminal.rejection, terminal.detail, reward, terminal.selection,
+                            _all_served_lost(ev, terminal.rejection.value, leaves, terminal.witness_disagreement))
+
+    served_by_id = {call.model_call_id: call for call in ev.served or ()}
+    cut_leaves = {served_by_id[c].parent_call_id for c in unstaged if served_by_id[c].parent_call_id is not None}
+    owned: set[str] = set()
+    rows: list[TrainRow] = []
+    lost: dict[str, str] = {}  # call id -> why its generated tokens are not in the loss
+    leaf_ids = _candidate_chains(records, terminal.call_id, cfg.branch_policy)
+    for position, leaf in enumerate(leaf_ids):
+        chain = _chain_to(leaf, by_id)
+        problem = (PlaceholderReason.VERIFICATION_FAILED, f"lineage of {leaf} is orphaned or cyclic") if chain is None \
+            else _chain_problem(chain, fetch_problems, cut_leaves, cfg)
+        linear = None
+        if problem is None:
+            try:
+                linear = _linearize(ev, chain, snapshots, reward, terminal.selection)
+            except ReceiptVerificationError as error:
+                problem = (_verification_reason(error), error.code)
+        if problem is not None:
+            if position == 0:
+                return _placeholder(ev, problem[0], problem[1], reward, terminal.selection,
+                                    _all_served_lost(ev, problem[0].value, leaves))
+            for record in chain or ():
+                lost.setdefault(record.model_call_id, problem[0].value)
+            continue
+        row = _owned_row(ev, linear, chain, owned, reward, terminal.selection, len(rows))
+        if row is not None:
+            rows.append(row)
+            owned |= row.loss_call_ids()
+    if cfg.branch_policy == "terminal_chain":
+        for record in records:
+            lost.setdefault(record.model_call_id, EXCLUDED_BY_BRANCH_POLICY)
+    kept_tokens = sum(row.num_generated_tokens for row in rows)
+    return KeptRollout(
+        ev.rollout_id, ev.group_index, ev.sample_index, tuple(rows), reward, terminal.selection,
+        _yield(ev, owned, lost, unstaged, kept_tokens, leaves),
+    )
+
+
+def _yield(ev: RolloutEvidence, owned: set[str], lost: Mapping[str, str], unstaged: Mapping[str, str],
+           kept_tokens: int, chains: int) -> RolloutYield:
+    if ev.served is None:
+        return RolloutYield(None, kept_tokens, (), chains)
+    committed = {r.model_call_id for r in ev.manifest.records}
+    by_reason: dict[str, int] = {}
+    for call in ev.served:
+        if call.model_call_id in owned:
+            continue
+        if call.model_call_id in lost:
+            reason = lost[call.model_call_id]
+        elif call.model_call_id in unstaged or not call.staged:
+            reason = SERVED_NOT_STAGED
+        elif call.model_call_id not in committed:
+            reason = STAGED_NOT_COMMITTED
+        else:
+            reason = EXCLUDED_BY_BRANCH_POLICY
+        by_reason[reason] = by_reason.get(reason, 0) + call.generated_tokens
+    served_total = sum(call.generated_tokens for call in ev.served)
+    return RolloutYield(served_total, kept_tokens, tuple(sorted((r, n) for r, n in by_reason.items() if n)), chains)

@@ -1,0 +1,309 @@
+"""Router replay (R3): shape staged routed-expert extras into one array beside the training rows.
+
+MoE engines report, per token, the experts the router chose in each MoE layer. Gym carries them
+as staged-call extras and this module turns the verified extras of a batch of training rows
+into the array the trainer replays. Pure functions: no I/O. Fetch and digest-check the extras
+first (`TQTokenSource.fetch_row_extras` / `fetch_extras`, bound to the row's
+`extras_commitments`).
+
+Gym's representation (nemo-gym 0.7.0, `token_id_capture.staging.routes`, `adapters.vllm`):
+- `extras["routed_experts"]` (the vLLM adapter copies `choices[0].message.routed_experts`); absent
+  or None when the engine routed nothing. Other extras keys (e.g. `media_spans`) are ignored.
+- The value is one `[tokens][layers][topk]` fragment, either the `nrlre1:<dtype>:<TxLxK>:<b64>`
+  envelope (little-endian int8/int16/int32) or legacy nested int lists. `extras_digest` covers the
+  encoded value, and Gym's `decode_routed_experts` is the codec this module applies.
+- How a fragment of T token rows lines up with its call's delta (`carry_len` prompt tokens then
+  `gen_len` generated tokens) is Gym's `classify_route_span`, applied as is:
+  `full` (T == carry_len + gen_len): row t routes delta token t, so the whole delta is covered;
+  `tail` (gen_len <= T otherwise): the last gen_len rows route the generated tokens, and the
+  carry tokens get the sentinel (an engine that returns routes for the whole prompt + generation,
+  or for the generation only, lands here);
+  `sentinel` (T < gen_len): nothing usable, and the whole delta gets the sentinel. It is counted
+  in `RouterReplayCoverage.unusable_fragments` and does not raise.
+
+Contract of `build_router_replay(rows, ...)`:
+- `rows[i]` is a `RowRoutes` (a verified row's calls, root to terminal, and its loss mask), or
+  None for a placeholder row. A row is the concatenation of its calls' deltas, in order.
+- Output `routes` is int16 `[n_rows, max_len, L, K]`; `max_len` defaults to the longest row.
+  `MISSING_ROUTE_SENTINEL` (-1) fills placeholder rows, positions past a row's end, and every
+  token whose call carries no usable route (the trainer lets the router choose freely there).
+- Every used fragment must agree on L and K (and with `num_layers`/`topk` when given), else
+  `RouteShapeMismatchError`. Expert ids must be in [0, 32767], else `RouteValueError`. A payload
+  that is not a Gym routed-experts fragment raises `RoutedExpertsDecodeError`. If no row carries a
+  usable route, L and K must be given (`RouteShapeUnknownError`). Spans inconsistent with the
+  row, or a row longer than `max_len`, raise `RouteSpanError`. All subclass `RouterReplayError`.
+- Coverage counts real (non-placeholder) rows only: `loss_tokens` (mask 1.0), how many of them
+  carry a route, `sentinel_tokens` (tokens inside real rows without a route; padding and
+  placeholder positions are counted apart as `padding_tokens`), and `rows_with_routes`.
+  `coverage` is covered / loss tokens, and 0.0 when the batch has no loss token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from nemo_gym.token_id_capture.adapters.vllm import ROUTED_EXPERTS_FIELD
+from nemo_gym.token_id_capture.staging import (
+    MISSING_ROUTE_SENTINEL,
+    classify_route_span,
+    decode_routed_experts,
+    routed_experts_token_count,
+)
+
+ROUTED_EXPERTS_KEY = ROUTED_EXPERTS_FIELD
+SENTINEL = MISSING_ROUTE_SENTINEL
+MAX_EXPERT_ID = int(np.iinfo(np.int16).max)
+
+
+class RouterReplayError(ValueError):
+    """Routed-expert extras cannot be shaped into a router-replay array."""
+
+
+class RouteSpanError(RouterReplayError):
+    """A row's call spans do not describe the row (lengths disagree, or it exceeds max_len)."""
+
+
+class RoutedExpertsDecodeError(RouterReplayError):
+    """A call's `routed_experts` value is not a Gym routed-experts fragment."""
+
+    def __init__(self, model_call_id: str, reason: str) -> None:
+        self.model_call_id = model_call_id
+        super().__init__(f"call {model_call_id!r}: routed_experts is not a valid fragment: {reason}")
+
+
+class RouteShapeMismatchError(RouterReplayError):
+    """Fragments disagree on the number of MoE layers (L) or the top-k width (K)."""
+
+
+class RouteShapeUnknownError(RouterReplayError):
+    """No row carries a usable route and the caller did not name L and K."""
+
+
+class RouteValueError(RouterReplayError):
+    """An expert id is negative or does not fit int16."""
+
+
+@dataclass(frozen=True)
+class CallRoutes:
+    """One call of a row: its delta split (carry then generated tokens) and its raw route payload."""
+
+    model_call_id: str
+    carry_len: int
+    gen_len: int
+    routed_experts: Any | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("carry_len", "gen_len"):
+            value = getattr(self, name)
+            if type(value) is not int or value < 0:
+                raise RouteSpanError(f"call {self.model_call_id!r}: {name} must be a non-negative int, got {value!r}")
+        if self.carry_len + self.gen_len == 0:
+            raise RouteSpanError(f"call {self.model_call_id!r}: a call contributes at least one token")
+
+    @property
+    def delta_len(self) -> int:
+        return self.carry_len + self.gen_len
+
+
+@dataclass(frozen=True)
+class RowRoutes:
+    """One verified training row: its calls root to terminal, and its loss mask (length = row length)."""
+
+    calls: tuple[CallRoutes, ...]
+    token_mask: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        if not self.calls:
+            raise RouteSpanError("a row has at least one call")
+        total = sum(call.delta_len for call in self.calls)
+        if total != len(self.token_mask):
+            raise RouteSpanError(
+                f"calls {[c.model_call_id for c in self.calls]} span {total} tokens but the row has "
+                f"{len(self.token_mask)}"
+            )
+
+    @property
+    def length(self) -> int:
+        return len(self.token_mask)
+
+
+def routes_from_extras(extras: Mapping[str, Any] | None) -> Any | None:
+    """The raw `routed_experts` value of one call's extras, or None when it carries none."""
+    if extras is None:
+        return None
+    return extras.get(ROUTED_EXPERTS_KEY)
+
+
+def row_routes(
+    link_spans: Sequence[tuple[str, int, int]],
+    extras: Sequence[Mapping[str, Any] | None],
+    token_mask: Sequence[float],
+) -> RowRoutes:
+    """A `RowRoutes` from `LinearizedRow.link_spans`, the calls' extras (same order) and the row mask."""
+    if len(link_spans) != len(extras):
+        raise RouteSpanError(f"{len(extras)} extras for {len(link_spans)} calls")
+    calls = tuple(
+        CallRoutes(call_id, carry_len, gen_len, routes_from_extras(call_extras))
+        for (call_id, carry_len, gen_len), call_extras in zip(link_spans, extras)
+    )
+    return RowRoutes(calls, tuple(float(m) for m in token_mask))
+
+
+def decode_call_routes(model_call_id: str, payload: Any) -> np.ndarray:
+    """One fragment as an int16 `[T, L, K]` array, validated by Gym's codec and the int16 id range."""
+    try:
+        fragment = decode_routed_experts(payload)
+    except ValueError as e:
+        raise RoutedExpertsDecodeError(model_call_id, str(e)) from e
+    try:
+        values = np.asarray(fragment.values, dtype=np.int64)
+    except OverflowError as e:
+        raise RouteValueError(f"call {model_call_id!r}: an expert id does not fit int64") from e
+    if values.size and (values.min() < 0 or values.max() > MAX_EXPERT_ID):
+        raise RouteValueError(
+            f"call {model_call_id!r}: expert ids must be in [0, {MAX_EXPERT_ID}], got "
+            f"[{int(values.min())}, {int(values.max())}]"
+        )
+    return values.astype(np.int16)
+
+
+@dataclass(frozen=True)
+class _Placement:
+    """Where a decoded fragment lands: delta positions [start, stop) take fragment rows [src, src + stop - start)."""
+
+    start: int
+    stop: int
+    src: int
+    values: np.ndarray
+
+
+def _placement(call: CallRoutes) -> tuple[str, _Placement | None]:
+    """Gym's span mode for one call, plus the placement of its routes when they are used."""
+    if call.routed_experts is None:
+        return "none", None
+    try:
+        token_count = routed_experts_token_count(call.routed_experts)
+    except ValueError as e:
+        raise RoutedExpertsDecodeError(call.model_call_id, str(e)) from e
+    mode = classify_route_span(carry_len=call.carry_len, generation_len=call.gen_len, staged_route_len=token_count)
+    if mode == "sentinel":
+        return mode, None
+    values = decode_call_routes(call.model_call_id, call.routed_experts)
+    if mode == "full":
+        return mode, _Placement(0, call.delta_len, 0, values)
+    return mode, _Placement(call.carry_len, call.delta_len, values.shape[0] - call.gen_len, values)
+
+
+@dataclass(frozen=True)
+class RouterReplayCoverage:
+    """How much of a batch the routes cover (see the module contract for each count)."""
+
+    rows: int
+    placeholder_rows: int
+    rows_with_routes: int
+    loss_tokens: int
+    covered_loss_tokens: int
+    sentinel_tokens: int
+    padding_tokens: int
+    calls: int
+    full_fragments: int
+    tail_fragments: int
+    unusable_fragments: int
+
+    @property
+    def coverage(self) -> float:
+        return self.covered_loss_tokens / self.loss_tokens if self.loss_tokens else 0.0
+
+
+@dataclass(frozen=True)
+class RouterReplayBatch:
+    """The int16 `[n_rows, max_len, L, K]` route array (sentinel -1 where uncovered) and its coverage."""
+
+    routes: np.ndarray
+    coverage: RouterReplayCoverage
+
+
+def _shape(placed: Sequence[_Placement], num_layers: int | None, topk: int | None) -> tuple[int, int]:
+    shapes = sorted({p.values.shape[1:] for p in placed})
+    if num_layers is not None and topk is not None:
+        shapes = sorted(set(shapes) | {(num_layers, topk)})
+    if len(shapes) > 1:
+        raise RouteShapeMismatchError(f"fragments disagree on (layers, topk): {shapes}")
+    if not shapes:
+        raise RouteShapeUnknownError("no row carries a usable route; pass num_layers and topk to shape the batch")
+    layers, width = shapes[0]
+    if (num_layers is not None and layers != num_layers) or (topk is not None and width != topk):
+        raise RouteShapeMismatchError(f"fragments have (layers, topk) {shapes[0]}, expected ({num_layers}, {topk})")
+    return int(layers), int(width)
+
+
+def build_router_replay(
+    rows: Sequence[RowRoutes | None],
+    *,
+    max_len: int | None = None,
+    num_layers: int | None = None,
+    topk: int | None = None,
+) -> RouterReplayBatch:
+    """The router-replay array and coverage for a batch (None = placeholder row); see the contract."""
+    longest = max((row.length for row in rows if row is not None), default=0)
+    if max_len is None:
+        max_len = longest
+    elif type(max_len) is not int or max_len < longest:
+        raise RouteSpanError(f"max_len {max_len!r} is shorter than the longest row ({longest} tokens)")
+    modes: list[list[str]] = []
+    placements: list[list[_Placement | None]] = []
+    for row in rows:
+        decided = [_placement(call) for call in row.calls] if row is not None else []
+        modes.append([mode for mode, _ in decided])
+        placements.append([placement for _, placement in decided])
+    used = [p for row_placements in placements for p in row_placements if p is not None]
+    layers, width = _shape(used, num_layers, topk)
+
+    routes = np.full((len(rows), max_len, layers, width), SENTINEL, dtype=np.int16)
+    loss_tokens = covered_loss = sentinel_tokens = rows_with_routes = 0
+    for index, (row, row_placements) in enumerate(zip(rows, placements)):
+        if row is None:
+            continue
+        covered = np.zeros(row.length, dtype=bool)
+        offset = 0
+        for call, placement in zip(row.calls, row_placements):
+            if placement is not None:
+                count = placement.stop - placement.start
+                routes[index, offset + placement.start : offset + placement.stop] = placement.values[
+                    placement.src : placement.src + count
+                ]
+                covered[offset + placement.start : offset + placement.stop] = True
+            offset += call.delta_len
+        loss = np.asarray(row.token_mask) == 1.0
+        loss_tokens += int(loss.sum())
+        covered_loss += int((loss & covered).sum())
+        sentinel_tokens += int((~covered).sum())
+        rows_with_routes += int(covered.any())
+    real_rows = sum(row is not None for row in rows)
+    flat_modes = [mode for row_modes in modes for mode in row_modes]
+    coverage = RouterReplayCoverage(
+        rows=len(rows),
+        placeholder_rows=len(rows) - real_rows,
+        rows_with_routes=rows_with_routes,
+        loss_tokens=loss_tokens,
+        covered_loss_tokens=covered_loss,
+        sentinel_tokens=sentinel_tokens,
+        padding_tokens=len(rows) * max_len - sum(row.length for row in rows if row is not None),
+        calls=len(flat_modes),
+        full_fragments=flat_modes.count("full"),
+        tail_fragments=flat_modes.count("tail"),
+        unusable_fragments=flat_modes.count("sentinel"),
+    )
+    return RouterReplayBatch(routes, coverage)
+
+
+def router_replay_metrics(coverage: RouterReplayCoverage) -> dict[str, float]:
+    """The step metrics for one batch's route coverage."""
+    return {
+        "router_replay/coverage": float(coverage.coverage),
+        "router_replay/sentinel_tokens": float(coverage.sentinel_tokens),
+        "router_replay/rows_with_routes": float(coverage.rows_with_routes),
+    }

@@ -1,0 +1,119 @@
+"""External harness behaviours against the real stack, driven with the official `openai` client.
+
+Runs `examples/harness_scenarios.py` (real components only: private Ray, TransferQueue, the vLLM
+CPU engine, our capture gate on loopback) and checks each scenario's verdict: kept, exact against
+the engine's own records, and nearly every served generated token kept, plus the shape each
+behaviour guarantees.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+SCENARIOS = ("plain", "distinct_retry", "identical_retry", "compaction", "rerendered", "failed_final", "subagent")
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> dict[str, dict]:
+    log_dir = tmp_path_factory.mktemp("harness") / "logs"
+    proc = subprocess.run(
+        [sys.executable, "examples/harness_scenarios.py", "--log-dir", str(log_dir)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    by_name = {line["scenario"]: line for line in lines}
+    assert set(by_name) == set(SCENARIOS), (
+        f"exit {proc.returncode}; scenarios reported: {sorted(by_name)}\nstdout:\n{proc.stdout[-4000:]}\n"
+        f"stderr:\n{proc.stderr[-6000:]}"
+    )
+    by_name["_returncode"] = {"code": proc.returncode}
+    return by_name
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("name", SCENARIOS)
+def test_scenario_is_kept_exact_and_keeps_its_tokens(results, name):
+    line = results[name]
+    assert line["kept"] is True, line
+    assert line["exact"] is True, line
+    assert line["kept_generated_token_fraction"] >= 0.99, line
+    assert line["reason"] is None, line
+    assert line["rows"] >= 1 and line["chains"] >= 1, line
+    assert line["engine_records_found"] == line["manifest_records"], line
+    assert line["declared_terminal"] is not None and line["terminal_selection"] == "declared", line
+
+
+@pytest.mark.integration
+def test_example_exit_code_reflects_all_scenarios(results):
+    assert results["_returncode"]["code"] == 0, {k: v for k, v in results.items() if k != "_returncode"}
+
+
+@pytest.mark.integration
+def test_plain_tool_loop_is_one_token_in_chain(results):
+    line = results["plain"]
+    assert line["calls"] >= 2
+    assert line["rows"] == 1 and line["chains"] == 1
+    assert line["manifest_records"] == line["calls"]
+    assert line["token_in_records"] == line["calls"] - 1
+    assert line["manifest_failures"] == []
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("name", ["distinct_retry", "identical_retry"])
+def test_retried_call_leaves_a_sibling_that_is_trained_once(results, name):
+    line = results[name]
+    assert line["sends_of_retried_call"] >= 2
+    # The retried call and its re-send are siblings: two leaves, each trained in its own row
+    # (branch_policy all_chains), no served token left out.
+    assert line["chains"] >= 2 and line["rows"] >= 2
+    assert line["manifest_records"] == line["calls"]
+    assert line["manifest_failures"] == []
+
+
+@pytest.mark.integration
+def test_identical_retry_replies_are_identical(results):
+    assert results["identical_retry"]["replies_identical"] is True
+
+
+@pytest.mark.integration
+def test_compaction_starts_a_new_chain(results):
+    line = results["compaction"]
+    assert line["calls"] == 4
+    assert line["chains"] >= 2 and line["rows"] >= 2
+    assert line["text_root_records"] >= 2
+
+
+@pytest.mark.integration
+def test_rerendered_turn_is_trained_exactly(results):
+    line = results["rerendered"]
+    assert line["calls"] == 3
+    assert line["manifest_records"] == 3
+
+
+@pytest.mark.integration
+def test_failed_final_call_keeps_the_previous_response(results):
+    line = results["failed_final"]
+    assert line["final_failed"] is True
+    assert line["calls"] == 3
+    # The overflowing call was never generated: only the two served calls are committed.
+    assert line["manifest_records"] == 2
+    assert line["rows"] == 1
+
+
+@pytest.mark.integration
+def test_subagent_conversation_is_its_own_chain(results):
+    line = results["subagent"]
+    assert line["calls"] == 4
+    assert line["chains"] >= 2 and line["rows"] >= 2
+    assert line["text_root_records"] >= 2

@@ -1,0 +1,197 @@
+"""Property tests of judge_rollout over random REAL staged forests.
+
+Each example stages a random forest (roots, children, retried siblings, weight versions) with Gym's
+RolloutTokenCapture, adds calls that were served but not staged (with and without a served-report
+entry), off-chain failures, staged-but-uncommitted calls, tampered or missing snapshots, a random
+terminal declaration and policy, and judges it. Invariants: one outcome in the right slot; only
+verified committed calls in the loss, each at most once, with the staged ids and logprobs; a chain
+cut by an unstaged child never trains; deterministic; the yield adds up to the served report.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+from nemo_gym.token_id_capture.staging.records import ManifestFailure
+
+from nemo_rl.token_capture.config import TokenCaptureConfig
+from nemo_rl.token_capture.judge import FetchProblem, RolloutEvidence, RunFailure, judge_rollout
+from nemo_rl.token_capture.rows import KeptRollout, Placeholder, PlaceholderReason
+from nemo_rl.token_capture.served import ServedCall
+
+RID = "run-s9-g1-i4-a0"
+GROUP, SAMPLE = 1, 4
+UNSTAGED_REASONS = ("worker_capture_failed", "worker_response_missing_commit_coordinates", "unresolved_parent",
+                    "invalid_worker_commit_coordinates")
+NO_COORDS = "request_finished_without_staged_coordinates"
+LOGPROBS = (-0.125, -0.25, -0.5, -1.0, -2.0, -3.5)
+
+
+@dataclass
+class Scenario:
+    calls: list[tuple[str, str | None, tuple[int, ...], tuple[int, ...], tuple[float, ...], int]]
+    unstaged: list[tuple[str, str | None, int, str, bool, bool]]  # id, parent, tokens, reason, in report, +no_coords
+    off_chain: list[str]
+    uncommitted: list[tuple[str, str | None, int]]
+    failed_committed: str | None  # a committed call that also has a failure row
+    faults: dict[str, str]  # committed call id -> "tampered" | "missing"
+    report: bool
+    run_result: dict[str, Any] | None
+    run_failure: bool
+    cfg: TokenCaptureConfig
+
+
+def _rarely(value: bool, one_in: int):
+    """`value` about once in `one_in` draws (not the first choice, which Hypothesis favours)."""
+    return st.sampled_from((not value,) * (one_in - 1) + (value,))
+
+
+@st.composite
+def scenarios(draw) -> Scenario:
+    n = draw(st.integers(1, 6))
+    calls = []
+    for i in range(n):
+        ids = [c[0] for c in calls]
+        parent = None if i == 0 else draw(st.one_of(st.none(), st.sampled_from(ids), st.sampled_from(ids)))
+        tail = tuple(draw(st.lists(st.integers(0, 40), min_size=1 if parent is None else 0, max_size=3)))
+        generated = tuple(draw(st.lists(st.integers(0, 40), min_size=1, max_size=3)))
+        logprobs = tuple(draw(st.sampled_from(LOGPROBS)) for _ in generated)
+        calls.append((f"k{i}", parent, tail, generated, logprobs, draw(st.sampled_from((3, 3, 3, 4)))))
+    committed = [c[0] for c in calls]
+    unstaged = [
+        (f"u{j}", draw(st.one_of(st.none(), st.sampled_from(committed))), draw(st.integers(0, 4)),
+         draw(st.sampled_from(UNSTAGED_REASONS)), draw(_rarely(False, 6)), draw(st.booleans()))
+        for j in range(draw(st.integers(0, 2)))
+    ]
+    uncommitted = [(f"s{j}", draw(st.one_of(st.none(), st.sampled_from(committed))), draw(st.integers(1, 3)))
+                   for j in range(draw(st.integers(0, 1)))]
+    off_chain = [f"o{j}" for j in range(draw(st.integers(0, 2)))]
+    failed_committed = draw(st.sampled_from(committed)) if draw(_rarely(True, 12)) else None
+    faults = {}
+    for call_id in committed:
+        fault = draw(st.sampled_from(("ok",) * 8 + ("tampered", "missing")))
+        if fault != "ok":
+            faults[call_id] = fault
+    declared = draw(st.sampled_from(("none", "response_id", "unstaged_response_id", "explicit", "declared",
+                                     "declared_bogus")))
+    target = draw(st.sampled_from(committed))
+    response: dict[str, Any] = {"output": []}
+    result: dict[str, Any] = {"response": response, "reward": draw(st.sampled_from((1.0, 0.0, 0.5, 1.0, None)))}
+    if declared == "response_id":
+        response["id"] = f"chatcmpl-{RID}-{target}"
+    elif declared == "unstaged_response_id":
+        response["id"] = "chatcmpl-unstaged"
+    elif declared == "explicit":
+        result["_ng_terminal_model_call_id"] = target
+    elif declared == "declared":
+        result["terminal_response_id"] = f"chatcmpl-{RID}-{target}"
+    elif declared == "declared_bogus":
+        result["terminal_response_id"] = "chatcmpl-bogus"
+    cfg = TokenCaptureConfig(branch_policy=draw(st.sampled_from(("all_chains", "all_chains", "terminal_chain"))),
+                             mixed_weight_version_policy=draw(st.sampled_from(("allow", "reject"))))
+    return Scenario(calls, unstaged, off_chain, uncommitted, failed_committed, faults,
+                    report=draw(_rarely(False, 4)), run_result=result, run_failure=draw(_rarely(True, 16)),
+                    cfg=cfg)
+
+
+def _materialize(trees, sc: Scenario):
+    tree = trees.build(RID, [trees.Call(cid, parent, trees.Turn(tail, gen, lps), wv)
+                             for cid, parent, tail, gen, lps, wv in sc.calls])
+    failures = []
+    for cid, _, _, reason, _, no_coords in sc.unstaged:
+        failures.append(ManifestFailure(model_call_id=cid, reason=reason))
+        if no_coords:
+            failures.append(ManifestFailure(model_call_id=cid, reason=NO_COORDS))
+    failures += [ManifestFailure(model_call_id=cid, reason=NO_COORDS) for cid in sc.off_chain]
+    if sc.failed_committed is not None:
+        failures.append(ManifestFailure(model_call_id=sc.failed_committed, reason="worker_capture_failed"))
+    served = None
+    if sc.report:
+        served = list(tree.served())
+        served += [ServedCall(RID, cid, parent, "text" if parent is None else "token_in", tokens, False, reason)
+                   for cid, parent, tokens, reason, in_report, _ in sc.unstaged if in_report]
+        served += [ServedCall(RID, cid, parent, "text" if parent is None else "token_in", tokens, True)
+                   for cid, parent, tokens in sc.uncommitted]
+        served = tuple(served)
+    snapshots, problems = {}, {}
+    for snapshot in tree.snapshots:
+        fault = sc.faults.get(snapshot.model_call_id)
+        if fault == "missing":
+            problems[snapshot.staging_key] = FetchProblem(PlaceholderReason.STAGED_RECORD_MISSING, "gone")
+        elif fault == "tampered":
+            snapshots[snapshot.staging_key] = snapshot.model_copy(
+                update={"token_ids_delta": [*snapshot.token_ids_delta[:-1], snapshot.token_ids_delta[-1] + 1]})
+        else:
+            snapshots[snapshot.staging_key] = snapshot
+    run_failure = RunFailure(PlaceholderReason.RUN_FAILED, "RuntimeError: boom") if sc.run_failure else None
+    ev = RolloutEvidence(RID, GROUP, SAMPLE, None if run_failure else sc.run_result, run_failure,
+                         tree.manifest(failures), None, served)
+    return tree, ev, snapshots, problems
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(sc=scenarios())
+def test_judge_invariants_over_random_forests(trees, sc):
+    tree, ev, snapshots, problems = _materialize(trees, sc)
+    result = judge_rollout(ev, snapshots, problems, sc.cfg)
+
+    # Exactly one outcome, in the rollout's slot.
+    assert isinstance(result, (KeptRollout, Placeholder))
+    assert (result.rollout_id, result.group_index, result.sample_index) == (RID, GROUP, SAMPLE)
+    event(f"rows={len(result.rows)}" if isinstance(result, KeptRollout) else f"placeholder={result.reason.value}")
+
+    # Deterministic, whatever the order of the snapshot mapping.
+    again = judge_rollout(ev, dict(reversed(list(snapshots.items()))), dict(problems), sc.cfg)
+    assert again == result
+
+    # The yield adds up to the workers' served report.
+    assert result.yield_ is not None
+    if ev.served is not None:
+        served_total = sum(call.generated_tokens for call in ev.served)
+        assert result.yield_.served_generated_tokens == served_total
+        assert result.yield_.kept_generated_tokens + sum(n for _, n in result.yield_.unverifiable) == served_total
+    else:
+        assert result.yield_.served_generated_tokens is None and result.yield_.unverifiable == ()
+
+    if isinstance(result, Placeholder):
+        return
+    faulty = set(sc.faults)
+    unstaged_ids = {cid for cid, *_ in sc.unstaged}
+    reported = {call.model_call_id: call for call in ev.served or ()}
+    assert sc.failed_committed is None and not sc.run_failure
+    assert unstaged_ids <= set(reported), "a served-not-staged call the report cannot locate must poison"
+    cut = {reported[cid].parent_call_id for cid in unstaged_ids}
+    assert result.yield_.kept_generated_tokens == result.num_generated_tokens
+    by_id = tree.by_id
+    owners: Counter[str] = Counter()
+    for position, row in enumerate(result.rows):
+        assert row.chain_index == position and row.reward == result.reward
+        assert row.model_call_ids[-1] not in cut, "a chain cut by an unstaged child is trained"
+        assert not faulty & set(row.model_call_ids), "a row holds a call whose staged record is not verified"
+        assert by_id[row.model_call_ids[0]].parent_call_id is None
+        for parent, child in zip(row.model_call_ids, row.model_call_ids[1:]):
+            assert by_id[child].parent_call_id == parent
+        if sc.cfg.mixed_weight_version_policy == "reject":
+            assert len(set(row.weight_versions)) == 1
+        for call_id, (start, end) in zip(row.model_call_ids, row.call_spans):
+            snapshot = tree.snapshot(call_id)
+            assert call_id in by_id and snapshots[snapshot.staging_key] == snapshot
+            assert list(row.token_ids[start:end]) == snapshot.token_ids_delta
+            mask = list(row.token_mask[start:end])
+            logprobs = list(row.generation_logprobs[start:end])
+            if 1.0 in mask:
+                owners[call_id] += 1
+                assert mask == snapshot.token_mask_delta
+                assert logprobs == snapshot.generation_log_probs_delta
+            else:
+                assert logprobs == [0.0] * (end - start)
+        assert row.token_ids == tree.sequences[row.model_call_ids[-1]]
+    assert all(count == 1 for count in owners.values()), f"calls in the loss twice: {owners}"
+    # Every committed call that trains was judged on its own staged generation, exactly once.
+    assert sum(tree.snapshot(c).token_mask_delta.count(1.0) for c in owners) == result.num_generated_tokens
+    if sc.cfg.branch_policy == "terminal_chain":
+        assert len(result.rows) == 1
