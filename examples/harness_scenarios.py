@@ -12,8 +12,9 @@ behaviour through `openai.AsyncOpenAI(base_url=<gate>/ng-rollout/<id>/training-t
 - identical_retry  the same at temperature 0 with a fixed seed: identical replies.
 - compaction       two calls, then the history is replaced by system + a summary user message,
                    then two more calls.
-- rerendered       the assistant turn is re-serialised by the harness (tool-call arguments JSON
-                   re-dumped with other spacing and sorted keys, reasoning stripped from content).
+- rerendered       every assistant turn is re-serialised by the harness (a plain dict; tool-call
+                   arguments JSON re-dumped with other spacing and sorted keys; `<think>` reasoning
+                   stripped from content) instead of echoing the SDK object.
 - failed_final     the last request overflows the model's context (`max_model_len`): the worker
                    answers 400 and the client gets an error or Gym's synthetic empty completion;
                    the scored response stays the previous one.
@@ -278,14 +279,15 @@ async def scenario_rerendered(h: Harness, ctx: Context, run: ScenarioRun) -> Non
     first = await h.call(messages, "rerendered#0")
     original = first.choices[0].message
     rewritten = rerender(original)
-    run.facts["rerender_changed"] = rewritten["content"] != original.content or any(
+    run.facts["rerender_changed_content"] = rewritten["content"] != original.content
+    run.facts["rerender_changed_arguments"] = any(
         a["function"]["arguments"] != b.function.arguments
         for a, b in zip(rewritten.get("tool_calls", []), original.tool_calls or [])
     )
     messages.append(rewritten)
     messages += next_turn(original, user_prompt(q))
     second = await h.call(messages, "rerendered#1")
-    messages.append(second.choices[0].message)  # verbatim this time
+    messages.append(rerender(second.choices[0].message))  # the harness re-serialises every assistant turn
     messages += next_turn(second.choices[0].message, user_prompt(p))
     run.kept = await h.call(messages, "rerendered#2")
 
@@ -344,6 +346,29 @@ SCENARIOS: dict[str, Callable[[Harness, Context, ScenarioRun], Awaitable[None]]]
 
 
 # --- the trainer side -------------------------------------------------------------------------
+def call_lineage(run: ScenarioRun, records: list) -> list[str]:
+    """Per client call, in call order: how the ledger committed it (`text`, or `token_in<k>` for a
+    continuation of client call k), `uncommitted` when no record names its response, `error`."""
+    by_response = {r.response_id: r for r in records if r.response_id}
+    call_index = {}
+    for index, call in enumerate(run.calls):
+        record = by_response.get(call.response_id)
+        if record is not None:
+            call_index[record.model_call_id] = index
+    out = []
+    for call in run.calls:
+        record = by_response.get(call.response_id)
+        if not call.ok:
+            out.append("error")
+        elif record is None:
+            out.append("uncommitted")
+        elif record.mode == "token_in":
+            out.append(f"token_in<{call_index.get(record.parent_call_id, '?')}")
+        else:
+            out.append(record.mode)
+    return out
+
+
 def summarize(name: str, rollout_id: str, run: ScenarioRun, outcome, entry, manifest, manifest_problem: str | None,
               engine: dict) -> dict[str, Any]:
     records = list(manifest.records) if manifest is not None else []
@@ -367,6 +392,7 @@ def summarize(name: str, rollout_id: str, run: ScenarioRun, outcome, entry, mani
         "client_calls": [f"{c.label}:{'ok' if c.ok else 'error'}" for c in run.calls],
         **run.facts,
     }
+    line["call_lineage"] = call_lineage(run, records)
     if manifest_problem:
         line["manifest_problem"] = manifest_problem
     if isinstance(outcome, RunFailure):

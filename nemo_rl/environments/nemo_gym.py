@@ -193,7 +193,7 @@ class NemoGymEnvironment:
         # A trainer that exits without stop() must not leave servers behind (they run in their own sessions).
         atexit.register(self.stop)
         try:
-            for spec in launch.server_specs(ports, wiring):
+            for spec in launch.server_specs(ports, wiring, self._cfg.agent):
                 log_path = self._log_dir / f"gym_{spec.name}.log"
                 env = launch.server_env(
                     inherited_env,
@@ -206,7 +206,7 @@ class NemoGymEnvironment:
                 self._procs[spec.name] = launch.start_server(
                     spec, python=sys.executable, env=env, cwd=cwd, log_path=log_path
                 )
-            await self._wait_healthy(launch.server_specs(ports, wiring), began + self._cfg.startup_timeout_s)
+            await self._wait_healthy(launch.server_specs(ports, wiring, self._cfg.agent), began + self._cfg.startup_timeout_s)
         except BaseException:
             self.stop()
             raise

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field
 
 
@@ -41,7 +43,18 @@ class NemoGymConfig(BaseModel):
     )
     health_poll_interval_s: float = Field(default=0.1, gt=0, allow_inf_nan=False)
     agent_max_steps: int = Field(
-        default=4, ge=1, description="Model calls the simple agent may make per rollout before it stops."
+        default=4, ge=1, description="Model calls the agent may make per rollout before it stops."
+    )
+    agent: Literal["simple_agent", "compacting_agent"] = Field(
+        default="simple_agent",
+        description=(
+            "The agent harness: Gym's `simple_agent`, or our `compacting_agent` (simple_agent that "
+            "replaces its history with a summary after every `compact_after_tool_results` tool "
+            "results, so later calls start new chains)."
+        ),
+    )
+    compact_after_tool_results: int = Field(
+        default=1, ge=1, description="With agent=compacting_agent: tool results between two compactions."
     )
     model_name: str = Field(
         default="policy",

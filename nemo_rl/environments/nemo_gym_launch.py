@@ -5,8 +5,8 @@ Contract:
   without Ray, Gym's per-server venvs or Gym's head server:
   `policy_model` (the gate, pointed at the worker's base_url: Gym's `vllm_model` module, or with
   capture wiring our `capture_gate`, which is the same server with our ledger policy),
-  `arith_resources` (our `arith_resources` server) and `arith_agent` (Gym's `simple_agent`
-  wired to both by name).
+  `arith_resources` (our `arith_resources` server) and `arith_agent` (Gym's `simple_agent`, or
+  our `compacting_agent` with `nemo_gym.agent=compacting_agent`, wired to both by name).
 - Each process gets the whole resolved global config as `NEMO_GYM_CONFIG_DICT` (JSON, which
   OmegaConf reads as YAML) and its own top-level key as `NEMO_GYM_CONFIG_PATH`; servers find
   each other by those keys' `host`/`port`. `head_server` is present only because Gym's
@@ -48,6 +48,8 @@ GATE_MODULE = "responses_api_models.vllm_model.app"
 CAPTURE_GATE_MODULE = "nemo_rl.environments.capture_gate"
 RESOURCES_MODULE = "nemo_rl.environments.arith_resources"
 AGENT_MODULE = "responses_api_agents.simple_agent.app"
+COMPACTING_AGENT_MODULE = "nemo_rl.environments.compacting_agent"
+_AGENT_MODULES = {"simple_agent": AGENT_MODULE, "compacting_agent": COMPACTING_AGENT_MODULE}
 CONFIG_DICT_ENV = "NEMO_GYM_CONFIG_DICT"
 CONFIG_PATH_ENV = "NEMO_GYM_CONFIG_PATH"
 _GYM_ENV_PREFIX = "NEMO_GYM_"
@@ -137,8 +139,10 @@ def build_global_config(
         "dry_run": False,
         GATE: {"responses_api_models": {"vllm_model": gate}},
         RESOURCES: {"resources_servers": {"arith": resources}},
-        AGENT: {"responses_api_agents": {"simple_agent": agent}},
+        AGENT: {"responses_api_agents": {cfg.agent: agent}},
     }
+    if cfg.agent == "compacting_agent":
+        agent["compact_after_tool_results"] = cfg.compact_after_tool_results
     if capture is not None:
         agent["token_id_capture"] = True
         config["token_id_capture"] = capture_block(capture)
@@ -160,11 +164,13 @@ def gate_module(capture: CaptureWiring | None) -> str:
     return CAPTURE_GATE_MODULE if capture is not None else GATE_MODULE
 
 
-def server_specs(ports: ServerPorts, capture: CaptureWiring | None = None) -> tuple[ServerSpec, ...]:
+def server_specs(
+    ports: ServerPorts, capture: CaptureWiring | None = None, agent: str = "simple_agent"
+) -> tuple[ServerSpec, ...]:
     return (
         ServerSpec(GATE, gate_module(capture), ports.gate),
         ServerSpec(RESOURCES, RESOURCES_MODULE, ports.resources),
-        ServerSpec(AGENT, AGENT_MODULE, ports.agent),
+        ServerSpec(AGENT, _AGENT_MODULES[agent], ports.agent),
     )
 
 

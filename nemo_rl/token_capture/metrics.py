@@ -27,6 +27,14 @@ Definitions (dispatched = all entries of all groups = kept rollouts + placeholde
 - finalize/queue_wait_ms (mean) and finalize/queue_wait_ms_max over the given waits.
 - reward/mean over ALL dispatched rollouts: a kept rollout counts its reward, a placeholder its
   environment reward when the run produced one and 0.0 otherwise.
+- Router replay (R3), over every training row of the step (always emitted, 0.0 when no row has
+  routes, e.g. a dense model), from the rows' `routed_experts` arrays: a token is covered iff
+  none of its [L, K] entries is the sentinel -1 (a row with `routed_experts=None` covers
+  nothing). router_replay/coverage = covered loss (mask 1.0) tokens / loss tokens;
+  router_replay/sentinel_tokens = tokens of trained rows that are not covered (carry tokens
+  without a route count too; placeholders contribute no row); router_replay/rows_with_routes =
+  rows with at least one covered token. Same definitions as `router_replay.router_replay_metrics`
+  over a batch built from the same rows (padding excluded).
 """
 
 from __future__ import annotations
@@ -34,7 +42,9 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 
-from nemo_rl.token_capture.rows import GroupResult, KeptRollout, Placeholder, PlaceholderReason
+import numpy as np
+
+from nemo_rl.token_capture.rows import GroupResult, KeptRollout, Placeholder, PlaceholderReason, TrainRow
 
 
 def _ratio(numerator: float, denominator: float) -> float:
@@ -59,6 +69,25 @@ def _yield_metrics(entries: Sequence[KeptRollout | Placeholder]) -> dict[str, fl
     for reason, tokens in sorted(lost.items()):
         metrics[f"finalize/unverifiable_generated_tokens/{reason}"] = float(tokens)
     return metrics
+
+
+def _router_replay_metrics(rows: Sequence[TrainRow]) -> dict[str, float]:
+    loss_tokens = covered_loss = sentinel_tokens = rows_with_routes = 0
+    for row in rows:
+        loss = np.asarray(row.token_mask) == 1.0
+        loss_tokens += int(loss.sum())
+        if row.routed_experts is None:
+            sentinel_tokens += len(row.token_ids)
+            continue
+        covered = ~(row.routed_experts == -1).any(axis=(1, 2))
+        covered_loss += int((covered & loss).sum())
+        sentinel_tokens += int((~covered).sum())
+        rows_with_routes += int(covered.any())
+    return {
+        "router_replay/coverage": _ratio(covered_loss, loss_tokens),
+        "router_replay/sentinel_tokens": float(sentinel_tokens),
+        "router_replay/rows_with_routes": float(rows_with_routes),
+    }
 
 
 def finalize_metrics(groups: Sequence[GroupResult], queue_waits_ms: Sequence[float]) -> dict[str, float]:
@@ -96,6 +125,7 @@ def finalize_metrics(groups: Sequence[GroupResult], queue_waits_ms: Sequence[flo
         "reward/mean": _ratio(sum(rewards), len(rewards)),
     }
     metrics.update(_yield_metrics(entries))
+    metrics.update(_router_replay_metrics(rows))
     for method, count in sorted(selected.items()):
         metrics[f"finalize/terminal_selection/{method}"] = float(count)
     for reason, count in sorted(reasons.items(), key=lambda item: item[0].value):

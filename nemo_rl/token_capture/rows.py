@@ -16,6 +16,11 @@ Invariants checked at construction (a violation raises `RowInvariantError`):
   the per-call tuples (model_call_ids, weight_versions) align; reward is finite.
 - `call_spans[i] = (start, end)` is call i's contiguous token span (calls in chain order, covering
   the row exactly); `token_weight_versions` expands the per-call versions over those spans.
+- `routed_experts` (R3 router replay) is None when no call of the row staged routes, else an
+  int16 ndarray `[len(token_ids), L, K]` (L, K >= 1) holding expert ids in [0, 32767] and the
+  sentinel -1 where a token has no route; it is stored as a read-only view. It is excluded from
+  equality and hashing (`compare=False`): rows compare by their tokens, and ndarray `==` is
+  elementwise, which would make `TrainRow.__eq__` raise.
 - Capture rows count every chain call as token_in or text root
   (`token_in_calls + text_root_calls == len(model_call_ids)`), carry an int weight version per
   call and name the terminal selection method. Legacy (token-echo) rows know neither modes,
@@ -25,9 +30,11 @@ Invariants checked at construction (a violation raises `RowInvariantError`):
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
-from typing import Union
+from typing import Any, Union
+
+import numpy as np
 
 
 class RowInvariantError(ValueError):
@@ -95,6 +102,8 @@ class TrainRow:
     origin: RowOrigin
     call_spans: tuple[tuple[int, int], ...] = ()
     chain_index: int = 0  # 0 is the terminal chain; others follow in manifest order of their leaf
+    # R3: int16 [len(token_ids), L, K] expert ids (-1 = no route), or None (see the module contract).
+    routed_experts: Any = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         _check_slot(self.rollout_id, self.group_index, self.sample_index)
@@ -129,6 +138,27 @@ class TrainRow:
             )
         self._check_spans(where, n)
         self._check_origin(where)
+        self._check_routes(where, n)
+
+    def _check_routes(self, where: str, n: int) -> None:
+        routes = self.routed_experts
+        if routes is None:
+            return
+        if not isinstance(routes, np.ndarray) or routes.dtype != np.int16 or routes.ndim != 3:
+            described = f"{routes.dtype} ndarray of ndim {routes.ndim}" if isinstance(routes, np.ndarray) \
+                else type(routes).__name__
+            raise RowInvariantError(f"{where}: routed_experts must be None or an int16 ndarray [tokens, L, K], "
+                                    f"got {described}")
+        if routes.shape[0] != n or routes.shape[1] < 1 or routes.shape[2] < 1:
+            raise RowInvariantError(
+                f"{where}: routed_experts shape {routes.shape} must be ({n}, L >= 1, K >= 1)"
+            )
+        if routes.size and int(routes.min()) < -1:
+            raise RowInvariantError(f"{where}: routed_experts holds {int(routes.min())}; ids are >= 0, -1 is the sentinel")
+        if routes.flags.writeable:
+            view = routes.view()
+            view.flags.writeable = False
+            object.__setattr__(self, "routed_experts", view)
 
     def _check_spans(self, where: str, n: int) -> None:
         if type(self.chain_index) is not int or self.chain_index < 0:

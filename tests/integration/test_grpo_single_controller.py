@@ -75,3 +75,20 @@ def test_grpo_capture_off_runs_the_legacy_path(tmp_path):
         assert m["finalize/token_in_calls"] == 0
         assert m["finalize/rows"] >= 1
         assert m["weight_version/min"] == m["weight_version/max"] == -1.0  # the token echo carries no version
+
+
+@pytest.mark.integration
+def test_grpo_with_a_compacting_agent_keeps_every_rollout(tmp_path):
+    """Our compacting agent rewrites its history after each tool result; NeMo-Gym 0.7.0's rules
+    poison every such rollout (`unresolved_parent`). Our gate starts a branch instead, and the
+    judge trains both chains: nothing is lost, every served token is in the loss once."""
+    lines = _run(tmp_path / "compacting", "+env.agent=compacting_agent")
+    for m in lines:
+        assert m["finalize/placeholders"] == 0
+        assert m["finalize/kept_rollouts"] == m["rollouts/dispatched"]
+        # Tool call, then (after compaction) the answer from a new text root: two chains, two rows.
+        assert m["finalize/chains_per_rollout"] >= 2.0
+        assert m["finalize/rows_per_rollout"] >= 2.0
+        assert m["finalize/kept_generated_token_fraction"] == 1.0
+        assert m["finalize/terminal_selection/response_id"] == m["rollouts/dispatched"]
+        assert m["token_mult_prob_error"] < 1.01

@@ -66,6 +66,7 @@ def test_plain_tool_loop_is_one_token_in_chain(results):
     assert line["rows"] == 1 and line["chains"] == 1
     assert line["manifest_records"] == line["calls"]
     assert line["token_in_records"] == line["calls"] - 1
+    assert line["call_lineage"] == ["text"] + [f"token_in<{i}" for i in range(line["calls"] - 1)]
     assert line["manifest_failures"] == []
 
 
@@ -82,8 +83,12 @@ def test_retried_call_leaves_a_sibling_that_is_trained_once(results, name):
 
 
 @pytest.mark.integration
-def test_identical_retry_replies_are_identical(results):
-    assert results["identical_retry"]["replies_identical"] is True
+def test_identical_retry_continues_the_first_committed_sibling(results):
+    line = results["identical_retry"]
+    assert line["replies_identical"] is True
+    # The harness continued from the re-send (call 2); the gate resolves identical siblings to
+    # the first committed one (call 1), whose staged ids are the same tokens.
+    assert line["call_lineage"] == ["text", "token_in<0", "token_in<0", "token_in<1"]
 
 
 @pytest.mark.integration
@@ -92,6 +97,7 @@ def test_compaction_starts_a_new_chain(results):
     assert line["calls"] == 4
     assert line["chains"] >= 2 and line["rows"] >= 2
     assert line["text_root_records"] >= 2
+    assert line["call_lineage"][2] == "text"  # the summary is a new conversation
 
 
 @pytest.mark.integration
@@ -99,6 +105,7 @@ def test_rerendered_turn_is_trained_exactly(results):
     line = results["rerendered"]
     assert line["calls"] == 3
     assert line["manifest_records"] == 3
+    assert "error" not in line["call_lineage"] and "uncommitted" not in line["call_lineage"]
 
 
 @pytest.mark.integration
@@ -109,6 +116,9 @@ def test_failed_final_call_keeps_the_previous_response(results):
     # The overflowing call was never generated: only the two served calls are committed.
     assert line["manifest_records"] == 2
     assert line["rows"] == 1
+    # The client saw an error, or Gym's synthetic empty completion: either way nothing committed.
+    assert line["call_lineage"][:2] == ["text", "token_in<0"]
+    assert line["call_lineage"][2] in ("uncommitted", "error")
 
 
 @pytest.mark.integration
@@ -117,3 +127,4 @@ def test_subagent_conversation_is_its_own_chain(results):
     assert line["calls"] == 4
     assert line["chains"] >= 2 and line["rows"] >= 2
     assert line["text_root_records"] >= 2
+    assert line["call_lineage"] == ["text", "text", "token_in<1", "token_in<0"]

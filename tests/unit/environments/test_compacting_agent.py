@@ -1,10 +1,13 @@
-"""The compacting agent: its pure compaction function, and the agent as a real process.
+"""The compacting agent: its pure compaction function, its episode loop, and the agent as a process.
 
-The process test starts `python -m nemo_rl.environments.compacting_agent` with the global config
-`nemo_gym_launch.build_global_config` writes (its agent entry moved under `compacting_agent`),
-pointing at two fakes served here on 127.0.0.1: a model server answering `/v1/responses` (a
-calculator function_call, then a final message) and a resources server (`/seed_session`,
-`/calculator`, `/verify` with a fixed reward).
+The loop test drives `CompactingAgent._create_episode` in-process with a scripted stand-in for
+Gym's ServerClient (two calculator calls, then an answer) at thresholds 1 and 2. The process test starts
+`python -m nemo_rl.environments.compacting_agent` (one process, capture wiring on) with the
+global config `nemo_gym_launch.build_global_config` writes (its agent entry moved under
+`compacting_agent`) and runs `/run` once without and once with a rollout id. The config points
+at two fakes served here on 127.0.0.1: a model server answering `/v1/responses` (a calculator
+function_call, then a final message) and a resources server (`/seed_session`, `/calculator`,
+`/verify` with a fixed reward).
 """
 
 from __future__ import annotations
@@ -24,14 +27,16 @@ from aiohttp import web
 from nemo_gym.openai_utils import (
     NeMoGymEasyInputMessage,
     NeMoGymFunctionCallOutput,
+    NeMoGymResponseCreateParamsNonStreaming,
     NeMoGymResponseFunctionToolCall,
     NeMoGymResponseOutputMessage,
     NeMoGymResponseOutputText,
 )
 from nemo_rl.environments import nemo_gym_launch as launch
 from nemo_rl.environments.arith_task import SYSTEM_PROMPT, Problem, user_prompt
-from nemo_rl.environments.compacting_agent import CompactingAgentConfig, compact_history
-from nemo_rl.environments.nemo_gym import NemoGymConfig, RowSampling, build_row
+from nemo_rl.environments.compacting_agent import CompactingAgent, CompactingAgentConfig, compact_history
+from nemo_rl.environments.nemo_gym_config import NemoGymConfig
+from nemo_rl.environments.nemo_gym_rows import RowSampling, build_row
 
 PROBLEM = Problem(expression="12 + 5 * 3", answer=27)
 ARGS = json.dumps({"expression": PROBLEM.expression})
@@ -95,6 +100,73 @@ def test_config_defaults_and_rejects_a_zero_threshold() -> None:
         CompactingAgentConfig.model_validate(base | {"compact_after_tool_results": 0})
 
 
+class _Reply:
+    """The parts of aiohttp's ClientResponse that the agent and Gym's helpers read."""
+
+    def __init__(self, payload: Any) -> None:
+        self._bytes = payload.encode() if isinstance(payload, str) else json.dumps(payload).encode()
+        self.ok, self.status, self.cookies = True, 200, {}
+        self.content = self
+
+    async def read(self) -> bytes:
+        return self._bytes
+
+
+class ScriptedClient:
+    """Stands in for Gym's ServerClient: the model calls the calculator twice, then answers."""
+
+    def __init__(self) -> None:
+        self.model_inputs: list[list[dict]] = []
+        self.tool_calls: list[tuple[str, dict]] = []
+
+    async def post(self, server_name: str, url_path: str, json: Any, cookies: Any = None) -> _Reply:
+        if server_name == "resources":
+            self.tool_calls.append((url_path, json))
+            return _Reply(str(len(self.tool_calls) * 10))
+        self.model_inputs.append(json.model_dump(exclude_unset=True)["input"])
+        n = len(self.model_inputs)
+        if n <= 2:
+            item = {"type": "function_call", "call_id": f"c{n}", "name": "calculator",
+                    "arguments": f'{{"expression": "{n} + {n}"}}'}
+        else:
+            item = {"type": "message", "id": "m", "role": "assistant",
+                    "content": [{"type": "output_text", "text": "The answer is 20.", "annotations": []}]}
+        return _Reply(_response(f"resp_{n}", [item]))
+
+
+def _summary(*pairs: tuple[int, str]) -> dict:
+    said = "; then ".join(
+        f'you called calculator({{"expression": "{n} + {n}"}}) and it returned {out}' for n, out in pairs
+    )
+    return {"role": "user", "content": f"Summary of the work so far: {said}. Continue."}
+
+
+@pytest.mark.parametrize("every", [1, 2])
+async def test_episode_loop_compacts_after_every_n_tool_results(every: int) -> None:
+    config = CompactingAgentConfig(
+        name="agent", host="127.0.0.1", port=1, entrypoint="app.py", compact_after_tool_results=every,
+        resources_server={"type": "resources_servers", "name": "resources"},
+        model_server={"type": "responses_api_models", "name": "model"}, max_steps=10,
+    )
+    client = ScriptedClient()
+    agent = CompactingAgent.model_construct(config=config, server_client=client)
+    prompt = [{"role": "system", "content": "sys"}, {"role": "user", "content": "q"}]
+    body = NeMoGymResponseCreateParamsNonStreaming.model_validate({"input": prompt})
+    response, trajectory, _, _ = await agent._create_episode(body, model_url_path="/v1/responses")
+
+    call1 = {"type": "function_call", "call_id": "c1", "name": "calculator", "arguments": '{"expression": "1 + 1"}'}
+    out1 = {"type": "function_call_output", "call_id": "c1", "output": "10"}
+    if every == 1:
+        expected_second = [*prompt, _summary((1, "10"))]
+    else:
+        expected_second = [*prompt, call1, out1]  # below the threshold: simple_agent's history
+    assert client.model_inputs == [prompt, expected_second, [*prompt, _summary((1, "10"), (2, "20"))]]
+    assert client.tool_calls == [("/calculator", {"expression": "1 + 1"}), ("/calculator", {"expression": "2 + 2"})]
+    assert trajectory is None
+    assert response.id == "resp_3"
+    assert [item.type for item in response.output] == ["function_call", "function_call_output"] * 2 + ["message"]
+
+
 # --- the process test -------------------------------------------------------------------------
 
 
@@ -117,6 +189,11 @@ class Fakes:
         self.tool_requests: list[tuple[dict, dict]] = []
         self.verify_requests: list[dict] = []
         self.runners: list[web.AppRunner] = []
+
+    def reset(self) -> None:
+        self.model_requests.clear()
+        self.tool_requests.clear()
+        self.verify_requests.clear()
 
     async def responses(self, request: web.Request) -> web.Response:
         body = await request.json()
@@ -175,61 +252,8 @@ async def _wait_healthy(proc, url: str, log_path: Path, timeout_s: float) -> Non
     raise AssertionError(f"agent not healthy within {timeout_s}s:\n{launch.read_log_tail(log_path, 40)}")
 
 
-@pytest.mark.integration
-@pytest.mark.parametrize("capture", [False, True], ids=["plain", "capture"])
-async def test_agent_process_compacts_before_the_second_model_call(tmp_path: Path, capture: bool) -> None:
-    fakes = Fakes()
-    model_port = await fakes.serve(
-        [
-            ("/v1/responses", fakes.responses),
-            ("/ng-rollout/{rollout_id}/v1/responses", fakes.responses),
-            ("/ng-rollout/{rollout_id}/training-token-capture/v1/responses", fakes.responses),
-        ]
-    )
-    resources_port = await fakes.serve(
-        [("/seed_session", fakes.seed_session), ("/calculator", fakes.calculator), ("/verify", fakes.verify)]
-    )
-    (agent_port,) = launch.pick_free_ports(1)
-    ports = launch.ServerPorts(gate=model_port, resources=resources_port, agent=agent_port)
-    wiring = launch.CaptureWiring(tmp_path / "ledger", "FAKE_CONTROL_TOKEN") if capture else None
-    config = launch.build_global_config(
-        NemoGymConfig(), worker_base_url="http://127.0.0.1:9/v1", ports=ports, capture=wiring
-    )
-    (agent_entry,) = config[launch.AGENT]["responses_api_agents"].values()
-    config[launch.AGENT] = {
-        "responses_api_agents": {"compacting_agent": agent_entry | {"compact_after_tool_results": 1}}
-    }
-    spec = launch.ServerSpec(launch.AGENT, AGENT_MODULE, agent_port)
-    log_path = tmp_path / "agent.log"
-    env = launch.server_env(
-        dict(os.environ),
-        config_json=json.dumps(config),
-        spec=spec,
-        import_root=Path(__file__).resolve().parents[3],
-        extra={},
-    )
-    proc = launch.start_server(spec, python=sys.executable, env=env, cwd=tmp_path, log_path=log_path)
-    agent_url = f"http://127.0.0.1:{agent_port}"
-    row = build_row(PROBLEM, RowSampling(temperature=1.0, top_p=1.0, max_output_tokens=64))
-    if capture:
-        row["_ng_rollout_id"] = "r-compact-0"
-    try:
-        t0 = time.monotonic()
-        await _wait_healthy(proc, agent_url, log_path, timeout_s=30)
-        t1 = time.monotonic()
-        async with aiohttp.ClientSession() as session:
-            async with session.post(f"{agent_url}/run", json=row, timeout=aiohttp.ClientTimeout(total=20)) as resp:
-                status, text = resp.status, await resp.text()
-        print(f"TIMING startup {t1-t0:.2f}s run {time.monotonic()-t1:.2f}s")
-    finally:
-        launch.terminate_processes({"agent": proc}, timeout_s=5)
-        for runner in fakes.runners:
-            await runner.cleanup()
-    assert status == 200, f"{text}\n{launch.read_log_tail(log_path, 40)}"
-    result = json.loads(text)
-
-    # Routing is simple_agent's: the capture path reaches the model server unchanged.
-    expected_path = "/ng-rollout/r-compact-0/training-token-capture/v1/responses" if capture else "/v1/responses"
+def _check_run(fakes: Fakes, result: dict, expected_path: str) -> None:
+    # Routing is simple_agent's: the (capture) path reaches the model server unchanged.
     assert [path for path, _ in fakes.model_requests] == [expected_path, expected_path]
     first, second = (body for _, body in fakes.model_requests)
     prompt = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": user_prompt(PROBLEM)}]
@@ -245,11 +269,70 @@ async def test_agent_process_compacts_before_the_second_model_call(tmp_path: Pat
     # /run returns the fake verify's reward and the last model response (its id is the witness).
     assert result["reward"] == FAKE_REWARD
     assert result["response"]["id"] == "resp_2"
-    assert [item["type"] for item in result["response"]["output"]] == ["function_call", "function_call_output", "message"]
-    assert result["response"]["output"][-1]["content"][0]["text"] == "The answer is 27."
+    output = result["response"]["output"]
+    assert [item["type"] for item in output] == ["function_call", "function_call_output", "message"]
+    assert output[-1]["content"][0]["text"] == "The answer is 27."
     (verify_body,) = fakes.verify_requests
     assert verify_body["response"]["id"] == "resp_2"
     assert (verify_body["expression"], verify_body["answer"]) == (PROBLEM.expression, PROBLEM.answer)
-    assert [(i["role"], i["content"]) for i in verify_body["responses_create_params"]["input"]] == [
-        (i["role"], i["content"]) for i in prompt
+    sent = verify_body["responses_create_params"]["input"]
+    assert [(item["role"], item["content"]) for item in sent] == [(item["role"], item["content"]) for item in prompt]
+
+
+@pytest.mark.integration
+async def test_agent_process_compacts_before_the_second_model_call(tmp_path: Path) -> None:
+    """One agent process with capture wiring; a run without a rollout id, then one with."""
+    fakes = Fakes()
+    model_port = await fakes.serve(
+        [
+            ("/v1/responses", fakes.responses),
+            ("/ng-rollout/{rollout_id}/v1/responses", fakes.responses),
+            ("/ng-rollout/{rollout_id}/training-token-capture/v1/responses", fakes.responses),
+        ]
+    )
+    resources_port = await fakes.serve(
+        [("/seed_session", fakes.seed_session), ("/calculator", fakes.calculator), ("/verify", fakes.verify)]
+    )
+    (agent_port,) = launch.pick_free_ports(1)
+    ports = launch.ServerPorts(gate=model_port, resources=resources_port, agent=agent_port)
+    wiring = launch.CaptureWiring(tmp_path / "ledger", "FAKE_CONTROL_TOKEN")
+    config = launch.build_global_config(
+        NemoGymConfig(), worker_base_url="http://127.0.0.1:9/v1", ports=ports, capture=wiring
+    )
+    (agent_entry,) = config[launch.AGENT]["responses_api_agents"].values()
+    assert agent_entry["token_id_capture"] is True
+    config[launch.AGENT] = {
+        "responses_api_agents": {"compacting_agent": agent_entry | {"compact_after_tool_results": 1}}
+    }
+    spec = launch.ServerSpec(launch.AGENT, AGENT_MODULE, agent_port)
+    log_path = tmp_path / "agent.log"
+    env = launch.server_env(
+        dict(os.environ),
+        config_json=json.dumps(config),
+        spec=spec,
+        import_root=Path(__file__).resolve().parents[3],
+        extra={},
+    )
+    proc = launch.start_server(spec, python=sys.executable, env=env, cwd=tmp_path, log_path=log_path)
+    agent_url = f"http://127.0.0.1:{agent_port}"
+    row = build_row(PROBLEM, RowSampling(temperature=1.0, top_p=1.0, max_output_tokens=64))
+    runs = [
+        (row, "/v1/responses"),
+        (row | {"_ng_rollout_id": "r-compact-0"}, "/ng-rollout/r-compact-0/training-token-capture/v1/responses"),
     ]
+    try:
+        await _wait_healthy(proc, agent_url, log_path, timeout_s=30)
+        async with aiohttp.ClientSession() as session:
+            for body, expected_path in runs:
+                fakes.reset()
+                async with session.post(
+                    f"{agent_url}/run", json=body, timeout=aiohttp.ClientTimeout(total=20)
+                ) as resp:
+                    status, text = resp.status, await resp.text()
+                assert status == 200, f"{text}\n{launch.read_log_tail(log_path, 40)}"
+                _check_run(fakes, json.loads(text), expected_path)
+    finally:
+        launch.terminate_processes({"agent": proc}, timeout_s=5)
+        for runner in fakes.runners:
+            await runner.cleanup()
+    assert proc.poll() is not None

@@ -1,4 +1,9 @@
-"""RolloutManager: always-N accounting, typed reasons, fresh ids, retention, cancellation."""
+"""RolloutManager: always-N accounting, typed reasons, fresh ids, retention, cancellation.
+
+The manager decides nothing about a rollout's fate: every rollout goes to the finalizer as
+`RolloutEvidence`, and the fake finalizer here runs the REAL judge (`judge_from_source`) over records
+staged with Gym's `RolloutTokenCapture` (real digests), so the verdicts are the judge's own.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +14,13 @@ import time
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from nemo_gym.token_id_capture.staging import CallRecord
+from nemo_gym.token_id_capture.staging import (
+    CallRecord,
+    CaptureAdmission,
+    RolloutTokenCapture,
+    StagedCallBaseSnapshot,
+    StageResult,
+)
 from nemo_gym.token_id_capture.staging.records import ManifestFailure, RolloutManifest
 from pydantic import ValidationError
 
@@ -20,15 +31,27 @@ from nemo_rl.experience.rollout_manager import (
     RolloutManager,
     RolloutManagerConfig,
     account_group,
+    enforce_min_valid_fraction,
 )
 from nemo_rl.token_capture.config import TokenCaptureConfig
-from nemo_rl.token_capture.finalizer_pool import FinalizeOutcome
-from nemo_rl.token_capture.rows import GroupResult, Placeholder, PlaceholderReason, RowOrigin, TrainRow
+from nemo_rl.token_capture.finalizer_pool import FinalizeOutcome, judge_from_source
+from nemo_rl.token_capture.judge import RunFailure
+from nemo_rl.token_capture.rows import (
+    GroupResult,
+    KeptRollout,
+    Placeholder,
+    PlaceholderReason,
+    RolloutYield,
+    RowOrigin,
+    TrainRow,
+)
+from nemo_rl.token_capture.served import ServedCall
+from nemo_rl.token_capture.staging import StagedKeysMissingError
 
 R = PlaceholderReason
-# outcome kind -> expected entry (TrainRow, or the placeholder reason)
+# outcome kind -> expected entry (KeptRollout, or the placeholder reason)
 EXPECTED = {
-    "success": TrainRow,
+    "success": KeptRollout,
     "run_error": R.RUN_FAILED,
     "run_timeout": R.RUN_TIMEOUT,
     "gym_run_timeout": R.RUN_TIMEOUT,
@@ -51,12 +74,34 @@ async def _forever() -> None:
     await asyncio.Event().wait()
 
 
-def _record(rollout_id: str) -> CallRecord:
-    return CallRecord(
-        model_call_id="c0", prev_len=0, delta_len=3, cum_len=3, weight_version=0, digest="0" * 64,
-        extras_digest="0" * 64, staging_key=f"{rollout_id}/c0", mode="text", chain_hash="1" * 64,
-        cumulative_hash="2" * 64, response_id=f"resp-{rollout_id}",
+class _Sink:
+    def __init__(self) -> None:
+        self.records = {}
+
+    def stage(self, record, *, attachments=None) -> StageResult:
+        self.records[record.staging_key] = record
+        return StageResult(ok=True, staging_key=record.staging_key)
+
+
+def _staged_root(rollout_id: str) -> tuple[CallRecord, StagedCallBaseSnapshot]:
+    """One text-root call `c0` staged through Gym's worker capture core: prompt (1, 2), sampled (3, 4)."""
+    sink = _Sink()
+    capture = RolloutTokenCapture(sink=sink, weight_version_fn=lambda: 0)
+    call = capture.begin_call(CaptureAdmission(rollout_id=rollout_id, model_call_id="c0", mode="text"))
+    coords = capture.complete_call(call, prompt_token_ids=[1, 2], generated_token_ids=[3, 4],
+                                   generated_logprobs=[-0.1, -0.2])
+    record = CallRecord(
+        model_call_id="c0", prev_len=0, delta_len=coords.delta_len, cum_len=coords.cum_len,
+        weight_version=coords.weight_version, digest=coords.digest, extras_digest=coords.extras_digest,
+        staging_key=coords.staging_key, mode="text", chain_hash=coords.chain_hash,
+        cumulative_hash=coords.cumulative_hash, response_id=f"resp-{rollout_id}",
     )
+    staged = sink.records[coords.staging_key]
+    return record, StagedCallBaseSnapshot.model_validate(staged.model_dump(exclude={"extras"}))
+
+
+def _record(rollout_id: str) -> CallRecord:
+    return _staged_root(rollout_id)[0]
 
 
 def _echo_result(prompt: list[int], generated: list[int]) -> dict:
@@ -107,32 +152,51 @@ class ScriptedEnv:
         return []
 
 
-class ScriptedFinalizer:
-    """Finalizer pool fake: success -> a capture row, verify_fail -> verification_failed."""
+class ScriptedSource:
+    """The staging store: every rollout's staged c0 snapshot; verify_fail rollouts hold a tampered one."""
 
     def __init__(self, script: list[str]) -> None:
         self.script = script
+
+    def fetch(self, staging_keys):
+        out = []
+        for key in staging_keys:
+            rollout_id = key.split("/")[0]
+            snapshot = _staged_root(rollout_id)[1]
+            if self.script[_index(rollout_id)] == "verify_fail":
+                snapshot = snapshot.model_copy(update={"token_ids_delta": [1, 2, 3, 9]})
+            out.append(snapshot)
+        return out
+
+
+class ScriptedFinalizer:
+    """Finalizer pool fake: the real judge over ScriptedSource; queue wait = sample index."""
+
+    def __init__(self, script: list[str], cfg: TokenCaptureConfig | None = None) -> None:
+        self.source = ScriptedSource(script)
+        self.cfg = cfg or TokenCaptureConfig(enabled=True)
         self.items = []
 
     async def finalize_group(self, items):
         self.items.extend(items)
-        outcomes = []
-        for item in items:
-            rid = item.receipt.rollout_id
-            if self.script[item.sample_index] == "verify_fail":
-                result = Placeholder(
-                    rid, item.group_index, item.sample_index, R.VERIFICATION_FAILED, "corrupt_digest", 1.0
-                )
-            else:
-                result = TrainRow(
-                    rollout_id=rid, group_index=item.group_index, sample_index=item.sample_index,
-                    token_ids=(1, 2, 3), token_mask=(0.0, 1.0, 1.0), generation_logprobs=(0.0, -0.1, -0.2),
-                    reward=item.receipt.reward, prompt_len=1, model_call_ids=("c0",), weight_versions=(0,),
-                    token_in_calls=0, text_root_calls=1, terminal_selection=item.receipt.terminal_selection,
-                    origin=RowOrigin.CAPTURE,
-                )
-            outcomes.append(FinalizeOutcome(result, queue_wait_ms=float(item.sample_index)))
-        return outcomes
+        return [FinalizeOutcome(judge_from_source(self.source, item, self.cfg), queue_wait_ms=float(item.sample_index))
+                for item in items]
+
+
+class ScriptedServed:
+    """The workers' served report: c0 (2 generated tokens, staged) of every rollout whose manifest names it."""
+
+    def __init__(self, script: list[str], error: Exception | None = None) -> None:
+        self.script = script
+        self.error = error
+        self.asked: list[list[str]] = []
+
+    async def take_served_async(self, rollout_ids):
+        self.asked.append(list(rollout_ids))
+        if self.error is not None:
+            raise self.error
+        return [ServedCall(rid, "c0", None, "text", 2, True) for rid in rollout_ids
+                if self.script[_index(rid)] not in NO_RECORDS] + [ServedCall("someone-else", "c0", None, "text", 7, True)]
 
 
 class RecordingCleaner:
@@ -154,19 +218,22 @@ class RecordingCleaner:
         return self._orphans
 
 
-def _config(*, enabled=True, run_timeout_s=0.05, retire=True, stage_timeout_s=1.0) -> RolloutManagerConfig:
+def _config(*, enabled=True, run_timeout_s=0.05, retire=True, stage_timeout_s=1.0,
+            min_valid=0.0) -> RolloutManagerConfig:
     capture = TokenCaptureConfig(enabled=enabled, manifest_timeout_s=0.05, stage_timeout_s=stage_timeout_s,
-                                 retire_after_commit=retire)
+                                 retire_after_commit=retire, min_valid_fraction_per_group=min_valid)
     return RolloutManagerConfig(run_id="run7", run_timeout_s=run_timeout_s, capture=capture)
 
 
-def _manager(script, *, cleaner=None, **cfg):
-    env, finalizer, cleaner = ScriptedEnv(script), ScriptedFinalizer(script), cleaner or RecordingCleaner()
-    return RolloutManager(_config(**cfg), env, finalizer, cleaner), env, finalizer, cleaner
+def _manager(script, *, cleaner=None, served=None, **cfg):
+    config = _config(**cfg)
+    env, finalizer, cleaner = ScriptedEnv(script), ScriptedFinalizer(script, config.capture), cleaner or RecordingCleaner()
+    served = served or ScriptedServed(script)
+    return RolloutManager(config, env, finalizer, cleaner, served), env, finalizer, cleaner
 
 
 def _kind_of(entry):
-    return TrainRow if isinstance(entry, TrainRow) else entry.reason
+    return KeptRollout if isinstance(entry, KeptRollout) else entry.reason
 
 
 @settings(max_examples=40, deadline=None)
@@ -177,13 +244,19 @@ def test_always_n_for_any_mix_of_outcomes(script, step, group_index):
 
     ids = [f"run7-s{step}-g{group_index}-i{i}-a0" for i in range(len(script))]
     assert isinstance(group, GroupResult)
-    assert group.n == len(script) == len(group.rows) + len(group.placeholders)
+    assert group.n == len(script) == len(group.kept) + len(group.placeholders)
+    assert len(group.rows) == len(group.kept)  # one chain per rollout here
     assert [entry.rollout_id for entry in group.entries] == ids
     assert [_kind_of(entry) for entry in group.entries] == [EXPECTED[kind] for kind in script]
     assert sorted(env.runs) == sorted(ids)  # each reserved id dispatched exactly once
     assert sorted(env.manifests) == sorted(ids)  # failed runs too, so their staged keys are cleared
-    assert [item.sample_index for item in finalizer.items] == [
-        i for i, kind in enumerate(script) if kind in ("success", "verify_fail")]
+    # Every rollout goes to the judge (the manager decides nothing), with the group's served report.
+    assert [item.sample_index for item in finalizer.items] == list(range(len(script)))
+    assert [item.served for item in finalizer.items] == [
+        () if kind in NO_RECORDS else (ServedCall(rid, "c0", None, "text", 2, True),) for rid, kind in zip(ids, script)]
+    for entry, kind in zip(group.entries, script):
+        if kind == "success":
+            assert entry.rows[0].token_ids == (1, 2, 3, 4) and entry.yield_ == RolloutYield(2, 2, (), 1)
     assert env.retired == [ids]
     assert cleaner.cleared == [[f"{rid}/c0" for rid, kind in zip(ids, script) if kind not in NO_RECORDS]]
     assert sorted(manager.take_queue_waits_ms()) == [float(item.sample_index) for item in finalizer.items]
@@ -201,10 +274,16 @@ async def test_placeholders_carry_reason_detail_and_reward():
          "GymRunTimeoutError: rollout 'run7-s0-g0-i1-a0': agent /run did not answer within run_timeout_s=1", None),
         (R.RUN_TIMEOUT, "no /run result within 0.05s", None),
         (R.MANIFEST_UNAVAILABLE, "ManifestServerError: rollout 'run7-s0-g0-i3-a0': manifest answered HTTP 500", 1.0),
-        (R.CAPTURE_POISONED, "worker_capture_failed", 1.0),
-        (R.EMPTY_MANIFEST, "empty_manifest", 1.0),
+        # c1 was served without custody and the workers' report does not name it: fail closed.
+        (R.CAPTURE_POISONED, "served_not_staged_unlocated: calls ['c1'] (['worker_capture_failed'])", 1.0),
+        (R.EMPTY_MANIFEST, "no committed call and no failure row", 1.0),
     ]
-    assert group.entries[4].terminal_selection == "response_id"
+    assert [e.terminal_selection for e in group.entries] == [None] * 6
+    assert [e.yield_ for e in group.entries] == [
+        RolloutYield(2, 0, (("run_failed", 2),)), RolloutYield(2, 0, (("run_timeout", 2),)),
+        RolloutYield(2, 0, (("run_timeout", 2),)), RolloutYield(0, 0, ()),
+        RolloutYield(2, 0, (("capture_poisoned", 2),), 1), RolloutYield(0, 0, ()),
+    ]
 
 
 async def test_a_retried_group_gets_fresh_ids():
@@ -229,8 +308,10 @@ async def test_cancellation_mid_group_is_accounted_and_cleaned_up():
         await task
 
     (aborted,) = manager.take_aborted_groups()
+    # Only the judge gives verdicts, after the whole group's evidence is in: a run that had already
+    # failed never reached its verdict either, so every slot is "aborted".
     assert [(e.rollout_id, e.reason, e.detail) for e in aborted.entries] == [
-        ("run7-s0-g2-i0-a0", R.RUN_FAILED, "RuntimeError: agent exploded"),
+        ("run7-s0-g2-i0-a0", R.RUN_FAILED, "aborted"),
         ("run7-s0-g2-i1-a0", R.RUN_FAILED, "aborted"),
         ("run7-s0-g2-i2-a0", R.RUN_FAILED, "aborted"),
     ]
@@ -244,7 +325,7 @@ async def test_retention_failure_raises_with_the_accounted_group():
     with pytest.raises(RetentionError, match="clear staged keys: ConnectionError: TQ controller gone") as caught:
         await manager.run_group(0, 0, {}, 1)
 
-    assert isinstance(caught.value.group.entries[0], TrainRow)
+    assert isinstance(caught.value.group.entries[0], KeptRollout)
     assert env.retired == [["run7-s0-g0-i0-a0"]]
 
 
@@ -281,9 +362,10 @@ async def test_legacy_mode_builds_rows_from_the_token_echo():
     manager = RolloutManager(_config(enabled=False), env)
     group = await manager.run_group(0, 0, {}, len(script))
 
-    row = group.entries[0]
+    (row,) = group.entries[0].rows
     assert (row.token_ids, row.token_mask, row.origin) == ((1, 2, 3, 4), (0.0, 0.0, 1.0, 1.0), RowOrigin.LEGACY)
-    assert [_kind_of(e) for e in group.entries] == [TrainRow, R.LEGACY_TOKEN_ECHO_MISSING, R.RUN_FAILED, R.RUN_TIMEOUT]
+    assert [_kind_of(e) for e in group.entries] == [KeptRollout, R.LEGACY_TOKEN_ECHO_MISSING, R.RUN_FAILED,
+                                                    R.RUN_TIMEOUT]
     assert (env.manifests, env.retired) == ([], [])
 
 
@@ -292,6 +374,8 @@ def test_configuration_is_checked():
         RolloutManagerConfig(run_id="bad id", run_timeout_s=1.0, capture=TokenCaptureConfig())
     with pytest.raises(ValueError, match="needs a finalizer"):
         RolloutManager(_config(enabled=True), ScriptedEnv([]))
+    with pytest.raises(ValueError, match="served-call reporter"):
+        RolloutManager(_config(enabled=True), ScriptedEnv([]), ScriptedFinalizer([]), RecordingCleaner())
 
 
 async def test_group_size_must_be_positive():
@@ -316,7 +400,109 @@ async def test_a_finalizer_that_loses_items_is_an_accounting_error():
             return (await super().finalize_group(items))[:-1]
 
     env, cleaner = ScriptedEnv(["success", "success"]), RecordingCleaner()
-    manager = RolloutManager(_config(), env, LosingFinalizer(env.script), cleaner)
+    manager = RolloutManager(_config(), env, LosingFinalizer(env.script), cleaner, ScriptedServed(env.script))
     with pytest.raises(AccountingError, match="1 outcomes for 2 items"):
         await manager.run_group(0, 0, {}, 2)
     assert env.retired == [["run7-s0-g0-i0-a0", "run7-s0-g0-i1-a0"]]  # retention still ran
+
+
+# --- served report, min valid fraction, external harnesses ------------------------------------------
+
+
+async def test_an_unavailable_served_report_is_counted_and_the_judge_runs_without_it():
+    served = ScriptedServed(["success", "poisoned"], error=ConnectionError("worker 1 gone"))
+    manager, _, finalizer, _ = _manager(["success", "poisoned"], served=served)
+    group = await manager.run_group(0, 0, {}, 2)
+
+    assert [item.served for item in finalizer.items] == [None, None]
+    assert isinstance(group.entries[0], KeptRollout)
+    assert group.entries[0].yield_ == RolloutYield(None, 2, (), 1)
+    assert (group.entries[1].reason, group.entries[1].detail) == (
+        R.CAPTURE_POISONED, "served_not_staged_unlocated: calls ['c1'] (['worker_capture_failed'])")
+    assert served.asked == [["run7-s0-g0-i0-a0", "run7-s0-g0-i1-a0"]]
+    assert manager.take_served_report_failures() == 1
+    assert manager.take_served_report_failures() == 0
+
+
+async def test_a_group_below_the_min_valid_fraction_is_dropped_whole_and_counted():
+    manager, *_ = _manager(["success", "run_error", "run_error", "success"], min_valid=0.75)
+    dropped = await manager.run_group(0, 0, {}, 4)
+    manager_ok, *_ = _manager(["success", "run_error", "success", "success"], min_valid=0.75)
+    kept = await manager_ok.run_group(0, 0, {}, 4)
+
+    assert [(e.reason, e.reward) for e in dropped.entries] == [
+        (R.GROUP_BELOW_MIN_VALID_FRACTION, 1.0), (R.RUN_FAILED, None), (R.RUN_FAILED, None),
+        (R.GROUP_BELOW_MIN_VALID_FRACTION, 1.0)]
+    assert dropped.entries[0].detail == "2/4 rollouts kept < token_capture.min_valid_fraction_per_group=0.75"
+    assert dropped.entries[0].terminal_selection == "response_id"
+    assert manager.take_dropped_groups() == 1 and manager.take_dropped_groups() == 0
+    assert [_kind_of(e) for e in kept.entries] == [KeptRollout, R.RUN_FAILED, KeptRollout, KeptRollout]
+    assert manager_ok.take_dropped_groups() == 0
+
+
+def test_enforce_min_valid_fraction_keeps_groups_at_the_floor_and_all_placeholder_groups():
+    kept = KeptRollout("a", 0, 0, (_kept_row("a"),), 1.0, "response_id")
+    hole = Placeholder("b", 0, 1, R.RUN_FAILED, "boom")
+    group = GroupResult(0, (kept, hole))
+    empty = GroupResult(0, (Placeholder("a", 0, 0, R.RUN_FAILED, "x"), hole))
+
+    assert enforce_min_valid_fraction(group, 0.5) is group
+    assert enforce_min_valid_fraction(group, 0.0) is group
+    assert enforce_min_valid_fraction(empty, 1.0) is empty  # nothing kept: nothing to drop
+    assert enforce_min_valid_fraction(group, 0.51).entries == (
+        Placeholder("a", 0, 0, R.GROUP_BELOW_MIN_VALID_FRACTION,
+                    "1/2 rollouts kept < token_capture.min_valid_fraction_per_group=0.51", 1.0, "response_id"),
+        hole)
+
+
+def _kept_row(rollout_id):
+    return TrainRow(
+        rollout_id=rollout_id, group_index=0, sample_index=0, token_ids=(1, 2, 3), token_mask=(0.0, 1.0, 1.0),
+        generation_logprobs=(0.0, -0.1, -0.2), reward=1.0, prompt_len=1, model_call_ids=("c0",),
+        weight_versions=(0,), token_in_calls=0, text_root_calls=1, terminal_selection="response_id",
+        origin=RowOrigin.CAPTURE, call_spans=((0, 3),),
+    )
+
+
+async def test_an_external_harness_reserves_ids_and_collects_its_outcomes():
+    script = ["success", "run_error", "verify_fail"]
+    manager, env, finalizer, cleaner = _manager(script)
+    ids = manager.reserve(2, 1, 3)
+    again = manager.reserve(2, 1, 3)
+    outcomes = [{"response": {"id": f"resp-{ids[0]}", "output": []}, "reward": 1.0},
+                RunFailure(R.RUN_TIMEOUT, "harness gave up after 30s"),
+                {"response": {"id": f"resp-{ids[2]}", "output": []}, "reward": 0.0}]
+    group = await manager.collect_group(1, ids, outcomes)
+
+    assert ids == ["run7-s2-g1-i0-a0", "run7-s2-g1-i1-a0", "run7-s2-g1-i2-a0"]
+    assert again == ["run7-s2-g1-i0-a1", "run7-s2-g1-i1-a1", "run7-s2-g1-i2-a1"]
+    assert env.runs == []  # the harness ran them itself
+    assert sorted(env.manifests) == ids
+    assert [_kind_of(e) for e in group.entries] == [KeptRollout, R.RUN_TIMEOUT, R.VERIFICATION_FAILED]
+    assert (group.entries[1].detail, group.entries[2].detail, group.entries[2].reward) == (
+        "harness gave up after 30s", "corrupt_digest", 0.0)
+    assert [item.rollout_id for item in finalizer.items] == ids
+    assert env.retired == [ids]
+    assert cleaner.cleared == [[f"{rid}/c0" for rid in ids]]
+
+
+async def test_collect_group_checks_its_inputs():
+    manager, *_ = _manager(["success"])
+    with pytest.raises(ValueError, match="1 run outcomes for 2 rollout ids"):
+        await manager.collect_group(0, ["a", "b"], [{}])
+    legacy = RolloutManager(_config(enabled=False), ScriptedEnv(["success"]))
+    with pytest.raises(ValueError, match="collect_group needs token_capture.enabled=true"):
+        await legacy.collect_group(0, ["a"], [{}])
+
+
+async def test_missing_staged_records_are_the_judges_verdict():
+    class EmptySource:
+        def fetch(self, staging_keys):
+            raise StagedKeysMissingError("staging", staging_keys)
+
+    manager, _, finalizer, _ = _manager(["success"])
+    finalizer.source = EmptySource()
+    group = await manager.run_group(0, 0, {}, 1)
+
+    assert group.entries[0].reason is R.STAGED_RECORD_MISSING
+    assert group.entries[0].detail.startswith("run7-s0-g0-i0-a0/c0: staging keys not found")

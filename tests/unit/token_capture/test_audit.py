@@ -73,3 +73,39 @@ class _Tok:
 def test_retokenization_drift():
     assert retokenization_drift(_Tok(), [3, 4]) is False
     assert retokenization_drift(_Tok(), [1, 2]) is True  # "ab" re-encodes as one merged id
+
+
+def test_audit_train_row_checks_every_chain_of_a_judged_rollout(trees):
+    from nemo_rl.token_capture.audit import audit_train_row
+    from nemo_rl.token_capture.config import TokenCaptureConfig
+    from nemo_rl.token_capture.judge import RolloutEvidence, judge_rollout
+
+    rid = "audit-r1"
+    tree = trees.build(rid, [
+        trees.Call("c0", None, trees.Turn((1, 2), (3, 4), (-0.5, -0.25))),
+        trees.Call("a", "c0", trees.Turn((5,), (6,), (-1.0,))),
+        trees.Call("b", "c0", trees.Turn((5,), (7, 8), (-0.1, -0.2))),
+        trees.Call("c", "b", trees.Turn((9,), (10,), (-0.3,))),
+    ])
+    ev = RolloutEvidence(rid, 0, 0, trees.run_result(1.0, tree.by_id["c"].response_id), None, tree.manifest(), None,
+                         None)
+    kept = judge_rollout(ev, tree.snapshots_by_key, {}, TokenCaptureConfig())
+    engine = {}
+    for call_id, call in tree.calls.items():
+        sequence = tree.sequences[call_id]
+        generated = len(call.turn.generated)
+        engine[tree.by_id[call_id].response_id] = {
+            "prompt_token_ids": list(sequence[:-generated]), "token_ids": list(sequence[-generated:]),
+            "logprobs": list(call.turn.logprobs)}
+
+    audits = [audit_train_row(row, tree.records, engine) for row in kept.rows]
+    assert [[c.model_call_id for c in audit.calls] for audit in audits] == [["c0", "b", "c"], ["c0", "a"]]
+    assert all(audit.ids_match and audit.max_abs_logprob_diff == 0.0 for audit in audits)
+
+    drifted = {**engine, tree.by_id["a"].response_id: {**engine[tree.by_id["a"].response_id], "token_ids": [11]}}
+    off = {**engine, tree.by_id["b"].response_id: {**engine[tree.by_id["b"].response_id], "logprobs": [-0.1, -0.7]}}
+    assert [audit_train_row(row, tree.records, drifted).ids_match for row in kept.rows] == [True, False]
+    assert abs(audit_train_row(kept.rows[0], tree.records, off).max_abs_logprob_diff - 0.5) < 1e-12
+    missing = {k: v for k, v in engine.items() if k != tree.by_id["c0"].response_id}
+    audit = audit_train_row(kept.rows[1], tree.records, missing)
+    assert (audit.ids_match, audit.max_abs_logprob_diff) == (False, float("inf"))

@@ -18,11 +18,6 @@ RID = "run-s1-g2-i3-a0"
 SLOT = {"group_index": 2, "sample_index": 3}
 
 
-def _receipt(chains, chain, *, reward=1.0, witness=True, failures=()):
-    response_id = chain.terminal.response_id if witness else None
-    return assemble_receipt(RID, chain.manifest(failures), chains.run_result(reward, response_id))
-
-
 # --- legacy path (capture off) ------------------------------------------------------------------
 
 
@@ -86,8 +81,10 @@ def test_legacy_malformed_echo_is_a_placeholder():
 
 
 def test_legacy_without_generated_tokens_or_reward_is_a_placeholder():
-    assert _legacy([_echo([1, 2], [], [])]).reason is PlaceholderReason.EMPTY_GENERATION
-    assert _legacy([_echo([1, 2], [3], [-0.1])], reward=None).reason is PlaceholderReason.REWARD_MISSING
+    assert _legacy([_echo([1, 2], [], [])]) == Placeholder(
+        RID, 2, 3, PlaceholderReason.EMPTY_GENERATION, "1 echoed calls generated no token", 1.0)
+    assert _legacy([_echo([1, 2], [3], [-0.1])], reward=None) == Placeholder(
+        RID, 2, 3, PlaceholderReason.REWARD_MISSING, "run result has no finite reward", None)
 
 
 @given(

@@ -15,15 +15,16 @@ from nemo_rl.distributed.ray_cluster import init_local_ray
 from nemo_rl.token_capture.config import TokenCaptureConfig
 from nemo_rl.data_plane import DataPlaneClient, DataPlaneConfig, start_data_plane
 from nemo_rl.token_capture.finalizer_pool import (
-    FinalizeItem,
+    FinalizerBugError,
     FinalizerPool,
     FinalizerPoolError,
     FinalizerWorker,
     TQSourceFactory,
-    finalize_from_source,
+    evidence_placeholder,
+    judge_from_source,
 )
-from nemo_rl.token_capture.receipt import assemble_receipt
-from nemo_rl.token_capture.rows import Placeholder, PlaceholderReason, TrainRow
+from nemo_rl.token_capture.judge import RolloutEvidence, RunFailure
+from nemo_rl.token_capture.rows import KeptRollout, Placeholder, PlaceholderReason
 from nemo_rl.token_capture.staging import (
     StagedKeysMissingError,
     StagedRecordInvalidError,
@@ -35,6 +36,7 @@ from nemo_rl.token_capture.staging import (
 # Ray workers cannot import this test module: ship the fakes below by value.
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
+CFG = TokenCaptureConfig()
 READY_TIMEOUT_S = 300.0  # actor start-up on a loaded, shared 2-core machine
 
 
@@ -67,14 +69,26 @@ class ShortSource(FakeSource):
         return super().fetch(staging_keys)[:-1]
 
 
+class RaisingSource(FakeSource):
+    """Raises outside the SnapshotSource protocol: RuntimeError for rollout r-r, TimeoutError for r-t."""
+
+    def fetch(self, staging_keys):
+        if staging_keys[0].startswith("r-r/"):
+            raise RuntimeError("source bug")
+        if staging_keys[0].startswith("r-t/"):
+            raise TimeoutError("kv_batch_get: no answer")
+        return super().fetch(staging_keys)
+
+
 def failing_factory() -> FakeSource:
     raise RuntimeError("cannot reach the data plane")
 
 
 def _item(chains, rollout_id, sample_index, *, group_index=0):
     chain = chains.build(rollout_id)
-    receipt = assemble_receipt(rollout_id, chain.manifest(), chains.run_result(1.0, chain.terminal.response_id))
-    return chain, FinalizeItem(receipt, group_index, sample_index)
+    evidence = RolloutEvidence(rollout_id, group_index, sample_index,
+                               chains.run_result(1.0, chain.terminal.response_id), None, chain.manifest(), None, None)
+    return chain, evidence
 
 
 def _by_key(*chains_):
@@ -87,63 +101,74 @@ def _by_key(*chains_):
 def test_worker_fetches_in_manifest_order_and_verifies(chains):
     chain, item = _item(chains, "r-a", 0)
     source = FakeSource(_by_key(chain))
-    reply = FinalizerWorker(lambda: source).finalize(item.receipt.model_dump_json(), 0, 0)
+    reply = FinalizerWorker(lambda: source, CFG).finalize(item)
 
-    assert isinstance(reply.result, TrainRow)
-    assert reply.result.token_ids == chain.full_sequence
+    assert isinstance(reply.result, KeptRollout)
+    assert [row.token_ids for row in reply.result.rows] == [chain.full_sequence]
     assert source.fetched == [["r-a/call0", "r-a/call1"]]
     assert reply.started_at_s <= time.time()
 
 
 def test_absent_key_is_staged_record_missing(chains):
     chain, item = _item(chains, "r-a", 0)
-    result = finalize_from_source(FakeSource({chain.snapshots[0].staging_key: chain.snapshots[0]}), item.receipt,
-                                  group_index=0, sample_index=0)
+    source = FakeSource({chain.snapshots[0].staging_key: chain.snapshots[0]})
+    result = judge_from_source(source, item, CFG)
 
     assert result.reason is PlaceholderReason.STAGED_RECORD_MISSING
-    assert result.detail == str(StagedKeysMissingError("fake", ["r-a/call1"]))
-    assert "r-a/call1" in result.detail
+    assert result.detail == f"r-a/call1: {StagedKeysMissingError('fake', ['r-a/call1'])}"
+    assert source.fetched == [["r-a/call0", "r-a/call1"], ["r-a/call0"]]
 
 
 @pytest.mark.parametrize(
     ("error", "reason", "detail"),
     [
         (StagedRecordInvalidError("r-a/call0", "header is not JSON"), PlaceholderReason.VERIFICATION_FAILED,
-         "invalid_staged_record: staged record under key 'r-a/call0' is invalid: header is not JSON"),
+         "r-a/call0: invalid_staged_record: staged record under key 'r-a/call0' is invalid: header is not JSON"),
         (StagingStoreUnavailableError("get timed out after 10s"), PlaceholderReason.DATA_PLANE_ERROR,
-         "StagingStoreUnavailableError: get timed out after 10s"),
+         "r-a/call0: StagingStoreUnavailableError: get timed out after 10s"),
     ],
 )
 def test_staging_fetch_errors_map_to_typed_reasons(chains, error, reason, detail):
     chain, item = _item(chains, "r-a", 0)
-    result = finalize_from_source(FakeSource(_by_key(chain), error=error), item.receipt, group_index=0, sample_index=0)
+    result = judge_from_source(FakeSource(_by_key(chain), error=error), item, CFG)
 
     assert (result.reason, result.detail) == (reason, detail)
 
 
 def test_short_answer_is_staged_record_missing(chains):
     chain, item = _item(chains, "r-a", 0)
-    result = finalize_from_source(ShortSource(_by_key(chain)), item.receipt, group_index=0, sample_index=0)
+    result = judge_from_source(ShortSource(_by_key(chain)), item, CFG)
 
     assert (result.reason, result.detail) == (
-        PlaceholderReason.STAGED_RECORD_MISSING, "1 snapshots for 2 keys; missing ['r-a/call1']")
+        PlaceholderReason.STAGED_RECORD_MISSING,
+        "r-a/call1: the source answered 1 snapshots for 2 keys and none for r-a/call1")
 
 
-def test_source_error_is_a_data_plane_error_before_the_ray_boundary(chains):
+def test_a_source_error_outside_the_protocol_is_a_bug_not_a_verdict(chains):
+    # TQTokenSource raises StagingFetchError subclasses only; anything else is a defect and must surface.
     chain, item = _item(chains, "r-a", 0)
-    worker = FinalizerWorker(lambda: FakeSource(_by_key(chain), error=TimeoutError("kv_batch_get: no answer in 10s")))
-    reply = worker.finalize(item.receipt.model_dump_json(), 0, 0)
-
-    assert reply.result == Placeholder("r-a", 0, 0, PlaceholderReason.DATA_PLANE_ERROR,
-                                       "TimeoutError: kv_batch_get: no answer in 10s", 1.0, "response_id")
+    worker = FinalizerWorker(lambda: FakeSource(_by_key(chain), error=TimeoutError("kv_batch_get: no answer")), CFG)
+    with pytest.raises(TimeoutError, match="kv_batch_get: no answer"):
+        worker.finalize(item)
 
 
-def test_poisoned_receipt_is_not_fetched(chains):
+def test_foreign_manifest_is_not_fetched(chains):
     source = FakeSource({})
-    receipt = assemble_receipt("r-p", chains.build("r-other").manifest(), chains.run_result(1.0))
-    result = finalize_from_source(source, receipt, group_index=0, sample_index=4)
+    evidence = RolloutEvidence("r-p", 0, 4, chains.run_result(1.0), None, chains.build("r-other").manifest(), None,
+                               None)
+    result = judge_from_source(source, evidence, CFG)
 
     assert (result.reason, result.sample_index, source.fetched) == (PlaceholderReason.CAPTURE_POISONED, 4, [])
+
+
+def test_evidence_placeholder_keeps_the_runs_reward(chains):
+    chain, item = _item(chains, "r-a", 2, group_index=1)
+    failed = RolloutEvidence("r-b", 1, 3, None, RunFailure(PlaceholderReason.RUN_FAILED, "boom"), None, None, None)
+
+    assert evidence_placeholder(item, PlaceholderReason.FINALIZE_TIMEOUT, "late") == Placeholder(
+        "r-a", 1, 2, PlaceholderReason.FINALIZE_TIMEOUT, "late", 1.0)
+    assert evidence_placeholder(failed, PlaceholderReason.FINALIZER_UNAVAILABLE, "dead") == Placeholder(
+        "r-b", 1, 3, PlaceholderReason.FINALIZER_UNAVAILABLE, "dead", None)
 
 
 # --- the pool on real Ray -------------------------------------------------------------------------
@@ -161,7 +186,7 @@ async def test_pool_finalizes_a_group_in_item_order(ray_cluster, chains):
     snapshots = _by_key(*(chain for chain, _ in built))
     tampered_key = built[2][0].snapshots[1].staging_key
     snapshots[tampered_key] = snapshots[tampered_key].model_copy(update={"token_ids_delta": [31, 32, 41, 99]})
-    pool = FinalizerPool(2, functools.partial(FakeSource, snapshots), call_timeout_s=60.0)
+    pool = FinalizerPool(2, functools.partial(FakeSource, snapshots), call_timeout_s=60.0, cfg=CFG)
     try:
         await pool.wait_ready(READY_TIMEOUT_S)
         outcomes = await pool.finalize_group([item for _, item in built])
@@ -170,9 +195,10 @@ async def test_pool_finalizes_a_group_in_item_order(ray_cluster, chains):
 
     results = [outcome.result for outcome in outcomes]
     assert [r.sample_index for r in results] == [0, 1, 2, 3]
-    assert [type(r) for r in results] == [TrainRow, TrainRow, Placeholder, TrainRow]
+    assert [type(r) for r in results] == [KeptRollout, KeptRollout, Placeholder, KeptRollout]
     assert (results[2].reason, results[2].detail) == (PlaceholderReason.VERIFICATION_FAILED, "corrupt_digest")
-    assert all(r.token_ids == built[k][0].full_sequence for k, r in enumerate(results) if k != 2)
+    assert all([row.token_ids for row in r.rows] == [built[k][0].full_sequence]
+               for k, r in enumerate(results) if k != 2)
     assert all(outcome.queue_wait_ms is not None and outcome.queue_wait_ms >= 0.0 for outcome in outcomes)
 
 
@@ -180,7 +206,7 @@ async def test_pool_deadline_yields_finalize_timeout_and_replaces_the_stuck_work
     slow_chain, slow_item = _item(chains, "r-slow", 0)
     fast_chain, fast_item = _item(chains, "r-fast", 1)
     factory = functools.partial(FakeSource, _by_key(slow_chain, fast_chain), {"r-slow/call0": 600.0})
-    pool = FinalizerPool(1, factory, call_timeout_s=3.0)
+    pool = FinalizerPool(1, factory, call_timeout_s=3.0, cfg=CFG)
     try:
         await pool.wait_ready(READY_TIMEOUT_S)
         began = time.monotonic()
@@ -192,12 +218,11 @@ async def test_pool_deadline_yields_finalize_timeout_and_replaces_the_stuck_work
         pool.shutdown()
 
     assert timed_out.result == Placeholder(
-        "r-slow", 0, 0, PlaceholderReason.FINALIZE_TIMEOUT, "finalizer worker 0 gave no answer within 3.0s",
-        1.0, "response_id")
+        "r-slow", 0, 0, PlaceholderReason.FINALIZE_TIMEOUT, "finalizer worker 0 gave no answer within 3.0s", 1.0)
     assert timed_out.queue_wait_ms is None
     assert 3.0 <= waited_s < 10.0
     assert pool.replacements == 1
-    assert isinstance(after.result, TrainRow)
+    assert isinstance(after.result, KeptRollout)
 
 
 async def _until_dead(handle, timeout_s: float) -> None:
@@ -215,7 +240,7 @@ async def _until_dead(handle, timeout_s: float) -> None:
 
 async def test_dead_worker_is_finalizer_unavailable_then_replaced(ray_cluster, chains):
     chain, item = _item(chains, "r-a", 0)
-    pool = FinalizerPool(1, functools.partial(FakeSource, _by_key(chain)), call_timeout_s=60.0)
+    pool = FinalizerPool(1, functools.partial(FakeSource, _by_key(chain)), call_timeout_s=60.0, cfg=CFG)
     try:
         await pool.wait_ready(READY_TIMEOUT_S)
         ray.kill(pool._workers[0].handle, no_restart=True)
@@ -228,11 +253,32 @@ async def test_dead_worker_is_finalizer_unavailable_then_replaced(ray_cluster, c
 
     assert dead.result.reason is PlaceholderReason.FINALIZER_UNAVAILABLE
     assert dead.result.detail.startswith("finalizer worker 0 died: ")
-    assert isinstance(alive.result, TrainRow)
+    assert dead.queue_wait_ms is None
+    assert isinstance(alive.result, KeptRollout)
+
+
+async def test_a_judge_exception_is_a_finalizer_bug_not_a_placeholder(ray_cluster, chains):
+    # Data faults are verdicts; an exception raised inside the actor is a defect and must stop the run,
+    # whatever its type. A TimeoutError raised by the task is not the pool's call deadline expiring.
+    runtime_chain, runtime_item = _item(chains, "r-r", 0)
+    timeout_chain, timeout_item = _item(chains, "r-t", 0)
+    factory = functools.partial(RaisingSource, _by_key(runtime_chain, timeout_chain))
+    pool = FinalizerPool(1, factory, call_timeout_s=60.0, cfg=CFG)
+    try:
+        await pool.wait_ready(READY_TIMEOUT_S)
+        with pytest.raises(FinalizerBugError, match="finalizer worker 0 raised while judging rollout r-r"):
+            await pool.finalize_group([runtime_item])
+        began = time.monotonic()
+        with pytest.raises(FinalizerBugError, match="finalizer worker 0 raised while judging rollout r-t"):
+            outcomes = await pool.finalize_group([timeout_item])
+            pytest.fail(f"a TimeoutError raised by the judge became a verdict after {time.monotonic() - began:.1f}s "
+                        f"of a 60 s deadline: {outcomes[0].result}")
+    finally:
+        pool.shutdown()
 
 
 async def test_a_worker_that_cannot_build_its_source_fails_loudly_by_index(ray_cluster):
-    pool = FinalizerPool(1, failing_factory, call_timeout_s=60.0)
+    pool = FinalizerPool(1, failing_factory, call_timeout_s=60.0, cfg=CFG)
     try:
         with pytest.raises(FinalizerPoolError, match="finalizer workers died while starting \\(0: "):
             await pool.wait_ready(READY_TIMEOUT_S)
@@ -244,7 +290,7 @@ async def test_shutdown_kills_only_this_pools_actors(ray_cluster, chains):
     chain, item = _item(chains, "r-a", 0)
     factory = functools.partial(FakeSource, _by_key(chain))
     keep = FinalizerPool.from_config(TokenCaptureConfig(num_finalizer_workers=1, finalize_timeout_s=60.0), factory)
-    drop = FinalizerPool(1, factory, 60.0)
+    drop = FinalizerPool(1, factory, 60.0, CFG)
     try:
         await asyncio.gather(keep.wait_ready(READY_TIMEOUT_S), drop.wait_ready(READY_TIMEOUT_S))
         drop.shutdown()
@@ -252,7 +298,7 @@ async def test_shutdown_kills_only_this_pools_actors(ray_cluster, chains):
             await drop.finalize_group([item])
         await _until_dead(drop._workers[0].handle, 60.0)
         (kept,) = await keep.finalize_group([item])
-        assert isinstance(kept.result, TrainRow)
+        assert isinstance(kept.result, KeptRollout)
     finally:
         keep.shutdown()
         drop.shutdown()
@@ -268,7 +314,8 @@ async def test_pool_reads_records_staged_in_the_real_data_plane(ray_cluster, cha
     try:
         with DataPlaneClient.attach(data_plane) as client:
             assert all(TQTokenSink(client, partition).stage(record).ok for record in chain.staged)
-            pool = FinalizerPool(1, TQSourceFactory(data_plane, partition, timeout_s=30.0), call_timeout_s=60.0)
+            pool = FinalizerPool(1, TQSourceFactory(data_plane, partition, timeout_s=30.0), call_timeout_s=60.0,
+                                 cfg=CFG)
             try:
                 await pool.wait_ready(READY_TIMEOUT_S)
                 (staged,) = await pool.finalize_group([item])
@@ -279,15 +326,16 @@ async def test_pool_reads_records_staged_in_the_real_data_plane(ray_cluster, cha
     finally:
         plane.shutdown()
 
-    assert isinstance(staged.result, TrainRow)
-    assert staged.result.token_ids == chain.full_sequence
-    assert staged.result.generation_logprobs == (0.0,) * 4 + (-0.5, -0.25, -0.125) + (0.0,) * 2 + (-1.0, -0.75)
+    assert isinstance(staged.result, KeptRollout)
+    (row,) = staged.result.rows
+    assert row.token_ids == chain.full_sequence
+    assert row.generation_logprobs == (0.0,) * 4 + (-0.5, -0.25, -0.125) + (0.0,) * 2 + (-1.0, -0.75)
     assert cleared.result.reason is PlaceholderReason.STAGED_RECORD_MISSING
     assert "r-tq/call0" in cleared.result.detail
 
 
 def test_pool_rejects_bad_sizes():
     with pytest.raises(FinalizerPoolError, match="num_workers must be >= 1"):
-        FinalizerPool(0, failing_factory, 1.0)
+        FinalizerPool(0, failing_factory, 1.0, CFG)
     with pytest.raises(FinalizerPoolError, match="call_timeout_s must be > 0"):
-        FinalizerPool(1, failing_factory, 0.0)
+        FinalizerPool(1, failing_factory, 0.0, CFG)

@@ -135,6 +135,17 @@ def test_plain_chain_without_a_served_report_has_no_denominator(trees):
     assert result.yield_ == RolloutYield(None, 5, (), 1, False)
 
 
+def test_three_call_chain_counts_two_token_in_calls(trees):
+    tree = trees.build(RID, [trees.Call("k0", None, trees.Turn((1, 2), (3,), (-0.1,))),
+                             trees.Call("k1", "k0", trees.Turn((4,), (5,), (-0.2,))),
+                             trees.Call("k2", "k1", trees.Turn((6,), (7, 8), (-0.3, -0.4)))])
+    (row,) = _judge(_ev(tree, _scored(trees, tree, "k2")), tree).rows
+
+    assert (row.token_in_calls, row.text_root_calls, len(row.model_call_ids)) == (2, 1, 3)
+    assert row.token_ids == (1, 2, 3, 4, 5, 6, 7, 8)
+    assert row.call_spans == ((0, 3), (3, 5), (5, 8))
+
+
 def test_distinct_retry_trains_both_chains_with_the_shared_parent_once(trees):
     tree = _retry(trees)
     result = _judge(_ev(tree, _scored(trees, tree, "c")), tree)

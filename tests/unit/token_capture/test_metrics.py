@@ -1,61 +1,106 @@
-"""finalize_metrics: exact values over hand-built groups."""
+"""finalize_metrics: exact values over hand-built groups of kept rollouts and placeholders."""
 
 from __future__ import annotations
 
 import dataclasses
 
 from nemo_rl.token_capture.metrics import finalize_metrics
-from nemo_rl.token_capture.rows import GroupResult, Placeholder, PlaceholderReason, RowOrigin, TrainRow
+from nemo_rl.token_capture.rows import (
+    GroupResult,
+    KeptRollout,
+    Placeholder,
+    PlaceholderReason,
+    RolloutYield,
+    RowOrigin,
+    TrainRow,
+)
+
+R = PlaceholderReason
 
 
-def _row(rid, group, sample, *, calls=2, reward=1.0, selection="response_id", origin=RowOrigin.CAPTURE):
+def _row(rid, group, sample, *, calls=2, reward=1.0, selection="response_id", origin=RowOrigin.CAPTURE, prefix="c",
+         chain_index=0):
     capture = origin is RowOrigin.CAPTURE
+    spans = {1: ((0, 3),), 2: ((0, 2), (2, 3)), 3: ((0, 1), (1, 2), (2, 3))}[calls]
     return TrainRow(
         rollout_id=rid, group_index=group, sample_index=sample,
         token_ids=(1, 2, 3), token_mask=(0.0, 1.0, 1.0), generation_logprobs=(0.0, -0.5, -0.5),
         reward=reward, prompt_len=1,
-        model_call_ids=tuple(f"c{k}" for k in range(calls)),
+        model_call_ids=tuple(f"{prefix}{k}" for k in range(calls)),
         weight_versions=tuple(range(calls)) if capture else (None,) * calls,
         token_in_calls=calls - 1 if capture else 0, text_root_calls=1 if capture else 0,
         terminal_selection=selection if capture else None, origin=origin,
+        call_spans=spans if capture else (), chain_index=chain_index,
     )
 
 
+def _kept(rows, yield_=None):
+    first = rows[0]
+    return KeptRollout(first.rollout_id, first.group_index, first.sample_index, tuple(rows), first.reward,
+                       first.terminal_selection, yield_)
+
+
 def test_metrics_over_mixed_groups():
+    b_rows = [_row("b", 0, 1, calls=1, reward=0.0, selection="heuristic"),
+              _row("b", 0, 1, calls=1, reward=0.0, selection="heuristic", prefix="d", chain_index=1)]
     group0 = GroupResult(0, (
-        _row("a", 0, 0, calls=3, reward=1.0),
-        _row("b", 0, 1, calls=1, reward=0.0, selection="heuristic"),
-        Placeholder("c", 0, 2, PlaceholderReason.CAPTURE_POISONED, "worker_capture_failed", 1.0, "heuristic"),
-        Placeholder("d", 0, 3, PlaceholderReason.RUN_TIMEOUT, "slow"),
+        _kept([_row("a", 0, 0, calls=3, reward=1.0)], RolloutYield(4, 2, (("served_not_staged", 2),), 1)),
+        _kept(b_rows, RolloutYield(6, 4, (("excluded_by_branch_policy", 2),), 2)),
+        Placeholder("c", 0, 2, R.CAPTURE_POISONED, "served_not_staged_unlocated", 1.0, "heuristic",
+                    RolloutYield(5, 0, (("capture_poisoned", 5),), 1)),
+        Placeholder("d", 0, 3, R.RUN_TIMEOUT, "slow"),
     ))
     group1 = GroupResult(1, (
-        _row("e", 1, 0, calls=2, reward=0.5),
-        Placeholder("f", 1, 1, PlaceholderReason.VERIFICATION_FAILED, "corrupt_digest", 0.5, "response_id"),
-        Placeholder("g", 1, 2, PlaceholderReason.CAPTURE_POISONED, "unresolved_parent", 0.0),
-        Placeholder("h", 1, 3, PlaceholderReason.EMPTY_MANIFEST, "empty_manifest", 1.0),
+        _kept([_row("e", 1, 0, calls=2, reward=0.5)], RolloutYield(None, 2, (), 1)),
+        Placeholder("f", 1, 1, R.VERIFICATION_FAILED, "corrupt_digest", 0.5, "response_id",
+                    RolloutYield(3, 0, (("verification_failed", 3),), 1)),
+        Placeholder("g", 1, 2, R.TERMINAL_WITNESS_DISAGREEMENT, "witness_disagreement[...]", 0.0, None,
+                    RolloutYield(2, 0, (("terminal_witness_disagreement", 2),), 1, True)),
+        Placeholder("h", 1, 3, R.EMPTY_MANIFEST, "no committed call and no failure row", 1.0),
     ))
 
     metrics = finalize_metrics([group0, group1], [10.0, 30.0, 20.0])
 
     assert metrics == {
         "rollouts/dispatched": 8.0,
-        "finalize/rows": 3.0,
+        "finalize/kept_rollouts": 3.0,
+        "finalize/rows": 4.0,  # a: 1, b: 2 chains, e: 1
         "finalize/placeholders": 5.0,
-        "finalize/token_in_calls": 3.0,  # 2 + 0 + 1
-        "finalize/text_root_calls": 3.0,
+        "finalize/rows_per_rollout": 4 / 3,
+        "finalize/chains_per_rollout": 4 / 3,  # manifest leaves of a, b, e: 1 + 2 + 1
+        "finalize/token_in_calls": 3.0,  # a: 2, b: 0 + 0, e: 1
+        "finalize/text_root_calls": 4.0,
         "finalize/token_in_rate": 1.0,  # 3 continuations (a: 2, e: 1), all token-in
-        "finalize/capture_poisoned_rollouts": 2.0,
+        "finalize/capture_poisoned_rollouts": 1.0,
         "finalize/invalid_row_rate": 5 / 8,
         # selections named: a, b(h), c(h), e, f -> 2 heuristic of 5
         "finalize/heuristic_terminal_fraction": 2 / 5,
-        "finalize/calls_per_rollout": 2.0,  # (3 + 1 + 2) / 3
+        "finalize/terminal_witness_disagreements": 1.0,
+        "finalize/calls_per_rollout": 7 / 4,  # (3 + 1 + 1 + 2) / 4 rows
         "finalize/queue_wait_ms": 20.0,
         "finalize/queue_wait_ms_max": 30.0,
-        # rows 1 + 0 + 0.5, placeholders 1 + 0 (unknown) + 0.5 + 0 + 1
+        "weight_version/min": 0.0,
+        "weight_version/max": 2.0,
+        # kept 1 + 0 + 0.5, placeholders 1 + 0 (unknown) + 0.5 + 0 + 1
         "reward/mean": 4.0 / 8,
-        "finalize/placeholders/capture_poisoned": 2.0,
+        # reports of a, b, c, f, g (e has none): served 4 + 6 + 5 + 3 + 2, kept 2 + 4
+        "finalize/served_generated_tokens": 20.0,
+        "finalize/kept_generated_token_fraction": 6 / 20,
+        "finalize/unverifiable_generated_tokens/capture_poisoned": 5.0,
+        "finalize/unverifiable_generated_tokens/excluded_by_branch_policy": 2.0,
+        "finalize/unverifiable_generated_tokens/served_not_staged": 2.0,
+        "finalize/unverifiable_generated_tokens/terminal_witness_disagreement": 2.0,
+        "finalize/unverifiable_generated_tokens/verification_failed": 3.0,
+        # no row carries routes (dense model): every token of the 4 trained rows is a sentinel token
+        "router_replay/coverage": 0.0,
+        "router_replay/sentinel_tokens": 12.0,
+        "router_replay/rows_with_routes": 0.0,
+        "finalize/terminal_selection/heuristic": 2.0,
+        "finalize/terminal_selection/response_id": 3.0,
+        "finalize/placeholders/capture_poisoned": 1.0,
         "finalize/placeholders/empty_manifest": 1.0,
         "finalize/placeholders/run_timeout": 1.0,
+        "finalize/placeholders/terminal_witness_disagreement": 1.0,
         "finalize/placeholders/verification_failed": 1.0,
     }
 
@@ -65,24 +110,35 @@ def test_empty_denominators_are_zero_not_errors():
 
     assert metrics == {
         "rollouts/dispatched": 0.0,
+        "finalize/kept_rollouts": 0.0,
         "finalize/rows": 0.0,
         "finalize/placeholders": 0.0,
+        "finalize/rows_per_rollout": 0.0,
+        "finalize/chains_per_rollout": 0.0,
         "finalize/token_in_calls": 0.0,
         "finalize/text_root_calls": 0.0,
         "finalize/token_in_rate": 0.0,
         "finalize/capture_poisoned_rollouts": 0.0,
         "finalize/invalid_row_rate": 0.0,
         "finalize/heuristic_terminal_fraction": 0.0,
+        "finalize/terminal_witness_disagreements": 0.0,
         "finalize/calls_per_rollout": 0.0,
         "finalize/queue_wait_ms": 0.0,
         "finalize/queue_wait_ms_max": 0.0,
+        "weight_version/min": -1.0,
+        "weight_version/max": -1.0,
         "reward/mean": 0.0,
+        "finalize/served_generated_tokens": 0.0,
+        "finalize/kept_generated_token_fraction": 0.0,
+        "router_replay/coverage": 0.0,
+        "router_replay/sentinel_tokens": 0.0,
+        "router_replay/rows_with_routes": 0.0,
     }
 
 
 def test_legacy_rows_add_no_capture_calls():
-    group = GroupResult(0, (_row("a", 0, 0, origin=RowOrigin.LEGACY, reward=1.0),
-                            Placeholder("b", 0, 1, PlaceholderReason.LEGACY_NONCONTIGUOUS, "call 1", 0.0)))
+    group = GroupResult(0, (_kept([_row("a", 0, 0, origin=RowOrigin.LEGACY, reward=1.0)]),
+                            Placeholder("b", 0, 1, R.LEGACY_NONCONTIGUOUS, "call 1", 0.0)))
     metrics = finalize_metrics([group], [])
 
     assert (metrics["finalize/token_in_calls"], metrics["finalize/text_root_calls"]) == (0.0, 0.0)
@@ -90,11 +146,14 @@ def test_legacy_rows_add_no_capture_calls():
     assert metrics["finalize/placeholders/legacy_noncontiguous"] == 1.0
     assert metrics["reward/mean"] == 0.5
     assert metrics["finalize/heuristic_terminal_fraction"] == 0.0
+    assert (metrics["weight_version/min"], metrics["weight_version/max"]) == (-1.0, -1.0)
+    assert (metrics["finalize/rows"], metrics["finalize/chains_per_rollout"]) == (1.0, 0.0)
+    assert (metrics["finalize/served_generated_tokens"], metrics["finalize/kept_generated_token_fraction"]) == (0.0, 0.0)
 
 
 def test_token_in_rate_counts_continuations_re_rendered_as_roots():
     row = _row("a", 0, 0, calls=3)
     rerooted = dataclasses.replace(row, token_in_calls=1, text_root_calls=2)
-    metrics = finalize_metrics([GroupResult(0, (rerooted,))], [])
+    metrics = finalize_metrics([GroupResult(0, (_kept([rerooted]),))], [])
     # 2 continuations: one served token-in, one re-rendered from text as a second root
     assert metrics["finalize/token_in_rate"] == 0.5

@@ -1,121 +1,160 @@
-"""assemble_receipt: witness terminal, heuristic fallback, fail-closed poisoning, reward."""
+"""choose_terminal (declared > witnesses > heuristic > mask) over real staged forests, and reward_of.
+
+(`assemble_receipt` and `poison_reason` are gone: poisoning, empty manifests and foreign or duplicate
+manifests are the judge's verdicts now, tested in test_judge.py.)
+"""
 
 from __future__ import annotations
 
 import pytest
-from nemo_gym.token_id_capture.staging.records import ManifestFailure, RolloutManifest
+from nemo_gym.token_id_capture import delivery
+from nemo_gym.token_id_capture.fingerprint import FINGERPRINT_VERSION, assistant_fingerprint
 
-from nemo_rl.token_capture.receipt import assemble_receipt, poison_reason, reward_of
+from nemo_rl.token_capture import receipt as receipt_module
+from nemo_rl.token_capture.receipt import (
+    TERMINAL_CALL_KEY,
+    TERMINAL_RESPONSE_ID_KEY,
+    TerminalChoice,
+    UnknownAttributionMethodError,
+    choose_terminal,
+    reward_of,
+)
 from nemo_rl.token_capture.rows import PlaceholderReason
 
 RID = "run-s0-g0-i0-a0"
+R = PlaceholderReason
+
+
+def test_declaration_keys_are_gyms():
+    assert (TERMINAL_RESPONSE_ID_KEY, TERMINAL_CALL_KEY) == (delivery.TERMINAL_RESPONSE_ID_KEY, delivery.TERMINAL_CALL_KEY)
 
 
 def test_response_id_witness_names_the_terminal(chains):
     chain = chains.build(RID)
-    receipt = assemble_receipt(RID, chain.manifest(), chains.run_result(1.0, chain.terminal.response_id))
+    choice = choose_terminal(chain.records, chains.run_result(1.0, chain.terminal.response_id))
 
-    assert receipt.capture_poisoned is False
-    assert receipt.failure_reason is None
-    assert receipt.terminal_model_call_id == "call1"
-    assert receipt.terminal_selection == "response_id"
-    assert receipt.reward == 1.0
-    assert [r.model_call_id for r in receipt.manifest] == ["call0", "call1"]
+    assert choice == TerminalChoice("call1", "response_id", "response_has_no_output")
 
 
 def test_no_witness_falls_back_to_the_heuristic_walk(chains):
     chain = chains.build(RID)
-    receipt = assemble_receipt(RID, chain.manifest(), chains.run_result(0.0, response_id=None))
+    choice = choose_terminal(chain.records, chains.run_result(0.0, response_id=None))
 
-    assert receipt.capture_poisoned is False
-    assert receipt.terminal_model_call_id == "call1"
-    assert receipt.terminal_selection == "heuristic"
-    assert receipt.terminal_attribution_reason == "response_has_no_id,response_has_no_output,heuristic=selected"
+    assert choice == TerminalChoice("call1", "heuristic", "response_has_no_id,response_has_no_output,heuristic=selected")
 
 
-def test_witness_beats_the_walk_on_a_stale_chain_from_a_reused_id(chains):
-    # A reused rollout id appends a second chain to the old ledger; the walk prefers the older
-    # root (admitted first), only the response-id witness names the chain that was scored.
+def test_no_response_object_falls_back_to_the_walk(chains):
+    chain = chains.build(RID)
+    choice = choose_terminal(chain.records, {"reward": 1.0})
+
+    assert choice == TerminalChoice("call1", "heuristic", "no_response_object,heuristic=selected")
+
+
+def test_witness_names_the_new_chain_and_the_walk_refuses_two_rooted_chains(chains):
+    # A reused rollout id (or a compaction) leaves two roots with descendants; admission order cannot
+    # tell which chain was scored: only a witness may choose, the walk refuses.
     old = chains.build(RID, call_prefix="old", admitted_at_base=1.0)
     new = chains.build(RID, call_prefix="new", admitted_at_base=50.0)
-    manifest = RolloutManifest(rollout_id=RID, records=[*old.records, *new.records])
+    records = [*old.records, *new.records]
 
-    by_witness = assemble_receipt(RID, manifest, chains.run_result(1.0, new.terminal.response_id))
-    by_walk = assemble_receipt(RID, manifest, chains.run_result(1.0, None))
+    by_witness = choose_terminal(records, chains.run_result(1.0, new.terminal.response_id))
+    by_walk = choose_terminal(records, chains.run_result(1.0, None))
 
-    assert (by_witness.terminal_model_call_id, by_witness.terminal_selection) == ("new1", "response_id")
-    assert (by_walk.terminal_model_call_id, by_walk.terminal_selection) == ("old1", "heuristic")
+    assert (by_witness.call_id, by_witness.selection, by_witness.rejection) == ("new1", "response_id", None)
+    assert by_walk == TerminalChoice(
+        None, "heuristic", "response_has_no_id,response_has_no_output,heuristic=ambiguous_roots",
+        R.TERMINAL_SELECTION_FAILED, "terminal_selection_failed:ambiguous_roots")
 
 
-def test_any_manifest_failure_poisons_but_keeps_the_attribution(chains):
+def test_declared_response_id_wins_and_never_falls_back(chains):
     chain = chains.build(RID)
-    failures = [
-        ManifestFailure(model_call_id="c9", reason="worker_capture_failed"),
-        ManifestFailure(model_call_id="c9", reason="request_finished_without_staged_coordinates"),
-    ]
-    receipt = assemble_receipt(RID, chain.manifest(failures), chains.run_result(1.0, chain.terminal.response_id))
+    declared = {**chains.run_result(1.0, None), TERMINAL_RESPONSE_ID_KEY: chain.records[0].response_id}
+    unmatched = {**chains.run_result(1.0, chain.terminal.response_id), TERMINAL_RESPONSE_ID_KEY: "chatcmpl-gone"}
 
-    assert receipt.capture_poisoned is True
-    assert receipt.failure_reason == "worker_capture_failed"
-    assert receipt.terminal_model_call_id == "call1"
-    assert receipt.terminal_selection == "response_id"
-    assert receipt.reward == 1.0
-    assert poison_reason(receipt) is PlaceholderReason.CAPTURE_POISONED
+    assert choose_terminal(chain.records, declared) == TerminalChoice(
+        "call0", "declared", "response_has_no_id,response_has_no_output")
+    assert choose_terminal(chain.records, unmatched) == TerminalChoice(
+        None, "declared", "declared_terminal_not_captured", R.TERMINAL_DECLARED_UNMATCHED,
+        "terminal_response_id='chatcmpl-gone': declared_terminal_not_captured")
 
 
-def test_empty_manifest_is_a_typed_outcome(chains):
-    receipt = assemble_receipt(RID, RolloutManifest(rollout_id=RID), chains.run_result(1.0, "chatcmpl-x"))
-
-    assert receipt.capture_poisoned is True
-    assert receipt.failure_reason == "empty_manifest"
-    assert receipt.terminal_selection is None
-    assert receipt.manifest == []
-    assert poison_reason(receipt) is PlaceholderReason.EMPTY_MANIFEST
-
-
-def test_failures_without_records_are_capture_poisoned_not_empty(chains):
-    failure = ManifestFailure(model_call_id="c0", reason="worker_response_missing_commit_coordinates")
-    manifest = RolloutManifest(rollout_id=RID, failures=[failure])
-    receipt = assemble_receipt(RID, manifest, chains.run_result(1.0))
-
-    assert receipt.failure_reason == "worker_response_missing_commit_coordinates"
-    assert poison_reason(receipt) is PlaceholderReason.CAPTURE_POISONED
-
-
-def test_ambiguous_branches_without_witness_fail_terminal_selection(chains):
-    base = chains.build(RID, turns=[chains.Turn((1, 2), (3,), (-0.5,))])
-    root = base.records[0]
-    children = [
-        root.model_copy(update={"model_call_id": f"child{k}", "parent_call_id": "call0", "mode": "token_in",
-                                "prev_len": root.cum_len, "cum_len": root.cum_len + 2, "delta_len": 2,
-                                "staging_key": f"{RID}/child{k}", "response_id": f"chatcmpl-child{k}"})
-        for k in range(2)
-    ]
-    manifest = RolloutManifest(rollout_id=RID, records=[root, *children])
-    receipt = assemble_receipt(RID, manifest, chains.run_result(1.0, None))
-
-    assert receipt.capture_poisoned is True
-    assert receipt.failure_reason == "terminal_selection_failed:ambiguous_terminal"
-    assert receipt.terminal_model_call_id is None
-    assert receipt.terminal_selection == "heuristic"
-    assert poison_reason(receipt) is PlaceholderReason.TERMINAL_SELECTION_FAILED
-
-
-def test_manifest_of_another_rollout_poisons_and_drops_its_records(chains):
-    chain = chains.build("someone-else")
-    receipt = assemble_receipt(RID, chain.manifest(), chains.run_result(1.0, chain.terminal.response_id))
-
-    assert receipt.capture_poisoned is True
-    assert receipt.failure_reason == "manifest_rollout_mismatch:someone-else"
-    assert receipt.manifest == []
-
-
-def test_duplicate_call_ids_poison(chains):
+def test_explicit_call_id_is_a_declaration(chains):
     chain = chains.build(RID)
-    manifest = RolloutManifest(rollout_id=RID, records=[chain.records[0], chain.records[0]])
-    receipt = assemble_receipt(RID, manifest, chains.run_result(1.0))
+    result = {**chains.run_result(1.0, None), TERMINAL_CALL_KEY: "call0"}
 
-    assert (receipt.capture_poisoned, receipt.failure_reason, receipt.manifest) == (True, "duplicate_model_call_id", [])
+    assert choose_terminal(chain.records, result) == TerminalChoice(
+        "call0", "declared", "response_has_no_id,response_has_no_output")
+
+
+def test_witnesses_naming_different_sequences_mask_and_count(chains):
+    chain = chains.build(RID)
+    result = {**chains.run_result(1.0, chain.records[0].response_id), TERMINAL_CALL_KEY: "call1"}
+
+    trail = "response_has_no_output,witness_disagreement[explicit=call1;response_id=call0]"
+    assert choose_terminal(chain.records, result) == TerminalChoice(
+        None, None, trail, R.TERMINAL_WITNESS_DISAGREEMENT, trail, witness_disagreement=True)
+
+
+def test_content_witness_maps_to_content(chains):
+    chain = chains.build(RID)
+    output = [{"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "42"}]}]
+    fingerprint = assistant_fingerprint(output)
+    terminal = chain.terminal.model_copy(update={"output_fingerprint": fingerprint,
+                                                 "fingerprint_version": FINGERPRINT_VERSION})
+    result = {"reward": 1.0, "response": {"output": output}}
+
+    assert choose_terminal([chain.records[0], terminal], result) == TerminalChoice(
+        "call1", "content", "response_has_no_id")
+
+
+def test_identical_retries_named_by_one_witness_are_one_answer(trees):
+    turn = trees.Turn((1, 2), (3,), (-0.5,))
+    tree = trees.build(RID, [trees.Call("c0", None, turn), trees.Call("a", "c0", trees.Turn((4,), (5,), (-0.1,))),
+                             trees.Call("b", "c0", trees.Turn((4,), (5,), (-0.1,)))])
+    by_id = tree.by_id
+
+    assert choose_terminal(tree.records, trees.run_result(1.0, by_id["b"].response_id)).call_id == "b"
+    # The walk does not collapse identical leaves: two childless siblings are ambiguous.
+    walk = choose_terminal(tree.records, trees.run_result(1.0, None))
+    assert (walk.call_id, walk.rejection, walk.detail) == (
+        None, R.TERMINAL_SELECTION_FAILED, "terminal_selection_failed:ambiguous_terminal")
+
+
+def test_ambiguous_branches_without_witness_fail_terminal_selection(trees):
+    tree = trees.build(RID, [trees.Call("call0", None, trees.Turn((1, 2), (3,), (-0.5,))),
+                             trees.Call("child0", "call0", trees.Turn((4,), (5, 6), (-0.1, -0.2))),
+                             trees.Call("child1", "call0", trees.Turn((4,), (7, 8), (-0.1, -0.2)))])
+    choice = choose_terminal(tree.records, trees.run_result(1.0, None))
+
+    assert choice == TerminalChoice(
+        None, "heuristic", "response_has_no_id,response_has_no_output,heuristic=ambiguous_terminal",
+        R.TERMINAL_SELECTION_FAILED, "terminal_selection_failed:ambiguous_terminal")
+
+
+def test_no_records_is_a_selection_failure(chains):
+    choice = choose_terminal([], chains.run_result(1.0, "chatcmpl-x"))
+
+    assert choice == TerminalChoice(
+        None, "heuristic", "response_id_no_match,response_has_no_output,heuristic=no_records",
+        R.TERMINAL_SELECTION_FAILED, "terminal_selection_failed:no_records")
+
+
+def test_an_unknown_attribution_method_is_a_version_error(chains, monkeypatch):
+    chain = chains.build(RID)
+
+    class Attribution:
+        attributed, method, model_call_id, reason = True, "telepathy", "call1", ""
+
+    monkeypatch.setattr(receipt_module, "resolve_terminal", lambda *args, **kwargs: Attribution())
+    with pytest.raises(UnknownAttributionMethodError, match="unknown method 'telepathy'"):
+        choose_terminal(chain.records, chains.run_result(1.0, None))
+
+
+def test_a_choice_is_a_call_or_a_rejection_never_both():
+    with pytest.raises(ValueError, match="either a terminal call or a rejection"):
+        TerminalChoice("c", "heuristic", "", R.TERMINAL_SELECTION_FAILED)
+    with pytest.raises(ValueError, match="either a terminal call or a rejection"):
+        TerminalChoice(None, None, "")
 
 
 @pytest.mark.parametrize(
@@ -126,10 +165,3 @@ def test_duplicate_call_ids_poison(chains):
 )
 def test_reward_is_a_finite_number_or_none(result, expected):
     assert reward_of(result) == expected
-
-
-def test_missing_reward_leaves_the_receipt_unpoisoned_with_reward_none(chains):
-    chain = chains.build(RID)
-    receipt = assemble_receipt(RID, chain.manifest(), chains.run_result(None, chain.terminal.response_id))
-
-    assert (receipt.capture_poisoned, receipt.reward) == (False, None)

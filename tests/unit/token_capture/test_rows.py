@@ -1,4 +1,4 @@
-"""TrainRow / Placeholder / GroupResult invariants."""
+"""TrainRow / KeptRollout / Placeholder / RolloutYield / GroupResult invariants."""
 
 from __future__ import annotations
 
@@ -10,8 +10,10 @@ import pytest
 
 from nemo_rl.token_capture.rows import (
     GroupResult,
+    KeptRollout,
     Placeholder,
     PlaceholderReason,
+    RolloutYield,
     RowInvariantError,
     RowOrigin,
     TrainRow,
@@ -24,6 +26,7 @@ def _row(**changes) -> TrainRow:
         token_ids=(1, 2, 3, 4), token_mask=(0.0, 0.0, 1.0, 1.0), generation_logprobs=(0.0, 0.0, -0.5, -1.5),
         reward=1.0, prompt_len=2, model_call_ids=("c0",), weight_versions=(7,),
         token_in_calls=0, text_root_calls=1, terminal_selection="response_id", origin=RowOrigin.CAPTURE,
+        call_spans=((0, 4),),
     )
     fields.update(changes)
     return TrainRow(**fields)
@@ -52,10 +55,15 @@ def test_a_valid_row_is_frozen():
         ({"reward": math.nan}, "reward must be a finite float"),
         ({"reward": 1}, "reward must be a finite float"),
         ({"weight_versions": (7, 7)}, "one weight version per call"),
-        ({"text_root_calls": 0}, "must equal the 1 terminal-chain calls"),
+        ({"text_root_calls": 0}, "must equal the 1 chain calls"),
         ({"terminal_selection": None}, "must name their terminal_selection"),
         ({"weight_versions": (None,)}, "non-negative int weight version"),
         ({"origin": RowOrigin.LEGACY}, "legacy rows carry no call modes"),
+        ({"call_spans": ()}, "capture rows need one call span per call"),
+        ({"call_spans": ((0, 2), (2, 4))}, "2 call spans for 1 calls"),
+        ({"call_spans": ((1, 4),)}, "call spans must be contiguous, non-empty and start at 0"),
+        ({"call_spans": ((0, 3),)}, "call spans cover 3 tokens of 4"),
+        ({"chain_index": -1}, "chain_index must be a non-negative int"),
         ({"sample_index": -1}, "sample_index must be a non-negative int"),
         ({"rollout_id": ""}, "rollout_id must be a non-empty str"),
     ],
@@ -66,8 +74,10 @@ def test_row_invariants(changes, message):
 
 
 def test_legacy_row_has_no_modes_versions_or_selection():
-    row = _row(origin=RowOrigin.LEGACY, text_root_calls=0, terminal_selection=None, weight_versions=(None,))
+    row = _row(origin=RowOrigin.LEGACY, text_root_calls=0, terminal_selection=None, weight_versions=(None,),
+               call_spans=())
     assert row.origin is RowOrigin.LEGACY
+    assert (row.token_weight_versions, row.loss_call_ids()) == ((None,) * 4, frozenset({"c0"}))
     with pytest.raises(RowInvariantError, match="no weight versions"):
         _row(origin=RowOrigin.LEGACY, text_root_calls=0, terminal_selection=None)
 
@@ -80,17 +90,91 @@ def test_placeholder_needs_a_typed_reason_and_finite_reward():
         Placeholder("r-0", 0, 0, PlaceholderReason.RUN_FAILED, "boom", math.inf)
 
 
-def test_group_result_holds_samples_zero_to_n_minus_one_in_order():
-    row = _row(rollout_id="r-0", sample_index=0)
-    hole = Placeholder("r-1", 0, 1, PlaceholderReason.RUN_TIMEOUT, "slow")
-    group = GroupResult(0, (row, hole))
+def _two_call_row(**changes) -> TrainRow:
+    fields = dict(
+        token_ids=(1, 2, 3, 4, 5, 6), token_mask=(0.0, 1.0, 1.0, 0.0, 1.0, 1.0),
+        generation_logprobs=(0.0, -0.1, -0.2, 0.0, -0.3, -0.4), prompt_len=1, model_call_ids=("c0", "c1"),
+        weight_versions=(7, 8), token_in_calls=1, text_root_calls=1, call_spans=((0, 3), (3, 6)),
+    )
+    fields.update(changes)
+    return _row(**fields)
 
-    assert (group.n, group.rows, group.placeholders) == (2, (row,), (hole,))
+
+def test_call_spans_expand_versions_and_name_the_loss_calls():
+    row = _two_call_row()
+    assert row.token_weight_versions == (7, 7, 7, 8, 8, 8)
+    assert row.loss_call_ids() == {"c0", "c1"}
+    carried = _two_call_row(token_mask=(0.0, 0.0, 0.0, 0.0, 1.0, 1.0), generation_logprobs=(0.0,) * 4 + (-0.3, -0.4),
+                            chain_index=1)
+    assert carried.loss_call_ids() == {"c1"}
+    assert carried.num_generated_tokens == 2
+
+
+def _kept(rows, reward=1.0, **changes):
+    fields = dict(rollout_id="r-0", group_index=0, sample_index=0, rows=tuple(rows), reward=reward,
+                  terminal_selection="response_id")
+    fields.update(changes)
+    return KeptRollout(**fields)
+
+
+def test_kept_rollout_rows_are_chains_that_never_share_a_loss_call():
+    first = _two_call_row()
+    second = _two_call_row(token_mask=(0.0, 0.0, 0.0, 0.0, 1.0, 1.0), generation_logprobs=(0.0,) * 4 + (-0.3, -0.4),
+                           model_call_ids=("c0", "c2"), chain_index=1)
+    kept = _kept([first, second], yield_=RolloutYield(6, 6, (), 2))
+    assert kept.num_generated_tokens == 6
+
+    with pytest.raises(RowInvariantError, match=re.escape("calls ['c0'] are in the loss of two rows")):
+        _kept([first, dataclasses.replace(second, token_mask=first.token_mask,
+                                          generation_logprobs=first.generation_logprobs)])
+    with pytest.raises(RowInvariantError, match="at least one row"):
+        _kept([])
+    with pytest.raises(RowInvariantError, match="row 1 must have chain_index 1"):
+        _kept([first, dataclasses.replace(second, chain_index=0)])
+    with pytest.raises(RowInvariantError, match="row 0 must have chain_index 0 and the rollout's reward"):
+        _kept([first], reward=0.5)
+    with pytest.raises(RowInvariantError, match="row 0 belongs to r-9 slot 0/0"):
+        _kept([dataclasses.replace(first, rollout_id="r-9")])
+    with pytest.raises(RowInvariantError, match="row 0 is Placeholder"):
+        _kept([Placeholder("r-0", 0, 0, PlaceholderReason.RUN_FAILED, "boom")])
+    with pytest.raises(RowInvariantError, match="yield counts 5 kept tokens, rows hold 6"):
+        _kept([first, second], yield_=RolloutYield(6, 5, (), 2))
+
+
+def test_rollout_yield_counts_are_non_negative_ints():
+    RolloutYield(None, 0)
+    with pytest.raises(RowInvariantError, match="kept_generated_tokens must be a non-negative int"):
+        RolloutYield(3, -1)
+    with pytest.raises(RowInvariantError, match="chains must be a non-negative int"):
+        RolloutYield(3, 1, (), 1.0)
+    with pytest.raises(RowInvariantError, match="served_generated_tokens must be a non-negative int or None"):
+        RolloutYield(-3, 1)
+    with pytest.raises(RowInvariantError, match="unverifiable token counts must be non-negative ints"):
+        RolloutYield(3, 1, (("served_not_staged", -2),))
+
+
+def test_a_placeholder_keeps_no_generated_token():
+    Placeholder("r-0", 0, 0, PlaceholderReason.RUN_FAILED, "boom", None, None, RolloutYield(4, 0, (("run_failed", 4),)))
+    with pytest.raises(RowInvariantError, match="a placeholder keeps no generated token"):
+        Placeholder("r-0", 0, 0, PlaceholderReason.RUN_FAILED, "boom", None, None, RolloutYield(4, 1))
+
+
+def test_group_result_holds_samples_zero_to_n_minus_one_in_order():
+    first = _two_call_row(rollout_id="r-0", sample_index=0)
+    second = _two_call_row(rollout_id="r-0", sample_index=0, model_call_ids=("c0", "c2"), chain_index=1,
+                           token_mask=(0.0, 0.0, 0.0, 0.0, 1.0, 1.0), generation_logprobs=(0.0,) * 4 + (-0.3, -0.4))
+    kept = _kept([first, second])
+    hole = Placeholder("r-1", 0, 1, PlaceholderReason.RUN_TIMEOUT, "slow")
+    group = GroupResult(0, (kept, hole))
+
+    assert (group.n, group.kept, group.rows, group.placeholders) == (2, (kept,), (first, second), (hole,))
     with pytest.raises(RowInvariantError, match="entry 0 is group 0 sample 1"):
-        GroupResult(0, (hole, row))
+        GroupResult(0, (hole, kept))
     with pytest.raises(RowInvariantError, match="appears twice"):
-        GroupResult(0, (row, Placeholder("r-0", 0, 1, PlaceholderReason.RUN_TIMEOUT, "slow")))
+        GroupResult(0, (kept, Placeholder("r-0", 0, 1, PlaceholderReason.RUN_TIMEOUT, "slow")))
     with pytest.raises(RowInvariantError, match="entry 1 is group 5"):
-        GroupResult(0, (row, Placeholder("r-1", 5, 1, PlaceholderReason.RUN_TIMEOUT, "slow")))
+        GroupResult(0, (kept, Placeholder("r-1", 5, 1, PlaceholderReason.RUN_TIMEOUT, "slow")))
+    with pytest.raises(RowInvariantError, match="entry 0 is TrainRow"):
+        GroupResult(0, (first,))
     with pytest.raises(RowInvariantError, match="at least one entry"):
         GroupResult(0, ())
