@@ -154,7 +154,9 @@ class TrainRow:
                 f"{where}: routed_experts shape {routes.shape} must be ({n}, L >= 1, K >= 1)"
             )
         if routes.size and int(routes.min()) < -1:
-            raise RowInvariantError(f"{where}: routed_experts holds {int(routes.min())}; ids are >= 0, -1 is the sentinel")
+            raise RowInvariantError(
+                f"{where}: routed_experts holds {int(routes.min())}; ids are >= 0, -1 is the sentinel"
+            )
         if routes.flags.writeable:
             view = routes.view()
             view.flags.writeable = False

@@ -8,7 +8,7 @@ import pytest
 
 from nemo_rl.algorithms.grpo_config import load_master_config
 from nemo_rl.algorithms.grpo_single_controller import build_train_batch
-from nemo_rl.token_capture.rows import GroupResult, Placeholder, PlaceholderReason, RowOrigin, TrainRow
+from nemo_rl.token_capture.rows import GroupResult, KeptRollout, Placeholder, PlaceholderReason, RowOrigin, TrainRow
 from nemo_rl.utils.config import ConfigError
 
 CONFIGS = sorted((Path(__file__).resolve().parents[3] / "examples" / "configs").glob("*.yaml"))
@@ -49,13 +49,19 @@ def test_bad_values_name_the_key():
         load_master_config(recipe, ["grpo.no_such_key=1"])
 
 
-def _row(group: int, index: int, reward: float) -> TrainRow:
+def _train_row(group: int, index: int, reward: float, chain: int = 0, call: str = "c") -> TrainRow:
     return TrainRow(
         rollout_id=f"r-{group}-{index}", group_index=group, sample_index=index,
         token_ids=(1, 2, 3), token_mask=(0.0, 1.0, 1.0), generation_logprobs=(0.0, -0.5, -0.25),
-        reward=reward, prompt_len=1, model_call_ids=("c",), weight_versions=(0,),
+        reward=reward, prompt_len=1, model_call_ids=(call,), weight_versions=(0,),
         token_in_calls=0, text_root_calls=1, terminal_selection="response_id", origin=RowOrigin.CAPTURE,
+        call_spans=((0, 3),), chain_index=chain,
     )
+
+
+def _row(group: int, index: int, reward: float, chains: int = 1) -> KeptRollout:
+    rows = tuple(_train_row(group, index, reward, chain, f"c{chain}") for chain in range(chains))
+    return KeptRollout(f"r-{group}-{index}", group, index, rows, reward, "response_id")
 
 
 def test_build_train_batch_skips_placeholders_and_normalises_per_group():
@@ -66,3 +72,12 @@ def test_build_train_batch_skips_placeholders_and_normalises_per_group():
     assert out.batch.advantages == (0.5, -0.5, 0.0, 0.0)
     assert out.batch.token_mask[0] == (0, 1, 1)
     assert out.rewards_mean == pytest.approx(3.0 / 5.0)
+
+
+def test_build_train_batch_gives_every_row_of_a_rollout_its_rollout_advantage():
+    # Rollout 0 branched into 3 rows; normalisation is per rollout, so it does not weigh 3x.
+    groups = [GroupResult(0, (_row(0, 0, 1.0, chains=3), _row(0, 1, 0.0)))]
+    out = build_train_batch(groups, normalize=False)
+    assert out.batch is not None and out.batch.num_samples == 4
+    assert out.batch.advantages == (0.5, 0.5, 0.5, -0.5)
+    assert out.rewards_mean == pytest.approx(0.5)

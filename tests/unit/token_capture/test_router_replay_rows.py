@@ -341,7 +341,10 @@ def test_tampered_extras_make_the_rollout_a_verification_failed_placeholder(clie
 
     # The same forgery landing after the base fetch (a race) still fails the manifest's commitment.
     ev, records = routed_chain(sink, new_rollout("r3-race"))
-    forge = lambda keys: tamper(reader, writer, records[1].staging_key, forged, rewrite_header_digest=True)  # noqa: E731
+
+    def forge(keys: list[str]) -> None:
+        tamper(reader, writer, records[1].staging_key, forged, rewrite_header_digest=True)
+
     verdict = judge_from_source(CountingSource(tq, before_extras=forge), ev, CAPTURE)
     assert isinstance(verdict, Placeholder), verdict
     assert verdict.reason is PlaceholderReason.VERIFICATION_FAILED
