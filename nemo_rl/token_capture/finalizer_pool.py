@@ -317,6 +317,13 @@ class FinalizerPool:
         try:
             ref = slot.handle.finalize.remote(item)
             reply: WorkerReply = await asyncio.wait_for(ref, self._call_timeout_s)
+        except RayTaskError as error:
+            # First: Ray re-raises a task's TimeoutError as a subclass of TimeoutError too, which the
+            # deadline branch below would misread as "the actor gave no answer".
+            raise FinalizerBugError(
+                f"finalizer worker {slot.index} raised while judging rollout {item.rollout_id} (a bug, not a data "
+                f"fault):\n{error}"
+            ) from error
         except (asyncio.TimeoutError, GetTimeoutError):
             slot.suspect = True
             return self._failed(item, PlaceholderReason.FINALIZE_TIMEOUT,
@@ -326,11 +333,6 @@ class FinalizerPool:
             return self._failed(
                 item, PlaceholderReason.FINALIZER_UNAVAILABLE, f"finalizer worker {slot.index} died: {error}"
             )
-        except RayTaskError as error:
-            raise FinalizerBugError(
-                f"finalizer worker {slot.index} raised while judging rollout {item.rollout_id} (a bug, not a data "
-                f"fault):\n{error}"
-            ) from error
         finally:
             self._release(slot)
         wait_ms = max(0.0, (reply.started_at_s - submitted_at_s) * 1000.0)

@@ -17,6 +17,8 @@ Rules, in order (each rejection is a placeholder with a typed reason and a detai
      lost) and is dropped, and only that chain. Without a report entry for it the call cannot
      be located and the rollout is poisoned (fail closed, Gym's default).
 3. The terminal call comes from `receipt.choose_terminal` (declared > witnesses > heuristic > mask).
+   The heuristic is refused when a served-not-staged call exists: the walk cannot see calls
+   without a record, and the scored response may be one of them.
 4. Chains: the terminal chain (root -> terminal) and, with `branch_policy=all_chains`, every
    other leaf's chain (branches after a history rewrite, retried siblings), in manifest order.
    A chain with a missing/invalid staged record, a cut, a mixed weight version (policy
@@ -61,8 +63,8 @@ from nemo_rl.token_capture.served import ServedCall
 
 OFF_CHAIN_REASONS = frozenset({"request_finished_without_staged_coordinates"})
 _POISON_CODES = frozenset({"rollout_failed", "capture_poisoned"})
+CUT_BY_UNSTAGED_CHILD = "cut_by_unstaged_child"  # detail of a chain dropped as served_not_staged
 # Reasons for served tokens that are not in the loss (metric keys; keep them stable).
-CUT_BY_UNSTAGED_CHILD = "cut_by_unstaged_child"
 SERVED_NOT_STAGED = "served_not_staged"
 STAGED_NOT_COMMITTED = "staged_not_committed"
 EXCLUDED_BY_BRANCH_POLICY = "excluded_by_branch_policy"
@@ -266,6 +268,12 @@ def judge_rollout(
         return _placeholder(ev, reason, detail, reward, served_yield=_all_served_lost(ev, reason.value, leaves))
 
     terminal: TerminalChoice = choose_terminal(records, ev.run_result)
+    if terminal.rejection is None and terminal.selection == "heuristic" and unstaged:
+        # The parent-link walk cannot see calls without a record: the scored response may be one.
+        terminal = TerminalChoice(
+            None, "heuristic", terminal.trail, PlaceholderReason.TERMINAL_SELECTION_FAILED,
+            f"terminal_selection_failed:heuristic_with_unstaged_calls {sorted(unstaged)}",
+        )
     if terminal.rejection is not None:
         return _placeholder(ev, terminal.rejection, terminal.detail, reward, terminal.selection,
                             _all_served_lost(ev, terminal.rejection.value, leaves, terminal.witness_disagreement))

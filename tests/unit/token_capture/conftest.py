@@ -11,7 +11,7 @@ digests, chain hashes and cumulative hashes that `verify_and_linearize` accepts.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
@@ -26,6 +26,11 @@ from nemo_gym.token_id_capture.staging import (
     StageResult,
 )
 from nemo_gym.token_id_capture.staging.records import ManifestFailure, RolloutManifest
+
+from nemo_rl.data_plane import DataPlaneClient, DataPlaneConfig, start_data_plane
+from nemo_rl.distributed.ray_cluster import init_local_ray
+
+TQ_TEST_CONFIG = DataPlaneConfig(call_timeout_s=10.0)
 
 
 class MemorySink:
@@ -244,3 +249,19 @@ def build_tree(rollout_id: str, calls: Sequence[Call], *, admitted_at_base: floa
 def trees() -> SimpleNamespace:
     """`trees.build(rollout_id, [trees.Call(...), ...])`, `trees.Call`, `trees.Turn`, `trees.run_result`."""
     return SimpleNamespace(build=build_tree, Call=Call, Turn=Turn, run_result=run_result)
+
+
+@pytest.fixture(scope="module")
+def clients() -> Iterator[tuple[DataPlaneClient, DataPlaneClient]]:
+    """A private Ray + data plane per test module: the worker's writer client and the finalizer's
+    reader client (two attachments, as in a run)."""
+    cluster = init_local_ray(num_cpus=2)
+    try:
+        plane = start_data_plane(TQ_TEST_CONFIG)
+        try:
+            with DataPlaneClient.attach(TQ_TEST_CONFIG) as writer, DataPlaneClient.attach(TQ_TEST_CONFIG) as reader:
+                yield writer, reader
+        finally:
+            plane.shutdown()
+    finally:
+        cluster.shutdown()

@@ -23,6 +23,10 @@ def test_defaults() -> None:
         "prefix_cache_max_tokens": 1_000_000,
         "control_token_env": "NRL_TOKEN_CAPTURE_CONTROL_TOKEN",
         "retire_after_commit": True,
+        "branch_policy": "all_chains",
+        "mixed_weight_version_policy": "allow",
+        "min_valid_fraction_per_group": 0.0,
+        "max_consecutive_masked_steps": 3,
     }
 
 
@@ -101,11 +105,32 @@ def test_enabled_from_recipe_override(tmp_path: Path) -> None:
             "string matching ^[A-Za-z_][A-Za-z0-9_]*$)",
         ),
         (
+            {"branch_policy": "some"},
+            "token_capture.branch_policy='some': Input should be 'terminal_chain' or 'all_chains' (fix: set "
+            "token_capture.branch_policy to a value of type Literal['terminal_chain', 'all_chains'])",
+        ),
+        (
+            {"mixed_weight_version_policy": "deny"},
+            "token_capture.mixed_weight_version_policy='deny': Input should be 'allow' or 'reject' (fix: set "
+            "token_capture.mixed_weight_version_policy to a value of type Literal['allow', 'reject'])",
+        ),
+        (
+            {"min_valid_fraction_per_group": 1.5},
+            "token_capture.min_valid_fraction_per_group=1.5: Input should be less than or equal to 1 (fix: set "
+            "token_capture.min_valid_fraction_per_group to a value <= 1)",
+        ),
+        (
+            {"max_consecutive_masked_steps": 0},
+            "token_capture.max_consecutive_masked_steps=0: Input should be greater than or equal to 1 (fix: set "
+            "token_capture.max_consecutive_masked_steps to a value >= 1)",
+        ),
+        (
             {"finalizer_workers": 2},
             "token_capture.finalizer_workers=2: unknown key token_capture.finalizer_workers; "
             "allowed keys: enabled, num_finalizer_workers, staging_partition, "
             "manifest_timeout_s, finalize_timeout_s, stage_timeout_s, prefix_cache_max_tokens, "
-            "control_token_env, retire_after_commit (fix: remove "
+            "control_token_env, retire_after_commit, branch_policy, mixed_weight_version_policy, "
+            "min_valid_fraction_per_group, max_consecutive_masked_steps (fix: remove "
             "token_capture.finalizer_workers or rename it to an allowed key)",
         ),
     ],

@@ -478,11 +478,24 @@ def test_served_not_staged_on_the_terminal_chain_cuts_it(trees):
     tree = _plain(trees)
     failures = [ManifestFailure(model_call_id="z", reason="worker_capture_failed")]
     served = [*tree.served(), _served("z", "call1", 4)]
-    result = _judge(_ev(tree, trees.run_result(1.0, "chatcmpl-z"), failures=failures, served=served), tree)
+    result = _judge(_ev(tree, _scored(trees, tree, "call1"), failures=failures, served=served), tree)
 
     assert result == Placeholder(
         RID, 2, 3, R.SERVED_NOT_STAGED, "cut_by_unstaged_child: a child of call1 was served without custody", 1.0,
-        "heuristic", RolloutYield(9, 0, (("served_not_staged", 9),), 1, False))
+        "response_id", RolloutYield(9, 0, (("served_not_staged", 9),), 1, False))
+
+
+def test_heuristic_is_refused_when_a_served_call_has_no_record(trees):
+    # The scored response (chatcmpl-z) was served without custody: the parent-link walk cannot see
+    # it and must not credit its reward to the staged chain.
+    tree = _plain(trees)
+    failures = [ManifestFailure(model_call_id="z", reason="worker_capture_failed")]
+    served = [*tree.served(), _served("z", "call1", 4)]
+    result = _judge(_ev(tree, trees.run_result(1.0, "chatcmpl-z"), failures=failures, served=served), tree)
+
+    assert result == Placeholder(
+        RID, 2, 3, R.TERMINAL_SELECTION_FAILED, "terminal_selection_failed:heuristic_with_unstaged_calls ['z']", 1.0,
+        "heuristic", RolloutYield(9, 0, (("terminal_selection_failed", 9),), 1, False))
 
 
 def test_mixed_weight_version_is_rejected_by_policy(trees):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -20,8 +19,7 @@ from nemo_gym.token_id_capture.staging import (
     verify_and_linearize,
 )
 
-from nemo_rl.data_plane import DataPlaneClient, DataPlaneConfig, start_data_plane
-from nemo_rl.distributed.ray_cluster import init_local_ray
+from nemo_rl.data_plane import DataPlaneClient, DataPlaneConfig
 from nemo_rl.token_capture.router_replay import (
     CallRoutes,
     RoutedExpertsDecodeError,
@@ -251,20 +249,6 @@ def test_property_sentinel_exactly_where_no_route(
 PARTITION = "router_replay_test"
 CFG = DataPlaneConfig(call_timeout_s=10.0)
 
-
-@pytest.fixture(scope="module")
-def clients() -> Iterator[tuple[DataPlaneClient, DataPlaneClient]]:
-    """A private Ray + data plane: the worker's writer client and the finalizer's reader client."""
-    cluster = init_local_ray(num_cpus=2)
-    try:
-        plane = start_data_plane(CFG)
-        try:
-            with DataPlaneClient.attach(CFG) as writer, DataPlaneClient.attach(CFG) as reader:
-                yield writer, reader
-        finally:
-            plane.shutdown()
-    finally:
-        cluster.shutdown()
 
 
 def test_routes_staged_through_real_tq_come_back_digest_bound_and_shape(

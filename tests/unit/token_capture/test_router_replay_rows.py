@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,8 +26,7 @@ from nemo_gym.token_id_capture.staging import (
 )
 from nemo_gym.token_id_capture.staging.records import RolloutManifest
 
-from nemo_rl.data_plane import DataPlaneClient, DataPlaneConfig, start_data_plane
-from nemo_rl.distributed.ray_cluster import init_local_ray
+from nemo_rl.data_plane import DataPlaneClient, DataPlaneConfig
 from nemo_rl.token_capture.config import TokenCaptureConfig
 from nemo_rl.token_capture.finalizer_pool import judge_from_source
 from nemo_rl.token_capture.judge import RolloutEvidence
@@ -57,20 +56,6 @@ def routes(first: int, tokens: int, layers: int = 2, topk: int = 2) -> list[list
 def blank(tokens: int) -> list[list[list[int]]]:
     return [[[S, S], [S, S]] for _ in range(tokens)]
 
-
-@pytest.fixture(scope="module")
-def clients() -> Iterator[tuple[DataPlaneClient, DataPlaneClient]]:
-    """A private Ray + data plane: the worker's writer client and the finalizer's reader client."""
-    cluster = init_local_ray(num_cpus=2)
-    try:
-        plane = start_data_plane(CFG)
-        try:
-            with DataPlaneClient.attach(CFG) as writer, DataPlaneClient.attach(CFG) as reader:
-                yield writer, reader
-        finally:
-            plane.shutdown()
-    finally:
-        cluster.shutdown()
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import struct
 import threading
 import uuid
-from collections.abc import Iterator
 
 import pytest
 from hypothesis import given, settings
@@ -31,8 +30,7 @@ from nemo_gym.token_id_capture.staging import (
     verify_and_linearize,
 )
 
-from nemo_rl.data_plane import DataPlaneClient, DataPlaneConfig, start_data_plane
-from nemo_rl.distributed.ray_cluster import init_local_ray
+from nemo_rl.data_plane import DataPlaneClient, DataPlaneConfig
 from nemo_rl.token_capture.retention import TQStagingCleaner
 from nemo_rl.token_capture.staging import (
     StagedKeysMissingError,
@@ -46,20 +44,6 @@ from nemo_rl.token_capture.staging import (
 PARTITION = "staging_test"
 CFG = DataPlaneConfig(call_timeout_s=10.0)
 
-
-@pytest.fixture(scope="module")
-def clients() -> Iterator[tuple[DataPlaneClient, DataPlaneClient]]:
-    """A writer client (the worker's) and a separate reader client (the finalizer's)."""
-    cluster = init_local_ray(num_cpus=2)
-    try:
-        plane = start_data_plane(CFG)
-        try:
-            with DataPlaneClient.attach(CFG) as writer, DataPlaneClient.attach(CFG) as reader:
-                yield writer, reader
-        finally:
-            plane.shutdown()
-    finally:
-        cluster.shutdown()
 
 
 @pytest.fixture(scope="module")
