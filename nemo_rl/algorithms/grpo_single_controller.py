@@ -121,6 +121,18 @@ async def _reported(run, step: int, total: int, progress) -> GroupResult:
     return group
 
 
+def next_masked_streak(streak: int, trainable: bool, limit: int, step: int) -> int:
+    """The count of consecutive steps with nothing to train; raises MaskedStepsError at `limit`."""
+    streak = 0 if trainable else streak + 1
+    if streak >= limit:
+        raise MaskedStepsError(
+            f"step {step}: {streak} consecutive steps had no trainable rollout "
+            f"(token_capture.max_consecutive_masked_steps={limit}); see finalize/placeholders/<reason> in "
+            "metrics.jsonl and the Gym/worker logs under the log dir"
+        )
+    return streak
+
+
 def check_row_versions(groups: Sequence[GroupResult], served_version: int, step: int) -> None:
     """Every call of every row must carry the version the loop last refit into the workers."""
     stale = sorted({
@@ -231,24 +243,21 @@ async def run_grpo(cfg: MasterConfig, progress=print) -> Path:
                     raise GRPOError(f"step {step}: always-N accounting broke: {metrics}")
                 check_row_versions(groups, served_version, step)
                 step_batch = build_train_batch(groups, cfg.grpo.normalize_rewards)
-                masked_streak = masked_streak + 1 if step_batch.batch is None else 0
-                metrics["steps/masked_consecutive"] = float(masked_streak)
+                limit = cfg.token_capture.max_consecutive_masked_steps
+                trainable = step_batch.batch is not None
                 metrics["reward/mean"] = metrics.get("reward/mean", step_batch.rewards_mean)
-                if step_batch.batch is None:
+                metrics["steps/masked_consecutive"] = 0.0 if trainable else float(masked_streak + 1)
+                if not trainable:
                     progress(
                         f"[step {step}] WARNING: every rollout became a placeholder; step skipped (no train, no refit), "
-                        f"{masked_streak}/{cfg.token_capture.max_consecutive_masked_steps} in a row. Reasons: "
+                        f"{masked_streak + 1}/{limit} in a row. Reasons: "
                         + ", ".join(f"{k.rsplit('/', 1)[-1]}={int(v)}" for k, v in metrics.items()
                                     if k.startswith("finalize/placeholders/"))
                     )
-                    if masked_streak >= cfg.token_capture.max_consecutive_masked_steps:
-                        logger.log(step, metrics)
-                        raise MaskedStepsError(
-                            f"step {step}: {masked_streak} consecutive steps had no trainable rollout "
-                            f"(token_capture.max_consecutive_masked_steps={cfg.token_capture.max_consecutive_masked_steps}); "
-                            "see finalize/placeholders/<reason> in metrics.jsonl and the Gym/worker logs under the log dir"
-                        )
-                else:
+                    if masked_streak + 1 >= limit:
+                        logger.log(step, metrics)  # the step that stops the run keeps its metrics line
+                masked_streak = next_masked_streak(masked_streak, trainable, limit, step)
+                if trainable:
                     served_version = await _train_and_refit(
                         cfg, step, step_batch, policy, stack, probe_state, metrics, weights_root, progress)
             logger.log(step, metrics)

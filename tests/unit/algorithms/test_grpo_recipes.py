@@ -81,3 +81,22 @@ def test_build_train_batch_gives_every_row_of_a_rollout_its_rollout_advantage():
     assert out.batch is not None and out.batch.num_samples == 4
     assert out.batch.advantages == (0.5, 0.5, 0.5, -0.5)
     assert out.rewards_mean == pytest.approx(0.5)
+
+
+def test_masked_steps_are_counted_and_stop_the_run_at_the_limit():
+    from nemo_rl.algorithms.grpo_single_controller import MaskedStepsError, next_masked_streak
+
+    assert next_masked_streak(0, trainable=False, limit=3, step=1) == 1
+    assert next_masked_streak(1, trainable=False, limit=3, step=2) == 2
+    assert next_masked_streak(2, trainable=True, limit=3, step=3) == 0  # a trainable step resets the count
+    with pytest.raises(MaskedStepsError, match=r"step 7: 3 consecutive steps .*max_consecutive_masked_steps=3"):
+        next_masked_streak(2, trainable=False, limit=3, step=7)
+
+
+def test_rows_must_carry_the_version_the_workers_were_refit_to():
+    from nemo_rl.algorithms.grpo_single_controller import StaleWeightsError, check_row_versions
+
+    groups = [GroupResult(0, (_row(0, 0, 1.0), _row(0, 1, 0.0)))]  # rows carry version 0
+    check_row_versions(groups, served_version=0, step=1)
+    with pytest.raises(StaleWeightsError, match=r"step 2: rows carry weight versions \[0\] but every worker was refit to version 1"):
+        check_row_versions(groups, served_version=1, step=2)
