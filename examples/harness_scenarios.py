@@ -59,7 +59,7 @@ from nemo_rl.models.generation.vllm.config import GenerationConfig
 from nemo_rl.models.tiny_model import TinyModelConfig, ensure_tiny_model
 from nemo_rl.token_capture.config import TokenCaptureConfig
 from nemo_rl.token_capture.finalizer_pool import FinalizerPool, TQSourceFactory
-from nemo_rl.token_capture.harness import check_rows_exact
+from nemo_rl.token_capture.audit import audit_train_row
 from nemo_rl.token_capture.judge import RunFailure
 from nemo_rl.token_capture.receipt import TERMINAL_RESPONSE_ID_KEY
 from nemo_rl.token_capture.retention import TQStagingCleaner
@@ -406,13 +406,19 @@ def summarize(name: str, rollout_id: str, run: ScenarioRun, outcome, entry, mani
         if y.served_generated_tokens:
             line["kept_generated_token_fraction"] = round(y.kept_generated_tokens / y.served_generated_tokens, 6)
     if isinstance(entry, KeptRollout):
-        report = check_rows_exact(entry.rows, records, engine)
-        line["exact"] = report.exact
-        line["loss_tokens"] = report.loss_tokens
+        audits = [audit_train_row(row, records, engine) for row in entry.rows]
+        problems = [
+            f"row {index} call {call.model_call_id}: prompt={call.prompt_match} ids={call.ids_match} "
+            f"logprob_diff={call.max_abs_logprob_diff}"
+            for index, audit in enumerate(audits) for call in audit.calls
+            if not (call.prompt_match and call.ids_match and call.max_abs_logprob_diff == 0.0)
+        ]
+        line["exact"] = entry.num_generated_tokens > 0 and not problems
+        line["loss_tokens"] = entry.num_generated_tokens
         line["row_calls"] = [len(row.model_call_ids) for row in entry.rows]
         line["row_call_modes"] = [f"{row.token_in_calls} token_in + {row.text_root_calls} text" for row in entry.rows]
-        if report.problems:
-            line["exact_problems"] = list(report.problems)[:6]
+        if problems:
+            line["exact_problems"] = problems[:6]
     else:
         line["reason"] = f"{entry.reason.value}: {entry.detail}"
     return line

@@ -9,8 +9,9 @@ Contract:
   row's generation logprobs with the engine's over all generated tokens.
 - `audit_train_row` does the same for a judged `TrainRow` (any chain of a kept rollout): per
   call span it requires the engine's prompt ids + sampled ids to equal the row's ids up to the
-  span's end, and every LOSS token's logprob to equal the engine's (tokens masked because an
-  earlier row owns them are checked for ids only).
+  span's end, every LOSS token to lie in the call's generated tail (a loss token on a prompt
+  position is a prompt mismatch), and every loss token's logprob to equal the engine's (tokens
+  masked because an earlier row owns them are checked for ids only).
 - `retokenization_drift(tokenizer, ids)` is true when decoding the row to text and encoding that
   text again yields different ids: what a text-based (re-tokenizing) pipeline would train on.
 """
@@ -91,6 +92,7 @@ def audit_train_row(
             audits.append(CallAudit(call_id, False, False, float("inf")))
             continue
         gen_start = end - len(sample["token_ids"])
+        loss_on_prompt = any(row.token_mask[i] == 1.0 for i in range(start, gen_start))
         diffs = [
             abs(row.generation_logprobs[i] - sample["logprobs"][i - gen_start])
             for i in range(gen_start, end) if row.token_mask[i] == 1.0
@@ -98,7 +100,7 @@ def audit_train_row(
         audits.append(
             CallAudit(
                 model_call_id=call_id,
-                prompt_match=list(sample["prompt_token_ids"]) == list(row.token_ids[:gen_start]),
+                prompt_match=not loss_on_prompt and list(sample["prompt_token_ids"]) == list(row.token_ids[:gen_start]),
                 ids_match=list(sample["token_ids"]) == list(row.token_ids[gen_start:end]),
                 max_abs_logprob_diff=max(diffs, default=0.0) if len(sample["logprobs"]) == end - gen_start else float("inf"),
             )

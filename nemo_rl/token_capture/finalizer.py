@@ -44,6 +44,15 @@ class SnapshotSource(Protocol):
     def fetch(self, staging_keys: list[str]) -> list[StagedCallBaseSnapshot]: ...
 
 
+def fetch_error_reason(error: StagingFetchError) -> PlaceholderReason:
+    """The verdict for a staging read that failed: missing, invalid (tampered/corrupt), or unavailable."""
+    if isinstance(error, StagedKeysMissingError):
+        return PlaceholderReason.STAGED_RECORD_MISSING
+    if isinstance(error, StagedRecordInvalidError):
+        return PlaceholderReason.VERIFICATION_FAILED
+    return PlaceholderReason.DATA_PLANE_ERROR
+
+
 def fetch_snapshots(
     source: SnapshotSource, keys: Sequence[str]
 ) -> tuple[dict[str, StagedCallBaseSnapshot], dict[str, FetchProblem]]:
@@ -58,17 +67,17 @@ def fetch_snapshots(
         except StagedKeysMissingError as error:
             missing = [key for key in error.keys if key in pending] or list(pending)
             for key in missing:
-                problems[key] = FetchProblem(PlaceholderReason.STAGED_RECORD_MISSING, str(error))
+                problems[key] = FetchProblem(fetch_error_reason(error), str(error))
             pending = [key for key in pending if key not in problems]
             continue
         except StagedRecordInvalidError as error:
             key = error.key if error.key in pending else pending[0]
-            problems[key] = FetchProblem(PlaceholderReason.VERIFICATION_FAILED, f"invalid_staged_record: {error}")
+            problems[key] = FetchProblem(fetch_error_reason(error), f"invalid_staged_record: {error}")
             pending = [k for k in pending if k != key]
             continue
         except StagingFetchError as error:
             for key in pending:
-                problems[key] = FetchProblem(PlaceholderReason.DATA_PLANE_ERROR, f"{type(error).__name__}: {error}")
+                problems[key] = FetchProblem(fetch_error_reason(error), f"{type(error).__name__}: {error}")
             return {}, problems
         by_key = {}
         for key, snapshot in zip(pending, snapshots):

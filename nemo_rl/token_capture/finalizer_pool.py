@@ -11,22 +11,8 @@ Contract:
   `FinalizerBugError` with the actor's traceback and stops the run.
   `TQSourceFactory` builds the real TransferQueue source (`TQTokenSource` over
   `DataPlaneClient.attach`).
-- Router replay (R3) in `judge_from_source`: a kept rollout's row gets `routed_experts` (an int16
-  `[len(row), L, K]` array, -1 where a token has no route) when at least one of its calls'
-  manifest records commits to non-empty extras (`extras_digest != EMPTY_EXTRAS_DIGEST`). All such
-  calls of the rollout are read in ONE `source.fetch_extras` call, each payload bound to its
-  manifest record's `extras_digest` (what the verified chain committed to); rollouts whose
-  calls staged no extras make no extras round trip and keep `routed_experts=None`, as does a row
-  whose fetched extras carry no `routed_experts` value. Each call's delta splits into carry then
-  `gen_len` = the mask-1 count of its staged snapshot's `token_mask_delta` (never the row mask:
-  a call owned by an earlier row is masked out in later rows but its routes still apply), and
-  the routes are placed by `router_replay.build_router_replay` (Gym's `classify_route_span`).
-  Extras that cannot be fetched, fail their digest or are not valid route fragments make the
-  rollout a placeholder with detail `router_replay_extras: <error>` (an MoE must not train
-  without its routes silently): reason `verification_failed` for a digest mismatch, an invalid
-  record or a malformed/mismatched fragment, `staged_record_missing` for a missing key and
-  `data_plane_error` for an unavailable store (the same mapping as `fetch_snapshots`). A source
-  without `fetch_extras` is a misconfiguration and raises `TypeError` (only when routes are needed).
+- `judge_from_source` = `fetch_snapshots` + `judge_rollout` + `router_replay_rows.attach_router_replay`
+  (R3 routes beside each row of a kept rollout; see that module).
 - `FinalizerPool.finalize_group(items)` answers exactly one `FinalizeOutcome` per item, in item
   order, never raising for a per-item failure: each actor call is bounded by `call_timeout_s`
   (expiry -> finalize_timeout), a dead actor -> finalizer_unavailable; a task error raises
@@ -40,15 +26,12 @@ Contract:
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import ray
-from nemo_gym.token_id_capture.staging import EMPTY_EXTRAS_DIGEST, CallRecord, StagedCallBaseSnapshot
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from nemo_rl.data_plane import DataPlaneClient, DataPlaneConfig
@@ -56,24 +39,9 @@ from nemo_rl.token_capture.config import TokenCaptureConfig
 from nemo_rl.token_capture.finalizer import SnapshotSource, fetch_snapshots
 from nemo_rl.token_capture.judge import RolloutEvidence, judge_rollout
 from nemo_rl.token_capture.receipt import reward_of
-from nemo_rl.token_capture.router_replay import (
-    CallRoutes,
-    RoutedExpertsDecodeError,
-    RouteShapeMismatchError,
-    RouteShapeUnknownError,
-    RouteValueError,
-    RowRoutes,
-    build_router_replay,
-    decode_call_routes,
-    routes_from_extras,
-)
-from nemo_rl.token_capture.rows import GroupEntry, KeptRollout, Placeholder, PlaceholderReason, RolloutYield, TrainRow
-from nemo_rl.token_capture.staging import (
-    StagedKeysMissingError,
-    StagingFetchError,
-    StagingStoreUnavailableError,
-    TQTokenSource,
-)
+from nemo_rl.token_capture.router_replay_rows import attach_router_replay
+from nemo_rl.token_capture.rows import GroupEntry, KeptRollout, Placeholder, PlaceholderReason
+from nemo_rl.token_capture.staging import TQTokenSource
 
 LOGGER = logging.getLogger(__name__)
 
@@ -124,98 +92,6 @@ def judge_from_source(source: SnapshotSource, evidence: RolloutEvidence, cfg: To
     if not isinstance(verdict, KeptRollout):
         return verdict
     return attach_router_replay(source, evidence, snapshots, verdict)
-
-
-# Route-payload faults that make a rollout's verdict (a RouteSpanError would be our own bug).
-_ROUTE_DATA_ERRORS = (RoutedExpertsDecodeError, RouteShapeMismatchError, RouteValueError)
-ROUTER_REPLAY_DETAIL_PREFIX = "router_replay_extras"
-
-
-def attach_router_replay(
-    source: Any, evidence: RolloutEvidence, snapshots: Mapping[str, StagedCallBaseSnapshot], kept: KeptRollout
-) -> GroupEntry:
-    """`kept` with `routed_experts` on every row that staged routes, or the extras-fault placeholder.
-
-    See the module docstring. `snapshots` are the verified base snapshots the judge used (by
-    staging key); `evidence.manifest` supplies each call's committed `extras_digest`.
-    """
-    records = {record.model_call_id: record for record in evidence.manifest.records}
-    wanted: dict[str, CallRecord] = {}  # staging key -> record, rows' calls with non-empty extras
-    for row in kept.rows:
-        for call_id in row.model_call_ids:
-            record = records[call_id]
-            if record.extras_digest != EMPTY_EXTRAS_DIGEST:
-                wanted.setdefault(record.staging_key, record)
-    if not wanted:
-        return kept
-    fetch_extras = getattr(source, "fetch_extras", None)
-    if not callable(fetch_extras):
-        raise TypeError(
-            f"rollout {kept.rollout_id} staged extras (router replay) but the staging source "
-            f"{type(source).__name__} has no fetch_extras(keys, expected_extras_digests); use TQTokenSource"
-        )
-    keys = list(wanted)
-    try:
-        fetched = fetch_extras(keys, expected_extras_digests=[wanted[key].extras_digest for key in keys])
-        extras = dict(zip(keys, fetched, strict=True))
-        rows = tuple(_row_with_routes(row, records, snapshots, extras) for row in kept.rows)
-    except StagingFetchError as error:
-        return _extras_placeholder(kept, _fetch_reason(error), f"{type(error).__name__}: {error}")
-    except _ROUTE_DATA_ERRORS as error:
-        return _extras_placeholder(kept, PlaceholderReason.VERIFICATION_FAILED, f"{type(error).__name__}: {error}")
-    return dataclasses.replace(kept, rows=rows)
-
-
-def _fetch_reason(error: StagingFetchError) -> PlaceholderReason:
-    if isinstance(error, StagedKeysMissingError):
-        return PlaceholderReason.STAGED_RECORD_MISSING
-    if isinstance(error, StagingStoreUnavailableError):
-        return PlaceholderReason.DATA_PLANE_ERROR
-    return PlaceholderReason.VERIFICATION_FAILED
-
-
-def _row_with_routes(
-    row: TrainRow,
-    records: Mapping[str, CallRecord],
-    snapshots: Mapping[str, StagedCallBaseSnapshot],
-    extras: Mapping[str, dict[str, Any] | None],
-) -> TrainRow:
-    """The row with its `[len, L, K]` routes, or unchanged when none of its calls staged a route."""
-    calls = []
-    for call_id, (start, end) in zip(row.model_call_ids, row.call_spans, strict=True):
-        record = records[call_id]
-        gen_len = sum(1 for m in snapshots[record.staging_key].token_mask_delta if m == 1.0)
-        payload = routes_from_extras(extras.get(record.staging_key))
-        calls.append(CallRoutes(call_id, (end - start) - gen_len, gen_len, payload))
-    payloads = [(call.model_call_id, call.routed_experts) for call in calls if call.routed_experts is not None]
-    if not payloads:
-        return row
-    shaped = RowRoutes(tuple(calls), row.token_mask)
-    try:
-        batch = build_router_replay([shaped])
-    except RouteShapeUnknownError:
-        # Every fragment is too short to use: the row is all sentinel, shaped like its fragments.
-        shapes = {decode_call_routes(call_id, payload).shape[1:] for call_id, payload in payloads}
-        if len(shapes) != 1:
-            raise RouteShapeMismatchError(f"row {row.rollout_id}#{row.chain_index}: fragments disagree on "
-                                          f"(layers, topk): {sorted(shapes)}") from None
-        ((layers, topk),) = shapes
-        batch = build_router_replay([shaped], num_layers=int(layers), topk=int(topk))
-    return dataclasses.replace(row, routed_experts=batch.routes[0])
-
-
-def _extras_placeholder(kept: KeptRollout, reason: PlaceholderReason, error: str) -> Placeholder:
-    """The kept rollout's slot, reward and terminal selection, masked for an extras fault."""
-    served_yield = None
-    if kept.yield_ is not None:
-        served = kept.yield_.served_generated_tokens
-        served_yield = RolloutYield(
-            served, 0, ((reason.value, served),) if served else (), kept.yield_.chains, kept.yield_.witness_disagreement
-        )
-    return Placeholder(
-        kept.rollout_id, kept.group_index, kept.sample_index, reason, f"{ROUTER_REPLAY_DETAIL_PREFIX}: {error}",
-        kept.reward, kept.terminal_selection, served_yield,
-    )
 
 
 def evidence_placeholder(evidence: RolloutEvidence, reason: PlaceholderReason, detail: str) -> Placeholder:

@@ -121,7 +121,8 @@ def _placeholder(ev: RolloutEvidence, reason: PlaceholderReason, detail: str, re
     return Placeholder(ev.rollout_id, ev.group_index, ev.sample_index, reason, detail, reward, selection, served_yield)
 
 
-def _all_served_lost(ev: RolloutEvidence, reason: str, chains: int = 0, disagreement: bool = False) -> RolloutYield:
+def all_served_lost(ev: RolloutEvidence, reason: str, chains: int = 0, disagreement: bool = False) -> RolloutYield:
+    """The yield of a rollout that trains nothing: every served generated token lost to `reason`."""
     if ev.served is None:
         return RolloutYield(None, 0, (), chains, disagreement)
     total = sum(call.generated_tokens for call in ev.served)
@@ -206,26 +207,26 @@ def _precheck(ev: RolloutEvidence) -> Placeholder | None:
     """Verdicts that need neither chains nor snapshots."""
     if ev.run_failure is not None:
         return _placeholder(ev, ev.run_failure.reason, ev.run_failure.detail, None,
-                            served_yield=_all_served_lost(ev, ev.run_failure.reason.value))
+                            served_yield=all_served_lost(ev, ev.run_failure.reason.value))
     reward = reward_of(ev.run_result)
     manifest = ev.manifest
     if manifest is None:
         reason = PlaceholderReason.MANIFEST_UNAVAILABLE
-        return _placeholder(ev, reason, ev.manifest_problem or "", reward, served_yield=_all_served_lost(ev, reason.value))
+        return _placeholder(ev, reason, ev.manifest_problem or "", reward, served_yield=all_served_lost(ev, reason.value))
     poisoned = PlaceholderReason.CAPTURE_POISONED
     if manifest.rollout_id != ev.rollout_id:
         return _placeholder(ev, poisoned, f"manifest_rollout_mismatch:{manifest.rollout_id}", reward,
-                            served_yield=_all_served_lost(ev, poisoned.value))
+                            served_yield=all_served_lost(ev, poisoned.value))
     if len({r.model_call_id for r in manifest.records}) != len(manifest.records):
-        return _placeholder(ev, poisoned, "duplicate_model_call_id", reward, served_yield=_all_served_lost(ev, poisoned.value))
+        return _placeholder(ev, poisoned, "duplicate_model_call_id", reward, served_yield=all_served_lost(ev, poisoned.value))
     if reward is None:
         reason = PlaceholderReason.REWARD_MISSING
-        return _placeholder(ev, reason, "run result has no finite reward", None, served_yield=_all_served_lost(ev, reason.value))
+        return _placeholder(ev, reason, "run result has no finite reward", None, served_yield=all_served_lost(ev, reason.value))
     if not manifest.records:
         reason = PlaceholderReason.EMPTY_MANIFEST
         failures = sorted({f.reason for f in manifest.failures})
         detail = f"no committed call; failures: {failures}" if failures else "no committed call and no failure row"
-        return _placeholder(ev, reason, detail, reward, served_yield=_all_served_lost(ev, reason.value))
+        return _placeholder(ev, reason, detail, reward, served_yield=all_served_lost(ev, reason.value))
     return None
 
 
@@ -265,7 +266,7 @@ def judge_rollout(
     if unlocated:
         reason = PlaceholderReason.CAPTURE_POISONED
         detail = f"{SERVED_NOT_STAGED}_unlocated: calls {unlocated} ({[unstaged[c] for c in unlocated]})"
-        return _placeholder(ev, reason, detail, reward, served_yield=_all_served_lost(ev, reason.value, leaves))
+        return _placeholder(ev, reason, detail, reward, served_yield=all_served_lost(ev, reason.value, leaves))
 
     terminal: TerminalChoice = choose_terminal(records, ev.run_result)
     if terminal.rejection is None and terminal.selection == "heuristic" and unstaged:
@@ -276,7 +277,7 @@ def judge_rollout(
         )
     if terminal.rejection is not None:
         return _placeholder(ev, terminal.rejection, terminal.detail, reward, terminal.selection,
-                            _all_served_lost(ev, terminal.rejection.value, leaves, terminal.witness_disagreement))
+                            all_served_lost(ev, terminal.rejection.value, leaves, terminal.witness_disagreement))
 
     served_by_id = {call.model_call_id: call for call in ev.served or ()}
     cut_leaves = {served_by_id[c].parent_call_id for c in unstaged if served_by_id[c].parent_call_id is not None}
@@ -297,7 +298,7 @@ def judge_rollout(
         if problem is not None:
             if position == 0:
                 return _placeholder(ev, problem[0], problem[1], reward, terminal.selection,
-                                    _all_served_lost(ev, problem[0].value, leaves))
+                                    all_served_lost(ev, problem[0].value, leaves))
             for record in chain or ():
                 lost.setdefault(record.model_call_id, problem[0].value)
             continue

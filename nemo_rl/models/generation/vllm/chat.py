@@ -154,6 +154,7 @@ class SamplingRequest:
     seed: int | None
     logprobs: bool
     return_token_ids: bool
+    max_tokens_explicit: bool = False  # the caller set max_tokens (else the server default, clipped to fit)
 
 
 def sampling_from_body(body: dict, *, default_max_tokens: int) -> SamplingRequest:
@@ -165,7 +166,8 @@ def sampling_from_body(body: dict, *, default_max_tokens: int) -> SamplingReques
             raise InvalidChatRequest(f"{key} must be a number, got {value!r}")
         return float(value)
 
-    max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or default_max_tokens
+    explicit = body.get("max_completion_tokens") or body.get("max_tokens")
+    max_tokens = explicit or default_max_tokens
     if not isinstance(max_tokens, int) or max_tokens < 1:
         raise InvalidChatRequest(f"max_tokens must be a positive integer, got {max_tokens!r}")
     if body.get("n") not in (None, 1):
@@ -180,6 +182,7 @@ def sampling_from_body(body: dict, *, default_max_tokens: int) -> SamplingReques
         seed=seed,
         logprobs=bool(body.get("logprobs")),
         return_token_ids=bool(body.get("return_token_ids")),
+        max_tokens_explicit=bool(explicit),
     )
 
 

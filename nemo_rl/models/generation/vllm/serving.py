@@ -98,11 +98,6 @@ class _Plan:
     sampling: SamplingRequest
 
 
-def requested_max_tokens(body: dict) -> int | None:
-    """The `max_tokens` the caller asked for (None when it relies on the server default)."""
-    return body.get("max_completion_tokens") or body.get("max_tokens") or None
-
-
 def context_overflow_message(prompt_len: int, requested: int | None, max_model_len: int) -> str | None:
     """vLLM's context-length rejection for this request, or None when it fits.
 
@@ -205,11 +200,10 @@ class ChatService:
             sampling = sampling_from_body(body, default_max_tokens=self._default_max_tokens)
         except InvalidChatRequest as e:
             raise HttpError(400, "invalid_request", str(e)) from e
-        requested = requested_max_tokens(body)
         raw_admission = body.get("ng_capture")
         if raw_admission is None:
-            return await self._serve_plain(messages, tools, sampling, requested)
-        plan = await self._plan_admitted(raw_admission, body, messages, tools, sampling, requested)
+            return await self._serve_plain(messages, tools, sampling)
+        plan = await self._plan_admitted(raw_admission, body, messages, tools, sampling)
         return await self._serve_admitted(plan)
 
     def take_served(self, rollout_ids: list[str]) -> list[ServedCall]:
@@ -219,8 +213,9 @@ class ChatService:
     def served_rollouts_pending(self) -> int:
         return len(self._served)
 
-    def _fit_context(self, prompt_ids: list[int], sampling: SamplingRequest, requested: int | None) -> SamplingRequest:
+    def _fit_context(self, prompt_ids: list[int], sampling: SamplingRequest) -> SamplingRequest:
         """400 on context overflow; otherwise the sampling with max_tokens clipped to the room left."""
+        requested = sampling.max_tokens if sampling.max_tokens_explicit else None
         message = context_overflow_message(len(prompt_ids), requested, self._max_model_len)
         if message is not None:
             self.stats["context_length_exceeded"] += 1
@@ -242,11 +237,9 @@ class ChatService:
             raise HttpError(400, "invalid_request", str(e)) from e
         return {"tokens": ids, "count": len(ids)}
 
-    async def _serve_plain(
-        self, messages: list[dict], tools: list[dict] | None, sampling: SamplingRequest, requested: int | None
-    ) -> dict:
+    async def _serve_plain(self, messages: list[dict], tools: list[dict] | None, sampling: SamplingRequest) -> dict:
         prompt_ids = render_root_prompt(self._tokenizer, messages, tools)
-        sampling = self._fit_context(prompt_ids, sampling, requested)
+        sampling = self._fit_context(prompt_ids, sampling)
         result = await self._generate(prompt_ids, sampling)
         self.stats["plain_calls"] += 1
         self.stats["served_calls"] += 1
@@ -259,7 +252,6 @@ class ChatService:
         messages: list[dict],
         tools: list[dict] | None,
         sampling: SamplingRequest,
-        requested: int | None,
     ) -> _Plan:
         if self.capture is None:
             raise HttpError(
@@ -285,7 +277,7 @@ class ChatService:
             except TailRenderError as e:
                 # Serve the turn from the re-rendered conversation, but never as captured.
                 prompt_ids, tail_error = render_root_prompt(self._tokenizer, messages, tools), f"tail_render_failed: {e}"
-        sampling = self._fit_context(prompt_ids, sampling, requested)  # before any capture lifecycle step
+        sampling = self._fit_context(prompt_ids, sampling)  # before any capture lifecycle step
         try:
             self.capture.begin_call(admission, prefix_token_ids=prefix, stream=False, weight_version=0)
         except CaptureError as e:
