@@ -20,6 +20,14 @@ behaviour through `openai.AsyncOpenAI(base_url=<gate>/ng-rollout/<id>/training-t
                    the scored response stays the previous one.
 - subagent         a sub-agent with its own system prompt and user message runs two calls inside
                    the same rollout id, then the main conversation continues.
+- cross_worker     (with --num-workers >= 2) every call from a fresh client, i.e. a fresh gate
+                   session, which the gate may route to any worker; the continuation is re-sent
+                   (each re-send a retry sibling) until a worker other than its parent's serves it.
+                   Its exactness proves a worker continues a rollout from ids another worker staged.
+
+Every line also names the workers that served the rollout's committed calls (`workers`, from
+each worker's own engine records) and counts `cross_worker_continuations` (token-in calls
+served by another worker than their parent).
 
 Each scenario ends with a Gym-`/run`-like outcome `{"reward", "response": {"id", "output": []},
 "terminal_response_id"}` naming the completion the harness kept. The manifest and the engine's
@@ -29,7 +37,7 @@ served-call report), which also runs retention. One JSON line per scenario goes 
 (progress to stderr); the exit code is 0 only when every scenario is kept, exact and keeps
 >= 99% of the generated tokens the workers served.
 
-    uv run python examples/harness_scenarios.py [--log-dir DIR] [--only plain,compaction]
+    uv run python examples/harness_scenarios.py [--log-dir DIR] [--only plain,compaction] [--num-workers 2]
 """
 
 from __future__ import annotations
@@ -83,6 +91,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--call-timeout-s", type=float, default=90.0, help="openai client timeout per call")
     p.add_argument("--scenario-timeout-s", type=float, default=300.0)
     p.add_argument("--only", default="", help="comma-separated scenario names (default: all)")
+    p.add_argument("--num-workers", type=int, default=1,
+                   help="generation workers behind the one gate (cross_worker runs only with >= 2)")
     return p.parse_args()
 
 
@@ -117,29 +127,35 @@ class Harness:
     """One rollout's client: the official SDK pointed at the gate's capture route for that id."""
 
     def __init__(self, gate_url: str, rollout_id: str, model: str, args: argparse.Namespace, run: ScenarioRun) -> None:
-        self.client = openai.AsyncOpenAI(
-            base_url=f"{gate_url}/ng-rollout/{rollout_id}/training-token-capture/v1",
-            api_key="dummy",
-            timeout=args.call_timeout_s,
-            max_retries=0,
-        )
+        self._client_kwargs = {
+            "base_url": f"{gate_url}/ng-rollout/{rollout_id}/training-token-capture/v1",
+            "api_key": "dummy",
+            "timeout": args.call_timeout_s,
+            "max_retries": 0,
+        }
+        self.client = openai.AsyncOpenAI(**self._client_kwargs)
         self.model = model
         self.max_tokens = args.max_tokens
         self.run = run
 
     async def call(self, messages: list, label: str, *, temperature: float = 0.0, seed: int | None = None,
-                   tools: bool = True):
+                   tools: bool = True, fresh_session: bool = False):
         kwargs: dict[str, Any] = {"model": self.model, "messages": messages, "temperature": temperature,
                                   "max_tokens": self.max_tokens}
         if tools:
             kwargs["tools"] = [CALCULATOR_TOOL]
         if seed is not None:
             kwargs["seed"] = seed
+        # A fresh client carries no session cookie, so the gate assigns the call to a worker anew.
+        client = openai.AsyncOpenAI(**self._client_kwargs) if fresh_session else self.client
         try:
-            completion = await self.client.chat.completions.create(**kwargs)
+            completion = await client.chat.completions.create(**kwargs)
         except openai.APIError as error:
             self.run.calls.append(CallLog(label, None, False, f"{type(error).__name__}: {str(error)[:300]}"))
             raise
+        finally:
+            if fresh_session:
+                await client.close()
         message = completion.choices[0].message
         summary = f"tool_calls={len(message.tool_calls or [])} content={(message.content or '')[:60]!r}"
         self.run.calls.append(CallLog(label, completion.id, True, summary))
@@ -211,6 +227,7 @@ class Context:
     tokenizer: Any
     max_model_len: int
     seed: int
+    worker_of: Callable[[str], Awaitable[int | None]]  # which worker served a completion id
 
 
 async def scenario_plain(h: Harness, ctx: Context, run: ScenarioRun) -> None:
@@ -334,6 +351,22 @@ async def scenario_subagent(h: Harness, ctx: Context, run: ScenarioRun) -> None:
     run.kept = await h.call(main, "subagent:main#1")
 
 
+async def scenario_cross_worker(h: Harness, ctx: Context, run: ScenarioRun) -> None:
+    p, q = ctx.problems[0], ctx.problems[1]
+    messages: list = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": user_prompt(p)}]
+    first = await h.call(messages, "cross_worker#0", fresh_session=True)
+    parent_worker = await ctx.worker_of(first.id)
+    messages.append(first.choices[0].message)
+    messages += next_turn(first.choices[0].message, user_prompt(q))
+    for send in range(CROSS_WORKER_MAX_SENDS):
+        reply = await h.call(messages, f"cross_worker#1-send{send}", fresh_session=True)
+        worker = await ctx.worker_of(reply.id)
+        if worker is not None and worker != parent_worker:
+            break
+    run.facts.update(parent_worker=parent_worker, continuation_worker=worker, continuation_sends=send + 1)
+    run.kept = reply
+
+
 SCENARIOS: dict[str, Callable[[Harness, Context, ScenarioRun], Awaitable[None]]] = {
     "plain": scenario_plain,
     "distinct_retry": scenario_distinct_retry,
@@ -342,7 +375,10 @@ SCENARIOS: dict[str, Callable[[Harness, Context, ScenarioRun], Awaitable[None]]]
     "rerendered": scenario_rerendered,
     "failed_final": scenario_failed_final,
     "subagent": scenario_subagent,
+    "cross_worker": scenario_cross_worker,
 }
+MULTI_WORKER_SCENARIOS = {"cross_worker"}
+CROSS_WORKER_MAX_SENDS = 8  # the gate hashes fresh sessions over the workers: 2 workers miss 8 times with p = 1/256
 
 
 # --- the trainer side -------------------------------------------------------------------------
@@ -369,8 +405,19 @@ def call_lineage(run: ScenarioRun, records: list) -> list[str]:
     return out
 
 
+def worker_facts(records: list, served_by: dict[str, int]) -> dict[str, Any]:
+    """Which workers served the committed calls, and how many continuations crossed workers."""
+    worker_of_call = {r.model_call_id: served_by.get(r.response_id) for r in records}
+    crossed = sum(
+        1 for r in records
+        if r.mode == "token_in" and worker_of_call.get(r.parent_call_id) is not None
+        and worker_of_call[r.model_call_id] is not None and worker_of_call[r.parent_call_id] != worker_of_call[r.model_call_id]
+    )
+    return {"workers": sorted({w for w in worker_of_call.values() if w is not None}), "cross_worker_continuations": crossed}
+
+
 def summarize(name: str, rollout_id: str, run: ScenarioRun, outcome, entry, manifest, manifest_problem: str | None,
-              engine: dict) -> dict[str, Any]:
+              engine: dict, served_by: dict[str, int]) -> dict[str, Any]:
     records = list(manifest.records) if manifest is not None else []
     line: dict[str, Any] = {
         "scenario": name,
@@ -393,6 +440,7 @@ def summarize(name: str, rollout_id: str, run: ScenarioRun, outcome, entry, mani
         **run.facts,
     }
     line["call_lineage"] = call_lineage(run, records)
+    line.update(worker_facts(records, served_by))
     if manifest_problem:
         line["manifest_problem"] = manifest_problem
     if isinstance(outcome, RunFailure):
@@ -430,7 +478,8 @@ def passed(line: dict[str, Any]) -> bool:
 
 
 async def main(args: argparse.Namespace) -> list[dict[str, Any]]:
-    names = [n for n in args.only.split(",") if n] or list(SCENARIOS)
+    names = [n for n in args.only.split(",") if n] or [
+        n for n in SCENARIOS if args.num_workers >= 2 or n not in MULTI_WORKER_SCENARIOS]
     unknown = sorted(set(names) - set(SCENARIOS))
     if unknown:
         raise SystemExit(f"unknown scenarios {unknown}; known: {sorted(SCENARIOS)}")
@@ -441,7 +490,7 @@ async def main(args: argparse.Namespace) -> list[dict[str, Any]]:
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     capture = TokenCaptureConfig(enabled=True)  # retire_after_commit=True: collect_group runs retention
     dp_cfg = DataPlaneConfig()
-    generation = GenerationConfig()
+    generation = GenerationConfig(num_workers=args.num_workers)
     gym_cfg = NemoGymConfig()
     stack = await start_stack(model_dir=model_dir, log_dir=log_dir, generation=generation, token_capture=capture,
                               data_plane=dp_cfg, nemo_gym=gym_cfg, num_cpus=2, progress=log)
@@ -457,7 +506,14 @@ async def main(args: argparse.Namespace) -> list[dict[str, Any]]:
             stack.env, finalizer=pool, cleaner=cleaner, served=stack.workers,
         )
         rollout_ids = manager.reserve(1, 0, len(names))
-        ctx = Context(make_problems(args.seed, 12), tokenizer, generation.vllm.max_model_len, args.seed)
+        workers = stack.workers
+
+        async def worker_of(response_id: str) -> int | None:
+            parts = await asyncio.to_thread(workers.engine_records_by_worker, [response_id])
+            owners = [index for index, part in enumerate(parts) if response_id in part]
+            return owners[0] if len(owners) == 1 else None
+
+        ctx = Context(make_problems(args.seed, 12), tokenizer, generation.vllm.max_model_len, args.seed, worker_of)
         runs: list[ScenarioRun] = []
         outcomes: list[dict[str, Any] | RunFailure] = []
         for name, rollout_id in zip(names, rollout_ids):
@@ -488,7 +544,9 @@ async def main(args: argparse.Namespace) -> list[dict[str, Any]]:
                 manifests.append(None)
                 problems.append(f"{type(error).__name__}: {error}")
         response_ids = [r.response_id for m in manifests if m is not None for r in m.records if r.response_id]
-        engine = await asyncio.to_thread(stack.workers.engine_records, response_ids)
+        by_worker = await asyncio.to_thread(stack.workers.engine_records_by_worker, response_ids)
+        engine = {rid: record for part in by_worker for rid, record in part.items()}
+        served_by = {rid: index for index, part in enumerate(by_worker) for rid in part}
         log(f"[collect] judging {len(rollout_ids)} rollouts ({len(response_ids)} committed calls)")
         retention_error = None
         try:
@@ -500,7 +558,7 @@ async def main(args: argparse.Namespace) -> list[dict[str, Any]]:
         for name, rollout_id, run, outcome, entry, manifest, problem in zip(
             names, rollout_ids, runs, outcomes, group.entries, manifests, problems
         ):
-            line = summarize(name, rollout_id, run, outcome, entry, manifest, problem, engine)
+            line = summarize(name, rollout_id, run, outcome, entry, manifest, problem, engine, served_by)
             if retention_error:
                 line["retention_error"] = retention_error
             lines.append(line)

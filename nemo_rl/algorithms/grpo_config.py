@@ -104,4 +104,4 @@ def policy_config(policy: dict, model_path: str) -> PolicyConfig:
 
 
 def load_master_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> MasterConfig:
-    return validate_master(load_config(path, list(overrides)))
+    return validate_master(load_config(path, list(overrides), schema=MasterConfig))

@@ -121,6 +121,13 @@ async def _reported(run, step: int, total: int, progress) -> GroupResult:
     return group
 
 
+def worker_call_metrics(before: Sequence[int], after: Sequence[int]) -> dict[str, float]:
+    """`generation/worker_<i>/calls`: completions worker i produced during the step (its own counter)."""
+    if len(before) != len(after):
+        raise GRPOError(f"worker count changed during the step: {len(before)} -> {len(after)}")
+    return {f"generation/worker_{i}/calls": float(b - a) for i, (a, b) in enumerate(zip(before, after))}
+
+
 def next_masked_streak(streak: int, trainable: bool, limit: int, step: int) -> int:
     """The count of consecutive steps with nothing to train; raises MaskedStepsError at `limit`."""
     streak = 0 if trainable else streak + 1
@@ -219,6 +226,7 @@ async def run_grpo(cfg: MasterConfig, progress=print) -> Path:
         if len(initial_versions) != 1:
             raise StaleWeightsError(f"the generation workers start from different weight versions {sorted(initial_versions)}")
         served_version = initial_versions.pop()
+        worker_calls = stack.workers.served_calls()
         masked_streak = 0
         for step in range(1, cfg.grpo.max_num_steps + 1):
             metrics: dict[str, float] = {}
@@ -235,6 +243,9 @@ async def run_grpo(cfg: MasterConfig, progress=print) -> Path:
                         )
                     )
                 metrics["timing/finalize_s"] = finalizer.seconds if finalizer is not None else 0.0
+                calls_now = stack.workers.served_calls()
+                metrics.update(worker_call_metrics(worker_calls, calls_now))
+                worker_calls = calls_now
                 metrics.update(finalize_metrics(groups, manager.take_queue_waits_ms()))
                 metrics["finalize/orphaned_staged_keys"] = float(manager.take_orphaned_staged_keys())
                 metrics["finalize/dropped_groups"] = float(manager.take_dropped_groups())

@@ -92,7 +92,7 @@ async def start_stack(
             stack.client = DataPlaneClient.attach(data_plane)
             step("data_plane", t_dp)
         t_gym = time.monotonic()
-        stack.env = NemoGymEnvironment(nemo_gym, token_capture, worker_base_url=pending.base_urls[0], log_dir=log_dir)
+        stack.env = NemoGymEnvironment(nemo_gym, token_capture, worker_base_url=pending.base_urls, log_dir=log_dir)
         await stack.env.start()
         step("gym_servers", t_gym)
         await_workers(pending, progress=progress)

@@ -34,7 +34,7 @@ import secrets
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -120,12 +120,12 @@ class NemoGymEnvironment:
         config: NemoGymConfig,
         token_capture: TokenCaptureConfig,
         *,
-        worker_base_url: str,
+        worker_base_url: str | Sequence[str],
         log_dir: Path,
     ) -> None:
         self._cfg = config
         self._capture_cfg = token_capture
-        self._worker_base_url = launch.check_worker_base_url(worker_base_url)
+        self._worker_base_url = launch.gate_base_url(worker_base_url)
         self._log_dir = Path(log_dir).resolve()
         self._procs: dict[str, subprocess.Popen] = {}
         self._log_paths: dict[str, Path] = {}

@@ -32,7 +32,7 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -98,6 +98,20 @@ def check_worker_base_url(url: str) -> str:
     return url
 
 
+def gate_base_url(urls: str | Sequence[str]) -> str | list[str]:
+    """The gate's `base_url`: one worker as a string (unchanged config), several as a list.
+
+    Gym's `vllm_model` spreads sessions over a list of base URLs; any worker can continue any
+    rollout on the capture path because parents' ids come from TransferQueue, not from memory.
+    """
+    if isinstance(urls, str):
+        return check_worker_base_url(urls)
+    checked = [check_worker_base_url(url) for url in urls]
+    if not checked or len(set(checked)) != len(checked):
+        raise ValueError(f"worker base URLs must be a non-empty list of distinct URLs, got {list(urls)}")
+    return checked[0] if len(checked) == 1 else checked
+
+
 def capture_block(wiring: CaptureWiring) -> dict[str, Any]:
     """The gate's `token_id_capture` block (contract note section 1)."""
     return {
@@ -111,14 +125,14 @@ def capture_block(wiring: CaptureWiring) -> dict[str, Any]:
 
 
 def build_global_config(
-    cfg: NemoGymConfig, *, worker_base_url: str, ports: ServerPorts, capture: CaptureWiring | None
+    cfg: NemoGymConfig, *, worker_base_url: str | Sequence[str], ports: ServerPorts, capture: CaptureWiring | None
 ) -> dict[str, Any]:
     """The resolved Gym global config shared by all three servers."""
     gate = {
         "entrypoint": "app.py",
         "host": LOOPBACK,
         "port": ports.gate,
-        "base_url": check_worker_base_url(worker_base_url),
+        "base_url": gate_base_url(worker_base_url),
         "api_key": cfg.worker_api_key,
         "model": cfg.model_name,
         "return_token_id_information": capture is None,

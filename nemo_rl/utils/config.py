@@ -10,8 +10,10 @@ Contract:
   interpolations are carried through untouched, so a `???` in a grandparent can be filled by a
   grandchild. OmegaConf's merge rule applies: a `???` in a child does not erase a value that a
   parent already set.
-- Overrides use Hydra's grammar and value parser: `a.b=v` changes an existing key, `+a.b=v` adds
-  a key that must not exist, `++a.b=v` adds or changes, `~a.b` (or `~a.b=v`, which checks the
+- Overrides use Hydra's grammar and value parser: `a.b=v` changes an existing key (or, when
+  `load_config` is given the recipe's pydantic `schema`, sets a key the schema declares even if
+  no YAML file of the chain states it: section defaults live in the models, not in the YAML),
+  `+a.b=v` adds a key that must not exist, `++a.b=v` adds or changes, `~a.b` (or `~a.b=v`, which checks the
   current value first) deletes. A dict value assigned onto an existing mapping is merged into it,
   as Hydra does. Sweeps and `@package` overrides are rejected. Assigning under a scalar never
   silently replaces the scalar with a mapping.
@@ -319,7 +321,18 @@ def _assign(cfg: DictConfig, key: str, value: Any, text: str) -> None:
         parent[last] = value
 
 
-def apply_override(cfg: DictConfig, override: Override) -> None:
+def schema_declares(schema: type[BaseModel] | None, key: str) -> bool:
+    """Whether the dotted `key` names a field of `schema` (through nested pydantic models)."""
+    current = schema
+    for part in key.split("."):
+        if current is None or part not in current.model_fields:
+            return False
+        annotation = current.model_fields[part].annotation
+        current = _model_in(annotation)
+    return True
+
+
+def apply_override(cfg: DictConfig, override: Override, schema: type[BaseModel] | None = None) -> None:
     """Apply one parsed override to `cfg` in place (see the module contract for semantics)."""
     key = override.key_or_group
     text = override.input_line
@@ -351,7 +364,7 @@ def apply_override(cfg: DictConfig, override: Override) -> None:
     elif override.is_force_add():
         _assign(cfg, key, value, text)
     else:
-        if not exists:
+        if not exists and not schema_declares(schema, key):
             raise OverrideError(
                 f"cannot override {key} ({text!r}): key does not exist; "
                 f"{_close_keys(cfg, key)}; fix: correct the key, or use +{key}=... to add it"
@@ -367,12 +380,12 @@ def _missing_message(paths: list[str]) -> str:
     )
 
 
-def load_config(path: str | Path, overrides: Sequence[str] = ()) -> dict:
+def load_config(path: str | Path, overrides: Sequence[str] = (), schema: type[BaseModel] | None = None) -> dict:
     """Load a recipe with its defaults chain, apply overrides, check `???`, resolve `${...}`."""
     root = Path(path).resolve()
     cfg = _load_chain(root, (), None)
     for override in parse_overrides(list(overrides)):
-        apply_override(cfg, override)
+        apply_override(cfg, override, schema)
     missing = find_missing_keys(cfg)
     if missing:
         raise MissingValueError(_missing_message(missing))

@@ -82,7 +82,7 @@ def test_grpo_with_a_compacting_agent_keeps_every_rollout(tmp_path):
     """Our compacting agent rewrites its history after each tool result; NeMo-Gym 0.7.0's rules
     poison every such rollout (`unresolved_parent`). Our gate starts a branch instead, and the
     judge trains both chains: nothing is lost, every served token is in the loss once."""
-    lines = _run(tmp_path / "compacting", "+env.agent=compacting_agent")
+    lines = _run(tmp_path / "compacting", "env.agent=compacting_agent")
     for m in lines:
         assert m["finalize/placeholders"] == 0
         assert m["finalize/kept_rollouts"] == m["rollouts/dispatched"]

@@ -1,9 +1,10 @@
 """External harness behaviours against the real stack, driven with the official `openai` client.
 
-Runs `examples/harness_scenarios.py` (real components only: private Ray, TransferQueue, the vLLM
-CPU engine, our capture gate on loopback) and checks each scenario's verdict: kept, exact against
-the engine's own records, and nearly every served generated token kept, plus the shape each
-behaviour guarantees.
+Runs `examples/harness_scenarios.py --num-workers 2` (real components only: private Ray,
+TransferQueue, two vLLM CPU engines behind our one capture gate on loopback) and checks each
+scenario's verdict: kept, exact against the engine's own records, and nearly every served
+generated token kept, plus the shape each behaviour guarantees, and that a continuation served
+by another worker than its parent is exact.
 """
 
 from __future__ import annotations
@@ -17,14 +18,16 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-SCENARIOS = ("plain", "distinct_retry", "identical_retry", "compaction", "rerendered", "failed_final", "subagent")
+SCENARIOS = (
+    "plain", "distinct_retry", "identical_retry", "compaction", "rerendered", "failed_final", "subagent", "cross_worker",
+)
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict[str, dict]:
     log_dir = tmp_path_factory.mktemp("harness") / "logs"
     proc = subprocess.run(
-        [sys.executable, "examples/harness_scenarios.py", "--log-dir", str(log_dir)],
+        [sys.executable, "examples/harness_scenarios.py", "--log-dir", str(log_dir), "--num-workers", "2"],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -128,3 +131,14 @@ def test_subagent_conversation_is_its_own_chain(results):
     assert line["chains"] >= 2 and line["rows"] >= 2
     assert line["text_root_records"] >= 2
     assert line["call_lineage"] == ["text", "text", "token_in<1", "token_in<0"]
+
+
+@pytest.mark.integration
+def test_a_continuation_served_by_another_worker_is_exact(results):
+    line = results["cross_worker"]
+    # Parent and continuation were served by different workers (each worker's own engine records
+    # say which); the continuation's prefix came from TransferQueue, and the row is exact.
+    assert line["parent_worker"] != line["continuation_worker"], line
+    assert line["workers"] == [0, 1], line
+    assert line["cross_worker_continuations"] >= 1, line
+    assert line["kept"] is True and line["exact"] is True, line

@@ -100,3 +100,11 @@ def test_rows_must_carry_the_version_the_workers_were_refit_to():
     check_row_versions(groups, served_version=0, step=1)
     with pytest.raises(StaleWeightsError, match=r"step 2: rows carry weight versions \[0\] but every worker was refit to version 1"):
         check_row_versions(groups, served_version=1, step=2)
+
+
+def test_worker_call_metrics_are_per_step_deltas_of_each_workers_counter():
+    from nemo_rl.algorithms.grpo_single_controller import GRPOError, worker_call_metrics
+
+    assert worker_call_metrics([3, 10], [7, 12]) == {"generation/worker_0/calls": 4.0, "generation/worker_1/calls": 2.0}
+    with pytest.raises(GRPOError, match="worker count changed during the step: 2 -> 1"):
+        worker_call_metrics([3, 10], [7])

@@ -337,3 +337,22 @@ def test_scalar_override_round_trips(value: object) -> None:
         path = write(Path(d) / "c.yaml", "k: 0\n")
         text = "null" if value is None else str(value).lower()
         assert load_config(path, [f"k={text}"]) == {"k": value}
+
+
+def test_a_key_the_schema_declares_is_set_without_plus(tmp_path: Path) -> None:
+    from pydantic import BaseModel
+
+    class Env(BaseModel):
+        agent: str = "simple_agent"
+        max_steps: int = 4
+
+    class Schema(BaseModel):
+        env: Env
+
+    path = write(tmp_path / "c.yaml", "env:\n  max_steps: 2\n")
+    assert load_config(path, ["env.agent=compacting_agent"], schema=Schema) == {
+        "env": {"max_steps": 2, "agent": "compacting_agent"}
+    }
+    # A typo is still refused with the same message as without a schema.
+    with pytest.raises(OverrideError, match=r"cannot override env.agnet .*key does not exist"):
+        load_config(path, ["env.agnet=x"], schema=Schema)

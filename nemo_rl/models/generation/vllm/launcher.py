@@ -8,7 +8,7 @@ components meanwhile); `await_workers` waits for the engines within
 Every actor call made through `WorkerGroup` has a deadline; an actor
 that dies or hangs surfaces as `WorkerError` naming the worker and the operation.
 Worker `i` (0-based, the order of `handles`/`base_urls`) is constructed with `worker_index=i`.
-`take_served` / `take_served_async` pop what every worker served for the given rollouts and
+`take_served_async` pops what every worker served for the given rollouts and
 merge it (`merge_served`, worker order then call order); the async variant awaits the refs under
 `asyncio.wait_for(call_timeout_s)` so a driver coroutine never blocks its event loop in ray.get.
 """
@@ -79,11 +79,20 @@ class WorkerGroup:
         """The weight version each worker serves, in worker order (measured from the workers)."""
         return self._get([h.weight_version.remote() for h in self.handles], "weight_version")
 
+    def engine_records_by_worker(self, request_ids: list[str]) -> list[dict[str, dict]]:
+        """Per worker (in worker order), the engine records it holds for `request_ids`: which worker
+        served which completion."""
+        return self._get([h.engine_records.remote(request_ids) for h in self.handles], "engine_records")
+
     def engine_records(self, request_ids: list[str]) -> dict[str, dict]:
         merged: dict[str, dict] = {}
-        for part in self._get([h.engine_records.remote(request_ids) for h in self.handles], "engine_records"):
+        for part in self.engine_records_by_worker(request_ids):
             merged.update(part)
         return merged
+
+    def served_calls(self) -> list[int]:
+        """Completions each worker has produced since it started (its own counter), in worker order."""
+        return [stats["served_calls"] for stats in self.capture_stats()]
 
     def prompt_logprobs(self, token_ids: list[int]) -> list[list[float]]:
         return self._get([h.prompt_logprobs.remote(token_ids) for h in self.handles], "prompt_logprobs")
@@ -99,12 +108,8 @@ class WorkerGroup:
     def capture_stats(self) -> list[dict]:
         return self._get([h.capture_stats.remote() for h in self.handles], "capture_stats")
 
-    def take_served(self, rollout_ids: list[str]) -> list[ServedCall]:
-        """Pop what every worker served for `rollout_ids` (blocking; not for coroutines)."""
-        return merge_served(self._get([h.take_served.remote(list(rollout_ids)) for h in self.handles], "take_served"))
-
     async def take_served_async(self, rollout_ids: list[str]) -> list[ServedCall]:
-        """`take_served` for the async driver loop: awaits the refs, never blocks the loop."""
+        """Pop what every worker served for `rollout_ids`; awaits the refs, never blocks the event loop."""
         refs = [h.take_served.remote(list(rollout_ids)) for h in self.handles]
         return merge_served(await self._get_async(refs, "take_served"))
 
