@@ -18,29 +18,51 @@ Contract and invariants:
   count as `normalizer` so the micro-batch losses (and their gradients) sum to the batch loss.
   `prev` is the policy's own logprobs recomputed before the update (the on-policy ratio); the
   generation logprobs never enter the loss, they only feed the mismatch metrics.
-- `token_mult_prob_error` = mean over masked tokens of exp(|train - gen|) (NeMo-RL's metric;
-  exactly 1.0 when the trainer reproduces the sampler's logprobs).
-- `gen_kl_error` = mean over masked tokens of exp(d) - d - 1 with d = train - gen: the k3
-  estimator of KL(P_gen || P_train) from tokens sampled by the generator (>= 0, 0 iff equal).
+- `ClippedPGLossFn` is `grpo_clipped_loss` as the policy's `LossFn`
+  (`nemo_rl.models.policy.loss`): a frozen dataclass of the two clip bounds, built from the
+  recipe's `loss_fn:` section with `from_config`, picklable into the Ray policy actor. It
+  reports the "loss" and "clip_fraction" shares; the policy sums them over micro-batches.
+- `token_mult_prob_error` / `gen_kl_error` (the trainer/sampler agreement metrics) live in
+  `nemo_rl.models.policy.mismatch` and are re-exported here unchanged.
 - Positions outside the mask never influence any result, even if they hold inf or nan.
 - An all-zero mask is an `EmptyMaskError`: a mean over no tokens has no value.
+  `GRPOInputError` is the policy's `LossInputError` (one class for every inconsistent loss
+  input, whoever raises it), and `EmptyMaskError` is a subclass of it.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
+from nemo_rl.models.policy.config import LossConfig
+from nemo_rl.models.policy.errors import EmptyMaskError, LossInputError
+from nemo_rl.models.policy.mismatch import (
+    as_bool_mask,
+    check_same_shape,
+    gen_kl_error,
+    masked_sum,
+    mismatch_sums,
+    token_mult_prob_error,
+)
+
 ADVANTAGE_EPS = 1e-6
 
+# The inputs of a GRPO function are inconsistent (shape, length, range).
+GRPOInputError = LossInputError
 
-class GRPOInputError(ValueError):
-    """The inputs of a GRPO function are inconsistent (shape, length, range)."""
-
-
-class EmptyMaskError(GRPOInputError):
-    """A masked mean was asked over a mask with no selected token."""
+__all__ = [
+    "ADVANTAGE_EPS",
+    "ClippedPGLossFn",
+    "EmptyMaskError",
+    "GRPOInputError",
+    "compute_group_advantages",
+    "gen_kl_error",
+    "grpo_clipped_loss",
+    "token_mult_prob_error",
+]
 
 
 def _group_stats(values: list[float]) -> tuple[float, float]:
@@ -87,62 +109,6 @@ def compute_group_advantages(
     return advantages
 
 
-def _as_bool_mask(mask: torch.Tensor, like: torch.Tensor, name: str) -> torch.Tensor:
-    if mask.shape != like.shape:
-        raise GRPOInputError(
-            f"mask shape {tuple(mask.shape)} != {name} shape {tuple(like.shape)}"
-        )
-    if mask.dtype != torch.bool:
-        if not bool(((mask == 0) | (mask == 1)).all()):
-            raise GRPOInputError("mask must hold only 0 and 1")
-        mask = mask != 0
-    if not bool(mask.any()):
-        raise EmptyMaskError("mask selects no token; a masked mean over zero tokens is undefined")
-    return mask
-
-
-def _check_same_shape(ref: torch.Tensor, **tensors: torch.Tensor) -> None:
-    for name, t in tensors.items():
-        if t.shape != ref.shape:
-            raise GRPOInputError(
-                f"{name} shape {tuple(t.shape)} != expected {tuple(ref.shape)}"
-            )
-
-
-def _masked_sum(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    # torch.where (not multiplication) so inf/nan at unselected positions cannot leak in.
-    return torch.where(mask, values, torch.zeros_like(values)).sum()
-
-
-def _mismatch_sums(
-    train_logprobs: torch.Tensor, gen_logprobs: torch.Tensor, mask: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    d = (train_logprobs - gen_logprobs).detach().to(torch.float64)
-    mult = _masked_sum(torch.exp(d.abs()), mask)
-    k3 = _masked_sum(torch.exp(d) - d - 1.0, mask)
-    return mult, k3
-
-
-def token_mult_prob_error(
-    train_logprobs: torch.Tensor, gen_logprobs: torch.Tensor, mask: torch.Tensor
-) -> float:
-    """Mean over masked tokens of exp(|train - gen|); 1.0 means the logprobs agree exactly."""
-    _check_same_shape(train_logprobs, gen_logprobs=gen_logprobs)
-    m = _as_bool_mask(mask, train_logprobs, "train_logprobs")
-    mult, _ = _mismatch_sums(train_logprobs, gen_logprobs, m)
-    return float(mult / m.sum())
-
-
-def gen_kl_error(
-    train_logprobs: torch.Tensor, gen_logprobs: torch.Tensor, mask: torch.Tensor
-) -> float:
-    """k3 estimate of KL(P_gen || P_train): mean over masked tokens of exp(d) - d - 1, d = t - g."""
-    _check_same_shape(train_logprobs, gen_logprobs=gen_logprobs)
-    m = _as_bool_mask(mask, train_logprobs, "train_logprobs")
-    _, k3 = _mismatch_sums(train_logprobs, gen_logprobs, m)
-    return float(k3 / m.sum())
-
-
 def grpo_clipped_loss(
     curr_logprobs: torch.Tensor,
     prev_logprobs: torch.Tensor,
@@ -171,13 +137,13 @@ def grpo_clipped_loss(
         raise GRPOInputError(
             f"curr_logprobs must be [B, T], got shape {tuple(curr_logprobs.shape)}"
         )
-    _check_same_shape(curr_logprobs, prev_logprobs=prev_logprobs)
+    check_same_shape(curr_logprobs, prev_logprobs=prev_logprobs)
     if gen_logprobs is not None:
-        _check_same_shape(curr_logprobs, gen_logprobs=gen_logprobs)
+        check_same_shape(curr_logprobs, gen_logprobs=gen_logprobs)
     if advantages.dim() == 1 and advantages.shape[0] == curr_logprobs.shape[0]:
         advantages = advantages.unsqueeze(1).expand_as(curr_logprobs)
-    _check_same_shape(curr_logprobs, advantages=advantages)
-    m = _as_bool_mask(mask, curr_logprobs, "curr_logprobs")
+    check_same_shape(curr_logprobs, advantages=advantages)
+    m = as_bool_mask(mask, curr_logprobs, "curr_logprobs")
     num_tokens = int(m.sum())
     denom = float(num_tokens) if normalizer is None else float(normalizer)
     if not denom >= num_tokens:
@@ -194,18 +160,61 @@ def grpo_clipped_loss(
     unclipped_term = -adv * ratio
     clipped_term = -adv * clipped
     per_token = torch.maximum(unclipped_term, clipped_term)
-    loss = _masked_sum(per_token, m) / denom
+    loss = masked_sum(per_token, m) / denom
 
     with torch.no_grad():
         clip_active = (clipped_term > unclipped_term).to(per_token.dtype)
         metrics = {
             "loss": float(loss),
-            "probs_ratio": float(_masked_sum(ratio, m) / denom),
-            "clip_fraction": float(_masked_sum(clip_active, m) / denom),
+            "probs_ratio": float(masked_sum(ratio, m) / denom),
+            "clip_fraction": float(masked_sum(clip_active, m) / denom),
             "num_tokens": float(num_tokens),
         }
         if gen_logprobs is not None:
-            mult, k3 = _mismatch_sums(prev_logprobs, gen_logprobs, m)
+            mult, k3 = mismatch_sums(prev_logprobs, gen_logprobs, m)
             metrics["token_mult_prob_error"] = float(mult / denom)
             metrics["gen_kl_error"] = float(k3 / denom)
     return loss, metrics
+
+
+@dataclass(frozen=True)
+class ClippedPGLossFn:
+    """The GRPO clipped surrogate as a policy `LossFn` (see the module docstring)."""
+
+    ratio_clip_min: float
+    ratio_clip_max: float
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.ratio_clip_min < 1.0:
+            raise GRPOInputError(
+                f"loss_fn.ratio_clip_min={self.ratio_clip_min} must be in [0, 1)"
+            )
+        if self.ratio_clip_max < 0.0:
+            raise GRPOInputError(f"loss_fn.ratio_clip_max={self.ratio_clip_max} must be >= 0")
+
+    @classmethod
+    def from_config(cls, cfg: LossConfig) -> ClippedPGLossFn:
+        return cls(ratio_clip_min=cfg.ratio_clip_min, ratio_clip_max=cfg.ratio_clip_max)
+
+    def __call__(
+        self,
+        *,
+        curr_logprobs: torch.Tensor,
+        prev_logprobs: torch.Tensor,
+        generation_logprobs: torch.Tensor,
+        advantages: torch.Tensor,
+        mask: torch.Tensor,
+        normalizer: int,
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        # The generation logprobs never enter the GRPO loss (the policy reports the mismatch).
+        loss, m = grpo_clipped_loss(
+            curr_logprobs,
+            prev_logprobs,
+            None,
+            advantages,
+            mask,
+            self.ratio_clip_min,
+            self.ratio_clip_max,
+            normalizer=normalizer,
+        )
+        return loss, {"loss": m["loss"], "clip_fraction": m["clip_fraction"]}

@@ -18,6 +18,7 @@ from nemo_rl.models.generation.vllm.config import GenerationConfig
 from nemo_rl.models.policy import LossConfig, PolicyConfig
 from nemo_rl.models.tiny_model import TinyModelConfig
 from nemo_rl.token_capture.config import TokenCaptureConfig
+from nemo_rl.models.policy.config import dtype_mismatch
 from nemo_rl.utils.config import ConfigError, load_config, validate_section
 from nemo_rl.utils.logger import LoggerConfig
 
@@ -95,7 +96,10 @@ def validate_master(raw: dict) -> MasterConfig:
             f"policy.model_path={policy['model_path']!r}: the policy weights come from the model section "
             "(fix: set model.path=<folder> instead)"
         )
-    policy_config(policy, "<model.path, resolved at setup>")  # validate every policy key now
+    pcfg = policy_config(policy, "<model.path, resolved at setup>")  # validate every policy key now
+    mismatch = dtype_mismatch(pcfg.dtype, sections["generation"].vllm.dtype)
+    if mismatch:
+        raise ConfigError(mismatch)
     return MasterConfig(policy=policy, **sections)
 
 

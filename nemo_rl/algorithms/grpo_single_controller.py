@@ -1,7 +1,7 @@
 """Single-controller GRPO on Ray, training on exactly the tokens the policy sampled.
 
 Contract of one step (`run_grpo`):
-1. sample `num_prompts_per_step` problems (deterministic in seed and step);
+1. take `num_prompts_per_step` rows from the prompt source `env:` names (deterministic in seed and step);
 2. dispatch one group of N rollouts per problem through the `RolloutManager` (receipt mode when
    `token_capture.enabled`, Gym's legacy token echo otherwise); every group comes back with
    exactly N entries, rows or typed placeholders;
@@ -30,12 +30,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from nemo_rl.algorithms.grpo import compute_group_advantages
+from nemo_rl.algorithms.grpo import ClippedPGLossFn, compute_group_advantages
 from nemo_rl.algorithms.grpo_config import MasterConfig, policy_config
 from nemo_rl.distributed.stack import Stack, start_stack
-from nemo_rl.environments.arith_task import make_problems
-from nemo_rl.environments.nemo_gym import RowSampling, build_row
+from nemo_rl.environments.datasets import make_prompt_source
+from nemo_rl.environments.nemo_gym import RowSampling
 from nemo_rl.experience.rollout_manager import RolloutManager, RolloutManagerConfig
+from nemo_rl.models.generation.vllm.launcher import resolve_flavor
 from nemo_rl.models.policy import TrainBatch
 from nemo_rl.models.policy.worker import RayPolicyClient
 from nemo_rl.models.tiny_model import ensure_tiny_model
@@ -158,7 +159,7 @@ async def _train_and_refit(cfg: MasterConfig, step: int, step_batch: StepBatch, 
     """Train on the batch, refit every worker to version `step`; returns the version they report."""
     with Timer("train_s", metrics):
         progress(f"[step {step}] training on {step_batch.batch.num_samples} rows")
-        train = policy.train_step(step_batch.batch, cfg.loss_fn)
+        train = policy.train_step(step_batch.batch, ClippedPGLossFn.from_config(cfg.loss_fn))
     metrics.update({f"train/{k}": v for k, v in train.items() if k not in ("token_mult_prob_error", "gen_kl_error")})
     metrics["token_mult_prob_error"] = train["token_mult_prob_error"]
     metrics["gen_kl_error"] = train["gen_kl_error"]
@@ -181,6 +182,8 @@ async def run_grpo(cfg: MasterConfig, progress=print) -> Path:
     log_dir = Path(cfg.logger.log_dir)
     model_dir = Path(cfg.model.path) if cfg.model.path else ensure_tiny_model(cfg.model.tiny, progress=progress)
     pcfg = policy_config(cfg.policy, str(model_dir))
+    # Before Ray or any venv: a GPU recipe on a host without enough GPUs fails here, by name.
+    resolve_flavor(cfg.generation, extra_gpus=int(pcfg.device == "cuda"))
     stack: Stack = await start_stack(
         model_dir=model_dir,
         log_dir=log_dir,
@@ -221,6 +224,8 @@ async def run_grpo(cfg: MasterConfig, progress=print) -> Path:
         probe = probe_sequence(eos, cfg.grpo.refit_probe_tokens, cfg.grpo.seed)
         probe_state = {"tokens": probe, "previous": stack.workers.prompt_logprobs(probe)[0]}
         sampling = RowSampling(temperature=cfg.grpo.temperature, top_p=cfg.grpo.top_p, max_output_tokens=cfg.grpo.max_output_tokens)
+        prompts = make_prompt_source(cfg.env, seed=cfg.grpo.seed, sampling=sampling, model_dir=model_dir,
+                                     max_model_len=cfg.generation.vllm.max_model_len, progress=progress)
         n = cfg.grpo.num_generations_per_prompt
         initial_versions = set(stack.workers.weight_versions())
         if len(initial_versions) != 1:
@@ -233,13 +238,13 @@ async def run_grpo(cfg: MasterConfig, progress=print) -> Path:
             if finalizer is not None:
                 finalizer.seconds = 0.0
             with Timer("step_s", metrics):
-                problems = make_problems(cfg.grpo.seed * 100_003 + step, cfg.grpo.num_prompts_per_step)
-                progress(f"[step {step}] dispatching {len(problems)} groups x {n} rollouts")
+                rows = prompts.batch(step, cfg.grpo.num_prompts_per_step)
+                progress(f"[step {step}] dispatching {len(rows)} groups x {n} rollouts")
                 with Timer("generation_s", metrics):
                     groups = await asyncio.gather(
                         *(
-                            _reported(manager.run_group(step, g, build_row(p, sampling), n), step, len(problems), progress)
-                            for g, p in enumerate(problems)
+                            _reported(manager.run_group(step, g, row, n), step, len(rows), progress)
+                            for g, row in enumerate(rows)
                         )
                     )
                 metrics["timing/finalize_s"] = finalizer.seconds if finalizer is not None else 0.0

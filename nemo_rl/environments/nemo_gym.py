@@ -1,8 +1,12 @@
 """The NeMo-Gym environment: start Gym's servers on loopback and dispatch rollouts to them.
 
 Contract:
+- `NemoGymEnvironment(config, ...)` resolves the resources server: our `arith_resources` by
+  default, or the Gym environment `config.gym` names (`gym_servers.resolve_gym_environment`:
+  a missing package/YAML/dataset or missing extra requirements raise a named error here,
+  before anything is launched).
 - `NemoGymEnvironment.start()` launches Gym's `vllm_model` gate (pointed at the worker's
-  `base_url`), our `arith_resources` server and Gym's `simple_agent` as plain subprocesses on
+  `base_url`), the resources server and the agent as plain subprocesses on
   127.0.0.1 with OS-picked ports (see `nemo_gym_launch`), concurrently, and waits for every
   health route within `startup_timeout_s`. A server that exits or stays unhealthy raises
   `GymServerStartError` with the tail of its log; everything started so far is stopped first.
@@ -13,6 +17,9 @@ Contract:
 - `run(rollout_id, row)` POSTs the agent's `/run` within `run_timeout_s`. With capture on,
   `rollout_id` is required and sent as `_ng_rollout_id`; mint a fresh id per attempt, since Gym
   appends to an existing ledger. With capture off no id is sent (the argument only labels errors).
+- The reward is the verify result's `config.gym.reward_key` (default `reward`): with another
+  key, `run()` returns the result with `reward` set to that key's value (absent when the key is
+  missing, so the judge reports `reward_missing`) and Gym's own `reward` kept as `verifier_reward`.
 - `manifest(rollout_id)` GETs the gate's bearer-protected manifest route with aiohttp (Gym's
   `RolloutControlClient` needs Gym's server stack) and returns `RolloutManifest` as is: an
   unknown rollout is an empty manifest, which the caller treats as `empty_manifest`.
@@ -44,6 +51,7 @@ from pydantic import ValidationError
 from nemo_gym.token_id_capture.staging.records import RolloutManifest
 from nemo_gym.token_id_capture.store import validate_rollout_id
 from nemo_rl.environments import nemo_gym_launch as launch
+from nemo_rl.environments.gym_servers import resolve_gym_environment
 from nemo_rl.environments.nemo_gym_config import (
     CaptureModeError,
     GymNotStartedError,
@@ -73,6 +81,8 @@ __all__ = [
 ]
 
 ROLLOUT_ID_FIELD = "_ng_rollout_id"
+REWARD_FIELD = "reward"
+VERIFIER_REWARD_FIELD = "verifier_reward"
 # Gym's control route (nemo_gym.token_id_capture.control_routes.CONTROL_ROUTE_PREFIX); importing
 # that module pulls in FastAPI, so the path is spelled here and pinned by a unit test.
 _MANIFEST_ROUTE = "/training-token-capture/control/rollouts/{rollout_id}/manifest"
@@ -108,6 +118,18 @@ def ledger_files(ledger_dir: Path, rollout_id: str) -> list[Path]:
     return [ledger_dir / f"{rid}{suffix}" for suffix in _LEDGER_SUFFIXES]
 
 
+def apply_reward_key(result: Mapping[str, Any], reward_key: str) -> dict[str, Any]:
+    """The verify result with `reward` taken from `reward_key` (see the module docstring)."""
+    out = dict(result)
+    if reward_key == REWARD_FIELD:
+        return out
+    if REWARD_FIELD in out:
+        out[VERIFIER_REWARD_FIELD] = out.pop(REWARD_FIELD)
+    if reward_key in out:
+        out[REWARD_FIELD] = out[reward_key]
+    return out
+
+
 def _quote(text: str) -> str:
     return text if len(text) <= _BODY_QUOTE_CHARS else text[:_BODY_QUOTE_CHARS] + "...<cut>"
 
@@ -127,6 +149,8 @@ class NemoGymEnvironment:
         self._capture_cfg = token_capture
         self._worker_base_url = launch.gate_base_url(worker_base_url)
         self._log_dir = Path(log_dir).resolve()
+        self._resources = resolve_gym_environment(config.gym) if config.gym is not None else launch.ARITH
+        self._reward_key = config.gym.reward_key if config.gym is not None else REWARD_FIELD
         self._procs: dict[str, subprocess.Popen] = {}
         self._log_paths: dict[str, Path] = {}
         self._ports: launch.ServerPorts | None = None
@@ -143,6 +167,10 @@ class NemoGymEnvironment:
         if not self.capture:
             raise CaptureModeError("ledger_dir exists only with token_capture.enabled=true")
         return self._log_dir / "gym_ledger"
+
+    @property
+    def resources_server(self) -> launch.ResourcesServer:
+        return self._resources
 
     @property
     def log_paths(self) -> Mapping[str, Path]:
@@ -182,7 +210,13 @@ class NemoGymEnvironment:
             self._bearer = secrets.token_urlsafe(32)
             gate_extra[wiring.control_token_env] = self._bearer
         config_json = json.dumps(
-            launch.build_global_config(self._cfg, worker_base_url=self._worker_base_url, ports=ports, capture=wiring)
+            launch.build_global_config(
+                self._cfg,
+                worker_base_url=self._worker_base_url,
+                ports=ports,
+                capture=wiring,
+                resources_server=self._resources,
+            )
         )
         # The bearer reaches only the gate, and only as minted for this run.
         inherited_env = {k: v for k, v in os.environ.items() if k != self._capture_cfg.control_token_env}
@@ -193,7 +227,8 @@ class NemoGymEnvironment:
         # A trainer that exits without stop() must not leave servers behind (they run in their own sessions).
         atexit.register(self.stop)
         try:
-            for spec in launch.server_specs(ports, wiring, self._cfg.agent):
+            specs = launch.server_specs(ports, wiring, self._cfg.agent, self._resources)
+            for spec in specs:
                 log_path = self._log_dir / f"gym_{spec.name}.log"
                 env = launch.server_env(
                     inherited_env,
@@ -206,7 +241,7 @@ class NemoGymEnvironment:
                 self._procs[spec.name] = launch.start_server(
                     spec, python=sys.executable, env=env, cwd=cwd, log_path=log_path
                 )
-            await self._wait_healthy(launch.server_specs(ports, wiring, self._cfg.agent), began + self._cfg.startup_timeout_s)
+            await self._wait_healthy(specs, began + self._cfg.startup_timeout_s)
         except BaseException:
             self.stop()
             raise
@@ -295,17 +330,17 @@ class NemoGymEnvironment:
             self._cfg.run_timeout_s,
             on_timeout=lambda: GymRunTimeoutError(
                 f"rollout {rollout_id!r}: agent /run did not answer within run_timeout_s={self._cfg.run_timeout_s}; "
-                f"{self._server_state(launch.AGENT)}"
+                f"{self._server_state(self._resources.agent_name)}"
             ),
             on_client_error=lambda e: GymRunError(
-                f"rollout {rollout_id!r}: agent /run at {agent_url} failed: {e!r}; {self._server_state(launch.AGENT)}"
+                f"rollout {rollout_id!r}: agent /run at {agent_url} failed: {e!r}; {self._server_state(self._resources.agent_name)}"
             ),
             json_body=body,
         )
         if status != 200:
             raise GymRunError(
                 f"rollout {rollout_id!r}: agent /run answered HTTP {status}: {_quote(text)} "
-                f"(gate log {self._log_paths[launch.GATE]}, agent log {self._log_paths[launch.AGENT]})"
+                f"(gate log {self._log_paths[launch.GATE]}, agent log {self._log_paths[self._resources.agent_name]})"
             )
         try:
             result = json.loads(text)
@@ -313,7 +348,7 @@ class NemoGymEnvironment:
             raise GymRunError(f"rollout {rollout_id!r}: agent /run answered non-JSON: {_quote(text)}") from e
         if not isinstance(result, dict):
             raise GymRunError(f"rollout {rollout_id!r}: agent /run answered a {type(result).__name__}, not an object")
-        return result
+        return apply_reward_key(result, self._reward_key)
 
     async def manifest(self, rollout_id: str) -> RolloutManifest:
         """The gate's ledger manifest for one rollout (empty if the gate never saw it)."""

@@ -5,6 +5,11 @@ Contract:
   strict types). Capture settings that the whole recipe shares (on/off, the manifest deadline,
   the name of the bearer's environment variable) are not repeated here: they come from
   `nemo_rl.token_capture.config.TokenCaptureConfig`.
+- `env.gym` (`GymEnvironmentConfig`) names a NeMo-Gym environment the way Gym names it: the
+  resources server package under `resources_servers/`, its Gym config YAML inside the package,
+  a dataset JSONL in Gym's row format and the verify-result key that holds the reward. Unset,
+  the run uses the built-in arithmetic environment (our `arith_resources`, generated problems).
+  The agent stays `env.agent` (one default for both cases).
 - Every failure of the environment is a subclass of `NemoGymError` whose message names the
   server, the value and the fix; server start failures carry the tail of that server's log.
 """
@@ -13,9 +18,93 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+# A Gym package name is one Python identifier (it is imported as `resources_servers.<name>.app`).
+_PACKAGE_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*$"
+PACKAGE_DATASET_PREFIX = "package:"
+# Server keys the launcher sets itself (see nemo_gym_launch.build_global_config).
+WIRING_KEYS = frozenset(
+    {"host", "port", "resources_server", "model_server", "token_id_capture", "datasets", "max_steps"}
+)
+
+
+class GymEnvironmentConfig(BaseModel):
+    """One shipped (or installed) Gym environment, by name (see the module docstring)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    resources_server: str = Field(
+        pattern=_PACKAGE_PATTERN,
+        description="Package under Gym's `resources_servers/`, e.g. `example_multi_step` (launched as "
+        "`python -m resources_servers.<name>.app`).",
+    )
+    config_path: str | None = Field(
+        default=None,
+        min_length=1,
+        description="Gym config YAML relative to the package; null means `configs/<resources_server>.yaml`. "
+        "Its resources-server block (entrypoint, domain, server keys) and the simple_agent block wired to "
+        "it (minus `datasets`) become the servers' config.",
+    )
+    dataset: str = Field(
+        default="package:data/example.jsonl",
+        min_length=1,
+        description="Prompt rows in Gym's format (`responses_create_params` + verifier fields): "
+        "`package:<path relative to the resources server package>` or an absolute path.",
+    )
+    reward_key: str = Field(
+        default="reward", min_length=1, description="The key of Gym's verify result that is the training reward."
+    )
+    resources_overrides: dict[str, Any] = Field(
+        default_factory=dict, description="Keys set on top of the YAML's resources-server block."
+    )
+    agent_overrides: dict[str, Any] = Field(
+        default_factory=dict, description="Keys set on top of the YAML's agent block (wiring keys excluded)."
+    )
+
+    @field_validator("config_path")
+    @classmethod
+    def _relative_config(cls, value: str | None) -> str | None:
+        if value is not None and (Path(value).is_absolute() or ".." in Path(value).parts):
+            raise ValueError(
+                f"env.gym.config_path={value!r} must be a path inside the resources server package "
+                "(e.g. configs/<name>.yaml), without '..'"
+            )
+        return value
+
+    @field_validator("dataset")
+    @classmethod
+    def _dataset_form(cls, value: str) -> str:
+        if value.startswith(PACKAGE_DATASET_PREFIX):
+            rel = Path(value[len(PACKAGE_DATASET_PREFIX):])
+            if not rel.parts or rel.is_absolute() or ".." in rel.parts:
+                raise ValueError(
+                    f"env.gym.dataset={value!r}: after 'package:' give a path inside the package, "
+                    "e.g. package:data/example.jsonl"
+                )
+        elif not Path(value).is_absolute():
+            raise ValueError(
+                f"env.gym.dataset={value!r} is neither 'package:<relative path>' nor an absolute path; "
+                "relative paths would depend on the working directory"
+            )
+        return value
+
+    @field_validator("resources_overrides", "agent_overrides")
+    @classmethod
+    def _no_wiring_keys(cls, value: dict[str, Any], info: Any) -> dict[str, Any]:
+        wired = sorted(set(value) & WIRING_KEYS)
+        if wired:
+            raise ValueError(
+                f"env.gym.{info.field_name} sets {wired}, which the launcher owns (loopback ports, the "
+                "gate/resources references, capture opt-in; max_steps is env.agent_max_steps); remove them"
+            )
+        return value
+
+    @property
+    def config_relpath(self) -> str:
+        return self.config_path if self.config_path is not None else f"configs/{self.resources_server}.yaml"
 
 
 class NemoGymConfig(BaseModel):
@@ -67,6 +156,10 @@ class NemoGymConfig(BaseModel):
         description="API key the gate sends to the worker's OpenAI endpoint (not the control bearer).",
     )
     log_tail_lines: int = Field(default=40, ge=1, description="Server-log lines quoted in a start error.")
+    gym: GymEnvironmentConfig | None = Field(
+        default=None,
+        description="A NeMo-Gym environment by name; null runs the built-in arithmetic environment.",
+    )
 
 
 class NemoGymError(RuntimeError):
@@ -83,6 +176,27 @@ class GymServerStartError(NemoGymError):
         super().__init__(
             f"Gym server `{server}` failed to start: {reason}. Log {log_path} ends with:\n{log_tail}"
         )
+
+
+class GymEnvironmentNotFoundError(NemoGymError):
+    """`env.gym` names a package, config YAML, block or dataset that does not exist."""
+
+
+class GymRequirementsError(NemoGymError):
+    """The resources server needs packages that are not installed in this venv."""
+
+    def __init__(self, server: str, requirements_path: Path, missing: list[str]) -> None:
+        self.server = server
+        self.missing = list(missing)
+        super().__init__(
+            f"Gym resources server `{server}` needs packages this venv does not have: {', '.join(missing)} "
+            f"(from {requirements_path}). Fix: add them to the project's dependencies (pyproject.toml) "
+            "and `uv sync`, or pick another env.gym.resources_server"
+        )
+
+
+class GymDatasetError(NemoGymError, ValueError):
+    """A prompt dataset file or row is unusable (the message names the file and line)."""
 
 
 class GymNotStartedError(NemoGymError):

@@ -5,8 +5,11 @@ Contract:
   without Ray, Gym's per-server venvs or Gym's head server:
   `policy_model` (the gate, pointed at the worker's base_url: Gym's `vllm_model` module, or with
   capture wiring our `capture_gate`, which is the same server with our ledger policy),
-  `arith_resources` (our `arith_resources` server) and `arith_agent` (Gym's `simple_agent`, or
-  our `compacting_agent` with `nemo_gym.agent=compacting_agent`, wired to both by name).
+  the resources server and the agent (Gym's `simple_agent`, or our `compacting_agent` with
+  `env.agent=compacting_agent`, wired to both by name). The resources server is a
+  `ResourcesServer`: `ARITH` (our `arith_resources`, agent `arith_agent`) unless `env.gym` names
+  a Gym one, which `gym_servers.resolve_gym_environment` turns into the same shape (Gym's
+  instance names, `resources_servers.<pkg>.app`, the YAML's server and agent keys).
 - Each process gets the whole resolved global config as `NEMO_GYM_CONFIG_DICT` (JSON, which
   OmegaConf reads as YAML) and its own top-level key as `NEMO_GYM_CONFIG_PATH`; servers find
   each other by those keys' `host`/`port`. `head_server` is present only because Gym's
@@ -33,7 +36,7 @@ import socket
 import subprocess
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -53,6 +56,28 @@ _AGENT_MODULES = {"simple_agent": AGENT_MODULE, "compacting_agent": COMPACTING_A
 CONFIG_DICT_ENV = "NEMO_GYM_CONFIG_DICT"
 CONFIG_PATH_ENV = "NEMO_GYM_CONFIG_PATH"
 _GYM_ENV_PREFIX = "NEMO_GYM_"
+
+
+@dataclass(frozen=True)
+class ResourcesServer:
+    """The resources server of one run and the agent wired to it (names as Gym's global config keys)."""
+
+    name: str  # top-level key of the resources server instance
+    package: str  # key under `resources_servers`
+    module: str  # launched as `python -m <module>`
+    block: Mapping[str, Any]  # its config keys besides host/port (entrypoint, domain, server keys)
+    agent_name: str  # top-level key of the agent instance
+    agent_block: Mapping[str, Any] = field(default_factory=dict)  # extra agent keys (no wiring)
+
+
+ARITH = ResourcesServer(
+    name=RESOURCES,
+    package="arith",
+    module=RESOURCES_MODULE,
+    # Gym's config model requires `entrypoint`; we launch by module (`server_specs`), so it is only a label.
+    block={"entrypoint": "arith_resources.py", "domain": "math"},
+    agent_name=AGENT,
+)
 
 
 @dataclass(frozen=True)
@@ -125,7 +150,12 @@ def capture_block(wiring: CaptureWiring) -> dict[str, Any]:
 
 
 def build_global_config(
-    cfg: NemoGymConfig, *, worker_base_url: str | Sequence[str], ports: ServerPorts, capture: CaptureWiring | None
+    cfg: NemoGymConfig,
+    *,
+    worker_base_url: str | Sequence[str],
+    ports: ServerPorts,
+    capture: CaptureWiring | None,
+    resources_server: ResourcesServer = ARITH,
 ) -> dict[str, Any]:
     """The resolved Gym global config shared by all three servers."""
     gate = {
@@ -138,13 +168,14 @@ def build_global_config(
         "return_token_id_information": capture is None,
         "uses_reasoning_parser": False,
     }
-    # Gym's config model requires `entrypoint`; we launch by module (`server_specs`), so it is only a label.
-    resources = {"entrypoint": "arith_resources.py", "host": LOOPBACK, "port": ports.resources, "domain": "math"}
+    rs = resources_server
+    resources = {**rs.block, "host": LOOPBACK, "port": ports.resources}
     agent: dict[str, Any] = {
         "entrypoint": "app.py",
+        **rs.agent_block,
         "host": LOOPBACK,
         "port": ports.agent,
-        "resources_server": {"type": "resources_servers", "name": RESOURCES},
+        "resources_server": {"type": "resources_servers", "name": rs.name},
         "model_server": {"type": "responses_api_models", "name": GATE},
         "max_steps": cfg.agent_max_steps,
     }
@@ -152,8 +183,8 @@ def build_global_config(
         "head_server": {"host": LOOPBACK, "port": 0},
         "dry_run": False,
         GATE: {"responses_api_models": {"vllm_model": gate}},
-        RESOURCES: {"resources_servers": {"arith": resources}},
-        AGENT: {"responses_api_agents": {cfg.agent: agent}},
+        rs.name: {"resources_servers": {rs.package: resources}},
+        rs.agent_name: {"responses_api_agents": {cfg.agent: agent}},
     }
     if cfg.agent == "compacting_agent":
         agent["compact_after_tool_results"] = cfg.compact_after_tool_results
@@ -179,12 +210,15 @@ def gate_module(capture: CaptureWiring | None) -> str:
 
 
 def server_specs(
-    ports: ServerPorts, capture: CaptureWiring | None = None, agent: str = "simple_agent"
+    ports: ServerPorts,
+    capture: CaptureWiring | None = None,
+    agent: str = "simple_agent",
+    resources_server: ResourcesServer = ARITH,
 ) -> tuple[ServerSpec, ...]:
     return (
         ServerSpec(GATE, gate_module(capture), ports.gate),
-        ServerSpec(RESOURCES, RESOURCES_MODULE, ports.resources),
-        ServerSpec(AGENT, _AGENT_MODULES[agent], ports.agent),
+        ServerSpec(resources_server.name, resources_server.module, ports.resources),
+        ServerSpec(resources_server.agent_name, _AGENT_MODULES[agent], ports.agent),
     )
 
 

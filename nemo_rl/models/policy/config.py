@@ -6,6 +6,8 @@ here, so call sites read fields directly and never supply fallbacks.
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field
 
 
@@ -26,6 +28,13 @@ class PolicyConfig(BaseModel):
     seed: int = 42
     # Deadline of one call into a remote PolicyWorker (a train step included).
     call_timeout_s: float = Field(default=600.0, gt=0.0)
+    # Parameter dtype of the loaded model (logprobs and the loss are computed in float32 either
+    # way). Must equal generation.vllm.dtype (`dtype_mismatch`), so the trainer recomputes the
+    # sampler's logprobs at the sampler's precision.
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    # Where the model lives: cuda takes one GPU of the Ray cluster for the policy actor (the vLLM
+    # workers take others); cuda on a host without a visible GPU is a PolicyDeviceError at load.
+    device: Literal["cpu", "cuda"] = "cpu"
 
 
 class LossConfig(BaseModel):
@@ -35,3 +44,18 @@ class LossConfig(BaseModel):
 
     ratio_clip_min: float = Field(default=0.2, ge=0.0, lt=1.0)
     ratio_clip_max: float = Field(default=0.2, ge=0.0)
+
+
+def dtype_mismatch(policy_dtype: str, generation_dtype: str) -> str | None:
+    """The error message when the policy and the sampler run at different precisions, else None.
+
+    A pure check over two sections (policy.dtype, generation.vllm.dtype); the recipe validator
+    raises it as a config error.
+    """
+    if policy_dtype == generation_dtype:
+        return None
+    return (
+        f"policy.dtype={policy_dtype!r} != generation.vllm.dtype={generation_dtype!r}: the trainer "
+        "would recompute the sampler's logprobs at another precision and token_mult_prob_error "
+        f"drifts from 1 (fix: set both to {generation_dtype!r}, or both to {policy_dtype!r})"
+    )

@@ -1,18 +1,20 @@
-"""PolicyCore: a Hugging Face causal LM on CPU in float32, trained with the GRPO clipped loss.
+"""PolicyCore: a Hugging Face causal LM (float32 on CPU by default), trained with a given loss.
 
 Contract:
-- Loads `PolicyConfig.model_path` (a local HF folder; no hub access) with AutoModelForCausalLM.
+- Loads `PolicyConfig.model_path` (a local HF folder; no hub access) with AutoModelForCausalLM,
+  in `policy.dtype` on `policy.device` (cuda needs a visible GPU: `PolicyDeviceError`).
   The model stays in eval mode for its whole life: there is no dropout, so the logprobs used as
   the ratio's reference and the ones that carry gradients come from one deterministic function.
 - `get_logprobs` returns, per sequence, log p(token_t | tokens_<t) with 0.0 at t = 0. Sequences
   of different lengths are right-padded inside a micro-batch (`train_micro_batch_size`).
-- `train_step` = one AdamW step on a `TrainBatch`:
+- `train_step(batch, loss_fn)` = one AdamW step on a `TrainBatch` with a `LossFn` (see
+  `nemo_rl.models.policy.loss`; the GRPO loss is `nemo_rl.algorithms.grpo.ClippedPGLossFn`):
   1. recompute the pre-update logprobs ("prev") once, without gradients, micro-batch by
      micro-batch (the same micro-batches as `get_logprobs`, so both agree bit for bit);
   2. token_mult_prob_error and gen_kl_error of prev vs the generation logprobs over all masked
      tokens (the trainer/sampler agreement before this step changes anything);
-  3. per micro-batch, the GRPO clipped loss over masked (generated) tokens only, normalised by
-     the whole batch's masked-token count, backward (gradients accumulate);
+  3. per micro-batch with a masked token, `loss_fn(...)` normalised by the whole batch's
+     masked-token count, backward (gradients accumulate); its metrics are summed;
   4. clip the global grad norm to `max_grad_norm`; a non-finite norm raises
      `NonFiniteGradientError` and no step is taken; else AdamW steps.
   A batch without any masked token raises `EmptyMaskError`: there is nothing to train.
@@ -36,21 +38,19 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from nemo_rl.algorithms.grpo import (
-    EmptyMaskError,
-    gen_kl_error,
-    grpo_clipped_loss,
-    token_mult_prob_error,
-)
 from nemo_rl.models.policy.batch import TrainBatch
-from nemo_rl.models.policy.config import LossConfig, PolicyConfig
+from nemo_rl.models.policy.config import PolicyConfig
 from nemo_rl.models.policy.errors import (
+    EmptyMaskError,
     NonFiniteGradientError,
+    PolicyDeviceError,
     PolicyLoadError,
     TokenIdOutOfRangeError,
     WeightExportError,
 )
 from nemo_rl.models.policy.logprobs import gather_token_logprobs, micro_batches, pad_right
+from nemo_rl.models.policy.loss import LossFn, check_loss_fn, check_loss_output
+from nemo_rl.models.policy.mismatch import gen_kl_error, token_mult_prob_error
 
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
@@ -67,7 +67,18 @@ class _MicroBatch:
     advantages: torch.Tensor
 
 
-def _load_model(model_dir: Path) -> PreTrainedModel:
+def _device(name: str) -> torch.device:
+    if name == "cuda" and not torch.cuda.is_available():
+        raise PolicyDeviceError(
+            "policy.device='cuda' but this process sees no CUDA device (torch.cuda.is_available() "
+            "is False; CUDA_VISIBLE_DEVICES="
+            f"{os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')!r}) (fix: run on a GPU node, or "
+            "set policy.device=cpu)"
+        )
+    return torch.device(name)
+
+
+def _load_model(model_dir: Path, dtype: str, device: torch.device) -> PreTrainedModel:
     if not (model_dir / CONFIG_FILE).is_file():
         raise PolicyLoadError(
             f"policy.model_path={str(model_dir)!r} has no {CONFIG_FILE}; "
@@ -75,22 +86,24 @@ def _load_model(model_dir: Path) -> PreTrainedModel:
         )
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            model_dir, dtype=torch.float32, local_files_only=True
+            model_dir, dtype=getattr(torch, dtype), local_files_only=True
         )
     except (OSError, ValueError) as e:
         raise PolicyLoadError(
             f"policy.model_path={str(model_dir)!r} could not be loaded as a causal LM: {e}"
         ) from e
     model.eval()
-    return model
+    return model.to(device)
 
 
-def _prepare(batch: TrainBatch, idx: range) -> _MicroBatch:
+def _prepare(batch: TrainBatch, idx: range, device: torch.device) -> _MicroBatch:
     ids, attn = pad_right([batch.token_ids[i] for i in idx], 0, torch.long)
     mask, _ = pad_right([batch.token_mask[i] for i in idx], 0, torch.long)
     gen, _ = pad_right([batch.generation_logprobs[i] for i in idx], 0.0, torch.float32)
     adv = torch.tensor([batch.advantages[i] for i in idx], dtype=torch.float32)
-    return _MicroBatch(ids, attn, mask.bool(), gen, adv)
+    return _MicroBatch(
+        ids.to(device), attn.to(device), mask.bool().to(device), gen.to(device), adv.to(device)
+    )
 
 
 class PolicyCore:
@@ -101,7 +114,8 @@ class PolicyCore:
         torch.manual_seed(cfg.seed)
         self._cfg = cfg
         self._model_dir = Path(cfg.model_path)
-        self._model = _load_model(self._model_dir)
+        self._device = _device(cfg.device)
+        self._model = _load_model(self._model_dir, cfg.dtype, self._device)
         self._vocab_size = int(self._model.get_output_embeddings().weight.shape[0])
         self._optimizer = torch.optim.AdamW(
             self._model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay
@@ -128,6 +142,7 @@ class PolicyCore:
     def _forward_logprobs(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor
     ) -> torch.Tensor:
+        input_ids, attention_mask = input_ids.to(self._device), attention_mask.to(self._device)
         logits = self._model(input_ids=input_ids, attention_mask=attention_mask).logits
         return gather_token_logprobs(logits, input_ids)
 
@@ -142,7 +157,8 @@ class PolicyCore:
                 out.extend(lp[j, : len(row)].tolist() for j, row in enumerate(rows))
         return out
 
-    def train_step(self, batch: TrainBatch, loss_cfg: LossConfig) -> dict[str, float]:
+    def train_step(self, batch: TrainBatch, loss_fn: LossFn) -> dict[str, float]:
+        loss_fn = check_loss_fn(loss_fn)
         self._check_token_ids(batch.token_ids)
         num_tokens = batch.num_masked_tokens
         if num_tokens == 0:
@@ -151,7 +167,7 @@ class PolicyCore:
                 "placeholders?); skip the step instead of training on nothing"
             )
         parts = [
-            _prepare(batch, idx)
+            _prepare(batch, idx, self._device)
             for idx in micro_batches(batch.num_samples, self._cfg.train_micro_batch_size)
         ]
         with torch.no_grad():
@@ -163,25 +179,23 @@ class PolicyCore:
             kl_err = gen_kl_error(flat_prev, flat_gen, all_tokens)
 
         self._optimizer.zero_grad(set_to_none=True)
-        loss_sum = 0.0
-        clip_sum = 0.0
+        loss_metrics: dict[str, float] = {}
         for p, pv in zip(parts, prev):
             if not bool(p.loss_mask.any()):
                 continue  # an all-placeholder micro-batch contributes no token and no gradient
             curr = self._forward_logprobs(p.input_ids, p.attention_mask)
-            loss, m = grpo_clipped_loss(
-                curr,
-                pv,
-                None,
-                p.advantages,
-                p.loss_mask,
-                loss_cfg.ratio_clip_min,
-                loss_cfg.ratio_clip_max,
+            out = loss_fn(
+                curr_logprobs=curr,
+                prev_logprobs=pv,
+                generation_logprobs=p.generation_logprobs,
+                advantages=p.advantages,
+                mask=p.loss_mask,
                 normalizer=num_tokens,
             )
+            loss, m = check_loss_output(out, loss_fn)
             loss.backward()
-            loss_sum += m["loss"]
-            clip_sum += m["clip_fraction"]
+            for k, v in m.items():  # shares of the batch value: their sum is the batch metric
+                loss_metrics[k] = loss_metrics.get(k, 0.0) + float(v)
 
         params = [q for q in self._model.parameters() if q.grad is not None]
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self._cfg.max_grad_norm))
@@ -193,11 +207,10 @@ class PolicyCore:
             )
         self._optimizer.step()
         return {
-            "loss": loss_sum,
+            **loss_metrics,
             "grad_norm": grad_norm,
             "token_mult_prob_error": mult_err,
             "gen_kl_error": kl_err,
-            "clip_fraction": clip_sum,
             "num_tokens": float(num_tokens),
             "num_samples": float(batch.num_samples),
         }
@@ -224,7 +237,7 @@ class PolicyCore:
                 f"export dir {str(out)!r} already holds other weight files {stale}; a reload "
                 "would read them too. Export into an empty folder"
             )
-        tensors = {k: v.detach().contiguous() for k, v in self._model.state_dict().items()}
+        tensors = {k: v.detach().cpu().contiguous() for k, v in self._model.state_dict().items()}
         partial = out / (WEIGHTS_FILE + ".partial")
         save_file(tensors, str(partial), metadata={"format": "pt"})
         shutil.copyfile(self._model_dir / CONFIG_FILE, out / CONFIG_FILE)

@@ -16,12 +16,30 @@ class PolicyLoadError(PolicyError):
     """The model folder could not be loaded."""
 
 
+class PolicyDeviceError(PolicyLoadError):
+    """`policy.device` names a device this process cannot see (e.g. cuda on a CPU-only host)."""
+
+
 class TrainBatchError(PolicyError, ValueError):
     """A TrainBatch violates one of its invariants."""
 
 
 class TokenIdOutOfRangeError(PolicyError, ValueError):
     """A token id is outside the model's vocabulary."""
+
+
+class LossInputError(ValueError):
+    """The tensors given to a loss or a logprob-mismatch metric are inconsistent (shape, mask,
+    range). Not a `PolicyError`: loss implementations outside the policy (the GRPO loss) raise it
+    for their own inputs too."""
+
+
+class EmptyMaskError(LossInputError):
+    """A masked mean was asked over a mask with no selected token."""
+
+
+class LossFnError(PolicyError, TypeError):
+    """`train_step` was given something that is not a `LossFn`, or the loss broke its contract."""
 
 
 class NonFiniteGradientError(PolicyError):

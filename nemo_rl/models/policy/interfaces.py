@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 from nemo_rl.models.policy.batch import TrainBatch
-from nemo_rl.models.policy.config import LossConfig
+from nemo_rl.models.policy.loss import LossFn
 
 
 @runtime_checkable
@@ -19,8 +19,8 @@ class PolicyWorkerHandle(Protocol):
         """Per sequence, the logprob of each token given its prefix (position 0: 0.0)."""
         ...
 
-    def train_step(self, batch: TrainBatch, loss_cfg: LossConfig) -> dict[str, float]:
-        """One optimizer step on `batch`; returns the step's metrics."""
+    def train_step(self, batch: TrainBatch, loss_fn: LossFn) -> dict[str, float]:
+        """One optimizer step on `batch` with `loss_fn` (picklable); returns the step's metrics."""
         ...
 
     def export_weights(self, out_dir: str | Path) -> Path:

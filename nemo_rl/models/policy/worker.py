@@ -6,6 +6,8 @@
 - `RayPolicyClient` implements `PolicyWorkerHandle` over an actor handle: every call waits at
   most `PolicyConfig.call_timeout_s` (`PolicyWorkerTimeoutError`); a dead actor is a
   `PolicyWorkerDiedError`. The first call also waits for the actor to start (model load).
+  `train_step(batch, loss_fn)` checks `loss_fn` in the driver (`LossFnError`) before it is
+  pickled into the actor. `spawn` asks Ray for one GPU when `policy.device` is cuda.
 """
 
 from __future__ import annotations
@@ -19,13 +21,14 @@ from ray.actor import ActorHandle
 from ray.exceptions import GetTimeoutError, RayActorError
 
 from nemo_rl.models.policy.batch import TrainBatch
-from nemo_rl.models.policy.config import LossConfig, PolicyConfig
+from nemo_rl.models.policy.config import PolicyConfig
 from nemo_rl.models.policy.core import PolicyCore
 from nemo_rl.models.policy.errors import (
     PolicyWorkerDiedError,
     PolicyWorkerError,
     PolicyWorkerTimeoutError,
 )
+from nemo_rl.models.policy.loss import LossFn, check_loss_fn
 
 T = TypeVar("T")
 
@@ -47,8 +50,8 @@ class PolicyWorker:
     def get_logprobs(self, token_ids: list[list[int]]) -> list[list[float]]:
         return _guard("get_logprobs", self._core.get_logprobs, token_ids)
 
-    def train_step(self, batch: TrainBatch, loss_cfg: LossConfig) -> dict[str, float]:
-        return _guard("train_step", self._core.train_step, batch, loss_cfg)
+    def train_step(self, batch: TrainBatch, loss_fn: LossFn) -> dict[str, float]:
+        return _guard("train_step", self._core.train_step, batch, loss_fn)
 
     def export_weights(self, out_dir: str) -> str:
         return str(_guard("export_weights", self._core.export_weights, out_dir))
@@ -67,7 +70,8 @@ class RayPolicyClient:
 
     @classmethod
     def spawn(cls, cfg: PolicyConfig, name: str = "policy_worker") -> RayPolicyClient:
-        return cls(PolicyWorker.remote(cfg), cfg.call_timeout_s, name)
+        actor = PolicyWorker.options(num_gpus=1 if cfg.device == "cuda" else 0).remote(cfg)
+        return cls(actor, cfg.call_timeout_s, name)
 
     def _get(self, method: str, ref: ray.ObjectRef) -> Any:
         try:
@@ -83,8 +87,9 @@ class RayPolicyClient:
     def get_logprobs(self, token_ids: list[list[int]]) -> list[list[float]]:
         return self._get("get_logprobs", self._actor.get_logprobs.remote(token_ids))
 
-    def train_step(self, batch: TrainBatch, loss_cfg: LossConfig) -> dict[str, float]:
-        return self._get("train_step", self._actor.train_step.remote(batch, loss_cfg))
+    def train_step(self, batch: TrainBatch, loss_fn: LossFn) -> dict[str, float]:
+        loss_fn = check_loss_fn(loss_fn)
+        return self._get("train_step", self._actor.train_step.remote(batch, loss_fn))
 
     def export_weights(self, out_dir: str | Path) -> Path:
         return Path(self._get("export_weights", self._actor.export_weights.remote(str(out_dir))))

@@ -2,7 +2,8 @@
 
 Public API: `TinyModelConfig`, `build_tiny_model(cfg, out_dir, progress)`,
 `ensure_tiny_model(cfg, cache_root, progress)`, `cache_folder(cfg, cache_root)`, `cache_key(cfg)`,
-`CHAT_TEMPLATE` and its token constants. The submodules state their contracts: config
+`CHAT_TEMPLATE` and its token constants (ChatML), the template families (`FAMILIES`, `CHATML`,
+`LLAMA3`, `TemplateFamily`; chosen by `TinyModelConfig.template_family`). The submodules state their contracts: config
 (defaults), chat_template (rendering rules), tokenizer (BPE), corpus (task transcripts),
 encoding (capture-path token encoding), sft (initialisation and warm start), build (artefact
 and cache), behaviour (HF `generate` check of the two-call tool loop).
@@ -17,21 +18,29 @@ from nemo_rl.models.tiny_model.build import (
 )
 from nemo_rl.models.tiny_model.chat_template import (
     CHAT_TEMPLATE,
+    CHATML,
     EOS_TOKEN,
+    FAMILIES,
     GENERATION_PROMPT,
+    LLAMA3,
     PAD_TOKEN,
     TOOL_CALL_PATTERN,
     TURN_END,
+    TemplateFamily,
 )
 from nemo_rl.models.tiny_model.config import TinyModelConfig, config_digest
 
 __all__ = [
+    "CHATML",
     "CHAT_TEMPLATE",
     "EOS_TOKEN",
+    "FAMILIES",
     "GENERATION_PROMPT",
+    "LLAMA3",
     "PAD_TOKEN",
     "TOOL_CALL_PATTERN",
     "TURN_END",
+    "TemplateFamily",
     "TinyModelBuildError",
     "TinyModelConfig",
     "build_tiny_model",

@@ -37,7 +37,7 @@ from transformers.utils.chat_template_utils import render_jinja_template
 from nemo_rl.environments import arith_task
 from nemo_rl.models.tiny_model import chat_template, config, corpus, encoding, sft
 from nemo_rl.models.tiny_model import tokenizer as tokenizer_module
-from nemo_rl.models.tiny_model.chat_template import CHAT_TEMPLATE, EOS_TOKEN
+from nemo_rl.models.tiny_model.chat_template import FAMILIES, TemplateFamily
 from nemo_rl.models.tiny_model.config import TinyModelConfig, config_digest
 from nemo_rl.models.tiny_model.corpus import TASK_TOOLS, english_text, task_conversation
 from nemo_rl.models.tiny_model.encoding import encode_transcripts
@@ -87,8 +87,8 @@ def cache_key(cfg: TinyModelConfig) -> str:
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
 
-def _render_text(messages: list[dict]) -> str:
-    rendered, _ = render_jinja_template(conversations=[messages], tools=TASK_TOOLS, chat_template=CHAT_TEMPLATE)
+def _render_text(messages: list[dict], family: TemplateFamily) -> str:
+    rendered, _ = render_jinja_template(conversations=[messages], tools=TASK_TOOLS, chat_template=family.chat_template)
     return rendered[0]
 
 
@@ -115,14 +115,18 @@ def _build(cfg: TinyModelConfig, out_dir: Path, progress: Callable[[str], None],
     # `key` is taken before any work, so build_info names the sources the build started from.
     _check_out_dir(out_dir)
     start = time.monotonic()
+    family = FAMILIES[cfg.template_family]
     problems = arith_task.make_problems(cfg.seed, max(cfg.sft_examples, cfg.tokenizer_transcripts))
-    texts = [_render_text(task_conversation(p)) for p in problems[: cfg.tokenizer_transcripts]]
-    tokenizer = train_tokenizer(texts + english_text(cfg.english_modules), cfg.vocab_size, cfg.max_position_embeddings)
+    texts = [_render_text(task_conversation(p), family) for p in problems[: cfg.tokenizer_transcripts]]
+    tokenizer = train_tokenizer(
+        texts + english_text(cfg.english_modules), cfg.vocab_size, cfg.max_position_embeddings, family
+    )
     progress(f"tokenizer: {len(tokenizer)} tokens in {time.monotonic() - start:.1f}s")
 
-    examples = encode_transcripts(tokenizer, [task_conversation(p) for p in problems[: cfg.sft_examples]], TASK_TOOLS)
-    progress(f"encoded {len(examples)} transcripts in {time.monotonic() - start:.1f}s")
-    eos_id = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
+    conversations = [task_conversation(p) for p in problems[: cfg.sft_examples]]
+    examples = encode_transcripts(tokenizer, conversations, TASK_TOOLS, family)
+    progress(f"encoded {len(examples)} {family.name} transcripts in {time.monotonic() - start:.1f}s")
+    eos_id = tokenizer.convert_tokens_to_ids(family.eos_token)
     with deterministic_torch(cfg):
         model = init_model(cfg, eos_token_id=eos_id, pad_token_id=tokenizer.pad_token_id)
         progress(f"model: {sum(p.numel() for p in model.parameters())} parameters; sft on {len(examples)} transcripts")

@@ -1,6 +1,11 @@
-"""ChatML chat template (Jinja) with hermes/Qwen-style tool calls for the tiny model.
+"""Chat templates (Jinja) of the tiny model, one per template family: `chatml` and `llama3`.
 
-Rendering rules (what the vLLM worker and the tests rely on):
+`TemplateFamily` bundles what a family changes: its special tokens, added tool tokens, eos and
+pad tokens, the generation prompt, the end-of-turn text and the template. `FAMILIES` maps
+`TinyModelConfig.template_family` to it. The module-level constants (`CHAT_TEMPLATE`,
+`EOS_TOKEN`, ...) are the ChatML family's.
+
+ChatML rendering rules (what the vLLM worker and the tests rely on):
 - Every turn is `<|im_start|>{role}\\n{body}<|im_end|>\\n`; roles are system, developer, user,
   assistant and tool. Any other role, or a non-text content part, raises (never skipped).
 - Content is a string, None (renders empty) or a list of `{"type": "text", "text": ...}` parts
@@ -21,12 +26,27 @@ Rendering rules (what the vLLM worker and the tests rely on):
   one turn per tool message (consecutive results are never merged, which would re-render history).
 - `add_generation_prompt=True` appends `<|im_start|>assistant\\n`.
 
-Invariants: for k >= 1, rendering messages[:k] (same tools, add_generation_prompt=False) is a
+Llama-3 rendering rules (family `llama3`; tool calls as JSON, parsed by vLLM's `llama3_json`):
+- The text starts with `<|begin_of_text|>`; every turn is
+  `<|start_header_id|>{role}<|end_header_id|>\n\n{body}<|eot_id|>` (no newline after it).
+- With `tools`, the first turn is a system turn: the first message's content (when system)
+  followed by `\n\n` and a tools section listing each tool as canonical JSON (as ChatML).
+- An assistant turn is its content, then (after `\n` when content is non-empty) each tool call
+  as `{"name": <json name>, "parameters": <args>}`, calls joined by `; `; arguments rule as ChatML.
+- A tool result is an `ipython` turn whose body is the content verbatim.
+- `add_generation_prompt=True` appends `<|start_header_id|>assistant<|end_header_id|>\n\n`.
+- eos is `<|eot_id|>`, pad `<|end_of_text|>`; `<|python_tag|>` exists (vLLM's llama3_json parser
+  requires it in the vocabulary) but the template never renders it.
+
+Invariants (both families): for k >= 1, rendering messages[:k] (same tools, add_generation_prompt=False) is a
 text prefix of rendering messages[:k+m]; an assistant turn's text ends exactly with
 `<|im_end|>\\n`; nothing a turn renders depends on later messages.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
 
 ENDOFTEXT = "<|endoftext|>"
 IM_START = "<|im_start|>"
@@ -114,3 +134,121 @@ CHAT_TEMPLATE = (
 {%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}
 """
 )
+
+
+BEGIN_OF_TEXT = "<|begin_of_text|>"
+END_OF_TEXT = "<|end_of_text|>"
+START_HEADER = "<|start_header_id|>"
+END_HEADER = "<|end_header_id|>"
+EOT = "<|eot_id|>"
+PYTHON_TAG = "<|python_tag|>"
+
+_LLAMA3_TOOLS_HEADER = (
+    "You have access to the following functions. To call a function, respond with a JSON object "
+    "of the form {\\\"name\\\": function name, \\\"parameters\\\": dictionary of argument name and its value}. "
+    "Do not use variables.\\n"
+)
+
+LLAMA3_CHAT_TEMPLATE = (
+    """{%- macro render_content(content) -%}
+{%- if content is none -%}
+{%- elif content is string -%}{{- content -}}
+{%- else -%}
+{%- for part in content -%}
+{%- if part.type == 'text' -%}{{- part.text -}}
+{%- else -%}{{- raise_exception('tiny model chat template: content part type ' ~ part.type ~ ' is not supported; send text parts only') -}}
+{%- endif -%}
+{%- endfor -%}
+{%- endif -%}
+{%- endmacro -%}
+{{- '<|begin_of_text|>' -}}
+{%- if tools -%}
+{{- '<|start_header_id|>system<|end_header_id|>\\n\\n' -}}
+{%- if messages and messages[0].role == 'system' -%}{{- render_content(messages[0].content) + '\\n\\n' -}}{%- endif -%}
+{{- '"""
+    + _LLAMA3_TOOLS_HEADER
+    + """' -}}
+{%- for tool in tools -%}
+{%- set fn = tool.function if tool.function is defined else tool -%}
+{{- '\\n{"type": "function", "function": {"name": ' + (fn.name | tojson) -}}
+{%- if fn.description is defined and fn.description is not none -%}{{- ', "description": ' + (fn.description | tojson) -}}{%- endif -%}
+{%- if fn.parameters is defined and fn.parameters is not none -%}{{- ', "parameters": ' + (fn.parameters | tojson) -}}{%- endif -%}
+{{- '}}' -}}
+{%- endfor -%}
+{{- '<|eot_id|>' -}}
+{%- endif -%}
+{%- for message in messages -%}
+{%- if loop.first and tools and message.role == 'system' -%}
+{%- elif message.role in ['system', 'developer', 'user'] -%}
+{{- '<|start_header_id|>' + message.role + '<|end_header_id|>\\n\\n' + render_content(message.content) + '<|eot_id|>' -}}
+{%- elif message.role == 'assistant' -%}
+{%- set text = render_content(message.content) -%}
+{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' + text -}}
+{%- if message.tool_calls -%}
+{%- if text | length > 0 -%}{{- '\\n' -}}{%- endif -%}
+{%- for tc in message.tool_calls -%}
+{%- set fn = tc.function if tc.function is defined else tc -%}
+{%- if not loop.first -%}{{- '; ' -}}{%- endif -%}
+{{- '{"name": ' + (fn.name | tojson) + ', "parameters": ' -}}
+{%- if fn.arguments is string -%}{{- fn.arguments -}}{%- else -%}{{- fn.arguments | tojson -}}{%- endif -%}
+{{- '}' -}}
+{%- endfor -%}
+{%- endif -%}
+{{- '<|eot_id|>' -}}
+{%- elif message.role == 'tool' -%}
+{{- '<|start_header_id|>ipython<|end_header_id|>\\n\\n' + render_content(message.content) + '<|eot_id|>' -}}
+{%- else -%}
+{{- raise_exception('tiny model chat template: message role ' ~ message.role ~ ' is not supported; use system, developer, user, assistant or tool') -}}
+{%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' -}}{%- endif -%}
+"""
+)
+
+TemplateFamilyName = Literal["chatml", "llama3"]
+
+
+@dataclass(frozen=True)
+class TemplateFamily:
+    """What a chat-template family changes in the tiny model."""
+
+    name: str
+    chat_template: str
+    special_tokens: tuple[str, ...]  # special: dropped by skip_special_tokens
+    tool_tokens: tuple[str, ...]  # added, not special: kept in decoded text for the tool parser
+    eos_token: str
+    pad_token: str
+    generation_prompt: str
+    turn_end: str  # what follows an assistant turn's content; begins with eos_token
+    tool_call_parser: str  # vLLM's parser name for this family's tool-call format
+
+    def __post_init__(self) -> None:
+        if not self.turn_end.startswith(self.eos_token):
+            raise ValueError(f"family {self.name}: turn_end {self.turn_end!r} must begin with eos {self.eos_token!r}")
+
+
+CHATML = TemplateFamily(
+    name="chatml",
+    chat_template=CHAT_TEMPLATE,
+    special_tokens=SPECIAL_TOKENS,
+    tool_tokens=TOOL_TOKENS,
+    eos_token=EOS_TOKEN,
+    pad_token=PAD_TOKEN,
+    generation_prompt=GENERATION_PROMPT,
+    turn_end=TURN_END,
+    tool_call_parser="hermes",
+)
+
+LLAMA3 = TemplateFamily(
+    name="llama3",
+    chat_template=LLAMA3_CHAT_TEMPLATE,
+    special_tokens=(END_OF_TEXT, BEGIN_OF_TEXT, START_HEADER, END_HEADER, EOT, PYTHON_TAG),
+    tool_tokens=(),
+    eos_token=EOT,
+    pad_token=END_OF_TEXT,
+    generation_prompt=f"{START_HEADER}assistant{END_HEADER}\n\n",
+    turn_end=EOT,
+    tool_call_parser="llama3_json",
+)
+
+FAMILIES: dict[str, TemplateFamily] = {f.name: f for f in (CHATML, LLAMA3)}

@@ -5,6 +5,10 @@ Contract:
   two builds from equal configs on the same software stack produce byte-identical files.
 - `config_digest(cfg)` is a stable hex digest of the config fields (the build cache combines it
   with a digest of the builder's sources and library versions, see `build.cache_key`).
+- `template_family` picks the chat-template family (`chatml`: `<|im_start|>`/`<|im_end|>` turns,
+  hermes `<tool_call>` blocks; `llama3`: header turns ending `<|eot_id|>`, JSON tool calls): it
+  changes the special tokens, the template and so the rendered SFT corpus, and (as a config
+  field) the cache key.
 - There is deliberately no `tie_word_embeddings` knob: the model is always untied, because
   vLLM's CPU backend keeps a packed copy of `lm_head` that a refit of a tied model leaves stale.
 """
@@ -15,6 +19,8 @@ import hashlib
 import json
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from nemo_rl.models.tiny_model.chat_template import TemplateFamilyName
 
 # Local English text for the tokenizer: docstrings parsed from the source files of these
 # pure-Python standard-library modules (about 0.45 MB, enough to fill a 4096-token vocabulary).
@@ -36,6 +42,7 @@ class TinyModelConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     seed: int = 1234
+    template_family: TemplateFamilyName = "chatml"
 
     # Tokenizer.
     vocab_size: int = Field(default=4096, ge=512)

@@ -3,15 +3,16 @@
 Contract:
 - `render(tokenizer, messages, tools, add_generation_prompt)` is the tokenizer's chat template
   applied as text (no tokenization).
-- `encode_transcript(tokenizer, messages, tools)` (batched: `encode_transcripts`) returns
+- `encode_transcript(tokenizer, messages, tools, family)` (batched: `encode_transcripts`) returns
   `EncodedTranscript(ids, loss_mask)` built segment by segment, as the generation worker builds
-  a multi-turn prompt: the rendered prompt up to `<|im_start|>assistant\\n`, then the
-  assistant's body up to and including `<|im_end|>` encoded on its own (these are the tokens
-  the model generates; loss_mask True), then the next rendered tail starting with the `\\n`
-  that closes the turn, and so on.
+  a multi-turn prompt: the rendered prompt up to the generation prompt (ChatML
+  `<|im_start|>assistant\\n`), then the assistant's body up to and including the family's eos
+  (`<|im_end|>`, `<|eot_id|>`) encoded on its own (these are the tokens the model generates;
+  loss_mask True), then the next rendered tail starting right after the eos (ChatML: the `\\n`
+  that closes the turn; Llama-3: the next header), and so on.
 - It checks the template invariants it relies on and raises `TemplateInvariantError` naming
   the message index when they do not hold: each prompt extends the text already encoded, and
-  each assistant turn ends with `<|im_end|>\\n`.
+  each assistant turn ends with the family's `turn_end` (ChatML `<|im_end|>\\n`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 
 from transformers import PreTrainedTokenizerBase
 
-from nemo_rl.models.tiny_model.chat_template import TURN_END
+from nemo_rl.models.tiny_model.chat_template import CHATML, TemplateFamily
 
 
 class TemplateInvariantError(ValueError):
@@ -54,7 +55,7 @@ def render(
 
 
 def transcript_segments(
-    tokenizer: PreTrainedTokenizerBase, messages: list[dict], tools: list[dict] | None
+    tokenizer: PreTrainedTokenizerBase, messages: list[dict], tools: list[dict] | None, family: TemplateFamily = CHATML
 ) -> list[tuple[str, bool]]:
     """The transcript as (text, is_assistant_body) segments in capture-path order."""
     segments: list[tuple[str, bool]] = []
@@ -69,19 +70,24 @@ def transcript_segments(
                 f"message {k}: rendering messages[:{k}] is not a prefix of messages[:{k + 1}]; "
                 "the chat template re-renders history"
             )
-        if not turn.endswith(TURN_END):
-            raise TemplateInvariantError(f"message {k}: assistant turn does not end with {TURN_END!r}")
+        if not turn.endswith(family.turn_end):
+            raise TemplateInvariantError(f"message {k}: assistant turn does not end with {family.turn_end!r}")
+        # The model samples through its eos; whatever the turn end renders after it is tail text.
+        sampled_end = len(turn) - len(family.turn_end) + len(family.eos_token)
         segments.append((prompt[len(consumed) :], False))
-        segments.append((turn[len(prompt) : -1], True))
-        consumed = turn[:-1]
+        segments.append((turn[len(prompt) : sampled_end], True))
+        consumed = turn[:sampled_end]
     return segments
 
 
 def encode_transcripts(
-    tokenizer: PreTrainedTokenizerBase, conversations: list[list[dict]], tools: list[dict] | None
+    tokenizer: PreTrainedTokenizerBase,
+    conversations: list[list[dict]],
+    tools: list[dict] | None,
+    family: TemplateFamily = CHATML,
 ) -> list[EncodedTranscript]:
     """`encode_transcript` for many conversations with one batched tokenizer call."""
-    per_conversation = [transcript_segments(tokenizer, messages, tools) for messages in conversations]
+    per_conversation = [transcript_segments(tokenizer, messages, tools, family) for messages in conversations]
     texts = [text for segments in per_conversation for text, _ in segments]
     encoded = iter(tokenizer(texts, add_special_tokens=False)["input_ids"]) if texts else iter(())
     out: list[EncodedTranscript] = []
@@ -97,6 +103,6 @@ def encode_transcripts(
 
 
 def encode_transcript(
-    tokenizer: PreTrainedTokenizerBase, messages: list[dict], tools: list[dict] | None
+    tokenizer: PreTrainedTokenizerBase, messages: list[dict], tools: list[dict] | None, family: TemplateFamily = CHATML
 ) -> EncodedTranscript:
-    return encode_transcripts(tokenizer, [messages], tools)[0]
+    return encode_transcripts(tokenizer, [messages], tools, family)[0]

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from nemo_rl.algorithms.grpo import (
     ADVANTAGE_EPS,
+    ClippedPGLossFn,
     EmptyMaskError,
     GRPOInputError,
     compute_group_advantages,
@@ -171,6 +172,22 @@ def test_loss_input_errors() -> None:
         grpo_clipped_loss(x, _t([[-1.0]]), None, _t([1.0]), _t([[0, 1]]), 0.2, 0.2)
     with pytest.raises(GRPOInputError, match="ratio_clip_min=1.0"):
         grpo_clipped_loss(x, x, None, _t([1.0]), _t([[0, 1]]), 1.0, 0.2)
+
+
+def test_clipped_pg_loss_fn_is_grpo_clipped_loss() -> None:
+    prev = _t([[-1.0, -2.0, -1.0], [-0.5, -3.0, 0.0]])
+    curr = prev + torch.log(_t([[1.5, 0.5, 1.0], [0.5, 1.5, 1.0]]))
+    adv, mask = _t([1.0, -1.0]), _t([[1, 1, 0], [1, 1, 0]]).bool()
+    fn = ClippedPGLossFn(ratio_clip_min=0.2, ratio_clip_max=0.28)
+    loss, metrics = fn(curr_logprobs=curr, prev_logprobs=prev, generation_logprobs=torch.zeros_like(prev),
+                       advantages=adv, mask=mask, normalizer=6)
+    ref_loss, ref = grpo_clipped_loss(curr, prev, None, adv, mask, 0.2, 0.28, normalizer=6)
+    assert torch.equal(loss, ref_loss)
+    assert metrics == {"loss": ref["loss"], "clip_fraction": ref["clip_fraction"]}
+    with pytest.raises(GRPOInputError, match=r"loss_fn.ratio_clip_min=1.0"):
+        ClippedPGLossFn(ratio_clip_min=1.0, ratio_clip_max=0.2)
+    with pytest.raises(GRPOInputError, match=r"loss_fn.ratio_clip_max=-0.1"):
+        ClippedPGLossFn(ratio_clip_min=0.2, ratio_clip_max=-0.1)
 
 
 @st.composite

@@ -269,7 +269,10 @@ async def test_capture_run_stages_both_turns_and_serves_the_manifest(tmp_path: P
 
 async def test_start_failure_names_the_server_and_quotes_its_log(tmp_path: Path, monkeypatch) -> None:
     def broken_specs(
-        ports: launch.ServerPorts, capture: launch.CaptureWiring | None = None, agent: str = "simple_agent"
+        ports: launch.ServerPorts,
+        capture: launch.CaptureWiring | None = None,
+        agent: str = "simple_agent",
+        resources_server: launch.ResourcesServer = launch.ARITH,
     ) -> tuple[launch.ServerSpec, ...]:
         return (launch.ServerSpec(launch.GATE, "nemo_rl.environments.no_such_module", ports.gate),)
 

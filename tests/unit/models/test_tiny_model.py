@@ -28,7 +28,7 @@ from nemo_rl.models.tiny_model import (
 )
 from nemo_rl.models.tiny_model.behaviour import Sampling, parse_calculator_call, run_episode
 from nemo_rl.models.tiny_model.build import cache_folder, cache_key, default_cache_root
-from nemo_rl.models.tiny_model.chat_template import SPECIAL_TOKENS, TOOL_TOKENS
+from nemo_rl.models.tiny_model.chat_template import LLAMA3, SPECIAL_TOKENS, TOOL_TOKENS
 from nemo_rl.models.tiny_model.corpus import TASK_TOOLS, CorpusError, english_text, task_conversation
 from nemo_rl.models.tiny_model.encoding import encode_transcript, render
 from nemo_rl.models.tiny_model.sft import collate, deterministic_torch, init_model, masked_loss
@@ -472,3 +472,97 @@ def test_ensure_rejects_a_folder_with_a_foreign_digest(built: Path, tmp_path: Pa
     (folder / "build_info.json").write_text(json.dumps(info))
     with pytest.raises(TinyModelBuildError, match="delete the folder"):
         ensure_tiny_model(SMALL, tmp_path, progress=lambda _: None)
+
+
+# --- second template family: Llama-3 headers, JSON tool calls ----------------------------
+
+SMALL_LLAMA3 = SMALL.model_copy(update={"template_family": "llama3"})
+
+EXPECTED_LLAMA3_TASK_TEXT = (
+    "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\n"
+    "You are a careful assistant. Use the calculator tool, then state the answer.\n\n"
+    "You have access to the following functions. To call a function, respond with a JSON object of the form "
+    '{"name": function name, "parameters": dictionary of argument name and its value}. Do not use variables.\n\n'
+    '{"type": "function", "function": {"name": "calculator", "description": "Evaluate an integer '
+    'expression with + - *.", "parameters": {"type": "object", "properties": {"expression": '
+    '{"type": "string"}}, "required": ["expression"]}}}<|eot_id|>'
+    "<|start_header_id|>user<|end_header_id|>\n\nWhat is 14 + 11 * 4?<|eot_id|>"
+    "<|start_header_id|>assistant<|end_header_id|>\n\n"
+    '{"name": "calculator", "parameters": {"expression": "14 + 11 * 4"}}<|eot_id|>'
+    "<|start_header_id|>ipython<|end_header_id|>\n\n58<|eot_id|>"
+    "<|start_header_id|>assistant<|end_header_id|>\n\nThe answer is 58.<|eot_id|>"
+)
+
+
+@pytest.fixture(scope="module")
+def llama3_built(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model(SMALL_LLAMA3, tmp_path_factory.mktemp("tiny_llama3") / "model", progress=lambda _: None)
+
+
+@pytest.fixture(scope="module")
+def llama3_tokenizer(llama3_built: Path) -> PreTrainedTokenizerFast:
+    return AutoTokenizer.from_pretrained(llama3_built)
+
+
+def test_llama3_transcript_renders_exactly_and_round_trips(llama3_tokenizer: PreTrainedTokenizerFast) -> None:
+    text = render(llama3_tokenizer, task_conversation(PROBLEM), TASK_TOOLS, add_generation_prompt=False)
+    assert text == EXPECTED_LLAMA3_TASK_TEXT
+    assert llama3_tokenizer.decode(_ids(llama3_tokenizer, text)) == text
+
+
+def test_llama3_tokenizer_tokens(llama3_built: Path, llama3_tokenizer: PreTrainedTokenizerFast) -> None:
+    for token in LLAMA3.special_tokens:
+        assert len(_ids(llama3_tokenizer, token)) == 1
+    assert llama3_tokenizer.eos_token == "<|eot_id|>"
+    assert llama3_tokenizer.pad_token == "<|end_of_text|>"
+    assert llama3_tokenizer.bos_token is None
+    assert "<|im_end|>" not in llama3_tokenizer.get_vocab()
+    info = json.loads((llama3_built / "build_info.json").read_text())
+    assert info["config"]["template_family"] == "llama3"
+    eos = llama3_tokenizer.convert_tokens_to_ids("<|eot_id|>")
+    assert json.loads((llama3_built / "generation_config.json").read_text())["eos_token_id"] == eos
+
+
+def test_llama3_multi_turn_history_is_a_prefix_and_turns_end_with_eot(llama3_tokenizer: PreTrainedTokenizerFast) -> None:
+    full = render(llama3_tokenizer, MULTI_TURN, TASK_TOOLS, add_generation_prompt=False)
+    for k in range(1, len(MULTI_TURN) + 1):
+        text = render(llama3_tokenizer, MULTI_TURN[:k], TASK_TOOLS, add_generation_prompt=False)
+        assert full.startswith(text) and text.endswith(LLAMA3.turn_end)
+        assert render(llama3_tokenizer, MULTI_TURN[:k], TASK_TOOLS, True) == text + LLAMA3.generation_prompt
+    assert render(llama3_tokenizer, MULTI_TURN[:5], TASK_TOOLS, False).endswith(
+        "<|start_header_id|>assistant<|end_header_id|>\n\nChecking twice.\n"
+        '{"name": "calculator", "parameters": {"expression": "2 + 1"}}; '
+        '{"name": "calculator", "parameters": {"expression":"3"}}<|eot_id|>'
+    )
+
+
+@settings(max_examples=40, deadline=None)
+@given(messages=st.lists(_message, min_size=1, max_size=6), with_tools=st.booleans())
+def test_llama3_prefix_property_holds_for_any_conversation(
+    llama3_tokenizer: PreTrainedTokenizerFast, messages: list[dict], with_tools: bool
+) -> None:
+    tools = TASK_TOOLS if with_tools else None
+    full = render(llama3_tokenizer, messages, tools, False)
+    for k in range(1, len(messages) + 1):
+        text = render(llama3_tokenizer, messages[:k], tools, False)
+        assert full.startswith(text) and text.endswith(LLAMA3.turn_end)
+
+
+def test_llama3_encoded_transcript_is_the_whole_text_and_masks_bodies_through_eot(
+    llama3_tokenizer: PreTrainedTokenizerFast,
+) -> None:
+    enc = encode_transcript(llama3_tokenizer, task_conversation(PROBLEM), TASK_TOOLS, LLAMA3)
+    # Nothing follows <|eot_id|>: the encoded segments cover the whole transcript text.
+    assert llama3_tokenizer.decode(list(enc.ids)) == EXPECTED_LLAMA3_TASK_TEXT
+    trained = [llama3_tokenizer.decode([t]) for t, m in zip(enc.ids, enc.loss_mask) if m]
+    assert "".join(trained) == (
+        '{"name": "calculator", "parameters": {"expression": "14 + 11 * 4"}}<|eot_id|>The answer is 58.<|eot_id|>'
+    )
+
+
+def test_template_family_changes_the_cache_key_and_rejects_unknown_names() -> None:
+    assert config_digest(SMALL) != config_digest(SMALL_LLAMA3)
+    assert cache_key(SMALL) != cache_key(SMALL_LLAMA3)
+    assert TinyModelConfig().template_family == "chatml"
+    with pytest.raises(ValueError, match="template_family"):
+        TinyModelConfig(template_family="mistral")

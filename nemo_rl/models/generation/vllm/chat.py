@@ -1,15 +1,31 @@
 """Pure chat-completions logic of the vLLM worker: prompts, token-in tails, tool calls, responses.
 
+Works for any chat model: rendering comes from the model's own chat template (its tokenizer),
+the end-of-turn text from probing that template, tool calls from a named parser. No vLLM import
+(this module is importable in the driver venv).
+
 Contract:
 - `render_root_prompt` renders the whole conversation with the model's chat template (ROOT calls,
   and every call when capture is off): prompt ids = tokenize(template(messages, tools) + gen prompt).
-- `render_token_in_tail` never re-tokenizes history: it renders only the text that follows the
-  parent's last sampled token (the end of the last assistant turn) up to and including the
-  generation prompt. The caller prepends the parent's exact ids. It raises `TailRenderError`
-  when the template does not re-render history as a stable text prefix (then exact custody is
-  impossible and the worker reports `capture_failed`).
-- `parse_tool_calls` turns `<tool_call>{json}</tool_call>` blocks of generated text into OpenAI
-  `tool_calls`; malformed blocks stay plain text (never guessed).
+- `derive_turn_end(tokenizer)` is the text the template appends after an assistant turn's content
+  (ChatML `<|im_end|>\n`, Llama-3 `<|eot_id|>`), found by rendering a probe conversation whose
+  last assistant turn holds a sentinel. A template that appends nothing, or drops the sentinel,
+  raises `TemplateProbeError`.
+- `sampled_turn_close(tokenizer, prefix_ids)` is the text of the stop token the parent's sampled
+  ids end with (its eos), or "" when the turn was cut (max_tokens).
+- `render_token_in_tail` never re-tokenizes history: it renders the conversation up to and
+  including the last assistant turn (`history`) and the full conversation with the generation
+  prompt (`full`), requires `history` to be a text prefix of `full` and to end with `turn_end`,
+  and returns the ids of `full` after the parent's last SAMPLED token: after the sampled close
+  text when the turn ended on its stop token (which must begin `turn_end`), else from the start
+  of `turn_end` (closing a cut turn). The caller prepends the parent's exact ids. Any violation
+  is a `TailRenderError` (then exact custody is impossible and the worker reports
+  `capture_failed`, never a silently different prompt).
+- Tool calls: `TOOL_CALL_PARSERS` maps vLLM's parser names (`hermes`, `llama3_json`) to pure
+  `text -> ParsedAssistant` functions with vLLM's semantics; malformed calls stay plain text
+  (never guessed). `get_tool_call_parser(name)` raises `UnknownToolCallParser`.
+- `generated_text` decodes the sampled ids without special tokens (vLLM's default), so stop and
+  control tokens never reach the parser or the reply's content.
 - `build_chat_completion` makes the engine-native OpenAI response: one choice, a unique id, the
   token echo (`prompt_token_ids`, choice `token_ids`, logprobs as `token_id:N`) when asked.
 """
@@ -20,12 +36,19 @@ import json
 import re
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
-IM_END = "<|im_end|>"
-_TOOL_CALL_RE = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.DOTALL)
-_STRIP_TOKENS = ("<|im_end|>", "<|endoftext|>")
+from jinja2 import TemplateError
+
+ToolCallParserName = Literal["hermes", "llama3_json"]
+
+# Sentinel assistant content of the end-of-turn probe (no whitespace: templates may trim).
+TURN_END_PROBE = "NRL-TURN-END-PROBE-7f3a"
+_HERMES_RE = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.DOTALL)
+_LLAMA3_CALL_START_RE = re.compile(r"\{")
+_JSON_DECODER = json.JSONDecoder()
 
 
 class ChatTemplateTokenizer(Protocol):
@@ -46,6 +69,14 @@ class TailRenderError(ValueError):
     """The conversation cannot be split into exact parent prefix + newly rendered tail."""
 
 
+class TemplateProbeError(ValueError):
+    """The chat template does not mark the end of an assistant turn in a way that can be found."""
+
+
+class UnknownToolCallParser(ValueError):
+    """`generation.tool_call_parser` names no parser of `TOOL_CALL_PARSERS`."""
+
+
 @dataclass(frozen=True)
 class ParsedAssistant:
     content: str | None
@@ -53,7 +84,7 @@ class ParsedAssistant:
 
 
 def normalize_messages(messages: Any) -> list[dict]:
-    """Validate chat messages and map `developer` to `system` (ChatML has no developer role)."""
+    """Validate chat messages and map `developer` to `system` (chat templates rarely render a developer role)."""
     if not isinstance(messages, list) or not messages:
         raise InvalidChatRequest(f"messages must be a non-empty list, got {type(messages).__name__}")
     out: list[dict] = []
@@ -87,12 +118,55 @@ def render_root_prompt(tokenizer: ChatTemplateTokenizer, messages: list[dict], t
     return tokenizer.encode(text, add_special_tokens=False)
 
 
+def derive_turn_end(tokenizer: ChatTemplateTokenizer) -> str:
+    """The text the chat template appends after an assistant turn's content.
+
+    Rendered from a probe conversation (user, assistant=sentinel) without generation prompt:
+    whatever follows the sentinel is the end-of-turn text.
+    """
+    probe = [{"role": "user", "content": "probe"}, {"role": "assistant", "content": TURN_END_PROBE}]
+    try:
+        text = render_text(tokenizer, probe, None, gen_prompt=False)
+    except TemplateError as e:
+        raise TemplateProbeError(f"the chat template cannot render a user/assistant probe: {e}") from e
+    at = text.rfind(TURN_END_PROBE)
+    if at < 0:
+        raise TemplateProbeError("the chat template drops the assistant content of the probe turn")
+    turn_end = text[at + len(TURN_END_PROBE) :]
+    if not turn_end:
+        raise TemplateProbeError("the chat template appends nothing after an assistant turn: turns cannot be delimited")
+    return turn_end
+
+
+def sampled_turn_close(tokenizer: ChatTemplateTokenizer, prefix_ids: list[int]) -> str:
+    """Text of the stop (eos) token ending the parent's sampled ids; "" for a turn cut by max_tokens."""
+    if not prefix_ids or prefix_ids[-1] != tokenizer.eos_token_id:
+        return ""
+    return tokenizer.decode([prefix_ids[-1]], skip_special_tokens=False)
+
+
+def tail_boundary(history: str, full: str, *, turn_end: str, sampled_close: str) -> int:
+    """Offset in `full` right after the parent's last sampled token (pure text rule)."""
+    if not full.startswith(history):
+        raise TailRenderError("the chat template re-renders history differently once later turns are added")
+    if not history.endswith(turn_end):
+        raise TailRenderError(f"the rendered assistant turn does not end with the template's end-of-turn {turn_end!r}")
+    if not turn_end.startswith(sampled_close):
+        raise TailRenderError(
+            f"the parent's turn ended on {sampled_close!r}, which does not begin the template's end-of-turn {turn_end!r}"
+        )
+    # A turn that ended on its stop token already holds that token's text among the sampled ids;
+    # a turn cut by max_tokens does not, so the tail must close it with the whole end-of-turn.
+    return len(history) - len(turn_end) + len(sampled_close)
+
+
 def render_token_in_tail(
     tokenizer: ChatTemplateTokenizer,
     messages: list[dict],
     tools: list[dict] | None,
     *,
-    prefix_ends_with_eos: bool,
+    turn_end: str,
+    sampled_close: str,
 ) -> list[int]:
     """Token ids of everything after the parent's last sampled token, through the gen prompt."""
     last_assistant = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=None)
@@ -100,37 +174,28 @@ def render_token_in_tail(
         raise TailRenderError("a token_in call must carry the parent's assistant turn in messages")
     history = render_text(tokenizer, messages[: last_assistant + 1], tools, gen_prompt=False)
     full = render_text(tokenizer, messages, tools, gen_prompt=True)
-    if not full.startswith(history):
-        raise TailRenderError("the chat template re-renders history differently once later turns are added")
-    end = history.rfind(IM_END)
-    if end < 0:
-        raise TailRenderError(f"the rendered assistant turn does not end with {IM_END}")
-    # A turn that ended on EOS already holds <|im_end|> among the sampled ids; a turn cut by
-    # max_tokens does not, so the tail must close it.
-    boundary = end + len(IM_END) if prefix_ends_with_eos else end
-    tail = full[boundary:]
+    tail = full[tail_boundary(history, full, turn_end=turn_end, sampled_close=sampled_close) :]
     if not tail:
         raise TailRenderError("nothing to render after the parent's turn")
     return tokenizer.encode(tail, add_special_tokens=False)
 
 
-def parse_tool_calls(text: str) -> ParsedAssistant:
+def _function_call(name: str, arguments: str) -> dict:
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def parse_hermes(text: str) -> ParsedAssistant:
+    """`<tool_call>{"name", "arguments": {...}}</tool_call>` blocks; the rest (stripped) is content."""
     calls: list[dict] = []
     spans: list[tuple[int, int]] = []
-    for m in _TOOL_CALL_RE.finditer(text):
+    for m in _HERMES_RE.finditer(text):
         try:
             obj = json.loads(m.group(1))
         except json.JSONDecodeError:
             continue
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not isinstance(obj.get("arguments"), dict):
             continue
-        calls.append(
-            {
-                "id": f"call_{uuid.uuid4().hex[:24]}",
-                "type": "function",
-                "function": {"name": obj["name"], "arguments": json.dumps(obj["arguments"])},
-            }
-        )
+        calls.append(_function_call(obj["name"], json.dumps(obj["arguments"])))
         spans.append(m.span())
     remaining = text
     for start, end in reversed(spans):
@@ -139,11 +204,52 @@ def parse_tool_calls(text: str) -> ParsedAssistant:
     return ParsedAssistant(content=remaining or (None if calls else ""), tool_calls=calls)
 
 
+def parse_llama3_json(text: str) -> ParsedAssistant:
+    """vLLM's `llama3_json`: every top-level JSON object `{"name", "arguments"|"parameters"}` in the
+    text is a call (separators such as `; ` and surrounding text are dropped; content None).
+    If any `{` does not open such an object, the whole text stays content and nothing is called.
+    """
+    calls: list[dict] = []
+    end = -1
+    for m in _LLAMA3_CALL_START_RE.finditer(text):
+        if m.start() <= end:
+            continue
+        try:
+            obj, length = _JSON_DECODER.raw_decode(text[m.start() :])
+        except json.JSONDecodeError:
+            return ParsedAssistant(content=text, tool_calls=[])
+        end = m.start() + length
+        args = obj.get("arguments", obj.get("parameters")) if isinstance(obj, dict) else None
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not isinstance(args, dict):
+            return ParsedAssistant(content=text, tool_calls=[])
+        calls.append(_function_call(obj["name"], json.dumps(args, ensure_ascii=False)))
+    if calls:
+        return ParsedAssistant(content=None, tool_calls=calls)
+    return ParsedAssistant(content=text, tool_calls=[])
+
+
+TOOL_CALL_PARSERS: dict[str, Callable[[str], ParsedAssistant]] = {
+    "hermes": parse_hermes,
+    "llama3_json": parse_llama3_json,
+}
+
+
+def get_tool_call_parser(name: str) -> Callable[[str], ParsedAssistant]:
+    try:
+        return TOOL_CALL_PARSERS[name]
+    except KeyError:
+        raise UnknownToolCallParser(
+            f"tool_call_parser={name!r} is not one of {sorted(TOOL_CALL_PARSERS)}; set generation.tool_call_parser"
+        ) from None
+
+
+def parse_tool_calls(text: str, parser: str) -> ParsedAssistant:
+    """Parse generated text with the named parser (see `TOOL_CALL_PARSERS`)."""
+    return get_tool_call_parser(parser)(text)
+
+
 def generated_text(tokenizer: ChatTemplateTokenizer, token_ids: list[int]) -> str:
-    text = tokenizer.decode(token_ids, skip_special_tokens=False)
-    for tok in _STRIP_TOKENS:
-        text = text.replace(tok, "")
-    return text
+    return tokenizer.decode(token_ids, skip_special_tokens=True)
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from nemo_rl.models.generation.vllm.chat import ToolCallParserName
 
 
 class VllmConfig(BaseModel):
@@ -22,6 +24,34 @@ class VllmConfig(BaseModel):
     call_timeout_s: float = Field(120.0, gt=0, description="Deadline of control calls (refit, records).")
     max_records: int = Field(20000, gt=0, description="Engine sample records kept for audits (bounded).")
 
+    # --- GPU flavor knobs (examples/configs/grpo_capture_gpu.yaml; docs: "GPU configuration") ---
+    # On flavor=gpu the KV cache is sized by gpu_memory_utilization and kv_cache_memory_bytes
+    # (a CPU-engine knob) is not passed to vLLM; omp_threads_bind is CPU-only as well.
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="Engine dtype; anything but float32 needs flavor=gpu (must equal policy.dtype)."
+    )
+    tensor_parallel_size: int = Field(1, ge=1, description="GPUs per engine (tensor parallel); >1 needs flavor=gpu.")
+    gpu_memory_utilization: float = Field(
+        0.9, gt=0.0, le=1.0, description="Fraction of each GPU's memory vLLM may take (weights + KV cache)."
+    )
+
+    @model_validator(mode="after")
+    def _gpu_knobs_need_gpu_flavor(self) -> VllmConfig:
+        if self.flavor != "gpu":
+            if self.dtype != "float32":
+                raise ValueError(
+                    f"generation.vllm.dtype={self.dtype!r} needs generation.vllm.flavor=gpu (got "
+                    f"{self.flavor!r}); the CPU engine runs float32 (fix: set generation.vllm.flavor=gpu, "
+                    "or generation.vllm.dtype=float32)"
+                )
+            if self.tensor_parallel_size != 1:
+                raise ValueError(
+                    f"generation.vllm.tensor_parallel_size={self.tensor_parallel_size} needs "
+                    f"generation.vllm.flavor=gpu (got {self.flavor!r}) (fix: set generation.vllm.flavor=gpu, "
+                    "or generation.vllm.tensor_parallel_size=1)"
+                )
+        return self
+
 
 class GenerationConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -31,4 +61,9 @@ class GenerationConfig(BaseModel):
     temperature: float = Field(1.0, ge=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     model_name: str = Field("tiny-policy", min_length=1, description="Name served on /v1/models.")
+    tool_call_parser: ToolCallParserName = Field(
+        "hermes",
+        description="How generated text becomes tool calls (vLLM's parser names): hermes (<tool_call> JSON "
+        "blocks, ChatML/Qwen), llama3_json (bare JSON objects with name + parameters/arguments, Llama 3).",
+    )
     vllm: VllmConfig = VllmConfig()

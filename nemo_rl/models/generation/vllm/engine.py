@@ -55,6 +55,35 @@ def cpu_engine_env(cfg: VllmConfig) -> dict[str, str]:
     }
 
 
+def engine_args(model_dir: Path, cfg: VllmConfig) -> dict:
+    """`AsyncEngineArgs` keyword arguments for `cfg.flavor` (the launcher resolves auto first).
+
+    cpu (and an unresolved auto): float32, an exact KV budget (`kv_cache_memory_bytes`), the
+    in-process "uni" executor. gpu: `dtype`, `tensor_parallel_size` GPUs (the "mp" executor when
+    more than one, inside the Ray actor that reserved them), a KV cache sized by
+    `gpu_memory_utilization` (vLLM ignores that fraction when kv_cache_memory_bytes is given).
+    """
+    args = dict(
+        model=str(model_dir),
+        tokenizer=str(model_dir),
+        dtype=cfg.dtype,
+        seed=cfg.seed,
+        enforce_eager=cfg.enforce_eager,
+        max_model_len=cfg.max_model_len,
+        enable_prefix_caching=True,
+        disable_log_stats=True,
+    )
+    if cfg.flavor == "gpu":
+        tp = cfg.tensor_parallel_size
+        return {
+            **args,
+            "tensor_parallel_size": tp,
+            "gpu_memory_utilization": cfg.gpu_memory_utilization,
+            "distributed_executor_backend": "mp" if tp > 1 else "uni",
+        }
+    return {**args, "kv_cache_memory_bytes": cfg.kv_cache_memory_bytes, "distributed_executor_backend": "uni"}
+
+
 class VllmEngine:
     def __init__(self, engine, eos_token_id: int, max_model_len: int, max_records: int) -> None:
         self._engine = engine
@@ -72,18 +101,7 @@ class VllmEngine:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        args = AsyncEngineArgs(
-            model=str(model_dir),
-            tokenizer=str(model_dir),
-            dtype="float32",
-            seed=cfg.seed,
-            enforce_eager=cfg.enforce_eager,
-            max_model_len=cfg.max_model_len,
-            kv_cache_memory_bytes=cfg.kv_cache_memory_bytes,
-            distributed_executor_backend="uni",
-            enable_prefix_caching=True,
-            disable_log_stats=True,
-        )
+        args = AsyncEngineArgs(**engine_args(model_dir, cfg))
         try:
             engine = AsyncLLM.from_engine_args(args)
         except Exception as e:  # vLLM raises many types at startup; all mean "no engine".

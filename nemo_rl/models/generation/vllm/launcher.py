@@ -11,15 +11,23 @@ Worker `i` (0-based, the order of `handles`/`base_urls`) is constructed with `wo
 `take_served_async` pops what every worker served for the given rollouts and
 merge it (`merge_served`, worker order then call order); the async variant awaits the refs under
 `asyncio.wait_for(call_timeout_s)` so a driver coroutine never blocks its event loop in ray.get.
+
+Flavor and GPUs: `resolve_flavor` turns `generation.vllm.flavor` (auto|cpu|gpu) into cpu or gpu
+and, for gpu, checks that enough CUDA devices are visible (`NoGPUError` / `NotEnoughGPUsError`,
+naming the knob and the fix) before the venv build or any engine. Visibility is decided without
+initialising CUDA: NVIDIA device nodes `/dev/nvidia<N>` narrowed by `CUDA_VISIBLE_DEVICES` (not
+`torch.cuda`, which would initialise CUDA in the driver with the driver venv's torch build, and
+not `nvidia-smi`, which containers often lack). A gpu worker reserves
+`tensor_parallel_size` GPUs from Ray and receives the resolved flavor in its config.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
-import shutil
+import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,11 +40,116 @@ from nemo_rl.models.generation.vllm.worker import VllmGenerationWorker, WorkerEr
 from nemo_rl.token_capture.served import ServedCall
 from nemo_rl.utils.venvs import REPO_ROOT, ensure_venv, venv_python, vllm_spec
 
+CUDA_VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
 
-def detect_flavor(requested: str) -> str:
+
+class NoGPUError(RuntimeError):
+    """generation.vllm.flavor=gpu but no CUDA device is visible to this host's processes."""
+
+
+class NotEnoughGPUsError(NoGPUError):
+    """Fewer CUDA devices are visible than the GPU knobs ask for."""
+
+
+def nvidia_device_nodes(dev_dir: str = "/dev") -> list[str]:
+    """The per-GPU device nodes (`nvidia0`, `nvidia1`, ...) the NVIDIA driver created, sorted."""
+    try:
+        names = os.listdir(dev_dir)
+    except OSError:
+        return []
+    return sorted(n for n in names if re.fullmatch(r"nvidia\d+", n))
+
+
+def visible_gpu_count(env: Mapping[str, str], device_nodes: Sequence[str]) -> int:
+    """CUDA devices a process started here may use, decided without initialising CUDA.
+
+    No NVIDIA device node means no GPU. `CUDA_VISIBLE_DEVICES`, when set, narrows the nodes as
+    CUDA does: its entries up to the first empty or negative one (so "" and "-1" hide all).
+    """
+    if not device_nodes:
+        return 0
+    raw = env.get(CUDA_VISIBLE_DEVICES)
+    if raw is None:
+        return len(device_nodes)
+    count = 0
+    for entry in raw.split(","):
+        entry = entry.strip()
+        if not entry or entry.startswith("-"):
+            break
+        count += 1
+    return count
+
+
+def _no_gpu_reason(env: Mapping[str, str], device_nodes: Sequence[str]) -> str:
+    if not device_nodes:
+        return "no NVIDIA device node (/dev/nvidia<N>) exists on this host"
+    return f"{CUDA_VISIBLE_DEVICES}={env.get(CUDA_VISIBLE_DEVICES)!r} hides all {len(device_nodes)} device(s)"
+
+
+def check_gpu_available(
+    flavor: str,
+    gpus_needed: int = 1,
+    *,
+    env: Mapping[str, str] | None = None,
+    device_nodes: Sequence[str] | None = None,
+) -> int:
+    """For flavor=gpu: the number of visible GPUs, or `NoGPUError` / `NotEnoughGPUsError`.
+
+    Pure given `env` and `device_nodes` (default: `os.environ` and `/dev`); other flavors need
+    no GPU and return 0. Cheap: call it before anything expensive (Ray, venv build, engines).
+    """
+    if flavor != "gpu":
+        return 0
+    env = os.environ if env is None else env
+    nodes = nvidia_device_nodes() if device_nodes is None else list(device_nodes)
+    count = visible_gpu_count(env, nodes)
+    if count == 0:
+        raise NoGPUError(
+            f"generation.vllm.flavor=gpu but no CUDA device is visible: {_no_gpu_reason(env, nodes)} "
+            "(fix: run on a GPU node with the NVIDIA driver, or set generation.vllm.flavor=cpu "
+            "with generation.vllm.dtype=float32, policy.dtype=float32 and policy.device=cpu)"
+        )
+    if count < gpus_needed:
+        raise NotEnoughGPUsError(
+            f"the GPU knobs need {gpus_needed} GPU(s) but {count} are visible "
+            f"({CUDA_VISIBLE_DEVICES}={env.get(CUDA_VISIBLE_DEVICES, '<unset>')!r}, "
+            f"{len(nodes)} device node(s)) (fix: lower generation.num_workers x "
+            "generation.vllm.tensor_parallel_size (+1 for policy.device=cuda), or make more GPUs visible)"
+        )
+    return count
+
+
+def detect_flavor(requested: str, *, env: Mapping[str, str] | None = None,
+                  device_nodes: Sequence[str] | None = None) -> str:
+    """`requested` unless it is auto; auto is gpu iff at least one CUDA device is visible."""
     if requested != "auto":
         return requested
-    return "gpu" if shutil.which("nvidia-smi") and os.path.exists("/dev/nvidia0") else "cpu"
+    env = os.environ if env is None else env
+    nodes = nvidia_device_nodes() if device_nodes is None else device_nodes
+    return "gpu" if visible_gpu_count(env, nodes) > 0 else "cpu"
+
+
+def resolve_flavor(gen: GenerationConfig, *, extra_gpus: int = 0, env: Mapping[str, str] | None = None,
+                   device_nodes: Sequence[str] | None = None) -> str:
+    """The flavor the workers run ("cpu" or "gpu"), checked against the visible GPUs.
+
+    flavor=gpu needs `num_workers * tensor_parallel_size + extra_gpus` visible GPUs (pass
+    extra_gpus=1 when the policy takes a GPU too); else `NoGPUError` / `NotEnoughGPUsError`.
+    """
+    flavor = detect_flavor(gen.vllm.flavor, env=env, device_nodes=device_nodes)
+    needed = gen.num_workers * gen.vllm.tensor_parallel_size + extra_gpus
+    check_gpu_available(flavor, needed, env=env, device_nodes=device_nodes)
+    return flavor
+
+
+def worker_num_gpus(gen: GenerationConfig, flavor: str) -> int:
+    """GPUs Ray reserves per worker actor (it sets the actor's CUDA_VISIBLE_DEVICES to them)."""
+    return gen.vllm.tensor_parallel_size if flavor == "gpu" else 0
+
+
+def resolved_generation(gen: GenerationConfig, flavor: str) -> GenerationConfig:
+    """`gen` with `vllm.flavor` replaced by the resolved flavor (what the worker's engine reads)."""
+    return gen.model_copy(update={"vllm": gen.vllm.model_copy(update={"flavor": flavor})})
 
 
 def worker_env(gen: GenerationConfig, flavor: str) -> dict[str, str]:
@@ -163,16 +276,18 @@ def spawn_workers(
     the caller can point the Gym servers at it while vLLM loads. The venv build is not under the
     start-up deadline (it prints its own progress and is bounded by its installer); the rest is.
     """
-    flavor = detect_flavor(gen.vllm.flavor)
+    flavor = resolve_flavor(gen)  # NoGPUError here, before the venv build and the engines
     venv = ensure_venv(vllm_spec(flavor), progress=progress)
     deadline = time.monotonic() + gen.vllm.startup_timeout_s
     actor_cls = ray.remote(num_cpus=0)(VllmGenerationWorker)
+    worker_cfg = resolved_generation(gen, flavor).model_dump()
     handles = [
         actor_cls.options(
             name=None,
             max_concurrency=1000,
+            num_gpus=worker_num_gpus(gen, flavor),
             runtime_env={"py_executable": str(venv_python(venv)), "env_vars": worker_env(gen, flavor)},
-        ).remote(str(model_dir), gen.model_dump(), token_capture_cfg, data_plane_cfg, worker_index=i)
+        ).remote(str(model_dir), worker_cfg, token_capture_cfg, data_plane_cfg, worker_index=i)
         for i in range(gen.num_workers)
     ]
     progress(f"[generation] starting {len(handles)} vLLM worker(s) ({flavor}) from {model_dir}")

@@ -11,6 +11,10 @@ Contract (the transport, `server.py`, is a thin shell over `ChatService`):
 - Never a silently uncaptured success: if custody fails after generation (tail cannot be
   rendered exactly, staging fails or times out), the reply carries `capture_failed` coords and
   the reason is counted and kept in `capture_failures`.
+- Any chat model: prompts are the tokenizer's own chat template; the end-of-turn text used by
+  token-in tails is probed from that template once at construction (`chat.derive_turn_end`; if
+  it cannot be found every token-in call is `capture_failed`); replies are parsed with the
+  configured `tool_call_parser` (vLLM's names, `chat.TOOL_CALL_PARSERS`).
 - Caller errors are `HttpError`s with a status and a named type: 400 for an invalid request or
   admission, 503 when the staged prefix cannot be fetched, 409 when it does not match the
   admission. Generation never starts from an unverified prefix.
@@ -45,14 +49,17 @@ from nemo_rl.models.generation.vllm.chat import (
     InvalidChatRequest,
     SamplingRequest,
     TailRenderError,
+    TemplateProbeError,
     build_chat_completion,
     chat_tools,
+    derive_turn_end,
     generated_text,
+    get_tool_call_parser,
     new_request_id,
     normalize_messages,
-    parse_tool_calls,
     render_root_prompt,
     render_token_in_tail,
+    sampled_turn_close,
     sampling_from_body,
 )
 from nemo_rl.models.generation.vllm.prefix_cache import PrefixCache, PrefixError, PrefixMismatchError
@@ -165,6 +172,7 @@ class ChatService:
         model_name: str,
         default_max_tokens: int,
         max_model_len: int,
+        tool_call_parser: str,
         worker_index: int = 0,
         max_served_rollouts: int = DEFAULT_MAX_SERVED_ROLLOUTS,
     ) -> None:
@@ -172,6 +180,15 @@ class ChatService:
             raise ValueError(f"max_model_len={max_model_len}: must be >= 1")
         self._engine = engine
         self._tokenizer = tokenizer
+        self._parse_tool_calls = get_tool_call_parser(tool_call_parser)
+        # The template's end-of-turn text, probed once; if the template hides it, every token-in
+        # call is capture_failed (plain and ROOT calls are unaffected).
+        try:
+            self._turn_end: str | None = derive_turn_end(tokenizer)
+            self._turn_end_error: str | None = None
+        except TemplateProbeError as e:
+            self._turn_end, self._turn_end_error = None, str(e)
+            LOGGER.error("token-in tails cannot be rendered for this model: %s", e)
         self._model_name = model_name
         self._default_max_tokens = default_max_tokens
         self._max_model_len = max_model_len
@@ -270,8 +287,14 @@ class ChatService:
         else:
             prefix = await self._resolve_prefix(admission, body)
             try:
+                if self._turn_end is None:
+                    raise TailRenderError(f"no end-of-turn marker: {self._turn_end_error}")
                 tail = render_token_in_tail(
-                    self._tokenizer, messages, tools, prefix_ends_with_eos=bool(prefix) and prefix[-1] == self._tokenizer.eos_token_id
+                    self._tokenizer,
+                    messages,
+                    tools,
+                    turn_end=self._turn_end,
+                    sampled_close=sampled_turn_close(self._tokenizer, prefix),
                 )
                 prompt_ids, tail_error = prefix + tail, None
             except TailRenderError as e:
@@ -350,7 +373,7 @@ class ChatService:
             raise HttpError(400, "invalid_request", str(e)) from e
 
     def _response(self, result: GenerationResultLike, *, include_logprobs: bool, include_token_ids: bool) -> dict:
-        parsed = parse_tool_calls(generated_text(self._tokenizer, result.token_ids))
+        parsed = self._parse_tool_calls(generated_text(self._tokenizer, result.token_ids))
         return build_chat_completion(
             request_id=result.request_id,
             model=self._model_name,

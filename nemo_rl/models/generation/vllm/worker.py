@@ -78,6 +78,7 @@ class VllmGenerationWorker:
             model_name=self._gen.model_name,
             default_max_tokens=self._gen.max_new_tokens,
             max_model_len=self._gen.vllm.max_model_len,
+            tool_call_parser=self._gen.tool_call_parser,
             worker_index=self._worker_index,
         )
         LOGGER.warning("vLLM engine for %s up after %.1fs", self._model_dir.name, time.monotonic() - t0)

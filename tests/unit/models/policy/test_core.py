@@ -1,4 +1,6 @@
-"""PolicyCore on a tiny random untied Qwen2: logprobs, the GRPO step, export, fingerprints."""
+"""PolicyCore on a tiny random untied Qwen2: logprobs, the GRPO step, export, fingerprints.
+
+The step is driven by the GRPO loss (`ClippedPGLossFn`), handed in as the policy's LossFn."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig, Qwen2ForCausalLM
 
-from nemo_rl.algorithms.grpo import EmptyMaskError
+from nemo_rl.algorithms.grpo import ClippedPGLossFn, EmptyMaskError
 from nemo_rl.models.policy import LossConfig, PolicyConfig, PolicyWorkerHandle, TrainBatch
 from nemo_rl.models.policy.core import PolicyCore
 from nemo_rl.models.policy.errors import (
@@ -19,7 +21,7 @@ from nemo_rl.models.policy.errors import (
     WeightExportError,
 )
 
-LOSS = LossConfig()
+LOSS = ClippedPGLossFn.from_config(LossConfig())
 PROMPT = [3, 17, 42, 9]
 GEN = [77, 5, 101, 64, 12]
 SEQ = PROMPT + GEN

@@ -10,9 +10,11 @@ from pathlib import Path
 import pytest
 import ray
 
-from nemo_rl.models.policy import PolicyConfig, PolicyWorkerHandle
+from nemo_rl.algorithms.grpo import ClippedPGLossFn
+from nemo_rl.models.policy import LossConfig, PolicyConfig, PolicyWorkerHandle, TrainBatch
 from nemo_rl.models.policy.core import PolicyCore
 from nemo_rl.models.policy.errors import (
+    LossFnError,
     PolicyWorkerDiedError,
     PolicyWorkerError,
     PolicyWorkerTimeoutError,
@@ -47,6 +49,14 @@ def test_policy_worker_actor_shell(private_ray: None, tiny_model_dir: Path) -> N
     assert client.get_logprobs([[1, 2, 3]]) == local.get_logprobs([[1, 2, 3]])
     with pytest.raises(PolicyWorkerError, match="get_logprobs failed: TokenIdOutOfRangeError"):
         client.get_logprobs([[1, 999]])
+    # The loss crosses into the actor with the call (pickled) and trains exactly as in-process.
+    batch = TrainBatch(token_ids=[[1, 2, 3, 4]], token_mask=[[0, 1, 1, 1]],
+                       generation_logprobs=[[0.0] * 4], advantages=[1.0])
+    loss_fn = ClippedPGLossFn.from_config(LossConfig())
+    assert client.train_step(batch, loss_fn) == local.train_step(batch, loss_fn)
+    assert client.state_fingerprint() == local.state_fingerprint()
+    with pytest.raises(LossFnError, match="ClippedPGLossFn.from_config"):
+        client.train_step(batch, LossConfig())  # refused in the driver, before any remote call
 
     client.kill()
     with pytest.raises(PolicyWorkerDiedError, match="policy.state_fingerprint: the actor died"):

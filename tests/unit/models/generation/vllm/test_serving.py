@@ -28,6 +28,7 @@ from nemo_rl.environments import arith_task
 from nemo_rl.models.generation.vllm.chat import normalize_messages, render_root_prompt
 from nemo_rl.models.generation.vllm.prefix_cache import PrefixCache
 from nemo_rl.models.generation.vllm.serving import ChatService, HttpError, ServedRegistry, context_overflow_message
+from nemo_rl.models.tiny_model.chat_template import LLAMA3
 from nemo_rl.models.tiny_model.corpus import task_conversation
 from nemo_rl.models.tiny_model.tokenizer import train_tokenizer
 from nemo_rl.token_capture.served import ServedCall
@@ -87,7 +88,17 @@ class MemoryStaging:
         return [StagedCallBaseSnapshot.model_validate(self.records[k].model_dump(exclude={"extras"})) for k in keys]
 
 
-def _service(tokenizer, script, *, capture=True, staging=None, max_model_len=2048, worker_index=0, max_served_rollouts=100_000):
+def _service(
+    tokenizer,
+    script,
+    *,
+    capture=True,
+    staging=None,
+    max_model_len=2048,
+    worker_index=0,
+    max_served_rollouts=100_000,
+    tool_call_parser="hermes",
+):
     engine = ScriptedEngine(script)
     svc = ChatService(
         engine,
@@ -95,6 +106,7 @@ def _service(tokenizer, script, *, capture=True, staging=None, max_model_len=204
         model_name="tiny",
         default_max_tokens=16,
         max_model_len=max_model_len,
+        tool_call_parser=tool_call_parser,
         worker_index=worker_index,
         max_served_rollouts=max_served_rollouts,
     )
@@ -191,6 +203,52 @@ async def test_root_then_token_in_via_staging_chain_verifies(tokenizer):
     assert row.token_ids == engine.prompts[1] + gen2
     assert [i for i, m in zip(row.token_ids, row.token_mask) if m == 1.0] == gen1 + gen2
     assert row.weight_versions == [3, 3]
+
+
+@pytest.fixture(scope="module")
+def llama3_tokenizer():
+    texts = [json.dumps(task_conversation(p)) for p in arith_task.make_problems(0, 200)]
+    return train_tokenizer(texts, vocab_size=600, max_length=2048, family=LLAMA3)
+
+
+@pytest.mark.parametrize("cut", [False, True], ids=["eos_ended", "max_tokens_cut"])
+async def test_llama3_family_root_then_token_in_verifies_with_llama3_json(llama3_tokenizer, cut):
+    tok = llama3_tokenizer
+    call = '{"name": "calculator", "parameters": {"expression": "12 + 5"}}'
+    gen1 = tok.encode(call, add_special_tokens=False) + ([] if cut else [tok.eos_token_id])
+    gen2 = _gen(tok, "The answer is 17.")
+    svc, engine, staging = _service(tok, [gen1, gen2], tool_call_parser="llama3_json")
+
+    r1 = await svc.chat_completions({"messages": MESSAGES, "tools": TOOLS, "ng_capture": _admission("text", "c1")})
+    c1 = r1["ng_commit_coords"]
+    assert c1["disposition"] == "staged"
+    assert r1["choices"][0]["message"]["content"] is None
+    assert json.loads(r1["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"]) == {"expression": "12 + 5"}
+
+    adm2 = _admission(
+        "token_in", "c2", parent="c1", prev_len=c1["cum_len"], chain=[c1["staging_key"]], parent_hash=c1["chain_hash"]
+    )
+    r2 = await svc.chat_completions({"messages": _second_turn_messages(r1), "tools": TOOLS, "ng_capture": adm2})
+    c2 = r2["ng_commit_coords"]
+    assert c2["disposition"] == "staged"
+    assert engine.prompts[1][: c1["cum_len"]] == engine.prompts[0] + gen1
+    tail = tok.decode(engine.prompts[1][c1["cum_len"] :], skip_special_tokens=False)
+    assert tail == ("<|eot_id|>" if cut else "") + (
+        "<|start_header_id|>ipython<|end_header_id|>\n\n17<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"
+    )
+    assert r2["choices"][0]["message"] == {"role": "assistant", "content": "The answer is 17."}
+
+    records = [_call_record(c1, r1["id"], "text"), _call_record(c2, r2["id"], "token_in")]
+    receipt = RolloutReceipt(rollout_id="r1", manifest=records, terminal_model_call_id="c2", terminal_selection="declared")
+    row = verify_and_linearize(receipt, staging.fetch([c1["staging_key"], c2["staging_key"]]))
+    assert row.token_ids == engine.prompts[1] + gen2
+
+
+async def test_hermes_parser_leaves_llama3_json_replies_as_text(llama3_tokenizer):
+    call = '{"name": "calculator", "parameters": {"expression": "12 + 5"}}'
+    svc, _, _ = _service(llama3_tokenizer, [_gen(llama3_tokenizer, call)], capture=False)
+    r = await svc.chat_completions({"messages": MESSAGES, "tools": TOOLS})
+    assert r["choices"][0]["message"] == {"role": "assistant", "content": call}
 
 
 async def test_prefix_cache_fetches_each_parent_once(tokenizer):

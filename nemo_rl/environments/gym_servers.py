@@ -1,0 +1,183 @@
+"""Resolve `env.gym` (a Gym environment named as Gym names it) into what the launcher starts.
+
+Contract:
+- `package_dir(name)` is the installed `resources_servers/<name>` folder; it must hold `app.py`
+  (launched as `python -m resources_servers.<name>.app`), else `GymEnvironmentNotFoundError`.
+- `resources_block(doc, package)` finds the one top-level instance of the Gym config YAML whose
+  `resources_servers` section has the key `package`, and returns (instance name, its keys).
+  `agent_block(doc, instance)` returns the keys of the `simple_agent` instance wired to it
+  (`resources_server.name == instance`) minus the launcher's wiring keys, or `{}` if the YAML
+  wires none. Nothing else of the YAML (datasets, environment servers) is used.
+- `missing_requirements(path)` lists the requirements of a server's `requirements.txt` that this
+  venv does not satisfy, by DISTRIBUTION name (importlib.metadata), with the installed version
+  when it fails the specifier. Editable/option lines (`-e nemo-gym[dev] @ ../../`, `-r ...`) and
+  Gym itself are skipped; a line that is not a PEP 508 requirement is reported as such.
+- `dataset_path(cfg, package_dir)` resolves `package:<rel>` inside the package, or an absolute path;
+  a missing file is `GymEnvironmentNotFoundError`.
+- `resolve_gym_environment(cfg)` does all of the above (requirements first, then the dataset's
+  existence, then the YAML) and raises `GymRequirementsError` (listing every missing package)
+  before anything is launched.
+Files are only read, never copied: rows and configs stay in the installed package.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+from packaging.requirements import InvalidRequirement, Requirement
+from packaging.utils import canonicalize_name
+
+from nemo_rl.environments.nemo_gym_config import (
+    PACKAGE_DATASET_PREFIX,
+    WIRING_KEYS,
+    GymEnvironmentConfig,
+    GymEnvironmentNotFoundError,
+    GymRequirementsError,
+)
+from nemo_rl.environments.nemo_gym_launch import ResourcesServer
+
+RESOURCES_ROOT_PACKAGE = "resources_servers"
+GYM_AGENT_TYPE = "simple_agent"
+_GYM_DISTRIBUTIONS = frozenset({"nemo-gym"})
+
+
+def package_dir(name: str) -> Path:
+    """The installed folder of `resources_servers.<name>` (must contain app.py)."""
+    spec = importlib.util.find_spec(f"{RESOURCES_ROOT_PACKAGE}.{name}")
+    if spec is None or not spec.submodule_search_locations:
+        raise GymEnvironmentNotFoundError(
+            f"env.gym.resources_server={name!r}: no package {RESOURCES_ROOT_PACKAGE}.{name} is installed; "
+            f"use a folder name under {_root_hint()}"
+        )
+    folder = Path(list(spec.submodule_search_locations)[0])
+    if not (folder / "app.py").is_file():
+        raise GymEnvironmentNotFoundError(
+            f"env.gym.resources_server={name!r}: {folder} has no app.py, so it cannot be launched as "
+            f"`python -m {RESOURCES_ROOT_PACKAGE}.{name}.app`"
+        )
+    return folder
+
+
+def _root_hint() -> str:
+    spec = importlib.util.find_spec(RESOURCES_ROOT_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        return f"Gym's `{RESOURCES_ROOT_PACKAGE}` (not installed: install nemo-gym)"
+    return ", ".join(str(p) for p in spec.submodule_search_locations)
+
+
+def load_gym_yaml(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise GymEnvironmentNotFoundError(
+            f"Gym config YAML {path} does not exist; set env.gym.config_path to one of "
+            f"{sorted(p.name for p in path.parent.glob('*.yaml')) if path.parent.is_dir() else []}"
+        )
+    # Unresolved: a `${...}` left in a used block is rejected by build_global_config with its key.
+    doc = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+    if not isinstance(doc, dict):
+        raise GymEnvironmentNotFoundError(f"Gym config YAML {path} is not a mapping of server instances")
+    return doc
+
+
+def resources_block(doc: Mapping[str, Any], package: str, where: str = "<yaml>") -> tuple[str, dict[str, Any]]:
+    """(instance name, keys) of the one resources-server instance of `package` in a Gym config."""
+    found = [
+        (name, dict(body[RESOURCES_ROOT_PACKAGE][package]))
+        for name, body in doc.items()
+        if isinstance(body, Mapping)
+        and isinstance(body.get(RESOURCES_ROOT_PACKAGE), Mapping)
+        and isinstance(body[RESOURCES_ROOT_PACKAGE].get(package), Mapping)
+    ]
+    if len(found) != 1:
+        raise GymEnvironmentNotFoundError(
+            f"{where}: expected exactly one instance with `{RESOURCES_ROOT_PACKAGE}: {package}:`, found "
+            f"{[name for name, _ in found]}; point env.gym.config_path at the YAML that declares the server"
+        )
+    return found[0]
+
+
+def agent_block(doc: Mapping[str, Any], resources_instance: str) -> tuple[str | None, dict[str, Any]]:
+    """(instance name, keys minus wiring) of the simple_agent wired to `resources_instance`, or (None, {})."""
+    for name, body in doc.items():
+        agents = body.get("responses_api_agents") if isinstance(body, Mapping) else None
+        agent = agents.get(GYM_AGENT_TYPE) if isinstance(agents, Mapping) else None
+        if not isinstance(agent, Mapping):
+            continue
+        ref = agent.get("resources_server")
+        if isinstance(ref, Mapping) and ref.get("name") == resources_instance:
+            return name, {k: v for k, v in agent.items() if k not in WIRING_KEYS}
+    return None, {}
+
+
+def _unsatisfied(line: str) -> str | None:
+    """None when the venv satisfies the requirement line, else how it fails (by distribution name)."""
+    try:
+        req = Requirement(line)
+    except InvalidRequirement:
+        return f"{line!r} (not a PEP 508 requirement; install it by hand)"
+    if canonicalize_name(req.name) in _GYM_DISTRIBUTIONS:
+        return None
+    if req.marker is not None and not req.marker.evaluate():
+        return None
+    try:
+        installed = importlib.metadata.version(req.name)
+    except importlib.metadata.PackageNotFoundError:
+        return str(req)
+    if req.specifier and not req.specifier.contains(installed, prereleases=True):
+        return f"{req} (installed {installed})"
+    return None
+
+
+def missing_requirements(path: Path) -> list[str]:
+    """Requirements of `path` this venv does not satisfy (none when the file does not exist)."""
+    if not path.is_file():
+        return []
+    missing: list[str] = []
+    for raw in path.read_text().splitlines():
+        line = raw.split(" #", 1)[0].strip()
+        if not line or line.startswith(("#", "-")):
+            continue
+        problem = _unsatisfied(line)
+        if problem is not None:
+            missing.append(problem)
+    return missing
+
+
+def dataset_path(cfg: GymEnvironmentConfig, package_folder: Path) -> Path:
+    """The dataset file named by `env.gym.dataset` (must exist)."""
+    if cfg.dataset.startswith(PACKAGE_DATASET_PREFIX):
+        path = package_folder / cfg.dataset[len(PACKAGE_DATASET_PREFIX):]
+    else:
+        path = Path(cfg.dataset)
+    if not path.is_file():
+        raise GymEnvironmentNotFoundError(
+            f"env.gym.dataset={cfg.dataset!r}: {path} does not exist; the shipped example rows are "
+            "package:data/example.jsonl"
+        )
+    return path
+
+
+def resolve_gym_environment(cfg: GymEnvironmentConfig) -> ResourcesServer:
+    """The resources server + agent keys `env.gym` names; checks its extra requirements first."""
+    folder = package_dir(cfg.resources_server)
+    requirements = folder / "requirements.txt"
+    missing = missing_requirements(requirements)
+    if missing:
+        raise GymRequirementsError(cfg.resources_server, requirements, missing)
+    dataset_path(cfg, folder)  # a wrong dataset fails here, before any server starts
+    yaml_path = folder / cfg.config_relpath
+    doc = load_gym_yaml(yaml_path)
+    instance, block = resources_block(doc, cfg.resources_server, str(yaml_path))
+    agent_instance, agent_keys = agent_block(doc, instance)
+    return ResourcesServer(
+        name=instance,
+        package=cfg.resources_server,
+        module=f"{RESOURCES_ROOT_PACKAGE}.{cfg.resources_server}.app",
+        block={**block, **cfg.resources_overrides},
+        agent_name=agent_instance or f"{instance}_agent",
+        agent_block={**agent_keys, **cfg.agent_overrides},
+    )

@@ -1,0 +1,180 @@
+"""Template-generic chat logic of the worker over two template families (ChatML and Llama-3).
+
+The tokenizers are the real tiny-model tokenizers of each family (small vocabularies); the
+tail tests rebuild turn 2's prompt the way the worker does (parent's exact ids + tail) and
+compare it with the template's own rendering, for turns that ended on eos and turns cut by
+max_tokens.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from nemo_rl.environments import arith_task
+from nemo_rl.models.generation.vllm.chat import (
+    TOOL_CALL_PARSERS,
+    TailRenderError,
+    TemplateProbeError,
+    UnknownToolCallParser,
+    derive_turn_end,
+    generated_text,
+    get_tool_call_parser,
+    parse_hermes,
+    parse_llama3_json,
+    render_root_prompt,
+    render_text,
+    render_token_in_tail,
+    sampled_turn_close,
+    tail_boundary,
+)
+from nemo_rl.models.generation.vllm.config import GenerationConfig
+from nemo_rl.models.tiny_model.chat_template import CHATML, FAMILIES, LLAMA3, TemplateFamily
+from nemo_rl.models.tiny_model.corpus import TASK_TOOLS, task_conversation
+from nemo_rl.models.tiny_model.tokenizer import train_tokenizer
+
+PROBLEM = arith_task.Problem("12 + 5", 17)
+
+
+@pytest.fixture(scope="module", params=[CHATML, LLAMA3], ids=lambda f: f.name)
+def family_tokenizer(request):
+    family: TemplateFamily = request.param
+    texts = [json.dumps(task_conversation(p)) for p in arith_task.make_problems(0, 200)]
+    return family, train_tokenizer(texts, vocab_size=600, max_length=2048, family=family)
+
+
+def _ids(tokenizer, text: str) -> list[int]:
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def test_turn_end_is_derived_from_the_template(family_tokenizer):
+    family, tokenizer = family_tokenizer
+    assert derive_turn_end(tokenizer) == family.turn_end  # "<|im_end|>\n" / "<|eot_id|>"
+
+
+class _FixedTemplate:
+    """A tokenizer stand-in whose template renders a fixed string (probe failure cases)."""
+
+    eos_token_id = 0
+
+    def __init__(self, render) -> None:
+        self._render = render
+
+    def apply_chat_template(self, conversation, **kwargs):
+        return self._render(conversation)
+
+
+def test_a_template_without_end_of_turn_or_content_is_a_probe_error():
+    with pytest.raises(TemplateProbeError, match="appends nothing"):
+        derive_turn_end(_FixedTemplate(lambda msgs: "".join(m["content"] for m in msgs)))
+    with pytest.raises(TemplateProbeError, match="drops the assistant content"):
+        derive_turn_end(_FixedTemplate(lambda msgs: "<s>"))
+
+
+def _turn_two(tokenizer, family, *, cut: bool):
+    """Turn 1 sampled as the intended tool call (eos-ended, or cut just before eos)."""
+    conv = task_conversation(PROBLEM)
+    root = render_root_prompt(tokenizer, conv[:2], TASK_TOOLS)
+    turn = render_text(tokenizer, conv[:3], TASK_TOOLS, gen_prompt=False)
+    prompt = render_text(tokenizer, conv[:2], TASK_TOOLS, gen_prompt=True)
+    body = turn[len(prompt) : len(turn) - len(family.turn_end)]
+    sampled = _ids(tokenizer, body) + ([] if cut else [tokenizer.eos_token_id])
+    return conv, root + sampled
+
+
+@pytest.mark.parametrize("cut", [False, True], ids=["eos_ended", "max_tokens_cut"])
+def test_token_in_tail_continues_the_parents_ids_exactly(family_tokenizer, cut):
+    family, tokenizer = family_tokenizer
+    conv, parent = _turn_two(tokenizer, family, cut=cut)
+    close = sampled_turn_close(tokenizer, parent)
+    assert close == ("" if cut else family.eos_token)
+    tail = render_token_in_tail(tokenizer, conv[:4], TASK_TOOLS, turn_end=derive_turn_end(tokenizer), sampled_close=close)
+    full = render_text(tokenizer, conv[:4], TASK_TOOLS, gen_prompt=True)
+    # Text-exact: the parent's ids then the tail decode to the template's whole rendering.
+    assert tokenizer.decode(parent + tail, skip_special_tokens=False) == full
+    expected_tail = {
+        ("chatml", False): "\n<|im_start|>tool\n<tool_response>\n17\n</tool_response><|im_end|>\n<|im_start|>assistant\n",
+        ("llama3", False): "<|start_header_id|>ipython<|end_header_id|>\n\n17<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n",
+    }
+    decoded = tokenizer.decode(tail, skip_special_tokens=False)
+    if cut:
+        assert decoded == family.turn_end + expected_tail[(family.name, False)][len(family.turn_end) - len(family.eos_token) :]
+    else:
+        assert decoded == expected_tail[(family.name, False)]
+
+
+def test_token_in_without_an_assistant_turn_is_a_tail_error(family_tokenizer):
+    family, tokenizer = family_tokenizer
+    conv = task_conversation(PROBLEM)
+    with pytest.raises(TailRenderError, match="assistant turn"):
+        render_token_in_tail(tokenizer, conv[:2], TASK_TOOLS, turn_end=family.turn_end, sampled_close="")
+
+
+def test_tail_boundary_rules():
+    # eos-ended ChatML: after "<|im_end|>"; cut: from the start of the turn end.
+    history, full = "A<|im_end|>\n", "A<|im_end|>\nB"
+    assert tail_boundary(history, full, turn_end="<|im_end|>\n", sampled_close="<|im_end|>") == len("A<|im_end|>")
+    assert tail_boundary(history, full, turn_end="<|im_end|>\n", sampled_close="") == 1
+    with pytest.raises(TailRenderError, match="re-renders history"):
+        tail_boundary("A'<|im_end|>\n", full, turn_end="<|im_end|>\n", sampled_close="")
+    with pytest.raises(TailRenderError, match="does not end with"):
+        tail_boundary(history, full, turn_end="<|eot_id|>", sampled_close="")
+    with pytest.raises(TailRenderError, match="does not begin"):
+        tail_boundary(history, full, turn_end="<|im_end|>\n", sampled_close="<|endoftext|>")
+
+
+def test_generated_text_drops_stop_tokens_and_keeps_tool_markup(family_tokenizer):
+    family, tokenizer = family_tokenizer
+    call = {
+        "chatml": '<tool_call>\n{"name": "calculator", "arguments": {"expression": "1 + 2"}}\n</tool_call>',
+        "llama3": '{"name": "calculator", "parameters": {"expression": "1 + 2"}}',
+    }[family.name]
+    ids = _ids(tokenizer, call) + [tokenizer.eos_token_id]
+    text = generated_text(tokenizer, ids)
+    assert text == call
+    parsed = get_tool_call_parser(family.tool_call_parser)(text)
+    assert [c["function"]["name"] for c in parsed.tool_calls] == ["calculator"]
+    assert json.loads(parsed.tool_calls[0]["function"]["arguments"]) == {"expression": "1 + 2"}
+
+
+def test_hermes_parses_blocks_and_keeps_malformed_ones_as_text():
+    good = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "2 * 3"}}\n</tool_call>'
+    parsed = parse_hermes(f"Let me compute.\n{good}")
+    assert parsed.content == "Let me compute."
+    assert parsed.tool_calls[0]["function"] == {"name": "calculator", "arguments": '{"expression": "2 * 3"}'}
+    assert parse_hermes(good).content is None
+    bad = '<tool_call>\n{"name": "calculator", "arguments": "2 * 3"}\n</tool_call>'
+    assert parse_hermes(bad).tool_calls == [] and parse_hermes(bad).content == bad
+    assert parse_hermes("").content == ""
+
+
+def test_llama3_json_follows_vllm():
+    one = parse_llama3_json('{"name": "calculator", "parameters": {"expression": "2 * 3"}}')
+    assert one.content is None
+    assert one.tool_calls[0]["function"] == {"name": "calculator", "arguments": '{"expression": "2 * 3"}'}
+    two = parse_llama3_json('{"name": "a", "arguments": {"x": 1}}; {"name": "b", "parameters": {"y": {"z": 2}}}')
+    assert [c["function"]["name"] for c in two.tool_calls] == ["a", "b"]
+    assert len({c["id"] for c in two.tool_calls}) == 2
+    assert json.loads(two.tool_calls[1]["function"]["arguments"]) == {"y": {"z": 2}}
+    for text in (
+        "The answer is 17.",
+        '{"name": "calculator", "parameters": {"expression": "2 * 3"}',  # truncated (max_tokens)
+        '{"name": "calculator"}',  # no arguments
+        '{"name": "calculator", "parameters": "2 * 3"}',  # arguments not an object
+        '{"name": 3, "parameters": {}}',
+        'set {x} then {"name": "calculator", "parameters": {}}',  # a stray brace spoils the whole reply
+    ):
+        parsed = parse_llama3_json(text)
+        assert parsed.tool_calls == [] and parsed.content == text, text
+
+
+def test_parser_registry_matches_the_config_and_the_families():
+    assert set(TOOL_CALL_PARSERS) == {"hermes", "llama3_json"}
+    assert GenerationConfig().tool_call_parser == "hermes"
+    assert GenerationConfig(tool_call_parser="llama3_json").tool_call_parser == "llama3_json"
+    assert {f.tool_call_parser for f in FAMILIES.values()} <= set(TOOL_CALL_PARSERS)
+    with pytest.raises(UnknownToolCallParser, match="mistral"):
+        get_tool_call_parser("mistral")
+    with pytest.raises(ValueError, match="tool_call_parser"):
+        GenerationConfig(tool_call_parser="mistral")
