@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from nemo_rl.environments import arith_task
 from nemo_rl.models.tiny_model import TinyModelConfig, build_tiny_model, ensure_tiny_model
-from nemo_rl.models.tiny_model.behaviour import Sampling, run_episode, summarize
+from nemo_rl.environments.arith_episodes import Sampling, run_episode, summarize
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

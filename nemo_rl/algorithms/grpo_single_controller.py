@@ -1,5 +1,9 @@
 """Single-controller GRPO on Ray, training on exactly the tokens the policy sampled.
 
+The loop is four readable pieces: `setup` (everything started, in a `GRPORun`), `rollout_step`
+(dispatch + accounting), `train_step` and `refit_step`, each returning its metrics; `run_grpo`
+strings them together and stops everything on exit.
+
 Contract of one step (`run_grpo`):
 1. take `num_prompts_per_step` rows from the prompt source `env:` names (deterministic in seed and step);
 2. dispatch one group of N rollouts per problem through the `RolloutManager` (receipt mode when
@@ -26,14 +30,14 @@ import random
 import shutil
 import time
 import uuid
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from nemo_rl.algorithms.grpo import ClippedPGLossFn, compute_group_advantages
 from nemo_rl.algorithms.grpo_config import MasterConfig, policy_config
 from nemo_rl.distributed.stack import Stack, start_stack
-from nemo_rl.environments.datasets import make_prompt_source
+from nemo_rl.environments.datasets import PromptSource, make_prompt_source
 from nemo_rl.environments.nemo_gym import RowSampling
 from nemo_rl.experience.rollout_manager import RolloutManager, RolloutManagerConfig
 from nemo_rl.models.generation.vllm.launcher import resolve_flavor
@@ -154,31 +158,37 @@ def check_row_versions(groups: Sequence[GroupResult], served_version: int, step:
         )
 
 
-async def _train_and_refit(cfg: MasterConfig, step: int, step_batch: StepBatch, policy, stack: Stack,
-                           probe_state: dict, metrics: dict[str, float], weights_root: Path, progress) -> int:
-    """Train on the batch, refit every worker to version `step`; returns the version they report."""
-    with Timer("train_s", metrics):
-        progress(f"[step {step}] training on {step_batch.batch.num_samples} rows")
-        train = policy.train_step(step_batch.batch, ClippedPGLossFn.from_config(cfg.loss_fn))
-    metrics.update({f"train/{k}": v for k, v in train.items() if k not in ("token_mult_prob_error", "gen_kl_error")})
-    metrics["token_mult_prob_error"] = train["token_mult_prob_error"]
-    metrics["gen_kl_error"] = train["gen_kl_error"]
-    with Timer("refit_s", metrics):
-        out_dir = policy.export_weights(weights_root / f"step_{step}")
-        versions = stack.workers.update_weights(out_dir, step)
-        shutil.rmtree(weights_root / f"step_{step - 1}", ignore_errors=True)
-    if set(versions) != {step}:
-        raise StaleWeightsError(f"step {step}: refit to version {step} but the workers report versions {versions}")
-    engine_probe = stack.workers.prompt_logprobs(probe_state["tokens"])[0]
-    trainer_probe = policy.get_logprobs([probe_state["tokens"]])[0]
-    metrics["refit/engine_trainer_max_abs_diff"] = max(abs(a - b) for a, b in zip(engine_probe, trainer_probe))
-    metrics["refit/engine_logprob_change"] = max(abs(a - b) for a, b in zip(engine_probe, probe_state["previous"]))
-    probe_state["previous"] = engine_probe
-    return step
+@dataclass
+class GRPORun:
+    """Everything `setup` started for one run, and the state carried from step to step."""
+
+    cfg: MasterConfig
+    stack: Stack
+    policy: RayPolicyClient
+    manager: RolloutManager
+    prompts: PromptSource
+    logger: MetricsLogger
+    progress: Callable[[str], None]
+    weights_root: Path
+    probe: list[int]
+    pool: FinalizerPool | None = None
+    finalizer: TimedFinalizer | None = None
+    previous_engine_probe: list[float] = field(default_factory=list)
+    served_version: int = 0
+    worker_calls: list[int] = field(default_factory=list)
+    masked_streak: int = 0
+
+    def close(self) -> None:
+        """Stop everything this run started (idempotent per component)."""
+        self.logger.close()
+        self.policy.kill()
+        if self.pool is not None:
+            self.pool.shutdown()
+        self.stack.stop()
 
 
-async def run_grpo(cfg: MasterConfig, progress=print) -> Path:
-    """Run the loop; returns the metrics.jsonl path. Everything started is stopped on exit."""
+async def setup(cfg: MasterConfig, progress: Callable[[str], None] = print) -> GRPORun:
+    """Model, stack, policy, finalizer pool, rollout manager, prompt source; stops what it started on failure."""
     log_dir = Path(cfg.logger.log_dir)
     model_dir = Path(cfg.model.path) if cfg.model.path else ensure_tiny_model(cfg.model.tiny, progress=progress)
     pcfg = policy_config(cfg.policy, str(model_dir))
@@ -194,10 +204,8 @@ async def run_grpo(cfg: MasterConfig, progress=print) -> Path:
         num_cpus=cfg.cluster.num_cpus,
         progress=progress,
     )
-    pool: FinalizerPool | None = None
     policy: RayPolicyClient | None = None
-    logger = MetricsLogger(cfg.logger)
-    weights_root = log_dir / "weights"
+    pool: FinalizerPool | None = None
     try:
         assert stack.env is not None and stack.workers is not None
         policy = RayPolicyClient.spawn(pcfg)
@@ -222,66 +230,116 @@ async def run_grpo(cfg: MasterConfig, progress=print) -> Path:
 
         eos = AutoTokenizer.from_pretrained(str(model_dir)).eos_token_id
         probe = probe_sequence(eos, cfg.grpo.refit_probe_tokens, cfg.grpo.seed)
-        probe_state = {"tokens": probe, "previous": stack.workers.prompt_logprobs(probe)[0]}
         sampling = RowSampling(temperature=cfg.grpo.temperature, top_p=cfg.grpo.top_p, max_output_tokens=cfg.grpo.max_output_tokens)
         prompts = make_prompt_source(cfg.env, seed=cfg.grpo.seed, sampling=sampling, model_dir=model_dir,
                                      max_model_len=cfg.generation.vllm.max_model_len, progress=progress)
-        n = cfg.grpo.num_generations_per_prompt
         initial_versions = set(stack.workers.weight_versions())
         if len(initial_versions) != 1:
             raise StaleWeightsError(f"the generation workers start from different weight versions {sorted(initial_versions)}")
-        served_version = initial_versions.pop()
-        worker_calls = stack.workers.served_calls()
-        masked_streak = 0
-        for step in range(1, cfg.grpo.max_num_steps + 1):
-            metrics: dict[str, float] = {}
-            if finalizer is not None:
-                finalizer.seconds = 0.0
-            with Timer("step_s", metrics):
-                rows = prompts.batch(step, cfg.grpo.num_prompts_per_step)
-                progress(f"[step {step}] dispatching {len(rows)} groups x {n} rollouts")
-                with Timer("generation_s", metrics):
-                    groups = await asyncio.gather(
-                        *(
-                            _reported(manager.run_group(step, g, row, n), step, len(rows), progress)
-                            for g, row in enumerate(rows)
-                        )
-                    )
-                metrics["timing/finalize_s"] = finalizer.seconds if finalizer is not None else 0.0
-                calls_now = stack.workers.served_calls()
-                metrics.update(worker_call_metrics(worker_calls, calls_now))
-                worker_calls = calls_now
-                metrics.update(finalize_metrics(groups, manager.take_queue_waits_ms()))
-                metrics["finalize/orphaned_staged_keys"] = float(manager.take_orphaned_staged_keys())
-                metrics["finalize/dropped_groups"] = float(manager.take_dropped_groups())
-                metrics["finalize/served_report_failures"] = float(manager.take_served_report_failures())
-                if metrics["rollouts/dispatched"] != metrics["finalize/kept_rollouts"] + metrics["finalize/placeholders"]:
-                    raise GRPOError(f"step {step}: always-N accounting broke: {metrics}")
-                check_row_versions(groups, served_version, step)
-                step_batch = build_train_batch(groups, cfg.grpo.normalize_rewards)
-                limit = cfg.token_capture.max_consecutive_masked_steps
-                trainable = step_batch.batch is not None
-                metrics["reward/mean"] = metrics.get("reward/mean", step_batch.rewards_mean)
-                metrics["steps/masked_consecutive"] = 0.0 if trainable else float(masked_streak + 1)
-                if not trainable:
-                    progress(
-                        f"[step {step}] WARNING: every rollout became a placeholder; step skipped (no train, no refit), "
-                        f"{masked_streak + 1}/{limit} in a row. Reasons: "
-                        + ", ".join(f"{k.rsplit('/', 1)[-1]}={int(v)}" for k, v in metrics.items()
-                                    if k.startswith("finalize/placeholders/"))
-                    )
-                    if masked_streak + 1 >= limit:
-                        logger.log(step, metrics)  # the step that stops the run keeps its metrics line
-                masked_streak = next_masked_streak(masked_streak, trainable, limit, step)
-                if trainable:
-                    served_version = await _train_and_refit(
-                        cfg, step, step_batch, policy, stack, probe_state, metrics, weights_root, progress)
-            logger.log(step, metrics)
-        return logger.metrics_path
-    finally:
-        logger.close()
+        return GRPORun(
+            cfg=cfg, stack=stack, policy=policy, manager=manager, prompts=prompts, logger=MetricsLogger(cfg.logger),
+            progress=progress, weights_root=log_dir / "weights", probe=probe, pool=pool, finalizer=finalizer,
+            previous_engine_probe=stack.workers.prompt_logprobs(probe)[0], served_version=initial_versions.pop(),
+            worker_calls=stack.workers.served_calls(),
+        )
+    except BaseException:
         if policy is not None:
             policy.kill()
         if pool is not None:
             pool.shutdown()
         stack.stop()
+        raise
+
+
+async def rollout_step(run: GRPORun, step: int) -> tuple[list[GroupResult], dict[str, float]]:
+    """Dispatch this step's groups and account every rollout; returns the groups and their metrics."""
+    cfg, n = run.cfg, run.cfg.grpo.num_generations_per_prompt
+    metrics: dict[str, float] = {}
+    if run.finalizer is not None:
+        run.finalizer.seconds = 0.0
+    rows = run.prompts.batch(step, cfg.grpo.num_prompts_per_step)
+    run.progress(f"[step {step}] dispatching {len(rows)} groups x {n} rollouts")
+    with Timer("generation_s", metrics):
+        groups = list(await asyncio.gather(*(
+            _reported(run.manager.run_group(step, g, row, n), step, len(rows), run.progress)
+            for g, row in enumerate(rows)
+        )))
+    metrics["timing/finalize_s"] = run.finalizer.seconds if run.finalizer is not None else 0.0
+    calls_now = run.stack.workers.served_calls()
+    metrics.update(worker_call_metrics(run.worker_calls, calls_now))
+    run.worker_calls = calls_now
+    metrics.update(finalize_metrics(groups, run.manager.take_queue_waits_ms()))
+    metrics["finalize/orphaned_staged_keys"] = float(run.manager.take_orphaned_staged_keys())
+    metrics["finalize/dropped_groups"] = float(run.manager.take_dropped_groups())
+    metrics["finalize/served_report_failures"] = float(run.manager.take_served_report_failures())
+    if metrics["rollouts/dispatched"] != metrics["finalize/kept_rollouts"] + metrics["finalize/placeholders"]:
+        raise GRPOError(f"step {step}: always-N accounting broke: {metrics}")
+    check_row_versions(groups, run.served_version, step)
+    return groups, metrics
+
+
+def train_step(run: GRPORun, step: int, batch: TrainBatch) -> dict[str, float]:
+    """One GRPO step on the policy worker; returns train/* and the generation-mismatch metrics."""
+    metrics: dict[str, float] = {}
+    with Timer("train_s", metrics):
+        run.progress(f"[step {step}] training on {batch.num_samples} rows")
+        train = run.policy.train_step(batch, ClippedPGLossFn.from_config(run.cfg.loss_fn))
+    metrics.update({f"train/{k}": v for k, v in train.items() if k not in ("token_mult_prob_error", "gen_kl_error")})
+    metrics["token_mult_prob_error"] = train["token_mult_prob_error"]
+    metrics["gen_kl_error"] = train["gen_kl_error"]
+    return metrics
+
+
+def refit_step(run: GRPORun, step: int) -> dict[str, float]:
+    """Refit every worker to version `step`, then prove it with the probe; returns refit/* metrics."""
+    metrics: dict[str, float] = {}
+    with Timer("refit_s", metrics):
+        out_dir = run.policy.export_weights(run.weights_root / f"step_{step}")
+        versions = run.stack.workers.update_weights(out_dir, step)
+        shutil.rmtree(run.weights_root / f"step_{step - 1}", ignore_errors=True)
+    if set(versions) != {step}:
+        raise StaleWeightsError(f"step {step}: refit to version {step} but the workers report versions {versions}")
+    run.served_version = step
+    engine_probe = run.stack.workers.prompt_logprobs(run.probe)[0]
+    trainer_probe = run.policy.get_logprobs([run.probe])[0]
+    metrics["refit/engine_trainer_max_abs_diff"] = max(abs(a - b) for a, b in zip(engine_probe, trainer_probe))
+    metrics["refit/engine_logprob_change"] = max(abs(a - b) for a, b in zip(engine_probe, run.previous_engine_probe))
+    run.previous_engine_probe = engine_probe
+    return metrics
+
+
+def _report_masked(run: GRPORun, step: int, metrics: dict[str, float]) -> None:
+    limit = run.cfg.token_capture.max_consecutive_masked_steps
+    run.progress(
+        f"[step {step}] WARNING: every rollout became a placeholder; step skipped (no train, no refit), "
+        f"{run.masked_streak + 1}/{limit} in a row. Reasons: "
+        + ", ".join(f"{k.rsplit('/', 1)[-1]}={int(v)}" for k, v in metrics.items() if k.startswith("finalize/placeholders/"))
+    )
+    if run.masked_streak + 1 >= limit:
+        run.logger.log(step, metrics)  # the step that stops the run keeps its metrics line
+
+
+async def run_grpo(cfg: MasterConfig, progress=print) -> Path:
+    """Run the loop; returns the metrics.jsonl path. Everything started is stopped on exit."""
+    run = await setup(cfg, progress)
+    try:
+        for step in range(1, cfg.grpo.max_num_steps + 1):
+            metrics: dict[str, float] = {}
+            with Timer("step_s", metrics):
+                groups, rollout_metrics = await rollout_step(run, step)
+                metrics.update(rollout_metrics)
+                step_batch = build_train_batch(groups, cfg.grpo.normalize_rewards)
+                trainable = step_batch.batch is not None
+                metrics["reward/mean"] = metrics.get("reward/mean", step_batch.rewards_mean)
+                metrics["steps/masked_consecutive"] = 0.0 if trainable else float(run.masked_streak + 1)
+                if not trainable:
+                    _report_masked(run, step, metrics)
+                run.masked_streak = next_masked_streak(
+                    run.masked_streak, trainable, cfg.token_capture.max_consecutive_masked_steps, step)
+                if trainable:
+                    metrics.update(train_step(run, step, step_batch.batch))
+                    metrics.update(refit_step(run, step))
+            run.logger.log(step, metrics)
+        return run.logger.metrics_path
+    finally:
+        run.close()

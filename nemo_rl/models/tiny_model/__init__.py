@@ -6,7 +6,8 @@ Public API: `TinyModelConfig`, `build_tiny_model(cfg, out_dir, progress)`,
 `LLAMA3`, `TemplateFamily`; chosen by `TinyModelConfig.template_family`). The submodules state their contracts: config
 (defaults), chat_template (rendering rules), tokenizer (BPE), corpus (task transcripts),
 encoding (capture-path token encoding), sft (initialisation and warm start), build (artefact
-and cache), behaviour (HF `generate` check of the two-call tool loop).
+and cache). The HF `generate` check of the two-call tool loop lives with the task
+(`nemo_rl.environments.arith_episodes`): this package imports no task module.
 """
 
 from nemo_rl.models.tiny_model.build import (

@@ -26,7 +26,7 @@ from nemo_rl.models.tiny_model import (
     config_digest,
     ensure_tiny_model,
 )
-from nemo_rl.models.tiny_model.behaviour import Sampling, parse_calculator_call, run_episode
+from nemo_rl.environments.arith_episodes import Sampling, parse_calculator_call, run_episode
 from nemo_rl.models.tiny_model.build import cache_folder, cache_key, default_cache_root
 from nemo_rl.models.tiny_model.chat_template import LLAMA3, SPECIAL_TOKENS, TOOL_TOKENS
 from nemo_rl.models.tiny_model.corpus import TASK_TOOLS, CorpusError, english_text, task_conversation

@@ -1,5 +1,7 @@
 """Behaviour check of a tiny model on the arithmetic tool task with HF `generate`.
 
+It lives with the task (not in `models/tiny_model`) so that the model package knows no task.
+
 Contract:
 - `run_episode(model, tokenizer, problem, sampling)` plays one two-call rollout the way the
   capture path builds prompts: call 1 gets the rendered prompt (system + tools + user); if its
