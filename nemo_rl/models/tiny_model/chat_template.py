@@ -69,6 +69,20 @@ TURN_END = f"{IM_END}\n"
 # The regex the worker uses over generated text; kept beside the template that produces it.
 TOOL_CALL_PATTERN = r"<tool_call>\s*(\{.*?\})\s*</tool_call>"
 
+# Shared by both template families: text content, or a list of text parts; anything else is refused.
+_RENDER_CONTENT_MACRO = """{%- macro render_content(content) -%}
+{%- if content is none -%}
+{%- elif content is string -%}{{- content -}}
+{%- else -%}
+{%- for part in content -%}
+{%- if part.type == 'text' -%}{{- part.text -}}
+{%- else -%}{{- raise_exception('tiny model chat template: content part type ' ~ part.type ~ ' is not supported; send text parts only') -}}
+{%- endif -%}
+{%- endfor -%}
+{%- endif -%}
+{%- endmacro -%}
+"""
+
 _TOOLS_HEADER = (
     "# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
     "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>"
@@ -80,18 +94,8 @@ _TOOLS_FOOTER = (
 )
 
 CHAT_TEMPLATE = (
-    """{%- macro render_content(content) -%}
-{%- if content is none -%}
-{%- elif content is string -%}{{- content -}}
-{%- else -%}
-{%- for part in content -%}
-{%- if part.type == 'text' -%}{{- part.text -}}
-{%- else -%}{{- raise_exception('tiny model chat template: content part type ' ~ part.type ~ ' is not supported; send text parts only') -}}
-{%- endif -%}
-{%- endfor -%}
-{%- endif -%}
-{%- endmacro -%}
-{%- if tools -%}
+    _RENDER_CONTENT_MACRO
+    + """{%- if tools -%}
 {{- '<|im_start|>system\\n' -}}
 {%- if messages and messages[0].role == 'system' -%}{{- render_content(messages[0].content) + '\\n\\n' -}}{%- endif -%}
 {{- '"""
@@ -150,18 +154,8 @@ _LLAMA3_TOOLS_HEADER = (
 )
 
 LLAMA3_CHAT_TEMPLATE = (
-    """{%- macro render_content(content) -%}
-{%- if content is none -%}
-{%- elif content is string -%}{{- content -}}
-{%- else -%}
-{%- for part in content -%}
-{%- if part.type == 'text' -%}{{- part.text -}}
-{%- else -%}{{- raise_exception('tiny model chat template: content part type ' ~ part.type ~ ' is not supported; send text parts only') -}}
-{%- endif -%}
-{%- endfor -%}
-{%- endif -%}
-{%- endmacro -%}
-{{- '<|begin_of_text|>' -}}
+    _RENDER_CONTENT_MACRO
+    + """{{- '<|begin_of_text|>' -}}
 {%- if tools -%}
 {{- '<|start_header_id|>system<|end_header_id|>\\n\\n' -}}
 {%- if messages and messages[0].role == 'system' -%}{{- render_content(messages[0].content) + '\\n\\n' -}}{%- endif -%}
