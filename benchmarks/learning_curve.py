@@ -1,6 +1,6 @@
 """Does GRPO learn? Run the learning recipe on several seeds and plot `reward/mean` per step.
 
-    uv run python benchmarks/learning_curve.py --out DIR [--steps N] [--seeds 1,2] [--config YAML] [key=value ...]
+    uv run python benchmarks/learning_curve.py --out DIR [--steps N] [--seeds 1,2] [--config YAML] [--control] [key=value ...]
 
 For each seed k the loop runs in this process (`load_master_config` + `run_grpo`) with
 `grpo.seed=k` and `logger.log_dir=DIR/seed_<k>`; then:
@@ -8,6 +8,10 @@ For each seed k the loop runs in this process (`load_master_config` + `run_grpo`
   `reward/mean` of the first and of the last 5 logged steps), `rising` (one bool per seed, see
   `is_rising`), the per-step `rewards`, `steps`, the config, the overrides and `wall_time_s`;
 - `DIR/curve.png`: `reward/mean` per step, one line per seed, with its rolling mean.
+With `--control`, each seed also runs once more with `policy.learning_rate=1e-12` (`CONTROL_LR`:
+the same loop, problems and sampling, but an update below float32 resolution, so the weights stay
+bit-identical): `summary.json` gains `control` (the same figures for those runs) and the plot
+their rolling means, dashed. It separates learning from the drift of which problems come up.
 Progress goes to stderr. Not part of the unit lane: it starts the real stack once per seed
 (~1.5 min each on 2 CPU cores) and trains; see docs/guides/token-capture.md (Learning curve).
 
@@ -43,6 +47,7 @@ DEFAULT_CONFIG = REPO_ROOT / "examples" / "configs" / "grpo_learn_tiny_cpu.yaml"
 REWARD_KEY = "reward/mean"
 WINDOW = 5
 MIN_RISE = 0.05
+CONTROL_LR = "1.0e-12"
 
 
 class CurveError(ValueError):
@@ -107,7 +112,12 @@ def summarize(per_seed: dict[int, Sequence[float]], window: int = WINDOW) -> dic
     }
 
 
-def plot(per_seed: dict[int, Sequence[float]], path: Path, title: str) -> None:
+def plot(
+    per_seed: dict[int, Sequence[float]],
+    path: Path,
+    title: str,
+    control: dict[int, Sequence[float]] | None = None,
+) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -119,6 +129,9 @@ def plot(per_seed: dict[int, Sequence[float]], path: Path, title: str) -> None:
         steps = list(range(1, len(rewards) + 1))
         ax.plot(steps, rewards, color=color, alpha=0.35, marker=".", label=f"seed {seed}")
         ax.plot(steps, rolling_mean(rewards), color=color, linewidth=2.2, label=f"seed {seed}, rolling mean ({WINDOW})")
+        if control and seed in control:
+            ax.plot(steps[: len(control[seed])], rolling_mean(control[seed]), color=color, linestyle="--",
+                    linewidth=1.4, label=f"seed {seed}, no-update control")
     ax.set_xlabel("GRPO step")
     ax.set_ylabel(REWARD_KEY)
     ax.set_ylim(0.0, 1.05)
@@ -134,18 +147,20 @@ def _log(msg: str) -> None:
     print(f"[learning_curve] {msg}", file=sys.stderr, flush=True)
 
 
-def run_seed(config: Path, seed: int, steps: int | None, out: Path, extra: Sequence[str]) -> list[float]:
+def run_seed(
+    config: Path, seed: int, steps: int | None, out: Path, extra: Sequence[str], name: str = "seed"
+) -> list[float]:
     from nemo_rl.algorithms.grpo_config import load_master_config
     from nemo_rl.algorithms.grpo_single_controller import run_grpo
 
-    log_dir = out / f"seed_{seed}"
+    log_dir = out / f"{name}_{seed}"
     shutil.rmtree(log_dir, ignore_errors=True)  # the logger appends: never mix two runs
     overrides = [f"grpo.seed={seed}", f"logger.log_dir={log_dir}", *extra]
     if steps is not None:
         overrides.append(f"grpo.max_num_steps={steps}")
     cfg = load_master_config(config, overrides)
-    _log(f"seed {seed}: {cfg.grpo.max_num_steps} steps, log_dir={log_dir}")
-    path = asyncio.run(run_grpo(cfg, progress=lambda m: print(f"[seed {seed}] {m}", file=sys.stderr, flush=True)))
+    _log(f"{name} {seed}: {cfg.grpo.max_num_steps} steps, log_dir={log_dir}")
+    path = asyncio.run(run_grpo(cfg, progress=lambda m: print(f"[{name} {seed}] {m}", file=sys.stderr, flush=True)))
     return step_rewards(Path(path).read_text().splitlines())
 
 
@@ -155,6 +170,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=None, help="GRPO steps per seed (default: the recipe's)")
     parser.add_argument("--seeds", default="1,2", help="comma-separated grpo.seed values (default 1,2)")
     parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="recipe (default grpo_learn_tiny_cpu.yaml)")
+    parser.add_argument("--control", action="store_true",
+                        help=f"also run each seed with policy.learning_rate={CONTROL_LR} (no-update control)")
     parser.add_argument("overrides", nargs="*", help="extra Hydra-style overrides for every seed")
     args = parser.parse_args(argv)
     seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
@@ -168,7 +185,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         per_seed[seed] = run_seed(args.config, seed, args.steps, args.out, args.overrides)
         first, last = window_means(per_seed[seed])
         _log(f"seed {seed}: first5 {first:.3f} last5 {last:.3f} ({time.monotonic() - t_seed:.0f} s)")
+    control: dict[int, list[float]] = {}
+    if args.control:
+        for seed in seeds:
+            extra = [*args.overrides, f"policy.learning_rate={CONTROL_LR}"]
+            control[seed] = run_seed(args.config, seed, args.steps, args.out, extra, name="control")
+            first, last = window_means(control[seed])
+            _log(f"control {seed}: first5 {first:.3f} last5 {last:.3f}")
     summary = summarize(per_seed)
+    if control:
+        summary["control"] = summarize(control)
     summary.update({
         "config": str(args.config),
         "overrides": list(args.overrides),
@@ -176,7 +202,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "wall_time_s": round(time.monotonic() - t0, 1),
     })
     (args.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    plot(per_seed, args.out / "curve.png", f"{args.config.name}: {REWARD_KEY} per step (seeds {seeds})")
+    plot(per_seed, args.out / "curve.png", f"{args.config.name}: {REWARD_KEY} per step (seeds {seeds})", control)
     _log(f"wrote {args.out / 'summary.json'} and {args.out / 'curve.png'} in {summary['wall_time_s']:.0f} s")
     print(json.dumps({k: summary[k] for k in ("seeds", "reward_first5", "reward_last5", "rising", "wall_time_s")}))
     return 0 if all(summary["rising"]) else 1

@@ -9,6 +9,7 @@ errors that name the key path, the value and the fix.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -19,7 +20,8 @@ from nemo_rl.models.policy import LossConfig, PolicyConfig
 from nemo_rl.models.tiny_model import TinyModelConfig
 from nemo_rl.token_capture.config import TokenCaptureConfig
 from nemo_rl.models.policy.config import dtype_mismatch
-from nemo_rl.utils.config import ConfigError, load_config, validate_section
+from nemo_rl.utils.checkpoint import CheckpointingConfig
+from nemo_rl.utils.config import ConfigError, DeclaredBy, load_config, validate_section
 from nemo_rl.utils.logger import LoggerConfig
 
 
@@ -47,9 +49,22 @@ class ModelConfig(BaseModel):
 
 
 class ClusterConfig(BaseModel):
+    """Ray for the run: a private local cluster, or the cluster named by `RAY_ADDRESS`.
+
+    Which one is not a recipe key: a launcher that starts a cluster (ultra_launch.sh) says so
+    through `RAY_ADDRESS`, which `nemo_rl.distributed.stack.start_stack` honours.
+    """
+
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    num_cpus: int = Field(2, ge=1, description="Logical CPUs of the private Ray cluster.")
+    num_cpus: int = Field(
+        2,
+        ge=1,
+        description=(
+            "Logical CPUs of the private Ray cluster; when joining a cluster (RAY_ADDRESS), the "
+            "minimum CPUs it must offer."
+        ),
+    )
 
 
 class MasterConfig(BaseModel):
@@ -57,7 +72,9 @@ class MasterConfig(BaseModel):
 
     grpo: GRPOConfig
     loss_fn: LossConfig
-    policy: dict = Field(description="PolicyConfig fields except model_path, which comes from `model:`.")
+    policy: Annotated[dict, DeclaredBy(PolicyConfig)] = Field(
+        description="PolicyConfig fields except model_path, which comes from `model:`."
+    )
     model: ModelConfig
     generation: GenerationConfig
     env: NemoGymConfig
@@ -65,6 +82,7 @@ class MasterConfig(BaseModel):
     data_plane: DataPlaneConfig
     logger: LoggerConfig
     cluster: ClusterConfig
+    checkpointing: CheckpointingConfig
 
 
 _SECTIONS: dict[str, type[BaseModel]] = {
@@ -77,6 +95,7 @@ _SECTIONS: dict[str, type[BaseModel]] = {
     "data_plane": DataPlaneConfig,
     "logger": LoggerConfig,
     "cluster": ClusterConfig,
+    "checkpointing": CheckpointingConfig,
 }
 
 

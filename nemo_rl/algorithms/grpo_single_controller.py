@@ -16,11 +16,28 @@ Contract of one step (`run_grpo`):
 5. export the new weights and refit every vLLM worker to version `step`; the version each worker
    reports back is the one the next step's rows must carry (checked from the rows, per call);
    a probe sequence is then scored by engine and trainer to prove the engine serves the new weights;
-6. log one metrics line (stdout, `<log_dir>/metrics.jsonl`, TensorBoard when enabled).
+6. log one metrics line (stdout, `<log_dir>/metrics.jsonl`, TensorBoard when enabled); with
+   `logger.dump_first_call_prompt_ids`, also append the step's first-call prompt records
+   (`first_call_prompt_records`) to `<log_dir>/first_call_prompt_ids.jsonl`.
+At set-up, `<log_dir>/run_info.json` records `generation/venv` (`venv_record`): the spec hash
+and folder the driver expects for the worker venv, and what each worker reports running in.
+Every step also appends one record per dispatched group (step, group, prompt digest) to
+`<log_dir>/dispatched_prompts.jsonl`: the prompt sequence of the run, across resumes.
 Invariant checked every step: `rollouts/dispatched == finalize/kept_rollouts + finalize/placeholders`.
 A step whose rollouts are all placeholders is logged loudly, counted (`steps/masked_consecutive`)
 and skipped (no train, no refit); `token_capture.max_consecutive_masked_steps` such steps in a row
 raise `MaskedStepsError`.
+
+Checkpoint and resume (`checkpointing:`; what a checkpoint holds: `nemo_rl.algorithms.grpo_checkpoint`):
+after step k's metrics line, when `should_save(k, save_period, max_num_steps)`, `save_checkpoint`
+writes `step_<k>` atomically. With `checkpointing.resume=latest`, `run_grpo` picks the newest
+complete checkpoint before anything starts; `setup` restores policy + optimizer (checked bit for
+bit against the fingerprints recorded at save time), checks that the prompt source gives step k
+the saved batch, refits every engine with the restored weights at the saved weight version (so
+step k+1's rows carry it, as in an uninterrupted run), restores the driver's RNG states, and the
+loop continues at step k+1; that step's metrics line carries `resume/*` (the step resumed from,
+the engine's probe now vs at save time). A checkpoint of the last step (or later) leaves nothing
+to run: the run says so and starts nothing.
 """
 
 from __future__ import annotations
@@ -35,6 +52,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from nemo_rl.algorithms.grpo import ClippedPGLossFn, compute_group_advantages
+from nemo_rl.algorithms.grpo_checkpoint import (
+    DISPATCHED_PROMPTS_FILE,
+    POLICY_SUBDIR,
+    ResumePoint,
+    TrainerState,
+    batch_digest,
+    check_prompt_position,
+    check_resumable,
+    prepare_checkpointing,
+    prompt_records,
+    write_trainer_state,
+)
 from nemo_rl.algorithms.grpo_config import MasterConfig, policy_config
 from nemo_rl.distributed.stack import Stack, start_stack
 from nemo_rl.environments.datasets import PromptSource, make_prompt_source
@@ -46,10 +75,26 @@ from nemo_rl.models.policy.worker import RayPolicyClient
 from nemo_rl.models.tiny_model import ensure_tiny_model
 from nemo_rl.token_capture.finalizer_pool import FinalizeOutcome, FinalizerPool, TQSourceFactory
 from nemo_rl.token_capture.judge import RolloutEvidence
-from nemo_rl.token_capture.metrics import finalize_metrics
+from nemo_rl.token_capture.metrics import finalize_metrics, first_call_prompt_records
 from nemo_rl.token_capture.retention import TQStagingCleaner
 from nemo_rl.token_capture.rows import GroupResult, KeptRollout
-from nemo_rl.utils.logger import MetricsLogger, Timer
+from nemo_rl.utils.checkpoint import (
+    CheckpointMismatchError,
+    capture_rng_states,
+    commit_checkpoint,
+    prune_checkpoints,
+    restore_rng_states,
+    should_save,
+)
+from nemo_rl.utils.logger import (
+    FIRST_CALL_PROMPTS_FILE,
+    METRICS_FILE,
+    MetricsLogger,
+    Timer,
+    append_jsonl,
+    write_run_info,
+)
+from nemo_rl.utils.venvs import spec_hash, venv_folder_name, vllm_spec
 
 
 class GRPOError(RuntimeError):
@@ -158,6 +203,14 @@ def check_row_versions(groups: Sequence[GroupResult], served_version: int, step:
         )
 
 
+def venv_record(flavor: str, workers: Sequence[dict]) -> dict:
+    """`generation/venv` of run_info.json: the venv the driver's spec names, and what each worker ran in."""
+    spec = vllm_spec(flavor)
+    digest = spec_hash(spec)
+    return {"flavor": flavor, "spec": spec.name, "spec_hash": digest,
+            "folder": venv_folder_name(spec.name, digest), "workers": list(workers)}
+
+
 @dataclass
 class GRPORun:
     """Everything `setup` started for one run, and the state carried from step to step."""
@@ -177,6 +230,8 @@ class GRPORun:
     served_version: int = 0
     worker_calls: list[int] = field(default_factory=list)
     masked_streak: int = 0
+    start_step: int = 1
+    resume_metrics: dict[str, float] = field(default_factory=dict)
 
     def close(self) -> None:
         """Stop everything this run started (idempotent per component)."""
@@ -187,13 +242,22 @@ class GRPORun:
         self.stack.stop()
 
 
-async def setup(cfg: MasterConfig, progress: Callable[[str], None] = print) -> GRPORun:
-    """Model, stack, policy, finalizer pool, rollout manager, prompt source; stops what it started on failure."""
+async def setup(
+    cfg: MasterConfig, progress: Callable[[str], None] = print, resume: ResumePoint | None = None
+) -> GRPORun:
+    """Model, prompt source, stack, policy, finalizer pool, rollout manager; with `resume`, the
+    checkpoint restored (`restore_from_checkpoint`). Stops what it started on failure."""
     log_dir = Path(cfg.logger.log_dir)
     model_dir = Path(cfg.model.path) if cfg.model.path else ensure_tiny_model(cfg.model.tiny, progress=progress)
     pcfg = policy_config(cfg.policy, str(model_dir))
     # Before Ray or any venv: a GPU recipe on a host without enough GPUs fails here, by name.
-    resolve_flavor(cfg.generation, extra_gpus=int(pcfg.device == "cuda"))
+    flavor = resolve_flavor(cfg.generation, extra_gpus=int(pcfg.device == "cuda"))
+    sampling = RowSampling(temperature=cfg.grpo.temperature, top_p=cfg.grpo.top_p, max_output_tokens=cfg.grpo.max_output_tokens)
+    prompts = make_prompt_source(cfg.env, seed=cfg.grpo.seed, sampling=sampling, model_dir=model_dir,
+                                 max_model_len=cfg.generation.vllm.max_model_len, progress=progress)
+    if resume is not None:  # before the stack: a recipe that would continue with other prompts costs nothing
+        check_resumable(resume.state, cfg.grpo.seed, cfg.grpo.num_prompts_per_step)
+        check_prompt_position(resume.state, prompts.batch(resume.step, cfg.grpo.num_prompts_per_step))
     stack: Stack = await start_stack(
         model_dir=model_dir,
         log_dir=log_dir,
@@ -206,6 +270,7 @@ async def setup(cfg: MasterConfig, progress: Callable[[str], None] = print) -> G
     )
     policy: RayPolicyClient | None = None
     pool: FinalizerPool | None = None
+    run: GRPORun | None = None
     try:
         assert stack.env is not None and stack.workers is not None
         policy = RayPolicyClient.spawn(pcfg)
@@ -217,6 +282,7 @@ async def setup(cfg: MasterConfig, progress: Callable[[str], None] = print) -> G
             cleaner = TQStagingCleaner(stack.client, cfg.token_capture.staging_partition, cfg.token_capture.stage_timeout_s)
         manager = RolloutManager(
             RolloutManagerConfig(
+                # Fresh per process, resumed or not: Gym appends to the ledger of a reused rollout id.
                 run_id=f"grpo-{uuid.uuid4().hex[:8]}",
                 run_timeout_s=cfg.env.run_timeout_s + 30.0,
                 capture=cfg.token_capture,
@@ -230,25 +296,118 @@ async def setup(cfg: MasterConfig, progress: Callable[[str], None] = print) -> G
 
         eos = AutoTokenizer.from_pretrained(str(model_dir)).eos_token_id
         probe = probe_sequence(eos, cfg.grpo.refit_probe_tokens, cfg.grpo.seed)
-        sampling = RowSampling(temperature=cfg.grpo.temperature, top_p=cfg.grpo.top_p, max_output_tokens=cfg.grpo.max_output_tokens)
-        prompts = make_prompt_source(cfg.env, seed=cfg.grpo.seed, sampling=sampling, model_dir=model_dir,
-                                     max_model_len=cfg.generation.vllm.max_model_len, progress=progress)
+        run_info: dict = {"generation/venv": venv_record(flavor, stack.workers.venv_info())}
         initial_versions = set(stack.workers.weight_versions())
         if len(initial_versions) != 1:
             raise StaleWeightsError(f"the generation workers start from different weight versions {sorted(initial_versions)}")
-        return GRPORun(
+        run = GRPORun(
             cfg=cfg, stack=stack, policy=policy, manager=manager, prompts=prompts, logger=MetricsLogger(cfg.logger),
             progress=progress, weights_root=log_dir / "weights", probe=probe, pool=pool, finalizer=finalizer,
             previous_engine_probe=stack.workers.prompt_logprobs(probe)[0], served_version=initial_versions.pop(),
             worker_calls=stack.workers.served_calls(),
         )
+        if resume is not None:
+            run_info["resume"] = restore_from_checkpoint(run, resume)
+        write_run_info(log_dir, run_info)
+        return run
     except BaseException:
-        if policy is not None:
-            policy.kill()
-        if pool is not None:
-            pool.shutdown()
-        stack.stop()
+        if run is not None:
+            run.close()
+        else:
+            if policy is not None:
+                policy.kill()
+            if pool is not None:
+                pool.shutdown()
+            stack.stop()
         raise
+
+
+def max_abs_diff(a: Sequence[float], b: Sequence[float]) -> float:
+    if len(a) != len(b) or not a:
+        raise ValueError(f"max_abs_diff of sequences of lengths {len(a)} and {len(b)}: need equal, non-zero lengths")
+    return max(abs(x - y) for x, y in zip(a, b))
+
+
+def restore_from_checkpoint(run: GRPORun, resume: ResumePoint) -> dict:
+    """Policy + optimizer, engine weights and version, loop state and driver RNG from `resume`.
+
+    Returns the facts recorded under `resume` in run_info.json; `run.resume_metrics` (the first
+    resumed step's `resume/*` metrics) is set from them.
+    """
+    state = resume.state
+    info = run.policy.load_state(resume.folder / POLICY_SUBDIR)
+    saved = (state.policy_steps_taken, state.policy_fingerprint, state.optimizer_fingerprint)
+    if (info.steps_taken, info.policy_fingerprint, info.optimizer_fingerprint) != saved:
+        raise CheckpointMismatchError(
+            f"{resume.folder}: the policy restored {info} but the trainer state recorded steps_taken, policy and "
+            f"optimizer fingerprints {saved} (fix: the policy/ folder belongs to another checkpoint; delete {resume.folder})"
+        )
+    initial_probe = run.previous_engine_probe
+    if run.weights_root.exists():
+        shutil.rmtree(run.weights_root)  # refit scratch of the killed run, never a checkpoint
+    out_dir = run.policy.export_weights(run.weights_root / f"step_{state.step}")
+    versions = run.stack.workers.update_weights(out_dir, state.weight_version)
+    if set(versions) != {state.weight_version}:
+        raise StaleWeightsError(
+            f"resume from step {state.step}: refit to the saved weight version {state.weight_version} but the "
+            f"workers report versions {versions}"
+        )
+    run.served_version = state.weight_version
+    engine_probe = run.stack.workers.prompt_logprobs(run.probe)[0]
+    trainer_probe = run.policy.get_logprobs([run.probe])[0]
+    run.previous_engine_probe = engine_probe
+    run.masked_streak = state.masked_streak
+    run.start_step = state.step + 1
+    run.worker_calls = run.stack.workers.served_calls()
+    restore_rng_states(state.rng)
+    run.resume_metrics = {
+        "resume/from_step": float(state.step),
+        # The engine serves the restored weights: its probe equals the one it gave at save time ...
+        "resume/engine_probe_vs_saved_max_abs_diff": max_abs_diff(engine_probe, state.engine_probe),
+        # ... agrees with the restored trainer, and moved off the initial weights it started with.
+        "resume/engine_trainer_max_abs_diff": max_abs_diff(engine_probe, trainer_probe),
+        "resume/engine_probe_change": max_abs_diff(engine_probe, initial_probe),
+    }
+    run.progress(
+        f"[checkpoint] resumed from {resume.folder}: policy {info.policy_fingerprint[:12]}, optimizer "
+        f"{info.optimizer_fingerprint[:12]} ({info.steps_taken} steps taken), engines refit to weight version "
+        f"{state.weight_version}; continuing at step {run.start_step}"
+    )
+    return {
+        **run.resume_metrics,
+        "checkpoint": str(resume.folder),
+        "weight_version": state.weight_version,
+        "policy_fingerprint": info.policy_fingerprint,
+        "optimizer_fingerprint": info.optimizer_fingerprint,
+        "policy_steps_taken": info.steps_taken,
+    }
+
+
+def save_checkpoint(run: GRPORun, step: int) -> Path:
+    """Write `step_<step>` atomically (policy, optimizer, TrainerState), then prune beyond keep_last."""
+    ckpt, grpo = run.cfg.checkpointing, run.cfg.grpo
+    assert ckpt.checkpoint_dir is not None  # CheckpointingConfig requires it when enabled
+    root = Path(ckpt.checkpoint_dir)
+    t0 = time.monotonic()
+
+    def write(folder: Path) -> None:
+        info = run.policy.save_state(folder / POLICY_SUBDIR)
+        write_trainer_state(folder, TrainerState(
+            step=step, weight_version=run.served_version, masked_streak=run.masked_streak, seed=grpo.seed,
+            num_prompts_per_step=grpo.num_prompts_per_step,
+            prompt_batch_digest=batch_digest(run.prompts.batch(step, grpo.num_prompts_per_step)),
+            policy_fingerprint=info.policy_fingerprint, optimizer_fingerprint=info.optimizer_fingerprint,
+            policy_steps_taken=info.steps_taken, engine_probe=tuple(run.previous_engine_probe),
+            rng=capture_rng_states(),
+        ))
+
+    path = commit_checkpoint(root, step, write)
+    pruned = prune_checkpoints(root, ckpt.keep_last)
+    run.progress(
+        f"[checkpoint] step {step} saved to {path} in {time.monotonic() - t0:.1f}s (weight version {run.served_version})"
+        + (f"; removed steps {pruned} (checkpointing.keep_last={ckpt.keep_last})" if pruned else "")
+    )
+    return path
 
 
 async def rollout_step(run: GRPORun, step: int) -> tuple[list[GroupResult], dict[str, float]]:
@@ -258,6 +417,7 @@ async def rollout_step(run: GRPORun, step: int) -> tuple[list[GroupResult], dict
     if run.finalizer is not None:
         run.finalizer.seconds = 0.0
     rows = run.prompts.batch(step, cfg.grpo.num_prompts_per_step)
+    append_jsonl(Path(cfg.logger.log_dir) / DISPATCHED_PROMPTS_FILE, prompt_records(step, rows))
     run.progress(f"[step {step}] dispatching {len(rows)} groups x {n} rollouts")
     with Timer("generation_s", metrics):
         groups = list(await asyncio.gather(*(
@@ -275,6 +435,8 @@ async def rollout_step(run: GRPORun, step: int) -> tuple[list[GroupResult], dict
     if metrics["rollouts/dispatched"] != metrics["finalize/kept_rollouts"] + metrics["finalize/placeholders"]:
         raise GRPOError(f"step {step}: always-N accounting broke: {metrics}")
     check_row_versions(groups, run.served_version, step)
+    if cfg.logger.dump_first_call_prompt_ids:
+        append_jsonl(Path(cfg.logger.log_dir) / FIRST_CALL_PROMPTS_FILE, first_call_prompt_records(step, groups))
     return groups, metrics
 
 
@@ -319,12 +481,28 @@ def _report_masked(run: GRPORun, step: int, metrics: dict[str, float]) -> None:
         run.logger.log(step, metrics)  # the step that stops the run keeps its metrics line
 
 
+def resumable_logs(log_dir: Path) -> list[Path]:
+    """The JSONL logs a resumed run cuts back to the checkpoint's step (one record set per step)."""
+    return [log_dir / METRICS_FILE, log_dir / FIRST_CALL_PROMPTS_FILE, log_dir / DISPATCHED_PROMPTS_FILE]
+
+
 async def run_grpo(cfg: MasterConfig, progress=print) -> Path:
     """Run the loop; returns the metrics.jsonl path. Everything started is stopped on exit."""
-    run = await setup(cfg, progress)
+    log_dir = Path(cfg.logger.log_dir)
+    resume = prepare_checkpointing(cfg.checkpointing, resumable_logs(log_dir), progress)
+    if resume is not None and resume.step >= cfg.grpo.max_num_steps:
+        progress(
+            f"[checkpoint] the newest checkpoint {resume.folder} is of step {resume.step} >= grpo.max_num_steps="
+            f"{cfg.grpo.max_num_steps}: nothing left to run (raise grpo.max_num_steps to train further)"
+        )
+        return log_dir / METRICS_FILE
+    if resume is not None and not cfg.checkpointing.enabled:
+        progress("[checkpoint] checkpointing.enabled=false: this resumed run writes no further checkpoints")
+    run = await setup(cfg, progress, resume)
+    ckpt = cfg.checkpointing
     try:
-        for step in range(1, cfg.grpo.max_num_steps + 1):
-            metrics: dict[str, float] = {}
+        for step in range(run.start_step, cfg.grpo.max_num_steps + 1):
+            metrics: dict[str, float] = dict(run.resume_metrics) if step == run.start_step else {}
             with Timer("step_s", metrics):
                 groups, rollout_metrics = await rollout_step(run, step)
                 metrics.update(rollout_metrics)
@@ -340,6 +518,10 @@ async def run_grpo(cfg: MasterConfig, progress=print) -> Path:
                     metrics.update(train_step(run, step, step_batch.batch))
                     metrics.update(refit_step(run, step))
             run.logger.log(step, metrics)
+            # After the metrics line: a run killed in between redoes this step from the previous
+            # checkpoint, and the resume cuts this line (resumable_logs) so no step is logged twice.
+            if ckpt.enabled and should_save(step, ckpt.save_period, cfg.grpo.max_num_steps):
+                save_checkpoint(run, step)
         return run.logger.metrics_path
     finally:
         run.close()

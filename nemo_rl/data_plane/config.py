@@ -8,11 +8,18 @@ Contract:
 - The `tq_*` knobs are TransferQueue settings that TQ reads from environment variables once,
   when `transfer_queue` is first imported in a process; `nemo_rl.data_plane.tq_backend` turns
   them into those variables (for this process and for the TQ actors it starts).
+- `bind` decides which address TQ's ZeroMQ sockets (and its metrics exporter) listen on. TQ has
+  no bind knob of its own: it binds to what Ray reports as the node's IP in the actor's process.
+  `loopback` (the single-machine default) makes that 127.0.0.1 in the TQ actors, so nothing TQ
+  opens is reachable from other hosts (TQ carries pickled data without authentication);
+  `node_ip` keeps TQ's own choice (Ray's node IP) for a multi-node cluster on a trusted network.
 """
 
 from __future__ import annotations
 
 from typing import Literal
+
+DataPlaneBind = Literal["loopback", "node_ip"]
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -80,6 +87,13 @@ class DataPlaneConfig(BaseModel):
         default=2,
         ge=1,
         description="TQ_SIMPLE_STORAGE_MAX_ATTEMPTS: attempts per storage-unit request, each on a new socket.",
+    )
+    bind: DataPlaneBind = Field(
+        default="loopback",
+        description=(
+            "Where TransferQueue's sockets listen: `loopback` (127.0.0.1; single machine, the default) or "
+            "`node_ip` (Ray's node IP; multi-node clusters on a trusted network only: TQ has no authentication)."
+        ),
     )
     tq_log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"] = Field(
         default="ERROR",

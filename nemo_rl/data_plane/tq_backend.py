@@ -31,6 +31,7 @@ from typing import Any
 import ray
 import torch
 
+from nemo_rl.data_plane.bind import loopback_actor
 from nemo_rl.data_plane.config import DataPlaneConfig
 from nemo_rl.data_plane.errors import (
     DataPlaneConfigError,
@@ -144,7 +145,10 @@ def _create_actors(cfg: DataPlaneConfig, conf: Any, created: dict[str, Any]) -> 
     """Create the controller and storage units, recording each handle in `created` as it exists."""
     _, tq_controller, tq_sampler, tq_storage, tq_common = _tq_modules()
     runtime_env = {"env_vars": tq_env(cfg)}
-    created[CONTROLLER_NAME] = tq_controller.TransferQueueController.options(
+    controller_cls, storage_cls = tq_controller.TransferQueueController, tq_storage.SimpleStorageUnit
+    if cfg.bind == "loopback":
+        controller_cls, storage_cls = loopback_actor(controller_cls), loopback_actor(storage_cls)
+    created[CONTROLLER_NAME] = controller_cls.options(
         name=CONTROLLER_NAME, namespace=TQ_NAMESPACE, num_cpus=0, runtime_env=runtime_env
     ).remote(sampler=tq_sampler.SequentialSampler, polling_mode=False)
     storage_conf = dict(conf.backend.SimpleStorage)
@@ -152,7 +156,7 @@ def _create_actors(cfg: DataPlaneConfig, conf: Any, created: dict[str, Any]) -> 
     strategies = tq_common.get_node_round_robin_scheduling_strategies(cfg.num_storage_units)
     for rank in range(cfg.num_storage_units):
         name = STORAGE_UNIT_NAME.format(rank=rank)
-        created[name] = tq_storage.SimpleStorageUnit.options(
+        created[name] = storage_cls.options(
             name=name, namespace=TQ_NAMESPACE, num_cpus=0, runtime_env=runtime_env, scheduling_strategy=strategies[rank]
         ).remote(config=storage_conf)
 

@@ -1,27 +1,49 @@
-"""A private, single-node Ray cluster owned by this driver process.
+"""Ray for this driver: a private single-node cluster it owns, or an existing cluster it joins.
 
 Contract:
 - `init_local_ray(num_cpus, temp_dir=None)` starts a NEW local Ray instance (`address="local"`;
-  it never joins a cluster another process started) with its own temp dir, `RAY_TMPDIR` set to
-  that dir in this process, no dashboard, and a job `runtime_env` whose `env_vars` put the repo
+  it never joins a cluster another process started) with its own temp dir, `private_env` set in
+  this process (`RAY_TMPDIR` = that dir), every Ray socket on 127.0.0.1 (see `private_env`), no dashboard, and a job `runtime_env` whose `env_vars` put the repo
   root first on `PYTHONPATH`, so every actor of the job (including actors that run in another
   venv) can import `nemo_rl`.
-- `RayClusterHandle.shutdown()` stops only that instance (`ray.shutdown()` in the process that
-  started it), restores the previous `RAY_TMPDIR`, and removes the temp dir when
-  `init_local_ray` created it. It is idempotent. It never runs `ray stop` (which would kill
-  every Ray on the host).
+- `connect_ray(address, min_cpus, max_nodes=None)` joins the cluster at `address` (`host:port`
+  of its GCS; e.g. the one `ultra_launch.sh` starts inside a Slurm job) with the same job
+  `runtime_env`. It joins only a cluster it is told about: `"auto"`, `"local"` and `ray://`
+  addresses are rejected, so it can never pick up someone else's cluster on a shared host. It
+  probes the GCS port first (bounded by `connect_timeout_s`), then checks that the cluster offers
+  at least `min_cpus` CPUs and, when given, at most `max_nodes` alive nodes; on any failure it
+  disconnects and raises `RayClusterError` naming the address, what was found and the fix.
+- `start_or_join_ray(num_cpus, address)`: `address=None` starts a private cluster, otherwise
+  joins. `ray_address_from_env(environ)` reads the address a launcher gave (`RAY_ADDRESS`,
+  Ray's own variable; empty or unset = none).
+- `RayClusterHandle.shutdown()` is idempotent and only ever undoes what this process did. For a
+  private cluster it stops that instance (`ray.shutdown()` in the process that started it),
+  restores the variables `private_env` replaced and removes the temp dir when `init_local_ray` created it.
+  For a joined cluster (`joined=True`) it only disconnects this driver: the cluster, its nodes
+  and its temp dirs belong to whoever started them. Neither path ever runs `ray stop` (which
+  would kill every Ray on the host).
 - Ray keeps Unix-domain sockets under the temp dir and `AF_UNIX` paths are limited to 107
   bytes, so the temp dir must be short: a dir longer than `MAX_TEMP_DIR_CHARS` is rejected
   up front rather than failing later inside Ray with an opaque socket error.
-- Starting while Ray is already initialized in this process is an error (`RayClusterError`):
-  silently reusing someone else's cluster would break the "private cluster" invariant.
+- Starting or joining while Ray is already initialized in this process is an error
+  (`RayClusterError`): silently reusing another connection would break both invariants above.
+- `wait_for_nodes(address, expected, timeout_s, watch)` (also `python -m
+  nemo_rl.distributed.ray_cluster wait-for-nodes ...`, used by `ultra_launch.sh`) returns once
+  `expected` nodes are alive in the cluster, and raises `RayClusterError` naming how many
+  joined when `timeout_s` passes first, or as soon as a watched process (a node's launcher)
+  has exited.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import shutil
+import socket
+import sys
 import tempfile
+import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,10 +53,11 @@ import ray
 # temp dir, and the whole socket path must fit the 107-byte AF_UNIX limit.
 MAX_TEMP_DIR_CHARS = 36
 _TEMP_DIR_PREFIX = "nrl-ray-"
+RAY_ADDRESS_ENV = "RAY_ADDRESS"
 
 
 class RayClusterError(RuntimeError):
-    """The private Ray cluster could not be started or stopped as requested."""
+    """The Ray cluster could not be started, joined, awaited or stopped as requested."""
 
 
 def repo_root() -> Path:
@@ -62,15 +85,48 @@ def check_temp_dir(temp_dir: str) -> None:
         )
 
 
+def parse_ray_address(address: str) -> tuple[str, int]:
+    """Split a GCS address `host:port` (IPv6 as `[addr]:port`); reject anything else by name."""
+    if not isinstance(address, str) or not address.strip():
+        raise RayClusterError(f"Ray address {address!r} is empty (fix: give the head's GCS address as host:port)")
+    if address in ("auto", "local") or "://" in address:
+        raise RayClusterError(
+            f"Ray address {address!r} is not supported: only an explicit GCS host:port is joined, so a "
+            "driver never attaches to a cluster it was not told about (fix: give host:port, e.g. "
+            "10.0.0.1:6379, or unset RAY_ADDRESS to start a private cluster)"
+        )
+    host, sep, port_text = address.rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not sep or not host or not port_text.isdigit() or not 1 <= int(port_text) <= 65535:
+        raise RayClusterError(
+            f"Ray address {address!r} is not host:port with a port in 1..65535 (fix: e.g. 10.0.0.1:6379)"
+        )
+    return host, int(port_text)
+
+
+def ray_address_from_env(environ: Mapping[str, str]) -> str | None:
+    """The cluster address a launcher set in `RAY_ADDRESS` (None when unset or empty)."""
+    return environ.get(RAY_ADDRESS_ENV) or None
+
+
+def _gcs_accepts(host: str, port: int, timeout_s: float) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
+
+
 @dataclass
 class RayClusterHandle:
-    """The Ray instance started by `init_local_ray` in this process."""
+    """The Ray instance this process started (`init_local_ray`) or joined (`connect_ray`)."""
 
-    temp_dir: str
+    temp_dir: str | None
     num_cpus: int
     gcs_address: str
     owns_temp_dir: bool
-    previous_ray_tmpdir: str | None
+    previous_env: dict[str, str | None]  # what `private_env` replaced, restored on shutdown
+    joined: bool = False
     _stopped: bool = field(default=False, repr=False)
 
     @property
@@ -78,7 +134,7 @@ class RayClusterHandle:
         return self._stopped
 
     def shutdown(self) -> None:
-        """Stop this cluster (only this one); safe to call more than once."""
+        """Stop the private cluster, or only disconnect from a joined one; safe to call more than once."""
         if self._stopped:
             return
         if ray.is_initialized():
@@ -86,15 +142,15 @@ class RayClusterHandle:
             if current != self.gcs_address:
                 raise RayClusterError(
                     f"this process is now connected to Ray at {current}, not the cluster this handle "
-                    f"started ({self.gcs_address}); refusing to shut down a cluster it does not own"
+                    f"{'joined' if self.joined else 'started'} ({self.gcs_address}); refusing to shut it down"
                 )
+            # For a joined cluster this only disconnects the driver (its non-detached actors die
+            # with it); the cluster keeps running for whoever started it.
             ray.shutdown()
-        if self.previous_ray_tmpdir is None:
-            os.environ.pop("RAY_TMPDIR", None)
-        else:
-            os.environ["RAY_TMPDIR"] = self.previous_ray_tmpdir
-        if self.owns_temp_dir:
-            shutil.rmtree(self.temp_dir)
+        if not self.joined:
+            restore_env(self.previous_env)
+            if self.owns_temp_dir and self.temp_dir is not None:
+                shutil.rmtree(self.temp_dir)
         self._stopped = True
 
 
@@ -122,33 +178,64 @@ def _init_with_retry(num_cpus: int, temp_dir: str):
     raise AssertionError("unreachable")
 
 
+def _check_num_cpus(num_cpus: int, name: str) -> None:
+    if type(num_cpus) is not int or num_cpus < 1:
+        raise RayClusterError(f"{name} must be an int >= 1, got {num_cpus!r}")
+
+
+def _refuse_if_initialized(what: str) -> None:
+    if ray.is_initialized():
+        raise RayClusterError(
+            f"Ray is already initialized in this process; shut it down (RayClusterHandle.shutdown) "
+            f"before {what}"
+        )
+
+
+def private_env(temp_dir: str) -> dict[str, str]:
+    """What a private cluster sets in this process's environment (its Ray daemons inherit it).
+
+    The loopback binding is not here: `RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0` must be set before
+    `ray` is imported (`nemo_rl/__init__.py` does it when no RAY_ADDRESS is given); then Ray
+    treats the node as a single machine and binds its GCS, raylet, agents, metrics ports and the
+    driver's own servers to 127.0.0.1 (`_node_ip_address="127.0.0.1"` alone is not enough: Ray
+    substitutes the host's routable IP again).
+    """
+    return {"RAY_TMPDIR": temp_dir}
+
+
+def set_env(values: dict[str, str]) -> dict[str, str | None]:
+    """Set `values` in os.environ; return what they replaced (None: unset) for `restore_env`."""
+    previous = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+    return previous
+
+
+def restore_env(previous: dict[str, str | None]) -> None:
+    for key, value in previous.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
 def init_local_ray(num_cpus: int, temp_dir: str | None = None) -> RayClusterHandle:
     """Start a private local Ray instance with `num_cpus` logical CPUs.
 
     `temp_dir=None` creates a fresh short dir in the system temp dir (removed on shutdown);
     a given `temp_dir` is created if needed and left in place on shutdown.
     """
-    if type(num_cpus) is not int or num_cpus < 1:
-        raise RayClusterError(f"num_cpus must be an int >= 1, got {num_cpus!r}")
-    if ray.is_initialized():
-        raise RayClusterError(
-            "Ray is already initialized in this process; shut it down (RayClusterHandle.shutdown) "
-            "before starting a private cluster"
-        )
+    _check_num_cpus(num_cpus, "num_cpus")
+    _refuse_if_initialized("starting a private cluster")
     owns_temp_dir = temp_dir is None
     if temp_dir is None:
         temp_dir = tempfile.mkdtemp(prefix=_TEMP_DIR_PREFIX)
     check_temp_dir(temp_dir)
     os.makedirs(temp_dir, exist_ok=True)
-    previous = os.environ.get("RAY_TMPDIR")
-    os.environ["RAY_TMPDIR"] = temp_dir
+    previous = set_env(private_env(temp_dir))
     try:
         context = _init_with_retry(num_cpus, temp_dir)
     except Exception as e:
-        if previous is None:
-            os.environ.pop("RAY_TMPDIR", None)
-        else:
-            os.environ["RAY_TMPDIR"] = previous
+        restore_env(previous)
         if owns_temp_dir:
             shutil.rmtree(temp_dir, ignore_errors=True)
         raise RayClusterError(f"could not start a local Ray instance in {temp_dir!r}: {e}") from e
@@ -157,5 +244,179 @@ def init_local_ray(num_cpus: int, temp_dir: str | None = None) -> RayClusterHand
         num_cpus=num_cpus,
         gcs_address=context.address_info["gcs_address"],
         owns_temp_dir=owns_temp_dir,
-        previous_ray_tmpdir=previous,
+        previous_env=previous,
     )
+
+
+def alive_node_count() -> int:
+    """Alive nodes of the cluster this process is connected to (asks the GCS every call)."""
+    return sum(1 for node in ray.nodes() if node["Alive"])
+
+
+def connect_ray(
+    address: str, min_cpus: int, max_nodes: int | None = None, connect_timeout_s: float = 30.0
+) -> RayClusterHandle:
+    """Join the existing cluster whose GCS is at `address`; the handle's shutdown only disconnects."""
+    _check_num_cpus(min_cpus, "min_cpus")
+    host, port = parse_ray_address(address)
+    _refuse_if_initialized(f"joining the cluster at {address}")
+    # Ray's own connect retries for a long while when nothing listens; a dead or wrong address
+    # must fail within this deadline instead.
+    if not _gcs_accepts(host, port, connect_timeout_s):
+        raise RayClusterError(
+            f"nothing accepts connections at Ray address {address!r} (TCP probe, {connect_timeout_s:g}s "
+            "deadline; fix: start the cluster first, e.g. through ultra_launch.sh, or unset RAY_ADDRESS "
+            "to start a private cluster)"
+        )
+    try:
+        context = ray.init(address=address, runtime_env=job_runtime_env(repo_root(), os.environ.get("PYTHONPATH")))
+    except Exception as e:  # ray.init raises ConnectionError, AuthenticationError, RuntimeError...
+        raise RayClusterError(
+            f"could not join the Ray cluster at {address!r}: {e} (fix: check the address; a cluster "
+            "with token auth needs RAY_AUTH_MODE=token and its token, e.g. RAY_AUTH_TOKEN_PATH)"
+        ) from e
+    handle = RayClusterHandle(
+        temp_dir=None,
+        num_cpus=min_cpus,
+        gcs_address=context.address_info["gcs_address"],
+        owns_temp_dir=False,
+        previous_env={},
+        joined=True,
+    )
+    try:
+        cpus = ray.cluster_resources().get("CPU", 0.0)
+        if cpus < min_cpus:
+            raise RayClusterError(
+                f"the Ray cluster at {address!r} offers {cpus:g} CPUs but this run needs at least "
+                f"{min_cpus} (cluster.num_cpus={min_cpus}; fix: give the nodes more CPUs, or lower "
+                "cluster.num_cpus)"
+            )
+        nodes = alive_node_count()
+        if max_nodes is not None and nodes > max_nodes:
+            raise RayClusterError(
+                f"the Ray cluster at {address!r} has {nodes} alive nodes but at most {max_nodes} "
+                "is supported here (fix: launch with --nodes 1)"
+            )
+    except BaseException:
+        handle.shutdown()
+        raise
+    return handle
+
+
+def start_or_join_ray(num_cpus: int, address: str | None, max_nodes: int | None = None) -> RayClusterHandle:
+    """A private cluster of `num_cpus` CPUs (`address=None`), or join `address` needing `num_cpus` CPUs."""
+    if address is None:
+        return init_local_ray(num_cpus=num_cpus)
+    return connect_ray(address, min_cpus=num_cpus, max_nodes=max_nodes)
+
+
+def _process_exited(pid: int) -> bool:
+    """True when `pid` is gone or a zombie (exited, not yet reaped by its parent)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False  # alive, owned by someone else
+    try:
+        # /proc/<pid>/stat: "pid (comm) state ..."; comm may hold spaces, so split after ')'.
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except (FileNotFoundError, IndexError):
+        return True
+
+
+def _check_watched(watch: Mapping[int, str], address: str, alive: int, expected: int) -> None:
+    for pid, label in watch.items():
+        if _process_exited(pid):
+            raise RayClusterError(
+                f"{label} (pid {pid}) exited before the Ray cluster at {address} formed: {alive}/{expected} "
+                "nodes had joined (fix: read that process's log; a port clash or a bad temp dir are the "
+                "usual causes)"
+            )
+
+
+def wait_for_nodes(
+    address: str,
+    expected: int,
+    timeout_s: float,
+    watch: Mapping[int, str] | None = None,
+    poll_s: float = 1.0,
+    progress: Callable[[str], None] = print,
+) -> int:
+    """Block until `expected` nodes are alive at `address`; return that count.
+
+    Raises `RayClusterError` naming how many nodes joined when `timeout_s` passes first, or when a
+    process in `watch` (pid -> label, e.g. the srun that runs a node) exits meanwhile.
+    """
+    _check_num_cpus(expected, "expected")
+    if not timeout_s > 0:
+        raise RayClusterError(f"timeout_s must be > 0, got {timeout_s!r}")
+    host, port = parse_ray_address(address)
+    watch = dict(watch or {})
+    deadline = time.monotonic() + timeout_s
+
+    def timed_out(alive: int, why: str) -> RayClusterError:
+        return RayClusterError(
+            f"only {alive}/{expected} Ray nodes joined the cluster at {address} within {timeout_s:g}s{why} "
+            "(fix: read the head and worker logs; raise the wait timeout if the nodes are merely slow)"
+        )
+
+    # The head may still be starting: wait for its GCS port before connecting as a driver.
+    while not _gcs_accepts(host, port, min(2.0, max(0.1, deadline - time.monotonic()))):
+        _check_watched(watch, address, 0, expected)
+        if time.monotonic() >= deadline:
+            raise timed_out(0, ": nothing accepts connections there yet")
+        time.sleep(poll_s)
+    _refuse_if_initialized(f"waiting for the nodes of {address}")
+    try:
+        ray.init(address=address, logging_level="ERROR", log_to_driver=False)
+    except Exception as e:  # ray.init raises ConnectionError, AuthenticationError, RuntimeError...
+        raise RayClusterError(f"could not connect to the Ray cluster at {address} to count its nodes: {e}") from e
+    try:
+        alive = last = 0
+        while True:
+            alive = alive_node_count()
+            if alive != last:
+                progress(f"[ray] {alive}/{expected} nodes alive at {address}")
+                last = alive
+            if alive >= expected:
+                return alive
+            _check_watched(watch, address, alive, expected)
+            if time.monotonic() >= deadline:
+                raise timed_out(alive, "")
+            time.sleep(poll_s)
+    finally:
+        ray.shutdown()  # a driver connection only: disconnects, the cluster keeps running
+
+
+def _parse_watch(items: Sequence[str]) -> dict[int, str]:
+    watch: dict[int, str] = {}
+    for item in items:
+        pid_text, sep, label = item.partition("=")
+        if not sep or not pid_text.isdigit() or not label:
+            raise RayClusterError(f"--watch {item!r} is not PID=LABEL (fix: e.g. --watch 1234='ray head on node1')")
+        watch[int(pid_text)] = label
+    return watch
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m nemo_rl.distributed.ray_cluster")
+    sub = parser.add_subparsers(dest="command", required=True)
+    wait = sub.add_parser("wait-for-nodes", help="block until N nodes are alive in the cluster at --address")
+    wait.add_argument("--address", required=True, help="the head's GCS host:port")
+    wait.add_argument("--nodes", type=int, required=True, help="how many nodes must be alive")
+    wait.add_argument("--timeout-s", type=float, required=True, help="give up after this many seconds")
+    wait.add_argument("--watch", action="append", default=[], metavar="PID=LABEL",
+                      help="fail at once when this process exits (repeatable)")
+    args = parser.parse_args(argv)
+    try:
+        alive = wait_for_nodes(args.address, args.nodes, args.timeout_s, _parse_watch(args.watch))
+    except RayClusterError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(f"[ray] cluster ready: {alive} nodes at {args.address}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,7 +1,11 @@
 """Bring the whole rollout stack up and down in order: Ray, data plane, vLLM workers, Gym servers.
 
 Contract:
-- `start_stack` starts a private local Ray cluster, then the vLLM generation workers in their
+- `start_stack` first brings up Ray: a private local cluster of `num_cpus` CPUs or, when
+  `RAY_ADDRESS` names one (`ultra_launch.sh` sets it inside a Slurm job), that existing cluster,
+  which must offer at least `num_cpus` CPUs and be a single node (the workers' and Gym servers'
+  HTTP endpoints bind to 127.0.0.1, so every actor must share the driver's host); stopping a
+  joined stack only disconnects. Then it starts the vLLM generation workers in their
   flavored venv (ports open at once, answering 503; engines loading). While the engines load
   it starts the TransferQueue data plane (only when token capture is enabled: the staging
   partition lives there) and the Gym servers pointed at the first worker. Last, the workers
@@ -14,13 +18,14 @@ Contract:
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from nemo_rl.data_plane import DataPlane, DataPlaneClient, DataPlaneConfig, start_data_plane
-from nemo_rl.distributed.ray_cluster import RayClusterHandle, init_local_ray
+from nemo_rl.distributed.ray_cluster import RayClusterHandle, ray_address_from_env, start_or_join_ray
 from nemo_rl.environments.nemo_gym import NemoGymConfig, NemoGymEnvironment
 from nemo_rl.models.generation.vllm.config import GenerationConfig
 from nemo_rl.models.generation.vllm.launcher import WorkerGroup, await_workers, spawn_workers
@@ -71,8 +76,12 @@ async def start_stack(
         progress(f"[stack] {name} up in {timings[name]:.1f}s")
 
     t0 = time.monotonic()
-    ray_handle = init_local_ray(num_cpus=num_cpus)
+    ray_address = ray_address_from_env(os.environ)
+    # Single node: the stack's HTTP endpoints are loopback-only (see the module contract).
+    ray_handle = start_or_join_ray(num_cpus, ray_address, max_nodes=1)
     stack = Stack(ray=ray_handle, data_plane=None, client=None, workers=None, env=None, timings_s=timings)
+    if ray_address is not None:
+        progress(f"[stack] joined the Ray cluster at {ray_address} (RAY_ADDRESS); stopping only disconnects")
     step("ray", t0)
     try:
         t0 = time.monotonic()

@@ -9,8 +9,11 @@ Contract:
   error is a tool result the model sees, never an HTTP error, so the agent keeps going.
 - `POST /verify` scores the final assistant text of the rollout with `arith_task.verify`
   against the problem carried in the /run body's extra fields `expression` and `answer`
-  (see `nemo_gym_rows.build_row`). A row whose answer disagrees with its expression fails the
-  request (HTTP 500 from Gym's exception middleware) instead of being scored.
+  (see `nemo_gym_rows.build_row`). A row whose answer disagrees with its expression is refused
+  (HTTP 422 naming `answer`, FastAPI's shape) instead of being scored, so the rollout fails loudly.
+- Bad input on every route is a 4xx naming the field: FastAPI's 422 for malformed JSON, wrong
+  types and missing fields (Gym's validation handler), 413 `request_too_large` for a body above
+  `max_body_bytes` (`gate_guard.BodyLimitMiddleware`, before anything is parsed).
 - The handlers are thin shells over the pure functions in `nemo_gym_rows`.
 
 Launch: `python -m nemo_rl.environments.arith_resources` with Gym's config env variables set
@@ -19,9 +22,9 @@ Launch: `python -m nemo_rl.environments.arith_resources` with Gym's config env v
 
 from __future__ import annotations
 
-from fastapi import FastAPI
+from fastapi import FastAPI, HTTPException
 from fastapi.responses import PlainTextResponse
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from nemo_gym.base_resources_server import (
     BaseResourcesServerConfig,
@@ -30,7 +33,9 @@ from nemo_gym.base_resources_server import (
     SimpleResourcesServer,
 )
 from nemo_rl.environments.arith_task import verify as verify_final_text
+from nemo_rl.environments.gate_guard import BodyLimitMiddleware
 from nemo_rl.environments.nemo_gym_rows import (
+    InvalidGroundTruthError,
     calculator_tool_output,
     final_assistant_text,
     problem_from_fields,
@@ -38,7 +43,11 @@ from nemo_rl.environments.nemo_gym_rows import (
 
 
 class ArithResourcesServerConfig(BaseResourcesServerConfig):
-    pass
+    max_body_bytes: int = Field(
+        default=1024 * 1024,
+        ge=1024,
+        description="Largest request body this server reads; larger is 413 before it is parsed.",
+    )
 
 
 class CalculatorRequest(BaseModel):
@@ -65,13 +74,25 @@ class ArithResourcesServer(SimpleResourcesServer):
     def setup_webserver(self) -> FastAPI:
         app = super().setup_webserver()
         app.post("/calculator", response_class=PlainTextResponse)(self.calculator)
+        app.add_middleware(
+            BodyLimitMiddleware,
+            max_body_bytes=self.config.max_body_bytes,
+            knob=f"{self.config.name}.max_body_bytes",
+        )
         return app
 
     async def calculator(self, body: CalculatorRequest) -> PlainTextResponse:
         return PlainTextResponse(calculator_tool_output(body.expression))
 
     async def verify(self, body: ArithVerifyRequest) -> ArithVerifyResponse:
-        problem = problem_from_fields(body.expression, body.answer)
+        try:
+            problem = problem_from_fields(body.expression, body.answer)
+        except InvalidGroundTruthError as e:
+            # The caller's row is inconsistent: a 4xx naming the field, in FastAPI's validation shape.
+            raise HTTPException(
+                status_code=422,
+                detail=[{"type": "ground_truth_mismatch", "loc": ["body", "answer"], "msg": str(e), "input": body.answer}],
+            ) from e
         text = final_assistant_text(body.response.model_dump(mode="json")["output"])
         return ArithVerifyResponse(
             **body.model_dump(),

@@ -29,24 +29,45 @@ What it changes, and why each relaxation is safe:
   validation. This is safe because Gym's fingerprint and context digest read only role,
   content, tool calls and tool results, so lineage is unchanged. Bodies that need no change, or
   are not JSON, pass through byte for byte.
+- Input validation (`gate_guard.GateGuardMiddleware`, outermost of our middlewares, limits from
+  the `nrl_gate_guard` block of the global config): bad rollout ids, oversized or malformed
+  bodies, requests Gym's request models reject and chat requests the worker would refuse
+  (`request_rules`, with the worker's `max_model_len`) are named 4xx answers before Gym's capture
+  middleware records anything; control routes answer 401 without and 403 with a wrong bearer.
+  This is safe because a request the guard lets through reaches Gym byte for byte.
+- Worker errors (`setup_exception_middleware`): Gym answers every worker error with HTTP 500.
+  We answer a worker 4xx with the same status and the worker's error body, a worker 503 (starting,
+  failed, staging unavailable, generation timeout) with 503 and that body, and anything else with
+  502 `upstream_error` quoting the worker's status. Gym's own handling of context overflow
+  (a synthetic completion) happens inside the handler and is unchanged.
 - Multi-worker gates (`num_workers > 1`) are refused: uvicorn workers import Gym's module by
   entrypoint, so they would run without this policy.
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, MutableMapping
+import json
+import os
+from collections.abc import Awaitable, Callable, Mapping, MutableMapping
 from pathlib import Path
 from typing import Any
 
+from aiohttp.client_exceptions import ClientResponseError
+from fastapi import Request
+from fastapi.responses import JSONResponse
 from omegaconf import DictConfig, OmegaConf
+from pydantic import ValidationError
 
+from nemo_gym.anthropic_utils import NeMoGymAnthropicMessageCreateParamsNonStreaming
+from nemo_gym.base_responses_api_model import _ANTHROPIC_CONVERTER
 from nemo_gym.global_config import get_global_config_dict
+from nemo_gym.openai_utils import NeMoGymChatCompletionCreateParamsNonStreaming, NeMoGymResponseCreateParamsNonStreaming
 from nemo_gym.token_id_capture.config import token_id_capture_config
 from nemo_gym.token_id_capture.protocols import install_lineage_store
+from nemo_rl.environments.gate_guard import GATE_GUARD_KEY, GateGuardConfig, GateGuardMiddleware, WorkerContextLimit
 from nemo_rl.environments.gate_ledger import BranchingCaptureLedger
-from nemo_rl.environments.gate_normalize import normalize_chat_body
-from responses_api_models.vllm_model.app import VLLMModel
+from nemo_rl.environments.gate_normalize import normalize_chat_body, normalize_chat_request
+from responses_api_models.vllm_model.app import _PROPAGATE_CONTEXT_ERROR_ATTRIBUTE, VLLMModel
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -78,6 +99,45 @@ def ledger_dir_from_config(global_config: Any) -> Path:
     if ledger_dir is None:
         raise CaptureGateConfigError("token_id_capture.dir is required: it is the capture ledger directory")
     return ledger_dir
+
+
+def guard_config_from(global_config: Any) -> GateGuardConfig:
+    """The gate's `GateGuardConfig` from the global config's `nrl_gate_guard` block (pure)."""
+    block = global_config.get(GATE_GUARD_KEY) if isinstance(global_config, Mapping) else None
+    if block is None:
+        raise CaptureGateConfigError(
+            f"the global config has no {GATE_GUARD_KEY!r} block (nemo_gym_launch.build_global_config writes it)"
+        )
+    try:
+        return GateGuardConfig.model_validate(block)
+    except ValidationError as e:
+        raise CaptureGateConfigError(f"{GATE_GUARD_KEY} is invalid: {e}") from e
+
+
+def control_token_from(global_config: Any, environ: Mapping[str, str]) -> str:
+    """The control bearer, read from the variable the capture block names (never from the config)."""
+    name = token_id_capture_config(global_config).token_id_capture.control_auth_token_env
+    token = environ.get(name)
+    if not token:
+        raise CaptureGateConfigError(f"the control bearer variable ${name} is empty or unset in the gate's environment")
+    return token
+
+
+def upstream_error_answer(status: int, content: bytes) -> tuple[int, Any]:
+    """(status, JSON body) the gate answers for a worker error (see the module contract; pure)."""
+    text = content.decode("utf-8", errors="replace")
+    try:
+        body = json.loads(text)
+    except json.JSONDecodeError:
+        body = None
+    passes = 400 <= status < 500 or status == 503
+    if passes and isinstance(body, dict) and isinstance(body.get("error"), dict):
+        return status, body
+    quoted = text if len(text) <= 2000 else text[:2000] + "...<cut>"
+    err_type = "upstream_error" if not passes else "upstream_rejected"
+    out_status = status if passes else 502
+    message = f"the vLLM worker answered HTTP {status}: {quoted}"
+    return out_status, {"error": {"message": message, "type": err_type, "param": None, "code": out_status}}
 
 
 def _with_content_length(scope: Scope, length: int) -> Scope:
@@ -140,7 +200,52 @@ class CaptureGateModel(VLLMModel):
         # Added last, so Starlette puts it outside Gym's capture middleware, which resolves lineage
         # from the request body, and outside FastAPI's request validation, which answers 422.
         app.add_middleware(NormalizeChatRequestMiddleware)
+        # Outside the normaliser: oversized bodies are refused before anything buffers them.
+        global_config = _plain(self.server_client.global_config_dict)
+        guard = guard_config_from(global_config)
+        app.add_middleware(
+            GateGuardMiddleware,
+            config=guard,
+            control_token=control_token_from(global_config, os.environ),
+            to_chat=self.chat_request_for,
+            context_limit=WorkerContextLimit(list(self.config.base_url), guard.context_probe_timeout_s),
+        )
         return app
+
+    def chat_request_for(self, kind: str, body: dict) -> dict | None:
+        """The chat request the worker would get for this route's body (the guard checks it).
+
+        Raises pydantic's ValidationError (Gym's request model refuses the body) or the error
+        Gym's converter raises; None for a streamed Responses/Messages request, whose body Gym
+        sanitises from its streaming dialect before validating it.
+        """
+        if kind == "chat":
+            normalized = normalize_chat_request(body)
+            NeMoGymChatCompletionCreateParamsNonStreaming.model_validate(normalized)
+            return normalized
+        if body.get("stream") is True:
+            return None
+        if kind == "responses":
+            params = NeMoGymResponseCreateParamsNonStreaming.model_validate(body)
+        else:
+            NeMoGymAnthropicMessageCreateParamsNonStreaming.model_validate(body)
+            params = _ANTHROPIC_CONVERTER.anthropic_request_to_responses(body)
+        chat = self._converter.responses_to_chat_completion_create_params(params)
+        return chat.model_dump(exclude_unset=True, mode="json")
+
+    def setup_exception_middleware(self, app) -> None:
+        @app.middleware("http")
+        async def upstream_error_middleware(request: Request, call_next):
+            # Registered before Gym's handlers, so it is inside them and sees the worker's error first.
+            try:
+                return await call_next(request)
+            except ClientResponseError as error:
+                if getattr(error, _PROPAGATE_CONTEXT_ERROR_ATTRIBUTE, False) or not hasattr(error, "response_content"):
+                    raise  # Gym's own handling (context-overflow passthrough, its assertion)
+                status, body = upstream_error_answer(error.status, error.response_content)
+                return JSONResponse(content=body, status_code=status)
+
+        super().setup_exception_middleware(app)
 
 
 def _plain(config: Any) -> Any:

@@ -19,8 +19,12 @@ Contract:
   `GymDatasetError` naming the lengths and the fix (raise generation.vllm.max_model_len).
 - `ArithPromptSource(seed, sampling)` is the built-in arithmetic environment's source:
   `build_row(p, sampling)` for `make_problems(seed * 100_003 + step, n)` (today's rows, unchanged).
+- `arith_pool(seed, size, sampling)` is a `PromptDataset` over a fixed pool of `size` problems
+  (`make_problems(seed * 100_003, size)`, the pool step 0 would draw): the arithmetic task as a
+  finite dataset, each problem revisited once per epoch.
 - `make_prompt_source(env_cfg, ...)` picks the source the `env:` section names: `env.gym` unset ->
-  arithmetic, set -> its dataset (resolved inside the installed Gym package at run time).
+  arithmetic (fresh problems per step, or `arith_pool` when `env.arith_problem_pool` is set),
+  set -> its dataset (resolved inside the installed Gym package at run time).
 """
 
 from __future__ import annotations
@@ -142,6 +146,12 @@ class ArithPromptSource:
         return [build_row(p, self._sampling) for p in make_problems(self._seed * _ARITH_STEP_STRIDE + step, n)]
 
 
+def arith_pool(seed: int, size: int, sampling: RowSampling) -> PromptDataset:
+    """A fixed pool of `size` arithmetic problems drawn from `seed`, walked in epochs."""
+    rows = [build_row(p, sampling) for p in make_problems(seed * _ARITH_STEP_STRIDE, size)]
+    return PromptDataset(rows, seed, sampling, source=f"<arith pool of {size}, seed {seed}>")
+
+
 def chat_messages(params: Mapping[str, Any]) -> list[dict[str, str]]:
     """The Responses `input` as plain chat messages (for measuring; non-message items as JSON text)."""
     items = params["input"]
@@ -210,7 +220,9 @@ def make_prompt_source(
 ) -> PromptSource:
     """The prompt source the `env:` section names (see the module docstring)."""
     if env_cfg.gym is None:
-        return ArithPromptSource(seed, sampling)
+        if env_cfg.arith_problem_pool is None:
+            return ArithPromptSource(seed, sampling)
+        return arith_pool(seed, env_cfg.arith_problem_pool, sampling)
     path = dataset_path(env_cfg.gym, package_dir(env_cfg.gym.resources_server))
     dataset = PromptDataset.from_jsonl(path, seed, sampling)
     from transformers import AutoTokenizer

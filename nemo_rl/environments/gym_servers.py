@@ -5,9 +5,12 @@ Contract:
   (launched as `python -m resources_servers.<name>.app`), else `GymEnvironmentNotFoundError`.
 - `resources_block(doc, package)` finds the one top-level instance of the Gym config YAML whose
   `resources_servers` section has the key `package`, and returns (instance name, its keys).
-  `agent_block(doc, instance)` returns the keys of the `simple_agent` instance wired to it
-  (`resources_server.name == instance`) minus the launcher's wiring keys, or `{}` if the YAML
-  wires none. Nothing else of the YAML (datasets, environment servers) is used.
+  `agent_block(doc, instance, agent_type)` returns the keys of the `agent_type` instance (default
+  `simple_agent`) wired to it (`resources_server.name == instance`) minus the launcher's wiring
+  keys, or `{}` if the YAML wires none.
+- `check_agent(name)`: `env.agent` is our `compacting_agent` or an installed Gym agent package
+  (`responses_api_agents/<name>/app.py`) whose `requirements.txt` this venv satisfies; else
+  `GymEnvironmentNotFoundError` / `GymRequirementsError`, before anything is launched. Nothing else of the YAML (datasets, environment servers) is used.
 - `missing_requirements(path)` lists the requirements of a server's `requirements.txt` that this
   venv does not satisfy, by DISTRIBUTION name (importlib.metadata), with the installed version
   when it fails the specifier. Editable/option lines (`-e nemo-gym[dev] @ ../../`, `-r ...`) and
@@ -39,35 +42,44 @@ from nemo_rl.environments.nemo_gym_config import (
     GymEnvironmentNotFoundError,
     GymRequirementsError,
 )
-from nemo_rl.environments.nemo_gym_launch import ResourcesServer
+from nemo_rl.environments.nemo_gym_launch import (
+    GYM_AGENTS_PACKAGE,
+    OUR_AGENT_MODULES,
+    ResourcesServer,
+)
 
 RESOURCES_ROOT_PACKAGE = "resources_servers"
 GYM_AGENT_TYPE = "simple_agent"
 _GYM_DISTRIBUTIONS = frozenset({"nemo-gym"})
 
 
-def package_dir(name: str) -> Path:
-    """The installed folder of `resources_servers.<name>` (must contain app.py)."""
-    spec = importlib.util.find_spec(f"{RESOURCES_ROOT_PACKAGE}.{name}")
+def _launchable_package(root: str, name: str, field: str, hint: str) -> Path:
+    """The installed folder of `<root>.<name>`, which must hold app.py (launched as a module)."""
+    spec = importlib.util.find_spec(f"{root}.{name}")
     if spec is None or not spec.submodule_search_locations:
         raise GymEnvironmentNotFoundError(
-            f"env.gym.resources_server={name!r}: no package {RESOURCES_ROOT_PACKAGE}.{name} is installed; "
-            f"use a folder name under {_root_hint()}"
+            f"{field}={name!r}: no package {root}.{name} is installed; {hint} {_root_hint(root)}"
         )
     folder = Path(list(spec.submodule_search_locations)[0])
     if not (folder / "app.py").is_file():
         raise GymEnvironmentNotFoundError(
-            f"env.gym.resources_server={name!r}: {folder} has no app.py, so it cannot be launched as "
-            f"`python -m {RESOURCES_ROOT_PACKAGE}.{name}.app`"
+            f"{field}={name!r}: {folder} has no app.py, so it cannot be launched as `python -m {root}.{name}.app`"
         )
     return folder
 
 
-def _root_hint() -> str:
-    spec = importlib.util.find_spec(RESOURCES_ROOT_PACKAGE)
+def package_dir(name: str) -> Path:
+    """The installed folder of `resources_servers.<name>` (must contain app.py)."""
+    return _launchable_package(RESOURCES_ROOT_PACKAGE, name, "env.gym.resources_server", "use a folder name under")
+
+
+def _root_hint(root: str) -> str:
+    spec = importlib.util.find_spec(root)
     if spec is None or not spec.submodule_search_locations:
-        return f"Gym's `{RESOURCES_ROOT_PACKAGE}` (not installed: install nemo-gym)"
-    return ", ".join(str(p) for p in spec.submodule_search_locations)
+        return f"Gym's `{root}` (not installed: install nemo-gym)"
+    folder = Path(list(spec.submodule_search_locations)[0])
+    examples = sorted(p.parent.name for p in folder.glob("*/app.py"))[:6]
+    return f"{folder} (e.g. {', '.join(examples)}, ...)"
 
 
 def load_gym_yaml(path: Path) -> dict[str, Any]:
@@ -100,11 +112,13 @@ def resources_block(doc: Mapping[str, Any], package: str, where: str = "<yaml>")
     return found[0]
 
 
-def agent_block(doc: Mapping[str, Any], resources_instance: str) -> tuple[str | None, dict[str, Any]]:
-    """(instance name, keys minus wiring) of the simple_agent wired to `resources_instance`, or (None, {})."""
+def agent_block(
+    doc: Mapping[str, Any], resources_instance: str, agent_type: str = GYM_AGENT_TYPE
+) -> tuple[str | None, dict[str, Any]]:
+    """(instance name, keys minus wiring) of the `agent_type` agent wired to `resources_instance`, or (None, {})."""
     for name, body in doc.items():
-        agents = body.get("responses_api_agents") if isinstance(body, Mapping) else None
-        agent = agents.get(GYM_AGENT_TYPE) if isinstance(agents, Mapping) else None
+        agents = body.get(GYM_AGENTS_PACKAGE) if isinstance(body, Mapping) else None
+        agent = agents.get(agent_type) if isinstance(agents, Mapping) else None
         if not isinstance(agent, Mapping):
             continue
         ref = agent.get("resources_server")
@@ -161,8 +175,23 @@ def dataset_path(cfg: GymEnvironmentConfig, package_folder: Path) -> Path:
     return path
 
 
-def resolve_gym_environment(cfg: GymEnvironmentConfig) -> ResourcesServer:
-    """The resources server + agent keys `env.gym` names; checks its extra requirements first."""
+def check_agent(agent: str) -> None:
+    """`env.agent` must be ours or an installed Gym agent package whose requirements this venv meets."""
+    if agent in OUR_AGENT_MODULES:
+        return
+    hint = f"use {sorted(OUR_AGENT_MODULES)[0]!r} or a folder name under"
+    folder = _launchable_package(GYM_AGENTS_PACKAGE, agent, "env.agent", hint)
+    missing = missing_requirements(folder / "requirements.txt")
+    if missing:
+        raise GymRequirementsError(f"{GYM_AGENTS_PACKAGE}.{agent}", folder / "requirements.txt", missing, "env.agent")
+
+
+def resolve_gym_environment(cfg: GymEnvironmentConfig, agent: str = GYM_AGENT_TYPE) -> ResourcesServer:
+    """The resources server + agent keys `env.gym` names; checks its extra requirements first.
+
+    The agent block is the YAML's `agent` instance wired to the server; our compacting_agent takes
+    simple_agent's (it is simple_agent plus compaction).
+    """
     folder = package_dir(cfg.resources_server)
     requirements = folder / "requirements.txt"
     missing = missing_requirements(requirements)
@@ -172,7 +201,7 @@ def resolve_gym_environment(cfg: GymEnvironmentConfig) -> ResourcesServer:
     yaml_path = folder / cfg.config_relpath
     doc = load_gym_yaml(yaml_path)
     instance, block = resources_block(doc, cfg.resources_server, str(yaml_path))
-    agent_instance, agent_keys = agent_block(doc, instance)
+    agent_instance, agent_keys = agent_block(doc, instance, GYM_AGENT_TYPE if agent in OUR_AGENT_MODULES else agent)
     return ResourcesServer(
         name=instance,
         package=cfg.resources_server,

@@ -51,7 +51,7 @@ from pydantic import ValidationError
 from nemo_gym.token_id_capture.staging.records import RolloutManifest
 from nemo_gym.token_id_capture.store import validate_rollout_id
 from nemo_rl.environments import nemo_gym_launch as launch
-from nemo_rl.environments.gym_servers import resolve_gym_environment
+from nemo_rl.environments.gym_servers import check_agent, resolve_gym_environment
 from nemo_rl.environments.nemo_gym_config import (
     CaptureModeError,
     GymNotStartedError,
@@ -149,7 +149,10 @@ class NemoGymEnvironment:
         self._capture_cfg = token_capture
         self._worker_base_url = launch.gate_base_url(worker_base_url)
         self._log_dir = Path(log_dir).resolve()
-        self._resources = resolve_gym_environment(config.gym) if config.gym is not None else launch.ARITH
+        check_agent(config.agent)
+        self._resources = (
+            resolve_gym_environment(config.gym, config.agent) if config.gym is not None else launch.ARITH
+        )
         self._reward_key = config.gym.reward_key if config.gym is not None else REWARD_FIELD
         self._procs: dict[str, subprocess.Popen] = {}
         self._log_paths: dict[str, Path] = {}
@@ -216,6 +219,7 @@ class NemoGymEnvironment:
                 ports=ports,
                 capture=wiring,
                 resources_server=self._resources,
+                gate_guard=self._cfg.gate_guard,
             )
         )
         # The bearer reaches only the gate, and only as minted for this run.
@@ -369,7 +373,7 @@ class NemoGymEnvironment:
             ),
             headers={"Authorization": f"Bearer {self._bearer}"},
         )
-        if status == 401:
+        if status in (401, 403):
             raise ManifestAuthError(
                 f"rollout {rollout_id!r}: the gate rejected the control bearer (HTTP 401: {_quote(text)}); the gate "
                 f"reads it from ${self._capture_cfg.control_token_env}, set per run by this environment"

@@ -18,9 +18,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from typing import Any, Literal
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from nemo_rl.environments.gate_guard import GateGuardConfig
 
 # A Gym package name is one Python identifier (it is imported as `resources_servers.<name>.app`).
 _PACKAGE_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*$"
@@ -134,12 +136,16 @@ class NemoGymConfig(BaseModel):
     agent_max_steps: int = Field(
         default=4, ge=1, description="Model calls the agent may make per rollout before it stops."
     )
-    agent: Literal["simple_agent", "compacting_agent"] = Field(
+    agent: str = Field(
         default="simple_agent",
+        pattern=_PACKAGE_PATTERN,
         description=(
-            "The agent harness: Gym's `simple_agent`, or our `compacting_agent` (simple_agent that "
-            "replaces its history with a summary after every `compact_after_tool_results` tool "
-            "results, so later calls start new chains)."
+            "The agent harness, as Gym names it: any installed Gym agent package under "
+            "`responses_api_agents/` (`simple_agent`, `simple_agent_with_compaction`, ...; its "
+            "extra requirements are checked at start-up), or our `compacting_agent` (simple_agent "
+            "that replaces its history with a summary after every `compact_after_tool_results` tool "
+            "results, so later calls start new chains). Capture works with any agent built on "
+            "Gym's base agent class, which carries the rollout identity on every model call."
         ),
     )
     compact_after_tool_results: int = Field(
@@ -160,6 +166,29 @@ class NemoGymConfig(BaseModel):
         default=None,
         description="A NeMo-Gym environment by name; null runs the built-in arithmetic environment.",
     )
+    gate_guard: GateGuardConfig = Field(
+        default_factory=GateGuardConfig,
+        description="Input limits of our capture gate (body size, rollout id length, the context probe's deadline).",
+    )
+    arith_problem_pool: int | None = Field(
+        default=None,
+        ge=1,
+        description=(
+            "Built-in arithmetic environment only: null draws fresh problems every step; N draws a "
+            "fixed pool of N problems once (from grpo.seed) and walks it in shuffled epochs like a "
+            "dataset, so each problem comes back every N / num_prompts_per_step steps."
+        ),
+    )
+
+    @model_validator(mode="after")
+    def _pool_needs_arith(self) -> "NemoGymConfig":
+        if self.gym is not None and self.arith_problem_pool is not None:
+            raise ValueError(
+                f"env.arith_problem_pool={self.arith_problem_pool} applies to the built-in arithmetic "
+                f"environment, but env.gym names {self.gym.resources_server!r}, whose prompts come from "
+                "its dataset (fix: drop env.arith_problem_pool, or unset env.gym)"
+            )
+        return self
 
 
 class NemoGymError(RuntimeError):
@@ -183,15 +212,18 @@ class GymEnvironmentNotFoundError(NemoGymError):
 
 
 class GymRequirementsError(NemoGymError):
-    """The resources server needs packages that are not installed in this venv."""
+    """A Gym resources server or agent needs packages that are not installed in this venv."""
 
-    def __init__(self, server: str, requirements_path: Path, missing: list[str]) -> None:
+    def __init__(
+        self, server: str, requirements_path: Path, missing: list[str], field: str = "env.gym.resources_server"
+    ) -> None:
         self.server = server
         self.missing = list(missing)
+        kind = "agent" if field == "env.agent" else "resources server"
         super().__init__(
-            f"Gym resources server `{server}` needs packages this venv does not have: {', '.join(missing)} "
+            f"Gym {kind} `{server}` needs packages this venv does not have: {', '.join(missing)} "
             f"(from {requirements_path}). Fix: add them to the project's dependencies (pyproject.toml) "
-            "and `uv sync`, or pick another env.gym.resources_server"
+            f"and `uv sync`, or pick another {field}"
         )
 
 

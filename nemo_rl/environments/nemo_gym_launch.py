@@ -5,8 +5,9 @@ Contract:
   without Ray, Gym's per-server venvs or Gym's head server:
   `policy_model` (the gate, pointed at the worker's base_url: Gym's `vllm_model` module, or with
   capture wiring our `capture_gate`, which is the same server with our ledger policy),
-  the resources server and the agent (Gym's `simple_agent`, or our `compacting_agent` with
-  `env.agent=compacting_agent`, wired to both by name). The resources server is a
+  the resources server and the agent (`env.agent`: a Gym agent package by name, launched as
+  `responses_api_agents.<name>.app` — `simple_agent` by default — or our `compacting_agent`;
+  wired to both by name). The resources server is a
   `ResourcesServer`: `ARITH` (our `arith_resources`, agent `arith_agent`) unless `env.gym` names
   a Gym one, which `gym_servers.resolve_gym_environment` turns into the same shape (Gym's
   instance names, `resources_servers.<pkg>.app`, the YAML's server and agent keys).
@@ -21,9 +22,13 @@ Contract:
   gate runs the legacy token echo (`return_token_id_information: true`). `sink` and
   `lineage_store` stay unset: Gym validates custom endpoints with a 3.12-only protocol
   attribute. `capture_gate` installs its ledger (`BranchingCaptureLedger(dir)`, a
-  `FileLineageStore` over the same files) with `install_lineage_store` instead.
+  `FileLineageStore` over the same files) with `install_lineage_store` instead. With capture
+  wiring the config also carries the gate's input limits (`GateGuardConfig`) under
+  `nrl_gate_guard`, which only our gate reads.
 - Inherited `NEMO_GYM_*` variables are dropped from the children's environment, so a stray
   variable (e.g. a model URL override) can never re-route a server.
+- `start_server` runs each server under `parent_watch`: it gets SIGTERM when the launching
+  process dies, so a SIGKILLed driver leaves no Gym server behind.
 - `terminate_processes` signals only the process groups of the processes it is handed
   (each was started in its own session), SIGTERM first and SIGKILL after the deadline.
 """
@@ -41,7 +46,9 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from nemo_rl.environments.gate_guard import GATE_GUARD_KEY, GateGuardConfig
 from nemo_rl.environments.nemo_gym_config import NemoGymConfig
+from nemo_rl.token_capture import wire_metrics
 
 LOOPBACK = "127.0.0.1"
 GATE = "policy_model"
@@ -52,7 +59,10 @@ CAPTURE_GATE_MODULE = "nemo_rl.environments.capture_gate"
 RESOURCES_MODULE = "nemo_rl.environments.arith_resources"
 AGENT_MODULE = "responses_api_agents.simple_agent.app"
 COMPACTING_AGENT_MODULE = "nemo_rl.environments.compacting_agent"
-_AGENT_MODULES = {"simple_agent": AGENT_MODULE, "compacting_agent": COMPACTING_AGENT_MODULE}
+# Agents this package ships; every other `env.agent` is a Gym agent package launched by name.
+OUR_AGENT_MODULES = {"compacting_agent": COMPACTING_AGENT_MODULE}
+GYM_AGENTS_PACKAGE = "responses_api_agents"
+PARENT_WATCH_MODULE = "nemo_rl.environments.parent_watch"
 CONFIG_DICT_ENV = "NEMO_GYM_CONFIG_DICT"
 CONFIG_PATH_ENV = "NEMO_GYM_CONFIG_PATH"
 _GYM_ENV_PREFIX = "NEMO_GYM_"
@@ -156,6 +166,7 @@ def build_global_config(
     ports: ServerPorts,
     capture: CaptureWiring | None,
     resources_server: ResourcesServer = ARITH,
+    gate_guard: GateGuardConfig = GateGuardConfig(),
 ) -> dict[str, Any]:
     """The resolved Gym global config shared by all three servers."""
     gate = {
@@ -191,6 +202,7 @@ def build_global_config(
     if capture is not None:
         agent["token_id_capture"] = True
         config["token_id_capture"] = capture_block(capture)
+        config[GATE_GUARD_KEY] = gate_guard.model_dump()
     _reject_interpolation(config, "")
     return config
 
@@ -218,12 +230,22 @@ def server_specs(
     return (
         ServerSpec(GATE, gate_module(capture), ports.gate),
         ServerSpec(resources_server.name, resources_server.module, ports.resources),
-        ServerSpec(resources_server.agent_name, _AGENT_MODULES[agent], ports.agent),
+        ServerSpec(resources_server.agent_name, agent_module(agent), ports.agent),
     )
 
 
-def server_command(python: str, spec: ServerSpec) -> list[str]:
-    return [python, "-m", spec.module]
+def agent_module(agent: str) -> str:
+    """The module `env.agent` launches: ours by name, else Gym's `responses_api_agents.<agent>.app`."""
+    return OUR_AGENT_MODULES.get(agent, f"{GYM_AGENTS_PACKAGE}.{agent}.app")
+
+
+def server_command(python: str, spec: ServerSpec, launcher_pid: int | None = None) -> list[str]:
+    """`python -m <module>` (or wire_metrics' counting runner around it when the benchmark opts in),
+    wrapped by `parent_watch` so the server dies with `launcher_pid`."""
+    argv = wire_metrics.server_module_argv(spec.module)  # opt-in byte counting (benchmarks/capture_ab.py)
+    if launcher_pid is None:
+        return [python, "-m", *argv]
+    return [python, "-m", PARENT_WATCH_MODULE, str(launcher_pid), *argv]
 
 
 def server_env(
@@ -274,7 +296,7 @@ def start_server(
     """Start one server in its own session, stdout and stderr into `log_path`."""
     with log_path.open("wb") as log:
         return subprocess.Popen(
-            server_command(python, spec),
+            server_command(python, spec, os.getpid()),
             cwd=cwd,
             env=dict(env),
             stdin=subprocess.DEVNULL,

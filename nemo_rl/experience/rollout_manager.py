@@ -21,9 +21,10 @@ Contract of `RolloutManager.run_group(step, group_index, row, n) -> GroupResult`
   `Placeholder` with its typed reason; an id that never reached an outcome (cancellation) is a
   `run_failed` placeholder with detail "aborted". Nothing is lost or counted twice.
 - Retention (capture mode): after the group is accounted, ledger files are retired
-  (`env.retire(ids)`) and every staged key of the group's rollout ids is cleared: those named by
-  a fetched manifest and orphans no manifest names (`cleaner.clear(keys, ids)`; the orphan
-  count is reported by `take_orphaned_staged_keys()`), each bounded by
+  (`env.retire(ids)`) and every staged key the group owns is cleared: those named by a fetched
+  manifest and orphans no manifest names, which the workers' served report names as staged
+  (`cleaner.clear(keys, ids, reported)`, `reported` None when the report was unavailable; the
+  orphan count is reported by `take_orphaned_staged_keys()`), each bounded by
   `token_capture.stage_timeout_s` (skipped when
   `retire_after_commit` is false); a failure raises `RetentionError` carrying the accounted group.
 - Cancellation mid-group: in-flight runs are cancelled, the accounted (aborted) group is kept
@@ -44,11 +45,13 @@ from nemo_gym.token_id_capture.staging.records import RolloutManifest
 from nemo_gym.token_id_capture.store import validate_rollout_id
 from pydantic import BaseModel, ConfigDict, Field
 
-from nemo_rl.environments.nemo_gym_config import GymRunTimeoutError
+from nemo_rl.environments.nemo_gym_config import GymRunError, GymRunTimeoutError, ManifestError
+from nemo_rl.models.generation.vllm.worker import WorkerError, WorkerFailedError
 from nemo_rl.token_capture.config import TokenCaptureConfig
 from nemo_rl.token_capture.finalizer import legacy_row_from_result
 from nemo_rl.token_capture.finalizer_pool import FinalizeOutcome
 from nemo_rl.token_capture.judge import RolloutEvidence, RunFailure
+from nemo_rl.token_capture.retention import reported_staged_keys
 from nemo_rl.token_capture.receipt import reward_of
 from nemo_rl.token_capture.rows import GroupEntry, GroupResult, KeptRollout, Placeholder, PlaceholderReason
 from nemo_rl.token_capture.served import ServedCall
@@ -75,17 +78,23 @@ class GroupFinalizer(Protocol):
 
 
 class ServedReporter(Protocol):
-    """The generation workers' served-call report (`WorkerGroup.take_served_async`), bounded."""
+    """The generation workers' served-call report (`WorkerGroup.take_served_async`), bounded.
+
+    A worker that times out or died raises `WorkerError` (recoverable: the judge runs without the
+    report and fails closed); `WorkerFailedError` (a worker in its failed state) and any other
+    exception propagate and abort the run.
+    """
 
     async def take_served_async(self, rollout_ids: list[str]) -> list[ServedCall]: ...
 
 
 class StagingCleaner(Protocol):
     """Deletes a group's staged records once it is accounted (synchronous, like a source's fetch):
-    the keys its manifests named and any other key of its rollout ids (orphans, whose commit
-    never reached a ledger). Returns how many orphans it cleared."""
+    the keys its manifests named and the other keys of its rollout ids the workers reported
+    staging (orphans, whose commit never reached a ledger; `reported_keys` None = no report, the
+    cleaner finds them itself). Returns how many orphans it cleared."""
 
-    def clear(self, named_keys: list[str], rollout_ids: list[str]) -> int: ...
+    def clear(self, named_keys: list[str], rollout_ids: list[str], reported_keys: list[str] | None) -> int: ...
 
 
 class RolloutManagerConfig(BaseModel):
@@ -162,6 +171,7 @@ class _GroupState:
     rollout_ids: list[str]
     outcomes: dict[int, GroupEntry] = field(default_factory=dict)
     staged_keys: dict[int, list[str]] = field(default_factory=dict)  # by sample index
+    reported_keys: list[str] | None = None  # staged keys the workers' served report names (None: no report)
 
 
 def _describe(error: BaseException) -> str:
@@ -286,7 +296,7 @@ class RolloutManager:
             return RunFailure(PlaceholderReason.RUN_TIMEOUT, f"no /run result within {self._cfg.run_timeout_s}s")
         except GymRunTimeoutError as error:
             return RunFailure(PlaceholderReason.RUN_TIMEOUT, _describe(error))
-        except Exception as error:  # the environment is an external boundary; its failure is this rollout's verdict
+        except GymRunError as error:  # the agent failed or answered garbage: this rollout's verdict
             return RunFailure(PlaceholderReason.RUN_FAILED, _describe(error))
 
     async def _legacy_group(self, state: _GroupState, row: dict[str, Any]) -> None:
@@ -310,7 +320,7 @@ class RolloutManager:
             manifest = await asyncio.wait_for(self._env.manifest(rollout_id), self._cfg.capture.manifest_timeout_s)
         except asyncio.TimeoutError:
             problem = f"no manifest within {self._cfg.capture.manifest_timeout_s}s"
-        except Exception as error:  # the gate's control route is an external boundary
+        except ManifestError as error:  # the gate's control route failed: the judge fails closed
             problem = _describe(error)
         if manifest is not None and manifest.rollout_id == rollout_id:
             state.staged_keys[index] = [record.staging_key for record in manifest.records]
@@ -323,7 +333,9 @@ class RolloutManager:
     async def _served_report(self, rollout_ids: list[str]) -> dict[str, tuple[ServedCall, ...]] | None:
         try:
             calls = await self._served.take_served_async(rollout_ids)
-        except Exception as error:  # the workers are an external boundary; the judge fails closed without it
+        except WorkerFailedError:
+            raise  # the worker declared itself failed (a bug or a dead engine): abort the run loudly
+        except WorkerError as error:  # a worker timed out or died; the judge fails closed without it
             self._served_report_failures += 1
             LOGGER.error("served-call report for %s.. unavailable: %s", rollout_ids[0], _describe(error))
             return None
@@ -338,6 +350,7 @@ class RolloutManager:
         served = await self._served_report(list(state.rollout_ids))
         if served is not None:
             evidence = [dataclasses.replace(ev, served=served[ev.rollout_id]) for ev in evidence]
+            state.reported_keys = reported_staged_keys(call for calls in served.values() for call in calls)
         outcomes = await self._finalizer.finalize_group(evidence)
         if len(outcomes) != len(evidence):
             raise AccountingError(f"finalizer answered {len(outcomes)} outcomes for {len(evidence)} items")
@@ -355,7 +368,7 @@ class RolloutManager:
         ids = list(state.rollout_ids)
         jobs = {
             "retire ledger files": functools.partial(self._env.retire, ids),
-            "clear staged keys": functools.partial(self._cleaner.clear, keys, ids),
+            "clear staged keys": functools.partial(self._cleaner.clear, keys, ids, state.reported_keys),
         }
         # Both are synchronous file-system / TransferQueue work: off the event loop, each bounded.
         results = await asyncio.gather(

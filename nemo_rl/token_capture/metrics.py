@@ -35,6 +35,14 @@ Definitions (dispatched = all entries of all groups = kept rollouts + placeholde
   without a route count too; placeholders contribute no row); router_replay/rows_with_routes =
   rows with at least one covered token. Same definitions as `router_replay.router_replay_metrics`
   over a batch built from the same rows (padding excluded).
+
+`first_call_prompt_records(step, groups) -> list[dict]` (pure; the loop appends them to a file
+when `logger.dump_first_call_prompt_ids`): one record per training row, `{"step", "group",
+"rollout" (sample index), "chain" (the row's chain_index), "origin", "prompt_ids", "placeholder":
+None}`, where `prompt_ids = token_ids[:prompt_len]`, the prompt of the first call of the row's
+chain (capture rows: the verified staged ids; legacy rows: Gym's echoed `prompt_token_ids` of
+the first call); and one record per placeholder with `chain`, `origin` and `prompt_ids` None and
+`placeholder` its reason. A rollout on the default tool loop has exactly one row (chain 0).
 """
 
 from __future__ import annotations
@@ -88,6 +96,21 @@ def _router_replay_metrics(rows: Sequence[TrainRow]) -> dict[str, float]:
         "router_replay/sentinel_tokens": float(sentinel_tokens),
         "router_replay/rows_with_routes": float(rows_with_routes),
     }
+
+
+def first_call_prompt_records(step: int, groups: Sequence[GroupResult]) -> list[dict]:
+    records: list[dict] = []
+    for group in groups:
+        for entry in group.entries:
+            where = {"step": step, "group": entry.group_index, "rollout": entry.sample_index}
+            if isinstance(entry, Placeholder):
+                records.append({**where, "chain": None, "origin": None, "prompt_ids": None,
+                                "placeholder": entry.reason.value})
+                continue
+            for row in entry.rows:
+                records.append({**where, "chain": row.chain_index, "origin": row.origin.value,
+                                "prompt_ids": list(row.token_ids[: row.prompt_len]), "placeholder": None})
+    return records
 
 
 def finalize_metrics(groups: Sequence[GroupResult], queue_waits_ms: Sequence[float]) -> dict[str, float]:

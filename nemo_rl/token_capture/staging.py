@@ -8,13 +8,24 @@ Contract (Gym's external-staging protocol, `nemo_gym.token_id_capture.staging.pr
   the float32-packed digest round-trip bit for bit); `header` = JSON of every other base field
   (versions, ids, lengths, weight version, digests, hashes); `extras` = JSON of `record.extras`
   (`null` when absent; Gym restricts extras to JSON types). Base fetches never move `extras`.
-- `TQTokenSink.stage` is thread-safe. The write has completed (any other client can read it)
-  before it returns ok. Re-staging a key that already holds the same digest (a byte-identical
-  retry: the digest covers every field and the extras digest) returns ok without rewriting.
-  A key that holds a different digest is rejected with `ok=False` and an error naming the key.
-  Conflict detection is atomic within one process (a per-key lock around check-then-write);
-  across processes two writers of one key could still race, which cannot happen for Gym's
-  keys (the gate mints a fresh `model_call_id` per call and exactly one worker stages it).
+- `TQTokenSink.stage` is thread-safe and costs one data-plane write per new key, no read (it is
+  on every model call's critical path: the HTTP response waits for it). The write has completed
+  (any other client can read it) before it returns ok. The sink remembers the digest of the last
+  `REMEMBERED_KEYS` keys it wrote (LRU): re-staging one of them with the same digest (a
+  byte-identical retry: the digest covers every field and the extras digest) returns ok without
+  a write; with a different digest it is rejected (`ok=False`, an error naming the key and both
+  digests) and the stored row is left as it was. Within one process this check is atomic (a
+  per-key lock around check-then-write).
+- Why a blind write is safe (what replaced the read-before-write): a staging key is written by
+  one worker, once. The gate mints a fresh `model_call_id` for every call, and a worker admits
+  a (rollout_id, model_call_id) once and never generates it twice (`serving.AdmittedCalls`).
+  If that ever broke (a second process writing a different record under a staged key), the last
+  write would win, but nothing unverified can train: the gate commits the digest of the record
+  the worker returned to the ledger, the finalizer's snapshot recomputes the digest of what is
+  stored (Gym's model), and `verify_and_linearize` requires the two to be equal, so the rollout
+  becomes a `verification_failed` placeholder. The read never closed that case anyway (across
+  processes it raced the other writer), and for every new key it cost a missing-key round trip
+  whose exception was the normal path.
 - Attachments are rejected (`ok=False`, naming the attachment names): the TQ row has no
   attachment columns, and the protocol forbids dropping them silently. An empty mapping carries
   nothing and is accepted.
@@ -40,6 +51,8 @@ from __future__ import annotations
 
 import json
 import threading
+import time
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
@@ -57,6 +70,7 @@ from pydantic import ValidationError
 
 from nemo_rl.data_plane import DataPlaneError, MissingKeysError, Row
 from nemo_rl.data_plane.errors import format_keys
+from nemo_rl.token_capture import wire_metrics
 
 TOKEN_IDS_FIELD = "token_ids_delta"
 TOKEN_MASK_FIELD = "token_mask_delta"
@@ -69,6 +83,9 @@ ALL_FIELDS = (*BASE_FIELDS, EXTRAS_FIELD)
 _INT64_MAX = 2**63 - 1
 # Per-key locks are striped so memory stays bounded however many keys a worker stages.
 _LOCK_STRIPES = 64
+# Digests of recently written keys, for the in-process retry/conflict check (about 0.2 KB per key).
+# Retries come within a call's deadline, so a few thousand calls of history is plenty.
+REMEMBERED_KEYS = 16_384
 
 
 class StagingStore(Protocol):
@@ -137,6 +154,12 @@ def record_to_row(record: StagedCallRecord) -> Row:
         HEADER_FIELD: json.dumps(header, sort_keys=True, allow_nan=False),
         EXTRAS_FIELD: json.dumps(record.extras, sort_keys=True, allow_nan=False),
     }
+
+
+def row_nbytes(row: Row) -> int:
+    """Bytes one staged row holds in the data plane: tensor payloads plus the UTF-8 JSON fields."""
+    tensors = sum(row[name].element_size() * row[name].numel() for name in _ARRAY_FIELDS)
+    return tensors + len(row[HEADER_FIELD].encode()) + len(row[EXTRAS_FIELD].encode())
 
 
 def _row_payload(key: str, row: Row) -> dict[str, Any]:
@@ -235,25 +258,48 @@ def conflict_error(key: str, stored_digest: str, new_digest: str) -> str:
     )
 
 
+class WrittenDigests:
+    """Bounded LRU map staging key -> digest of the record this process wrote; thread-safe."""
+
+    def __init__(self, max_keys: int) -> None:
+        if max_keys < 1:
+            raise ValueError(f"max_keys={max_keys}: must be >= 1")
+        self._max_keys = max_keys
+        self._digests: OrderedDict[str, str] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: str) -> str | None:
+        with self._lock:
+            digest = self._digests.get(key)
+            if digest is not None:
+                self._digests.move_to_end(key)
+            return digest
+
+    def put(self, key: str, digest: str) -> None:
+        with self._lock:
+            self._digests[key] = digest
+            self._digests.move_to_end(key)
+            while len(self._digests) > self._max_keys:
+                self._digests.popitem(last=False)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._digests)
+
+
 class TQTokenSink:
     """Gym `StagingSink` that writes each staged call as one row of a TQ partition."""
 
-    def __init__(self, client: StagingStore, partition: str, *, timeout_s: float | None = None) -> None:
+    def __init__(
+        self, client: StagingStore, partition: str, *, timeout_s: float | None = None,
+        remembered_keys: int = REMEMBERED_KEYS,
+    ) -> None:
         """`timeout_s` bounds each data-plane call; None uses the client's configured deadline."""
         self._client = client
         self._partition = partition
         self._timeout_s = timeout_s
         self._locks = [threading.Lock() for _ in range(_LOCK_STRIPES)]
-
-    def _stored_digest(self, key: str) -> str | None:
-        try:
-            (row,) = self._client.get(self._partition, [key], [HEADER_FIELD], timeout_s=self._timeout_s)
-        except MissingKeysError:
-            return None
-        digest = json.loads(row[HEADER_FIELD]).get("digest")
-        if not isinstance(digest, str):
-            raise DataPlaneError(f"staging key {key!r} holds a header without a digest; the partition is corrupt")
-        return digest
+        self._written = WrittenDigests(remembered_keys)
 
     def stage(self, record: StagedCallRecord, *, attachments: Mapping[str, Any] | None = None) -> StageResult:
         """Durably stage one record under its staging key (see the module contract)."""
@@ -273,12 +319,19 @@ class TQTokenSink:
             row = record_to_row(record)
         except ValueError as e:
             return StageResult(ok=False, staging_key=key, error=f"staging key {key!r}: {e}")
+        started = time.perf_counter()
         with self._locks[hash(key) % _LOCK_STRIPES]:
-            stored = self._stored_digest(key)
-            if stored is not None and stored != record.digest:
-                return StageResult(ok=False, staging_key=key, error=conflict_error(key, stored, record.digest))
-            if stored is None:
+            written = self._written.get(key)
+            if written is not None and written != record.digest:
+                return StageResult(ok=False, staging_key=key, error=conflict_error(key, written, record.digest))
+            if written is None:
+                # One write, no read: see "Why a blind write is safe" in the module contract.
                 self._client.put(self._partition, key, row, timeout_s=self._timeout_s)
+                self._written.put(key, record.digest)
+        wire_metrics.add_call_cost("stage_s", time.perf_counter() - started)
+        if wire_metrics.active():
+            wire_metrics.add_counter("staged_bytes", row_nbytes(row))
+            wire_metrics.add_counter("staged_calls", 1)
         return StageResult(ok=True, staging_key=key)
 
 
@@ -292,6 +345,7 @@ class TQTokenSource:
         self._timeout_s = timeout_s
 
     def _rows(self, staging_keys: list[str], fields: Sequence[str]) -> list[Row]:
+        started = time.perf_counter()
         try:
             return self._client.get(self._partition, staging_keys, list(fields), timeout_s=self._timeout_s)
         except MissingKeysError as e:
@@ -301,6 +355,9 @@ class TQTokenSource:
                 f"fetching {len(staging_keys)} staging key(s) {format_keys(staging_keys)} from partition "
                 f"{self._partition!r} failed: {e}"
             ) from e
+        finally:
+            # Counted only inside a worker's call scope (the prefix fetch of a token-in call).
+            wire_metrics.add_call_cost("prefix_fetch_s", time.perf_counter() - started)
 
     def fetch(self, staging_keys: list[str]) -> list[StagedCallBaseSnapshot]:
         """Exactly one validated base snapshot per key, in request order."""

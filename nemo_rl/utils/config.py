@@ -31,6 +31,7 @@ from __future__ import annotations
 import difflib
 import typing
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -321,14 +322,26 @@ def _assign(cfg: DictConfig, key: str, value: Any, text: str) -> None:
         parent[last] = value
 
 
+@dataclass(frozen=True)
+class DeclaredBy:
+    """Field metadata: a section kept as a plain dict whose keys `model` declares.
+
+    `policy: Annotated[dict, DeclaredBy(PolicyConfig)]` lets `policy.lr_warmup_steps=5` be set
+    without `+` (the key is PolicyConfig's) while the section is validated later, elsewhere.
+    """
+
+    model: type[BaseModel]
+
+
 def schema_declares(schema: type[BaseModel] | None, key: str) -> bool:
     """Whether the dotted `key` names a field of `schema` (through nested pydantic models)."""
     current = schema
     for part in key.split("."):
         if current is None or part not in current.model_fields:
             return False
-        annotation = current.model_fields[part].annotation
-        current = _model_in(annotation)
+        info = current.model_fields[part]
+        declared = [m.model for m in info.metadata if isinstance(m, DeclaredBy)]
+        current = declared[0] if declared else _model_in(info.annotation)
     return True
 
 

@@ -9,6 +9,13 @@ Contract:
 - A metric value must be a finite real number (bools, strings, None, NaN and +-inf are rejected
   with a `MetricsError` naming the key and the step). A metric may not be called `step`.
   Nothing is written for a rejected call.
+- Run records beside metrics.jsonl (written by the training loop, read by the L1 test):
+  `write_run_info(log_dir, info)` replaces `<log_dir>/run_info.json` atomically (facts about the
+  run measured at set-up, e.g. `generation/venv`: the venv every generation worker runs in);
+  `append_jsonl(path, records)` appends one JSON object per record, fsync'd. With
+  `logger.dump_first_call_prompt_ids` the loop appends, per step, one record per training row and
+  per placeholder to `<log_dir>/first_call_prompt_ids.jsonl` (fields: see
+  `nemo_rl.token_capture.metrics.first_call_prompt_records`).
 - `Timer(name, into)` records wall time in seconds under `timing/<name>` of the dict `into`.
 - `progress(label, done, total)` prints `[progress] <label>: done/total (pct) elapsed` at most
   once per `min_interval_s` per label, plus always the first and the final line of a phase.
@@ -30,6 +37,8 @@ from typing import Any, TextIO
 from pydantic import BaseModel, ConfigDict, Field
 
 METRICS_FILE = "metrics.jsonl"
+RUN_INFO_FILE = "run_info.json"
+FIRST_CALL_PROMPTS_FILE = "first_call_prompt_ids.jsonl"
 TENSORBOARD_DIR = "tensorboard"
 TIMING_PREFIX = "timing/"
 
@@ -61,6 +70,14 @@ class LoggerConfig(BaseModel):
             "timing/step_s",
         ],
         description="Metric keys shown, in this order, on the compact per-step stdout line.",
+    )
+    dump_first_call_prompt_ids: bool = Field(
+        default=False,
+        description=(
+            f"Append the prompt ids of every training row's first model call, per step, to "
+            f"<log_dir>/{FIRST_CALL_PROMPTS_FILE} (capture: from the verified rows; legacy: from "
+            "Gym's token echo). The L1 test compares them between the two legs."
+        ),
     )
 
 
@@ -161,6 +178,31 @@ class MetricsLogger:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def write_run_info(log_dir: str | Path, info: Mapping[str, Any]) -> Path:
+    """Write `info` as `<log_dir>/run_info.json` (keys sorted), atomically: readers never see half a file."""
+    text = json.dumps(dict(info), sort_keys=True, indent=1, allow_nan=False) + "\n"  # fails before any file
+    path = Path(log_dir) / RUN_INFO_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return path
+
+
+def append_jsonl(path: str | Path, records: list[Mapping[str, Any]]) -> None:
+    """Append one JSON line per record to `path` (created with its folder if absent), fsync'd."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lines = "".join(json.dumps(dict(record), sort_keys=True, allow_nan=False) + "\n" for record in records)
+    with open(path, "a", encoding="utf-8") as f:  # one write: a rejected record appends nothing
+        f.write(lines)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 class Timer:

@@ -9,18 +9,54 @@ Contract:
   covers every input that changes what gets installed (spec text, interpreter version, local
   package sources, builder version). A venv built for one spec is therefore never reused for
   another: editing a pin yields a new folder instead of a stale cache hit.
-- A venv is usable only when its completion marker (holding the full hash) exists; a build that
-  died half way is removed and rebuilt. Builds are serialized by a file lock per venv.
+- `ensure_venv(spec, builder=...)` returns a folder only when its completion marker (holding the
+  full hash) is present. `builder(spec, target, progress, timeout_s)` creates a venv at `target`,
+  a folder that does not exist yet; the default `uv_builder` runs `uv venv --relocatable` and
+  `uv pip install`. Tests inject fakes.
 - `NRL_FORCE_REBUILD_VENVS_LIST` (comma-separated flavor names, or `*`) forces a rebuild.
 - `NRL_VENVS_DIR` moves the venv root (default: `<repo>/.venvs`, git-ignored).
 - Packages come from the standard sources: `PIP_FIND_LINKS` / `UV_FIND_LINKS` are passed to uv
   at run time; no path or host is written into any file.
 - Building prints progress lines; failures raise `VenvBuildError` with the failing command and
   the tail of its output.
+- `running_venv_info()` (called inside an actor) reports the venv the process actually runs in:
+  its folder and the spec hash in its marker, so a run can record what its workers ran.
+
+How a build is made atomic (the safety argument):
+1. Every build of `<root>/<folder>` happens under an exclusive `flock` on `<root>/.<folder>.lock`,
+   held from the completeness check to the publication. The kernel releases the lock when its
+   holder exits for any reason (SIGKILL included), so a dead builder never blocks the next one,
+   and a second process that asks for the same spec waits, then finds the marker and reuses the
+   first one's venv without building.
+2. The builder writes into a sibling `<folder>.building-<pid>` (same file system, so the final
+   step can be a rename). Only a lock holder builds, and a lock holder is alive, so any
+   `<folder>.building-*` or `<folder>.stale-*` found by the next lock holder was left by a process
+   that died: it is removed before the next build.
+3. After the builder returns, the marker (the full hash) is written inside the build folder and
+   fsync'd, and the folder is renamed to `<folder>` with `os.rename`, which is atomic: `<folder>`
+   is either absent or a complete venv whose marker names its spec. A process killed at any point
+   before the rename leaves only a `.building-*` leftover, never a usable-looking `<folder>`.
+4. If `<folder>` already exists: when it is complete for this hash and no rebuild was forced,
+   another process finished first and our build is discarded (this also covers a lock that does
+   not serialize, e.g. a file system without `flock`: the loser of the rename race sees
+   ENOTEMPTY, checks the winner's marker and discards its own). Otherwise (a forced rebuild, or
+   an incomplete folder left by the earlier in-place builder) the old folder is renamed aside to
+   `<folder>.stale-<pid>` and removed after ours is in place.
+5. Moving a venv is safe only if nothing inside names its own path. `uv venv --relocatable`
+   makes `bin/python` a symlink to the base interpreter (independent of the venv's location),
+   `pyvenv.cfg` names only that base interpreter, and console scripts installed by `uv pip
+   install` into such a venv start with a `/bin/sh` trampoline that finds `python` next to
+   themselves instead of a `#!<venv>/bin/python` shebang. uv installs no `.pth` file naming the
+   venv for non-editable installs. This is checked, not assumed: before the marker is written,
+   `bin/*` and `pyvenv.cfg` are scanned for the build folder's path, and a hit fails the build
+   (`VenvBuildError` naming the files) instead of publishing a venv that breaks once moved.
+   `BUILDER_VERSION` stays "1": relocatable venvs install the same packages, and a venv published
+   by the earlier in-place builder is valid at the path it was built for (it is never moved).
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import os
@@ -28,7 +64,8 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,6 +75,10 @@ BUILDER_VERSION = "1"
 MARKER = ".nrl_venv_complete"
 FORCE_ENV = "NRL_FORCE_REBUILD_VENVS_LIST"
 VENVS_DIR_ENV = "NRL_VENVS_DIR"
+BUILDING_INFIX = ".building-"
+STALE_INFIX = ".stale-"
+
+Progress = Callable[[str], None]
 
 
 class VenvBuildError(RuntimeError):
@@ -56,6 +97,10 @@ class VenvSpec:
             raise ValueError(f"VenvSpec.name={self.name!r}: use letters, digits, '-' or '_'")
         if not self.requirements_file.is_file():
             raise ValueError(f"VenvSpec.requirements_file={str(self.requirements_file)!r} does not exist")
+
+
+# builder(spec, target, progress, timeout_s): create a complete venv at `target` (absent on entry).
+Builder = Callable[[VenvSpec, Path, Progress, float], None]
 
 
 def _python_version(python: str) -> str:
@@ -88,6 +133,10 @@ def spec_hash(spec: VenvSpec, python_version: str | None = None) -> str:
     return h.hexdigest()
 
 
+def venv_folder_name(name: str, digest: str) -> str:
+    return f"{name}-{digest[:16]}"
+
+
 def venvs_root() -> Path:
     return Path(os.environ.get(VENVS_DIR_ENV) or REPO_ROOT / ".venvs")
 
@@ -97,6 +146,12 @@ def forced_rebuild(name: str, env_value: str | None) -> bool:
         return False
     names = {n.strip() for n in env_value.split(",") if n.strip()}
     return "*" in names or name in names
+
+
+def is_complete(venv_dir: Path, digest: str) -> bool:
+    """True iff `venv_dir` holds the marker naming exactly `digest` (written last, before publication)."""
+    marker = venv_dir / MARKER
+    return marker.is_file() and marker.read_text().strip() == digest
 
 
 def _uv() -> str:
@@ -115,7 +170,7 @@ def _find_links_args() -> list[str]:
     return args
 
 
-def _run(cmd: list[str], progress: Callable[[str], None], timeout_s: float) -> None:
+def _run(cmd: list[str], progress: Progress, timeout_s: float) -> None:
     start = time.monotonic()
     progress(f"[venv] $ {' '.join(cmd[:4])} ...")
     try:
@@ -132,35 +187,11 @@ def venv_python(venv_dir: Path) -> Path:
     return venv_dir / "bin" / "python"
 
 
-def ensure_venv(
-    spec: VenvSpec,
-    *,
-    progress: Callable[[str], None] = print,
-    timeout_s: float = 1800.0,
-) -> Path:
-    """Return the folder of a complete venv for `spec`, building it first when needed."""
-    digest = spec_hash(spec)
-    root = venvs_root()
-    root.mkdir(parents=True, exist_ok=True)
-    venv_dir = root / f"{spec.name}-{digest[:16]}"
-    with open(root / f".{venv_dir.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        marker = venv_dir / MARKER
-        complete = marker.is_file() and marker.read_text().strip() == digest
-        if complete and not forced_rebuild(spec.name, os.environ.get(FORCE_ENV)):
-            return venv_dir
-        _build(spec, venv_dir, digest, progress, timeout_s)
-    return venv_dir
-
-
-def _build(spec: VenvSpec, venv_dir: Path, digest: str, progress: Callable[[str], None], timeout_s: float) -> None:
-    start = time.monotonic()
-    progress(f"[venv] building flavor '{spec.name}' in {venv_dir} (first use of this spec; takes ~1-3 min)")
-    if venv_dir.exists():
-        shutil.rmtree(venv_dir)
+def uv_builder(spec: VenvSpec, target: Path, progress: Progress, timeout_s: float) -> None:
+    """The real builder: a relocatable uv venv (see point 5 of the module docstring) with the pins."""
     uv = _uv()
-    py = str(venv_python(venv_dir))
-    _run([uv, "venv", "--no-config", "--quiet", "--python", spec.python, str(venv_dir)], progress, timeout_s)
+    py = str(venv_python(target))
+    _run([uv, "venv", "--no-config", "--quiet", "--relocatable", "--python", spec.python, str(target)], progress, timeout_s)
     _run(
         [uv, "pip", "install", "--no-config", "--python", py, "--no-deps", "-r", str(spec.requirements_file), *_find_links_args()],
         progress,
@@ -168,8 +199,140 @@ def _build(spec: VenvSpec, venv_dir: Path, digest: str, progress: Callable[[str]
     )
     for pkg in spec.local_packages:
         _run([uv, "pip", "install", "--no-config", "--python", py, "--no-deps", str(pkg)], progress, timeout_s)
-    (venv_dir / MARKER).write_text(digest + "\n")
-    progress(f"[venv] flavor '{spec.name}' ready after {time.monotonic() - start:.1f}s")
+
+
+def leftovers(venv_dir: Path) -> list[Path]:
+    """`<folder>.building-*` and `<folder>.stale-*` siblings of `venv_dir` (left by dead builders)."""
+    prefixes = (venv_dir.name + BUILDING_INFIX, venv_dir.name + STALE_INFIX)
+    return sorted(p for p in venv_dir.parent.iterdir() if p.name.startswith(prefixes))
+
+
+def embedded_path_files(venv_dir: Path) -> list[str]:
+    """Files of `bin/` and `pyvenv.cfg` whose bytes contain `venv_dir`'s absolute path (relative names)."""
+    needle = str(venv_dir).encode()
+    bin_dir = venv_dir / "bin"
+    candidates = [venv_dir / "pyvenv.cfg", *(sorted(bin_dir.iterdir()) if bin_dir.is_dir() else [])]
+    return [
+        str(p.relative_to(venv_dir)) for p in candidates
+        if p.is_file() and not p.is_symlink() and needle in p.read_bytes()
+    ]
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_marker(venv_dir: Path, digest: str) -> None:
+    with open(venv_dir / MARKER, "w") as f:
+        f.write(digest + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def publish(staging: Path, venv_dir: Path, digest: str, *, replace_complete: bool) -> bool:
+    """Rename the complete build `staging` to `venv_dir` atomically; False when ours was discarded.
+
+    Ours is discarded when `venv_dir` is already complete for `digest` (another process finished
+    first) unless `replace_complete` (a forced rebuild). Any other existing `venv_dir` is renamed
+    aside to `<folder>.stale-<pid>` first and removed once ours is in place.
+    """
+    if not is_complete(staging, digest):
+        raise VenvBuildError(f"refusing to publish {staging}: its marker does not name {digest}")
+    aside: Path | None = None
+    if venv_dir.exists() or venv_dir.is_symlink():
+        if is_complete(venv_dir, digest) and not replace_complete:
+            shutil.rmtree(staging)
+            return False
+        aside = venv_dir.with_name(f"{venv_dir.name}{STALE_INFIX}{os.getpid()}")
+        os.rename(venv_dir, aside)
+    try:
+        os.rename(staging, venv_dir)
+    except OSError as e:
+        # Only reachable when another process published between our check and our rename (a lock
+        # that did not serialize): the winner stays if it is complete for this spec.
+        if e.errno not in (errno.ENOTEMPTY, errno.EEXIST) or not is_complete(venv_dir, digest):
+            # `aside` (if any) stays as a `.stale-*` leftover for the next lock holder to remove.
+            raise VenvBuildError(
+                f"cannot move the venv build {staging} into place at {venv_dir}: {e} "
+                f"(fix: remove {venv_dir} and retry)"
+            ) from e
+        shutil.rmtree(staging)
+        if aside is not None:
+            shutil.rmtree(aside)
+        return False
+    if aside is not None:
+        shutil.rmtree(aside)
+    _fsync_dir(venv_dir.parent)
+    return True
+
+
+@contextmanager
+def _exclusive_lock(path: Path) -> Iterator[None]:
+    with open(path, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released by the kernel when the holder exits, however it exits
+        yield
+
+
+def ensure_venv(
+    spec: VenvSpec,
+    *,
+    progress: Progress = print,
+    timeout_s: float = 1800.0,
+    builder: Builder = uv_builder,
+) -> Path:
+    """Return the folder of a complete venv for `spec`, building it first when needed (see the docstring)."""
+    digest = spec_hash(spec)
+    root = venvs_root()
+    root.mkdir(parents=True, exist_ok=True)
+    venv_dir = root / venv_folder_name(spec.name, digest)
+    with _exclusive_lock(root / f".{venv_dir.name}.lock"):
+        forced = forced_rebuild(spec.name, os.environ.get(FORCE_ENV))
+        if is_complete(venv_dir, digest) and not forced:
+            return venv_dir
+        for leftover in leftovers(venv_dir):
+            progress(f"[venv] removing {leftover.name} (left by a build that did not finish)")
+            shutil.rmtree(leftover)
+        _build(spec, venv_dir, digest, builder, progress, timeout_s, forced)
+    return venv_dir
+
+
+def _build(spec: VenvSpec, venv_dir: Path, digest: str, builder: Builder, progress: Progress,
+           timeout_s: float, forced: bool) -> None:
+    start = time.monotonic()
+    staging = venv_dir.with_name(f"{venv_dir.name}{BUILDING_INFIX}{os.getpid()}")
+    progress(f"[venv] building flavor '{spec.name}' in {staging} (first use of this spec; takes ~1-3 min)")
+    try:
+        builder(spec, staging, progress, timeout_s)
+        embedded = embedded_path_files(staging)
+        if embedded:
+            raise VenvBuildError(
+                f"the venv built at {staging} names that folder in {embedded}; it would break once moved "
+                f"to {venv_dir} (fix: the builder must make a relocatable venv, e.g. `uv venv --relocatable`)"
+            )
+        write_marker(staging, digest)
+    except BaseException:
+        # The error propagates unchanged; a folder this removal misses is a leftover the next
+        # lock holder deletes, and it is never published without a marker either way.
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    if publish(staging, venv_dir, digest, replace_complete=forced):
+        progress(f"[venv] flavor '{spec.name}' ready in {venv_dir} after {time.monotonic() - start:.1f}s")
+    else:
+        progress(f"[venv] flavor '{spec.name}' was completed by another process; using {venv_dir}")
+
+
+def running_venv_info(prefix: str = sys.prefix) -> dict[str, str | None]:
+    """The venv this process runs in: `prefix`, `folder` (its name) and `spec_hash` (its marker, or None)."""
+    marker = Path(prefix) / MARKER
+    return {
+        "prefix": prefix,
+        "folder": Path(prefix).name,
+        "spec_hash": marker.read_text().strip() if marker.is_file() else None,
+    }
 
 
 def vllm_spec(flavor: str) -> VenvSpec:
@@ -184,11 +347,19 @@ def vllm_spec(flavor: str) -> VenvSpec:
 
 
 __all__ = [
+    "Builder",
     "VenvBuildError",
     "VenvSpec",
+    "embedded_path_files",
     "ensure_venv",
     "forced_rebuild",
+    "is_complete",
+    "leftovers",
+    "publish",
+    "running_venv_info",
     "spec_hash",
+    "uv_builder",
+    "venv_folder_name",
     "venv_python",
     "venvs_root",
     "vllm_spec",

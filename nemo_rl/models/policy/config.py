@@ -19,6 +19,12 @@ class PolicyConfig(BaseModel):
     # A local Hugging Face model folder (config.json + safetensors); no hub access is assumed.
     model_path: str = Field(min_length=1)
     learning_rate: float = Field(default=1e-4, gt=0.0)
+    # Linear warmup: train step k (1-based) uses learning_rate * min(1, k / lr_warmup_steps); 0 =
+    # the full rate from the first step. A fresh AdamW moves every weight by about lr on its first
+    # steps whatever the gradient's size, so a small model at a rate that learns needs the ramp.
+    lr_warmup_steps: int = Field(default=0, ge=0)
+    adam_beta1: float = Field(default=0.9, ge=0.0, lt=1.0)
+    adam_beta2: float = Field(default=0.999, ge=0.0, lt=1.0)
     weight_decay: float = Field(default=0.0, ge=0.0)
     max_grad_norm: float = Field(default=1.0, gt=0.0)
     # Sequences per forward/backward pass; gradients accumulate over a step's micro-batches.

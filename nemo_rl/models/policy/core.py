@@ -16,26 +16,42 @@ Contract:
   3. per micro-batch with a masked token, `loss_fn(...)` normalised by the whole batch's
      masked-token count, backward (gradients accumulate); its metrics are summed;
   4. clip the global grad norm to `max_grad_norm`; a non-finite norm raises
-     `NonFiniteGradientError` and no step is taken; else AdamW steps.
+     `NonFiniteGradientError` and no step is taken (nor counted); else AdamW steps at
+     `warmup_lr(learning_rate, lr_warmup_steps, k)` for the k-th step taken (reported as `lr`).
   A batch without any masked token raises `EmptyMaskError`: there is nothing to train.
 - `export_weights(out_dir)` writes `model.safetensors` (HF parameter names, atomically renamed
   into place) and copies `config.json`: the layout vLLM's `reload_weights(weights_path=dir)`
   reads. Tied input/output embeddings are refused (vLLM's CPU backend keeps a stale lm_head).
 - `state_fingerprint()` is a sha256 over (name, dtype, shape, bytes) of every state-dict entry
   in name order: equal weights give equal fingerprints; any changed bit changes it.
+  `optimizer_fingerprint()` is the same over the optimizer: the count of steps taken (the lr
+  warmup's k), every param group's hyperparameters, and every per-parameter state tensor (AdamW's
+  step, exp_avg, exp_avg_sq) in parameter order.
+- `save_state(dir)` writes the whole training state into an empty (or new) folder: the weights
+  (`model.safetensors`, HF names), the optimizer's `state_dict` (`optimizer.pt`), and
+  `policy_state.json` (steps taken, the torch CPU RNG state, and the CUDA ones on cuda, both
+  fingerprints). `load_state(dir)` restores all of it into this core, bit for bit, and checks
+  the restored fingerprints against the recorded ones. A checkpoint that does not fit (another
+  architecture, or AdamW betas / weight_decay other than this config's) raises
+  `PolicyCheckpointError` naming the field: the restored optimizer keeps its saved
+  hyperparameters, so a silently changed config would not take effect. The learning rate is not
+  checked: every step sets it from `warmup_lr` and the config. Both return a `PolicyStateInfo`.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import os
+import pickle
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from nemo_rl.models.policy.batch import TrainBatch
@@ -43,6 +59,7 @@ from nemo_rl.models.policy.config import PolicyConfig
 from nemo_rl.models.policy.errors import (
     EmptyMaskError,
     NonFiniteGradientError,
+    PolicyError,
     PolicyDeviceError,
     PolicyLoadError,
     TokenIdOutOfRangeError,
@@ -54,6 +71,30 @@ from nemo_rl.models.policy.mismatch import gen_kl_error, token_mult_prob_error
 
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
+OPTIMIZER_FILE = "optimizer.pt"
+POLICY_STATE_FILE = "policy_state.json"
+POLICY_STATE_FORMAT = 1
+
+
+class PolicyCheckpointError(PolicyError):
+    """A policy checkpoint cannot be written, or does not fit this policy (the message names why)."""
+
+
+@dataclass(frozen=True)
+class PolicyStateInfo:
+    """What `save_state` wrote / `load_state` restored: the step counter and both fingerprints."""
+
+    steps_taken: int
+    policy_fingerprint: str
+    optimizer_fingerprint: str
+
+    def __post_init__(self) -> None:
+        if self.steps_taken < 0:
+            raise ValueError(f"steps_taken={self.steps_taken}: a count of optimizer steps is >= 0")
+        for name in ("policy_fingerprint", "optimizer_fingerprint"):
+            value = getattr(self, name)
+            if len(value) != 64 or any(c not in "0123456789abcdef" for c in value):
+                raise ValueError(f"{name}={value!r}: not a sha256 hex digest")
 
 
 @dataclass(frozen=True)
@@ -106,6 +147,15 @@ def _prepare(batch: TrainBatch, idx: range, device: torch.device) -> _MicroBatch
     )
 
 
+def warmup_lr(base_lr: float, warmup_steps: int, step: int) -> float:
+    """The rate of 1-based train step `step`: base_lr * min(1, step / warmup_steps)."""
+    if step < 1:
+        raise ValueError(f"step={step}: train steps are 1-based")
+    if warmup_steps == 0:
+        return base_lr
+    return base_lr * min(1.0, step / warmup_steps)
+
+
 class PolicyCore:
     """The in-process policy; see the module docstring for the contract."""
 
@@ -118,8 +168,12 @@ class PolicyCore:
         self._model = _load_model(self._model_dir, cfg.dtype, self._device)
         self._vocab_size = int(self._model.get_output_embeddings().weight.shape[0])
         self._optimizer = torch.optim.AdamW(
-            self._model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay
+            self._model.parameters(),
+            lr=cfg.learning_rate,
+            weight_decay=cfg.weight_decay,
+            betas=(cfg.adam_beta1, cfg.adam_beta2),
         )
+        self._steps_taken = 0
 
     @property
     def model(self) -> PreTrainedModel:
@@ -205,8 +259,13 @@ class PolicyCore:
                 f"grad norm is {grad_norm} on a batch of {batch.num_samples} samples / "
                 f"{num_tokens} tokens; the step was not taken (check advantages and logprobs)"
             )
+        self._steps_taken += 1
+        lr = warmup_lr(self._cfg.learning_rate, self._cfg.lr_warmup_steps, self._steps_taken)
+        for group in self._optimizer.param_groups:
+            group["lr"] = lr
         self._optimizer.step()
         return {
+            "lr": lr,
             **loss_metrics,
             "grad_norm": grad_norm,
             "token_mult_prob_error": mult_err,
@@ -251,3 +310,136 @@ class PolicyCore:
             h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
             h.update(data.numpy().tobytes())
         return h.hexdigest()
+
+    def optimizer_fingerprint(self) -> str:
+        h = hashlib.sha256()
+        h.update(f"steps_taken|{self._steps_taken}|".encode())
+        state = self._optimizer.state_dict()
+        for i, group in enumerate(state["param_groups"]):
+            # Hyperparameters are plain numbers/bools/None (AdamW); a tensor here would be a new
+            # optimizer this fingerprint does not know, and json.dumps says so (TypeError).
+            h.update(f"group|{i}|{json.dumps(group, sort_keys=True)}|".encode())
+        for index in sorted(state["state"]):
+            for key, value in sorted(state["state"][index].items()):
+                if isinstance(value, torch.Tensor):
+                    _hash_tensor(h, f"state|{index}|{key}", value)
+                else:
+                    h.update(f"state|{index}|{key}|{value!r}|".encode())
+        return h.hexdigest()
+
+    def _state_info(self) -> PolicyStateInfo:
+        return PolicyStateInfo(self._steps_taken, self.state_fingerprint(), self.optimizer_fingerprint())
+
+    def save_state(self, out_dir: str | Path) -> PolicyStateInfo:
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        present = sorted(p.name for p in out.iterdir())
+        if present:
+            raise PolicyCheckpointError(
+                f"save_state into {str(out)!r}: the folder already holds {present}; a checkpoint is written "
+                "into an empty folder (fix: pass a new folder)"
+            )
+        info = self._state_info()
+        # Clones: tied embeddings share storage, which safetensors refuses to write twice.
+        tensors = {k: v.detach().cpu().clone().contiguous() for k, v in self._model.state_dict().items()}
+        save_file(tensors, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
+        torch.save(self._optimizer.state_dict(), out / OPTIMIZER_FILE)
+        record = {
+            "format": POLICY_STATE_FORMAT,
+            "steps_taken": info.steps_taken,
+            "policy_fingerprint": info.policy_fingerprint,
+            "optimizer_fingerprint": info.optimizer_fingerprint,
+            "torch_rng": torch.get_rng_state().numpy().tobytes().hex(),
+            "cuda_rng": [s.numpy().tobytes().hex() for s in torch.cuda.get_rng_state_all()]
+            if self._device.type == "cuda" else [],
+        }
+        with open(out / POLICY_STATE_FILE, "w", encoding="utf-8") as f:
+            f.write(json.dumps(record, sort_keys=True, indent=1) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        return info
+
+    def _read_state_record(self, folder: Path) -> dict:
+        path = folder / POLICY_STATE_FILE
+        try:
+            record = json.loads(path.read_text(encoding="utf-8"))
+        except FileNotFoundError as e:
+            raise PolicyCheckpointError(f"load_state: {str(folder)!r} has no {POLICY_STATE_FILE}; not a policy checkpoint") from e
+        except json.JSONDecodeError as e:
+            raise PolicyCheckpointError(f"load_state: {path} is not valid JSON ({e.msg})") from e
+        if not isinstance(record, dict) or record.get("format") != POLICY_STATE_FORMAT:
+            raise PolicyCheckpointError(
+                f"load_state: {path} has format {record.get('format') if isinstance(record, dict) else record!r}; "
+                f"this code reads format {POLICY_STATE_FORMAT}"
+            )
+        return record
+
+    def _check_hyperparameters(self, groups: list[dict], folder: Path) -> None:
+        want = {"betas": (self._cfg.adam_beta1, self._cfg.adam_beta2), "weight_decay": self._cfg.weight_decay}
+        fields = {"betas": "policy.adam_beta1/adam_beta2", "weight_decay": "policy.weight_decay"}
+        for i, group in enumerate(groups):
+            for key, value in want.items():
+                saved = tuple(group[key]) if key == "betas" else group[key]
+                if saved != value:
+                    raise PolicyCheckpointError(
+                        f"load_state: the optimizer in {str(folder)!r} was saved with {key}={saved} (param group "
+                        f"{i}) but {fields[key]} gives {value}; the restored optimizer would keep the saved value "
+                        f"(fix: set {fields[key]} back to {saved}, or start a new run without resuming)"
+                    )
+
+    def _check_fits(self, weights: dict[str, torch.Tensor], optimizer_state: dict, folder: Path) -> None:
+        """Everything that could refuse the checkpoint, checked before any state is touched."""
+        own = self._model.state_dict()
+        if set(weights) != set(own):
+            raise PolicyCheckpointError(
+                f"load_state: the weights in {str(folder)!r} do not fit policy.model_path={self._cfg.model_path!r}: "
+                f"missing {sorted(set(own) - set(weights))[:5]}, unexpected {sorted(set(weights) - set(own))[:5]}"
+            )
+        for name, tensor in sorted(weights.items()):
+            if tensor.shape != own[name].shape or tensor.dtype != own[name].dtype:
+                raise PolicyCheckpointError(
+                    f"load_state: the weights in {str(folder)!r} do not fit policy.model_path={self._cfg.model_path!r}: "
+                    f"{name} is {tuple(tensor.shape)} {tensor.dtype} there, {tuple(own[name].shape)} {own[name].dtype} here"
+                )
+        groups = optimizer_state["param_groups"]
+        sizes, own_sizes = [len(g["params"]) for g in groups], [len(g["params"]) for g in self._optimizer.param_groups]
+        if sizes != own_sizes:
+            raise PolicyCheckpointError(
+                f"load_state: the optimizer state in {str(folder)!r} covers parameter groups of sizes {sizes}, this "
+                f"model's optimizer has {own_sizes}; it belongs to another model"
+            )
+        self._check_hyperparameters(groups, folder)
+
+    def load_state(self, in_dir: str | Path) -> PolicyStateInfo:
+        folder = Path(in_dir)
+        record = self._read_state_record(folder)
+        try:
+            weights = load_file(str(folder / WEIGHTS_FILE), device=str(self._device))
+            optimizer_state = torch.load(folder / OPTIMIZER_FILE, map_location=self._device, weights_only=True)
+        except (OSError, SafetensorError, RuntimeError, EOFError, pickle.UnpicklingError) as e:
+            raise PolicyCheckpointError(f"load_state: cannot read the checkpoint in {str(folder)!r}: {type(e).__name__}: {e}") from e
+        self._check_fits(weights, optimizer_state, folder)
+        self._model.load_state_dict(weights, strict=True)
+        self._optimizer.load_state_dict(optimizer_state)
+        self._steps_taken = int(record["steps_taken"])
+        torch.set_rng_state(_bytes_tensor(record["torch_rng"]))
+        if self._device.type == "cuda":
+            torch.cuda.set_rng_state_all([_bytes_tensor(s) for s in record["cuda_rng"]])
+        info = self._state_info()
+        saved = PolicyStateInfo(record["steps_taken"], record["policy_fingerprint"], record["optimizer_fingerprint"])
+        if info != saved:
+            raise PolicyCheckpointError(
+                f"load_state: the state restored from {str(folder)!r} is not the state that was saved "
+                f"(restored {info}, recorded {saved}); the checkpoint is damaged"
+            )
+        return info
+
+
+def _hash_tensor(h: "hashlib._Hash", label: str, t: torch.Tensor) -> None:
+    data = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+    h.update(f"{label}|{t.dtype}|{tuple(t.shape)}|".encode())
+    h.update(data.numpy().tobytes())
+
+
+def _bytes_tensor(hex_text: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray.fromhex(hex_text), dtype=torch.uint8).clone()

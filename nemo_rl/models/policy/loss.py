@@ -29,7 +29,7 @@ from nemo_rl.models.policy.errors import LossFnError
 
 # Metrics PolicyCore.train_step computes itself; a LossFn may not return these names.
 CORE_METRICS = frozenset(
-    {"grad_norm", "token_mult_prob_error", "gen_kl_error", "num_tokens", "num_samples"}
+    {"grad_norm", "lr", "token_mult_prob_error", "gen_kl_error", "num_tokens", "num_samples"}
 )
 
 

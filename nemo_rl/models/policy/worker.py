@@ -8,6 +8,9 @@
   `PolicyWorkerDiedError`. The first call also waits for the actor to start (model load).
   `train_step(batch, loss_fn)` checks `loss_fn` in the driver (`LossFnError`) before it is
   pickled into the actor. `spawn` asks Ray for one GPU when `policy.device` is cuda.
+- Checkpoints: `save_state(dir)` / `load_state(dir)` (PolicyCore's, returning a
+  `PolicyStateInfo`) and `optimizer_fingerprint()`, under the same deadline. The folder is a path
+  the actor's process writes or reads: on a multi-node cluster it must be on a shared filesystem.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from ray.exceptions import GetTimeoutError, RayActorError
 
 from nemo_rl.models.policy.batch import TrainBatch
 from nemo_rl.models.policy.config import PolicyConfig
-from nemo_rl.models.policy.core import PolicyCore
+from nemo_rl.models.policy.core import PolicyCore, PolicyStateInfo
 from nemo_rl.models.policy.errors import (
     PolicyWorkerDiedError,
     PolicyWorkerError,
@@ -58,6 +61,15 @@ class PolicyWorker:
 
     def state_fingerprint(self) -> str:
         return _guard("state_fingerprint", self._core.state_fingerprint)
+
+    def optimizer_fingerprint(self) -> str:
+        return _guard("optimizer_fingerprint", self._core.optimizer_fingerprint)
+
+    def save_state(self, out_dir: str) -> PolicyStateInfo:
+        return _guard("save_state", self._core.save_state, out_dir)
+
+    def load_state(self, in_dir: str) -> PolicyStateInfo:
+        return _guard("load_state", self._core.load_state, in_dir)
 
 
 class RayPolicyClient:
@@ -96,6 +108,15 @@ class RayPolicyClient:
 
     def state_fingerprint(self) -> str:
         return self._get("state_fingerprint", self._actor.state_fingerprint.remote())
+
+    def optimizer_fingerprint(self) -> str:
+        return self._get("optimizer_fingerprint", self._actor.optimizer_fingerprint.remote())
+
+    def save_state(self, out_dir: str | Path) -> PolicyStateInfo:
+        return self._get("save_state", self._actor.save_state.remote(str(out_dir)))
+
+    def load_state(self, in_dir: str | Path) -> PolicyStateInfo:
+        return self._get("load_state", self._actor.load_state.remote(str(in_dir)))
 
     def kill(self) -> None:
         ray.kill(self._actor, no_restart=True)

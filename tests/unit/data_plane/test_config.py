@@ -38,6 +38,27 @@ def test_tq_env_maps_every_knob() -> None:
     }
 
 
+def test_tq_binds_loopback_by_default_and_node_ip_on_request() -> None:
+    assert DataPlaneConfig().bind == "loopback"
+    assert DataPlaneConfig(bind="node_ip").bind == "node_ip"
+    with pytest.raises(ValidationError):
+        DataPlaneConfig(bind="0.0.0.0")
+
+
+def test_the_loopback_hook_changes_only_the_node_ip_lookup_of_its_process(monkeypatch) -> None:
+    import ray.util
+
+    from nemo_rl.data_plane.bind import bind_tq_to_loopback
+
+    monkeypatch.setattr(ray.util, "get_node_ip_address", lambda address=None: "192.0.2.7")
+    bind_tq_to_loopback()
+    assert ray.util.get_node_ip_address() == "127.0.0.1"
+    # TQ's own wrapper reads it at call time, which is what its constructors call.
+    from transfer_queue.utils.zmq_utils import get_node_ip_address
+
+    assert get_node_ip_address() == "127.0.0.1"
+
+
 def test_timeout_error_names_operation_partition_and_deadline() -> None:
     error = DataPlaneTimeoutError("get", "staging", 2.5)
     assert (error.operation, error.partition, error.timeout_s) == ("get", "staging", 2.5)

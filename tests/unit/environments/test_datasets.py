@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pydantic
 import pytest
 
 from nemo_rl.environments.arith_task import make_problems
@@ -108,3 +109,22 @@ def test_shipped_example_rows_parse_and_render_as_chat() -> None:
     params = ds.rows[0]["responses_create_params"]
     assert [m["role"] for m in chat_messages(params)] == ["developer", "user"]
     assert chat_tools(params)[0]["function"]["name"] == "get_weather"
+
+
+def test_arith_pool_walks_a_fixed_pool_in_epochs() -> None:
+    cfg = NemoGymConfig(arith_problem_pool=6)
+    source = make_prompt_source(cfg, seed=7, sampling=SAMPLING, model_dir="/nonexistent", max_model_len=10)
+    pool = [build_row(p, SAMPLING) for p in make_problems(7 * 100_003, 6)]
+    first_epoch = source.batch(1, 3) + source.batch(2, 3)
+    assert sorted(map(json.dumps, first_epoch)) == sorted(map(json.dumps, pool))
+    second_epoch = source.batch(3, 3) + source.batch(4, 3)
+    assert sorted(map(json.dumps, second_epoch)) == sorted(map(json.dumps, pool))
+    assert first_epoch != second_epoch  # each epoch is its own shuffle
+    assert source.batch(3, 3) == make_prompt_source(cfg, seed=7, sampling=SAMPLING, model_dir="/x", max_model_len=10).batch(3, 3)
+
+
+def test_arith_pool_refused_with_a_gym_environment() -> None:
+    with pytest.raises(pydantic.ValidationError, match=r"env\.arith_problem_pool=4 applies to the built-in arithmetic"):
+        NemoGymConfig(arith_problem_pool=4, gym=GymEnvironmentConfig(resources_server="example_multi_step"))
+    with pytest.raises(pydantic.ValidationError, match="arith_problem_pool"):
+        NemoGymConfig(arith_problem_pool=0)

@@ -157,3 +157,41 @@ def test_reward_key_maps_the_configured_key_onto_reward() -> None:
     assert (mapped["reward"], mapped["verifier_reward"]) == (0.5, 0.0)
     assert result["reward"] == 0.0  # not mutated
     assert "reward" not in apply_reward_key(result, "absent")  # -> the judge's reward_missing
+
+
+def test_any_installed_gym_agent_is_selectable_by_name(tmp_path: Path) -> None:
+    from nemo_rl.environments.gym_servers import check_agent
+
+    for agent in ("simple_agent", "compacting_agent", "simple_agent_with_compaction"):
+        check_agent(agent)
+    assert launch.agent_module("simple_agent") == launch.AGENT_MODULE
+    assert launch.agent_module("compacting_agent") == launch.COMPACTING_AGENT_MODULE
+    assert launch.agent_module("simple_agent_with_compaction") == "responses_api_agents.simple_agent_with_compaction.app"
+    cfg = NemoGymConfig(agent="simple_agent_with_compaction")
+    config = launch.build_global_config(cfg, worker_base_url=WORKER, ports=PORTS, capture=None, resources_server=launch.ARITH)
+    assert list(config[launch.AGENT]["responses_api_agents"]) == ["simple_agent_with_compaction"]
+    specs = {s.name: s.module for s in launch.server_specs(PORTS, None, cfg.agent)}
+    assert specs[launch.AGENT] == "responses_api_agents.simple_agent_with_compaction.app"
+
+
+def test_an_unknown_or_unsatisfied_agent_fails_before_launch_naming_env_agent() -> None:
+    from nemo_rl.environments.gym_servers import check_agent
+
+    with pytest.raises(GymEnvironmentNotFoundError, match=r"env.agent=.no_such_agent.: no package responses_api_agents.no_such_agent is installed; use .compacting_agent. or a folder name under"):
+        check_agent("no_such_agent")
+    # langgraph_agent ships with Gym but needs langgraph, which this venv does not install.
+    with pytest.raises(GymRequirementsError, match=r"Gym agent `responses_api_agents.langgraph_agent` needs .*langgraph.*pick another env.agent"):
+        check_agent("langgraph_agent")
+    with pytest.raises(ValidationError, match="agent"):
+        NemoGymConfig(agent="../evil")
+
+
+def test_the_yaml_block_of_the_selected_agent_type_is_used() -> None:
+    doc = {
+        "srv": {"resources_servers": {"pkg": {"entrypoint": "app.py"}}},
+        "srv_simple": {"responses_api_agents": {"simple_agent": {"resources_server": {"name": "srv"}, "a": 1}}},
+        "srv_sim": {"responses_api_agents": {"tool_simulation_agent": {"resources_server": {"name": "srv"}, "b": 2}}},
+    }
+    assert agent_block(doc, "srv") == ("srv_simple", {"a": 1})
+    assert agent_block(doc, "srv", "tool_simulation_agent") == ("srv_sim", {"b": 2})
+    assert agent_block(doc, "srv", "simple_agent_with_compaction") == (None, {})

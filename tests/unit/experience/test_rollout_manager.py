@@ -24,7 +24,7 @@ from nemo_gym.token_id_capture.staging import (
 from nemo_gym.token_id_capture.staging.records import ManifestFailure, RolloutManifest
 from pydantic import ValidationError
 
-from nemo_rl.environments.nemo_gym_config import GymRunTimeoutError, ManifestServerError
+from nemo_rl.environments.nemo_gym_config import GymRunError, GymRunTimeoutError, ManifestServerError
 from nemo_rl.experience.rollout_manager import (
     AccountingError,
     RetentionError,
@@ -45,6 +45,7 @@ from nemo_rl.token_capture.rows import (
     RowOrigin,
     TrainRow,
 )
+from nemo_rl.models.generation.vllm.worker import WorkerError
 from nemo_rl.token_capture.served import ServedCall
 from nemo_rl.token_capture.staging import StagedKeysMissingError
 
@@ -123,7 +124,9 @@ class ScriptedEnv:
         self.runs.append(rollout_id)
         kind = self.script[_index(rollout_id)]
         if kind == "run_error":
-            raise RuntimeError("agent exploded")
+            raise GymRunError(f"rollout {rollout_id!r}: agent /run answered HTTP 500: agent exploded")
+        if kind == "bug":
+            raise TypeError("unsupported operand type(s) for +: 'int' and 'str'")
         if kind in ("run_timeout", "hang"):
             await _forever()
         if kind == "gym_run_timeout":
@@ -205,16 +208,18 @@ class RecordingCleaner:
     def __init__(self, error: Exception | None = None, delay_s: float = 0.0, orphans: int = 0) -> None:
         self.cleared: list[list[str]] = []
         self.rollout_ids: list[list[str]] = []
+        self.reported: list[list[str] | None] = []
         self._error = error
         self._delay_s = delay_s
         self._orphans = orphans
 
-    def clear(self, named_keys: list[str], rollout_ids: list[str]) -> int:
+    def clear(self, named_keys: list[str], rollout_ids: list[str], reported_keys: list[str] | None) -> int:
         time.sleep(self._delay_s)
         if self._error is not None:
             raise self._error
         self.cleared.append(list(named_keys))
         self.rollout_ids.append(list(rollout_ids))
+        self.reported.append(None if reported_keys is None else list(reported_keys))
         return self._orphans
 
 
@@ -259,6 +264,7 @@ def test_always_n_for_any_mix_of_outcomes(script, step, group_index):
             assert entry.rows[0].token_ids == (1, 2, 3, 4) and entry.yield_ == RolloutYield(2, 2, (), 1)
     assert env.retired == [ids]
     assert cleaner.cleared == [[f"{rid}/c0" for rid, kind in zip(ids, script) if kind not in NO_RECORDS]]
+    assert cleaner.reported == cleaner.cleared  # the served report names the same staged keys, not someone-else's
     assert sorted(manager.take_queue_waits_ms()) == [float(item.sample_index) for item in finalizer.items]
     assert manager.take_aborted_groups() == []
 
@@ -269,7 +275,7 @@ async def test_placeholders_carry_reason_detail_and_reward():
     group = await manager.run_group(0, 0, {}, len(script))
 
     assert [(e.reason, e.detail, e.reward) for e in group.entries] == [
-        (R.RUN_FAILED, "RuntimeError: agent exploded", None),
+        (R.RUN_FAILED, "GymRunError: rollout 'run7-s0-g0-i0-a0': agent /run answered HTTP 500: agent exploded", None),
         (R.RUN_TIMEOUT,
          "GymRunTimeoutError: rollout 'run7-s0-g0-i1-a0': agent /run did not answer within run_timeout_s=1", None),
         (R.RUN_TIMEOUT, "no /run result within 0.05s", None),
@@ -317,6 +323,7 @@ async def test_cancellation_mid_group_is_accounted_and_cleaned_up():
     ]
     assert env.retired == [["run7-s0-g2-i0-a0", "run7-s0-g2-i1-a0", "run7-s0-g2-i2-a0"]]
     assert cleaner.cleared == [["run7-s0-g2-i0-a0/c0", "run7-s0-g2-i2-a0/c0"]]
+    assert cleaner.reported == [None]  # cancelled before the served report: the cleaner must look itself
     assert finalizer.items == []
 
 
@@ -347,6 +354,23 @@ async def test_orphaned_staged_keys_are_counted_per_take():
     ]
     assert manager.take_orphaned_staged_keys() == 4
     assert manager.take_orphaned_staged_keys() == 0
+
+
+async def test_retention_clears_the_staged_keys_the_served_report_names():
+    # The manifest of rollout 1 could not be fetched, but its worker reports staging c0: the cleaner
+    # gets that key as reported (an orphan to clear), and no key of another rollout.
+    served = ScriptedServed(["success", "success"])
+    manager, _, _, cleaner = _manager(["success", "manifest_error"], served=served)
+    await manager.run_group(0, 0, {}, 2)
+    assert cleaner.cleared == [["run7-s0-g0-i0-a0/c0"]]
+    assert cleaner.reported == [["run7-s0-g0-i0-a0/c0", "run7-s0-g0-i1-a0/c0"]]
+
+
+async def test_without_a_served_report_the_cleaner_gets_no_reported_keys():
+    served = ScriptedServed(["success"], error=WorkerError("vLLM worker died during take_served: gone"))
+    manager, _, _, cleaner = _manager(["success"], served=served)
+    await manager.run_group(0, 0, {}, 1)
+    assert (cleaner.cleared, cleaner.reported) == ([["run7-s0-g0-i0-a0/c0"]], [None])
 
 
 async def test_retention_can_be_turned_off():
@@ -410,7 +434,7 @@ async def test_a_finalizer_that_loses_items_is_an_accounting_error():
 
 
 async def test_an_unavailable_served_report_is_counted_and_the_judge_runs_without_it():
-    served = ScriptedServed(["success", "poisoned"], error=ConnectionError("worker 1 gone"))
+    served = ScriptedServed(["success", "poisoned"], error=WorkerError("vLLM worker died during take_served: gone"))
     manager, _, finalizer, _ = _manager(["success", "poisoned"], served=served)
     group = await manager.run_group(0, 0, {}, 2)
 
@@ -506,3 +530,27 @@ async def test_missing_staged_records_are_the_judges_verdict():
 
     assert group.entries[0].reason is R.STAGED_RECORD_MISSING
     assert group.entries[0].detail.startswith("run7-s0-g0-i0-a0/c0: staging keys not found")
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+async def test_a_bug_in_a_run_propagates_instead_of_becoming_a_placeholder(enabled: bool):
+    # Only the environment's named failures (GymRunError, GymRunTimeoutError) are verdicts; a
+    # TypeError is our bug and must abort the step with its traceback, retention still run.
+    if enabled:
+        manager, env, _, _ = _manager(["success", "bug"])
+    else:
+        env = ScriptedEnv(["legacy_ok", "bug"])
+        manager = RolloutManager(_config(enabled=False), env)
+    with pytest.raises(TypeError, match="unsupported operand"):
+        await manager.run_group(0, 0, {}, 2)
+    assert env.retired == ([["run7-s0-g0-i0-a0", "run7-s0-g0-i1-a0"]] if enabled else [])
+
+
+async def test_a_failed_worker_aborts_instead_of_degrading_the_served_report():
+    from nemo_rl.models.generation.vllm.worker import WorkerFailedError
+
+    served = ScriptedServed(["success"], error=WorkerFailedError("vLLM worker 0 is failed: engine dead"))
+    manager, *_ = _manager(["success"], served=served)
+    with pytest.raises(WorkerFailedError, match="engine dead"):
+        await manager.run_group(0, 0, {}, 1)
+    assert manager.take_served_report_failures() == 0

@@ -1,4 +1,4 @@
-"""orphaned_keys: which staged keys of a finished group no manifest named (pure logic)."""
+"""Retention: which staged keys a finished group owns, and the data-plane calls clearing them takes."""
 
 from __future__ import annotations
 
@@ -6,7 +6,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from nemo_gym.token_id_capture.staging import staging_key
-from nemo_rl.token_capture.retention import orphaned_keys
+from nemo_rl.token_capture.retention import TQStagingCleaner, orphaned_keys, reported_staged_keys
+from nemo_rl.token_capture.served import ServedCall
 
 
 def test_orphans_are_the_groups_unnamed_keys_in_listing_order() -> None:
@@ -39,3 +40,51 @@ def test_orphans_partition_the_groups_keys(group, others, calls, named_mask) -> 
     assert set(orphans) == group_keys - set(named)
     assert len(orphans) == len(set(orphans))
     assert all(k.split("/", 1)[0] in group for k in orphans)
+
+
+def test_reported_staged_keys_are_the_staged_calls_once_in_report_order() -> None:
+    served = [
+        ServedCall("g-i0", "c0", None, "text", 3, True),
+        ServedCall("g-i0", "c1", "c0", "token_in", 2, False, "staging_failed (see worker log)"),
+        ServedCall("g-i1", "c0", None, "text", 4, True),
+        ServedCall("g-i0", "c0", None, "text", 3, True),
+    ]
+    assert reported_staged_keys(served) == ["g-i0/c0", "g-i1/c0"]
+    assert reported_staged_keys([]) == []
+
+
+class RecordingClient:
+    """The two data-plane calls the cleaner may make, recorded; `present` is the partition listing."""
+
+    def __init__(self, present: list[str]) -> None:
+        self.present = present
+        self.calls: list[tuple] = []
+
+    def list_keys(self, partition, *, timeout_s=None):
+        self.calls.append(("list_keys", partition, timeout_s))
+        return list(self.present)
+
+    def clear(self, partition, keys, *, timeout_s=None):
+        self.calls.append(("clear", partition, list(keys), timeout_s))
+
+
+def test_cleaner_clears_the_keys_the_group_owns_in_one_call_without_listing() -> None:
+    client = RecordingClient(present=["never-listed/c0"])
+    cleaner = TQStagingCleaner(client, "staging", timeout_s=7.0)
+    orphans = cleaner.clear(["g-i0/c0"], ["g-i0", "g-i1"], ["g-i0/c0", "g-i0/c1", "g-i1/c0", "other-i0/c0"])
+    assert orphans == 2
+    # Reported keys of rollouts outside the group are never touched.
+    assert client.calls == [("clear", "staging", ["g-i0/c0", "g-i0/c1", "g-i1/c0"], 7.0)]
+
+
+def test_cleaner_lists_the_partition_only_without_a_served_report() -> None:
+    client = RecordingClient(present=["g-i1/c0", "next-i0/c0", "g-i0/c0"])
+    cleaner = TQStagingCleaner(client, "staging", timeout_s=7.0)
+    assert cleaner.clear(["g-i0/c0"], ["g-i0", "g-i1"], None) == 1
+    assert client.calls == [("list_keys", "staging", 7.0), ("clear", "staging", ["g-i0/c0", "g-i1/c0"], 7.0)]
+
+
+def test_cleaner_makes_no_call_for_a_group_with_nothing_staged() -> None:
+    client = RecordingClient(present=[])
+    assert TQStagingCleaner(client, "staging", timeout_s=7.0).clear([], ["g-i0"], []) == 0
+    assert client.calls == []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import struct
 import threading
 import uuid
@@ -30,7 +31,7 @@ from nemo_gym.token_id_capture.staging import (
     verify_and_linearize,
 )
 
-from nemo_rl.data_plane import DataPlaneClient, DataPlaneConfig
+from nemo_rl.data_plane import DataPlaneClient, DataPlaneConfig, DataPlaneTimeoutError
 from nemo_rl.token_capture.retention import TQStagingCleaner
 from nemo_rl.token_capture.staging import (
     StagedKeysMissingError,
@@ -291,7 +292,107 @@ def test_cleaner_clears_named_keys_and_the_groups_orphans_only(clients: tuple[Da
     writer.put_many(partition, keys, [{"tag": k} for k in keys])
     cleaner = TQStagingCleaner(reader, partition, timeout_s=10.0)
 
-    assert cleaner.clear(["g-i0/c0"], ["g-i0", "g-i1"]) == 2
+    # The served report names g-i0/c1 and g-i1/c0 as staged; no manifest does: they are the orphans.
+    assert cleaner.clear(["g-i0/c0"], ["g-i0", "g-i1"], ["g-i0/c0", "g-i0/c1", "g-i1/c0"]) == 2
     assert reader.list_keys(partition) == ["next-i0/c0"]
     assert reader.get(partition, ["next-i0/c0"], ["tag"]) == [{"tag": "next-i0/c0"}]
-    assert cleaner.clear([], ["g-i0", "g-i1"]) == 0
+    assert cleaner.clear([], ["g-i0", "g-i1"], []) == 0
+
+
+def test_cleaner_without_a_served_report_finds_the_orphans_by_listing(
+    clients: tuple[DataPlaneClient, DataPlaneClient]
+) -> None:
+    writer, reader = clients
+    partition = "retention_listing_test"
+    keys = ["h-i0/c0", "h-i0/c1", "next-i0/c0"]
+    writer.put_many(partition, keys, [{"tag": k} for k in keys])
+    assert TQStagingCleaner(reader, partition, timeout_s=10.0).clear(["h-i0/c0"], ["h-i0"], None) == 1
+    assert reader.list_keys(partition) == ["next-i0/c0"]
+
+
+# --- the hot path: one write per staged call --------------------------------------------------------
+
+
+class RecordingStore:
+    """A `StagingStore` that records every call; `failing_puts` puts raise a deadline error first."""
+
+    def __init__(self, failing_puts: int = 0) -> None:
+        self.calls: list[tuple[str, str, tuple[str, ...]]] = []
+        self.rows: dict[str, dict] = {}
+        self._failing_puts = failing_puts
+
+    def put(self, partition, key, fields, *, timeout_s=None) -> None:
+        self.calls.append(("put", partition, (key,)))
+        if self._failing_puts:
+            self._failing_puts -= 1
+            raise DataPlaneTimeoutError("put", partition, 1.0)
+        self.rows[key] = dict(fields)
+
+    def get(self, partition, keys, fields, *, timeout_s=None):
+        self.calls.append(("get", partition, tuple(keys)))
+        raise AssertionError("the sink must not read")
+
+    def clear(self, partition, keys, *, timeout_s=None) -> None:
+        self.calls.append(("clear", partition, tuple(keys)))
+
+
+def _stored_digest(store: RecordingStore, key: str) -> str:
+    return json.loads(store.rows[key]["header"])["digest"]
+
+
+def test_stage_is_one_write_and_no_read() -> None:
+    store = RecordingStore()
+    sink = TQTokenSink(store, "p")
+    results = [sink.stage(simple_record(call)) for call in ("a", "b", "c")]
+    assert [(r.ok, r.staging_key) for r in results] == [(True, "r/a"), (True, "r/b"), (True, "r/c")]
+    assert store.calls == [("put", "p", ("r/a",)), ("put", "p", ("r/b",)), ("put", "p", ("r/c",))]
+
+
+def test_retry_writes_nothing_and_a_conflict_leaves_the_stored_row() -> None:
+    store = RecordingStore()
+    sink = TQTokenSink(store, "p")
+    first = simple_record("k")
+    assert sink.stage(first).ok
+    assert sink.stage(simple_record("k")).ok
+    conflicting = simple_record("k", weight_version=9)
+    rejected = sink.stage(conflicting)
+    assert (rejected.ok, rejected.staging_key) == (False, "r/k")
+    assert first.digest in rejected.error and conflicting.digest in rejected.error
+    assert store.calls == [("put", "p", ("r/k",))]
+    assert _stored_digest(store, "r/k") == first.digest
+
+
+def test_a_failed_write_is_not_remembered_so_its_retry_writes() -> None:
+    store = RecordingStore(failing_puts=1)
+    sink = TQTokenSink(store, "p")
+    with pytest.raises(DataPlaneTimeoutError):
+        sink.stage(simple_record("k"))
+    assert sink.stage(simple_record("k")).ok
+    assert store.calls == [("put", "p", ("r/k",))] * 2
+
+
+def test_remembered_digests_are_bounded_lru() -> None:
+    store = RecordingStore()
+    sink = TQTokenSink(store, "p", remembered_keys=2)
+    for call in ("a", "b", "c"):
+        assert sink.stage(simple_record(call)).ok
+    # "a" was forgotten: its identical retry is written again (a blind write of the same bytes) ...
+    assert sink.stage(simple_record("a")).ok
+    # ... while "c" is still remembered, so a conflicting record under it is refused without a write.
+    assert sink.stage(simple_record("c", weight_version=9)).ok is False
+    assert [key for _, _, (key,) in store.calls] == ["r/a", "r/b", "r/c", "r/a"]
+    with pytest.raises(ValueError, match="max_keys=0"):
+        TQTokenSink(store, "p", remembered_keys=0)
+
+
+def test_a_second_process_overwrites_and_the_stored_digest_shows_it(
+    clients: tuple[DataPlaneClient, DataPlaneClient], source: TQTokenSource
+) -> None:
+    # Two sinks stand for two processes (no shared memory). The last write wins; what the finalizer
+    # reads then carries the second record's digest, so it cannot pass as the first (whose digest
+    # the gate would have committed): test_judge's tampered-snapshot test shows that verdict.
+    first, second = simple_record("two-writers"), simple_record("two-writers", weight_version=5)
+    assert TQTokenSink(clients[0], PARTITION).stage(first).ok
+    assert TQTokenSink(clients[1], PARTITION).stage(second).ok
+    (stored,) = source.fetch(["r/two-writers"])
+    assert stored.digest == second.digest != first.digest

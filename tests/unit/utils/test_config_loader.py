@@ -356,3 +356,13 @@ def test_a_key_the_schema_declares_is_set_without_plus(tmp_path: Path) -> None:
     # A typo is still refused with the same message as without a schema.
     with pytest.raises(OverrideError, match=r"cannot override env.agnet .*key does not exist"):
         load_config(path, ["env.agnet=x"], schema=Schema)
+
+
+def test_a_dict_section_declared_by_a_model_takes_its_keys_without_plus() -> None:
+    from nemo_rl.algorithms.grpo_config import load_master_config
+
+    recipe = Path(__file__).resolve().parents[3] / "examples" / "configs" / "grpo_capture_tiny_cpu.yaml"
+    cfg = load_master_config(recipe, ["policy.lr_warmup_steps=5", "env.arith_problem_pool=16"])
+    assert (cfg.policy["lr_warmup_steps"], cfg.env.arith_problem_pool) == (5, 16)
+    with pytest.raises(OverrideError, match=r"cannot override policy.lr_warmpu_steps .*key does not exist"):
+        load_master_config(recipe, ["policy.lr_warmpu_steps=5"])

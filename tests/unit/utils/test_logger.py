@@ -170,3 +170,32 @@ def test_progress_is_rate_limited_per_label() -> None:
     ]
     with pytest.raises(ValueError, match="need 0 <= done <= total"):
         call("x", 3, 2)
+
+
+def test_run_info_is_replaced_whole_and_jsonl_records_are_appended(tmp_path: Path) -> None:
+    from nemo_rl.utils.logger import FIRST_CALL_PROMPTS_FILE, RUN_INFO_FILE, append_jsonl, write_run_info
+
+    log_dir = tmp_path / "new" / "logs"
+    assert write_run_info(log_dir, {"b": 1, "a": {"x": [1, 2]}}) == log_dir / RUN_INFO_FILE
+    write_run_info(log_dir, {"c": 2})  # replaces, never merges
+    assert json.loads((log_dir / RUN_INFO_FILE).read_text()) == {"c": 2}
+    assert sorted(p.name for p in log_dir.iterdir()) == [RUN_INFO_FILE]  # no temp file left
+    with pytest.raises(ValueError):
+        write_run_info(log_dir, {"bad": math.nan})
+    assert sorted(p.name for p in log_dir.iterdir()) == [RUN_INFO_FILE]
+    assert json.loads((log_dir / RUN_INFO_FILE).read_text()) == {"c": 2}  # the old record survives
+
+    dump = log_dir / FIRST_CALL_PROMPTS_FILE
+    append_jsonl(dump, [{"step": 1, "prompt_ids": [3, 4]}, {"step": 1, "prompt_ids": None}])
+    append_jsonl(dump, [{"step": 2, "prompt_ids": [5]}])
+    with pytest.raises(ValueError):
+        append_jsonl(dump, [{"step": 3, "prompt_ids": [6]}, {"step": 3, "loss": math.inf}])
+    assert dump.read_text() == ('{"prompt_ids": [3, 4], "step": 1}\n{"prompt_ids": null, "step": 1}\n'
+                                '{"prompt_ids": [5], "step": 2}\n')
+
+
+def test_first_call_prompt_dump_is_off_by_default_and_strictly_boolean() -> None:
+    assert LoggerConfig(log_dir="x").dump_first_call_prompt_ids is False
+    assert LoggerConfig(log_dir="x", dump_first_call_prompt_ids=True).dump_first_call_prompt_ids is True
+    with pytest.raises(ValidationError, match="dump_first_call_prompt_ids"):
+        LoggerConfig(log_dir="x", dump_first_call_prompt_ids="yes")

@@ -1,4 +1,9 @@
-"""Configuration of the vLLM generation workers (the only home of their defaults)."""
+"""Configuration of the vLLM generation workers (the only home of their defaults).
+
+Invariant: every wait inside a worker has a deadline here (`generate_timeout_s`, the refit pair,
+the driver's `call_timeout_s`, `startup_timeout_s`); staging reads and writes are bounded by
+`token_capture.stage_timeout_s`. The refit deadlines sum to less than `call_timeout_s`.
+"""
 
 from __future__ import annotations
 
@@ -21,8 +26,49 @@ class VllmConfig(BaseModel):
     omp_threads_bind: str = Field("auto", description="VLLM_CPU_OMP_THREADS_BIND for CPU engines.")
     seed: int = 0
     startup_timeout_s: float = Field(600.0, gt=0, description="Deadline for venv + engine + HTTP startup.")
-    call_timeout_s: float = Field(120.0, gt=0, description="Deadline of control calls (refit, records).")
+    call_timeout_s: float = Field(
+        120.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="Deadline of the driver's calls into a worker (refit, records, stats); must exceed the "
+        "worker's own refit deadlines, so the driver always receives the worker's verdict.",
+    )
     max_records: int = Field(20000, gt=0, description="Engine sample records kept for audits (bounded).")
+
+    # --- deadlines inside the worker (docs/design-docs/token-capture-reliability.md) ---
+    generate_timeout_s: float = Field(
+        300.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="Deadline of one generation (the engine's output stream, also prompt logprobs); past it the "
+        "request is aborted in the engine and answered 503 generation_timeout.",
+    )
+    refit_drain_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="How long a refit waits for in-flight generations before loading weights; past it the refit "
+        "is aborted and the worker keeps serving its current weights and version.",
+    )
+    refit_reload_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="Deadline of loading the new weights and resetting the prefix cache; past it (or when the "
+        "reload raises) the weights are unknown and the worker is failed: it answers 503 worker_failed and the "
+        "driver's next call raises.",
+    )
+    max_request_bytes: int = Field(
+        8 * 1024 * 1024,
+        gt=0,
+        description="Largest HTTP request body the worker's endpoint reads; a larger one is 413 request_too_large.",
+    )
+    max_admitted_calls: int = Field(
+        200_000,
+        gt=0,
+        description="Admitted (rollout_id, model_call_id) pairs a worker remembers (LRU) to answer a repeated "
+        "admission with 409 duplicate_model_call_id before generating.",
+    )
 
     # --- GPU flavor knobs (examples/configs/grpo_capture_gpu.yaml; docs: "GPU configuration") ---
     # On flavor=gpu the KV cache is sized by gpu_memory_utilization and kv_cache_memory_bytes
@@ -34,6 +80,19 @@ class VllmConfig(BaseModel):
     gpu_memory_utilization: float = Field(
         0.9, gt=0.0, le=1.0, description="Fraction of each GPU's memory vLLM may take (weights + KV cache)."
     )
+
+    @model_validator(mode="after")
+    def _refit_fits_the_driver_deadline(self) -> VllmConfig:
+        # The worker must finish a refit (aborted, failed or done) before the driver stops waiting,
+        # so the driver reports the worker's verdict instead of an unexplained timeout.
+        refit_s = self.refit_drain_timeout_s + self.refit_reload_timeout_s
+        if refit_s >= self.call_timeout_s:
+            raise ValueError(
+                f"generation.vllm.refit_drain_timeout_s + refit_reload_timeout_s = {refit_s:g} s must be below "
+                f"generation.vllm.call_timeout_s={self.call_timeout_s:g} s (fix: raise call_timeout_s, or lower the "
+                "refit deadlines)"
+            )
+        return self
 
     @model_validator(mode="after")
     def _gpu_knobs_need_gpu_flavor(self) -> VllmConfig:

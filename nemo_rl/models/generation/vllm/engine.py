@@ -9,15 +9,30 @@ Contract:
 - `reload_weights` admits no new request, waits for in-flight ones, reloads from a folder of
   safetensors, clears the prefix cache, bumps `weight_version`, then admits again: every result
   carries the exact version that generated all of its tokens.
+
+States and deadlines (`EngineDeadlines`, from `VllmConfig`; every wait here is bounded):
+- `serving`: requests are admitted. `generate` / `prompt_logprobs` streams are bounded by
+  `generate_s`; past it the request is aborted in the engine and `GenerationTimeoutError` raised.
+- `refitting`: new requests wait at the gate; the gate is closed at most `refit_gate_s`
+  (drain + reload), so a waiting request either proceeds or gets `RefitGateTimeoutError`.
+  In-flight requests must finish within `refit_drain_s`, else the refit is ABORTED
+  (`RefitAbortedError`): old weights, version unchanged, state back to `serving`.
+  The reload (weights + prefix-cache reset) must finish within `refit_reload_s`.
+- `failed` (terminal, with a reason): a reload that timed out, raised or was cancelled (the
+  weights are unknown), or an engine that died (`dead_errors`, vLLM's `EngineDeadError`). Every
+  later call raises `EngineFailedError` naming the reason. Never wedged in `refitting`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import enum
 import os
 from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from nemo_rl.models.generation.vllm.chat import InvalidChatRequest, SamplingRequest
 from nemo_rl.models.generation.vllm.config import VllmConfig
@@ -25,6 +40,52 @@ from nemo_rl.models.generation.vllm.config import VllmConfig
 
 class EngineError(RuntimeError):
     """The vLLM engine failed to start or to serve a request."""
+
+
+class EngineFailedError(EngineError):
+    """The engine is in the terminal `failed` state; the message names why."""
+
+
+class GenerationTimeoutError(EngineError):
+    """One generation outlived `generation.vllm.generate_timeout_s` and was aborted."""
+
+
+class RefitGateTimeoutError(EngineError):
+    """A request waited longer than the refit deadlines allow for the refit gate to reopen."""
+
+
+class RefitError(EngineError):
+    """A refit did not complete (see the subclasses for the state it left)."""
+
+
+class RefitAbortedError(RefitError):
+    """The refit was aborted before any weight changed: the engine serves its previous version."""
+
+
+class RefitFailedError(RefitError):
+    """The reload timed out or raised: the weights are unknown, so the engine is `failed`."""
+
+
+class EngineState(str, enum.Enum):
+    SERVING = "serving"
+    REFITTING = "refitting"
+    FAILED = "failed"
+
+
+@dataclass(frozen=True)
+class EngineDeadlines:
+    generate_s: float
+    refit_drain_s: float
+    refit_reload_s: float
+
+    @classmethod
+    def from_config(cls, cfg: VllmConfig) -> "EngineDeadlines":
+        return cls(cfg.generate_timeout_s, cfg.refit_drain_timeout_s, cfg.refit_reload_timeout_s)
+
+    @property
+    def refit_gate_s(self) -> float:
+        """The longest a refit can keep the gate closed (drain + reload); a waiter never waits longer."""
+        return self.refit_drain_s + self.refit_reload_s
 
 
 @dataclass(frozen=True)
@@ -85,58 +146,175 @@ def engine_args(model_dir: Path, cfg: VllmConfig) -> dict:
 
 
 class VllmEngine:
-    def __init__(self, engine, eos_token_id: int, max_model_len: int, max_records: int) -> None:
+    """An `AsyncLLM` (or anything with its `generate` / `abort` / `collective_rpc` /
+    `reset_prefix_cache` / `shutdown`) behind the state machine of the module docstring.
+
+    `params_cls` builds sampling parameters (vLLM's `SamplingParams`); `dead_errors` are the
+    exception types meaning the engine process died (vLLM's `EngineDeadError`). Both are injected
+    so the wait logic can be tested without vLLM.
+    """
+
+    def __init__(
+        self,
+        engine: Any,
+        eos_token_id: int,
+        max_model_len: int,
+        max_records: int,
+        deadlines: EngineDeadlines,
+        *,
+        params_cls: Callable[..., Any],
+        dead_errors: tuple[type[BaseException], ...] = (),
+    ) -> None:
         self._engine = engine
         self._eos = eos_token_id
         self._max_model_len = max_model_len
         self._max_records = max_records
+        self._deadlines = deadlines
+        self._params_cls = params_cls
+        self._dead_errors = dead_errors
         self._records: OrderedDict[str, GenerationResult] = OrderedDict()
         self.weight_version = 0
         self._cond = asyncio.Condition()
         self._inflight = 0
-        self._refitting = False
+        self._state = EngineState.SERVING
+        self._failure: str | None = None
 
     @classmethod
     def start(cls, model_dir: Path, cfg: VllmConfig, eos_token_id: int) -> "VllmEngine":
+        from vllm import SamplingParams
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
+        from vllm.v1.engine.exceptions import EngineDeadError
 
         args = AsyncEngineArgs(**engine_args(model_dir, cfg))
         try:
             engine = AsyncLLM.from_engine_args(args)
         except Exception as e:  # vLLM raises many types at startup; all mean "no engine".
             raise EngineError(f"vLLM AsyncLLM failed to start for model {model_dir}: {e}") from e
-        return cls(engine, eos_token_id, cfg.max_model_len, cfg.max_records)
+        return cls(
+            engine,
+            eos_token_id,
+            cfg.max_model_len,
+            cfg.max_records,
+            EngineDeadlines.from_config(cfg),
+            params_cls=SamplingParams,
+            dead_errors=(EngineDeadError,),
+        )
 
+    # --- state -------------------------------------------------------------------------------
+    @property
+    def state(self) -> EngineState:
+        return self._state
+
+    @property
+    def failure(self) -> str | None:
+        """Why the engine is `failed` (None while it is not)."""
+        return self._failure
+
+    @property
+    def inflight(self) -> int:
+        return self._inflight
+
+    def _raise_if_failed(self) -> None:
+        if self._state is EngineState.FAILED:
+            raise EngineFailedError(f"the vLLM engine is failed: {self._failure}")
+
+    async def _fail(self, reason: str) -> None:
+        """Enter the terminal `failed` state and wake every waiter (they then raise)."""
+        async with self._cond:
+            if self._state is not EngineState.FAILED:
+                self._state = EngineState.FAILED
+                self._failure = reason
+            self._cond.notify_all()
+
+    async def _wait_gate_open(self) -> None:
+        """Wait (holding the condition) until no refit runs, within the refit deadlines."""
+        if self._state is not EngineState.REFITTING:
+            return
+        try:
+            await asyncio.wait_for(
+                self._cond.wait_for(lambda: self._state is not EngineState.REFITTING), self._deadlines.refit_gate_s
+            )
+        except TimeoutError as e:
+            raise RefitGateTimeoutError(
+                f"the refit gate stayed closed longer than generation.vllm.refit_drain_timeout_s + "
+                f"refit_reload_timeout_s = {self._deadlines.refit_gate_s:g} s; retry the request"
+            ) from e
+
+    async def _admit(self) -> int:
+        """Count one in-flight request once the gate is open; returns the version it will run under."""
+        async with self._cond:
+            self._raise_if_failed()
+            await self._wait_gate_open()
+            self._raise_if_failed()
+            self._inflight += 1
+            return self.weight_version
+
+    async def _release(self) -> None:
+        async with self._cond:
+            self._inflight -= 1
+            self._cond.notify_all()
+
+    async def _last_output(self, prompt_ids: list[int], params: Any, request_id: str) -> Any:
+        """The final output of one engine stream, within `generate_s` (aborted past it)."""
+
+        async def consume(stream: AsyncIterator[Any]) -> Any:
+            final = None
+            async for out in stream:
+                final = out
+            return final
+
+        try:
+            return await asyncio.wait_for(
+                consume(self._engine.generate({"prompt_token_ids": list(prompt_ids)}, params, request_id)),
+                self._deadlines.generate_s,
+            )
+        except TimeoutError as e:
+            # wait_for cancelled the stream (vLLM aborts a cancelled request itself); abort explicitly
+            # too, so the engine frees the sequence even if the cancellation raced the last token.
+            await self._abort(request_id)
+            raise GenerationTimeoutError(
+                f"request {request_id} produced no final output within generation.vllm.generate_timeout_s="
+                f"{self._deadlines.generate_s:g} s and was aborted"
+            ) from e
+        except self._dead_errors as e:
+            await self._fail(f"the engine process died while serving request {request_id}: {type(e).__name__}: {e}")
+            raise EngineFailedError(f"the vLLM engine is failed: {self._failure}") from e
+
+    async def _abort(self, request_id: str) -> None:
+        try:
+            await asyncio.wait_for(self._engine.abort(request_id), self._deadlines.generate_s)
+        except TimeoutError as e:
+            await self._fail(f"aborting request {request_id} did not finish within {self._deadlines.generate_s:g} s")
+            raise EngineFailedError(f"the vLLM engine is failed: {self._failure}") from e
+        except self._dead_errors as e:
+            await self._fail(f"the engine process died while aborting request {request_id}: {type(e).__name__}: {e}")
+            raise EngineFailedError(f"the vLLM engine is failed: {self._failure}") from e
+
+    # --- requests ----------------------------------------------------------------------------
     async def generate(self, prompt_ids: list[int], sampling: SamplingRequest, request_id: str) -> GenerationResult:
-        from vllm import SamplingParams
-
         room = self._max_model_len - len(prompt_ids)
         if room < 1:
             raise InvalidChatRequest(
                 f"prompt of {len(prompt_ids)} tokens exceeds the maximum context length {self._max_model_len}"
             )
-        params = SamplingParams(
-            temperature=sampling.temperature,
-            top_p=sampling.top_p,
-            max_tokens=min(sampling.max_tokens, room),
-            seed=sampling.seed,
-            logprobs=0,
-            stop_token_ids=[self._eos],
-            detokenize=False,
-        )
-        async with self._cond:
-            await self._cond.wait_for(lambda: not self._refitting)
-            self._inflight += 1
-            version = self.weight_version
         try:
-            final = None
-            async for out in self._engine.generate({"prompt_token_ids": list(prompt_ids)}, params, request_id):
-                final = out
+            params = self._params_cls(
+                temperature=sampling.temperature,
+                top_p=sampling.top_p,
+                max_tokens=min(sampling.max_tokens, room),
+                seed=sampling.seed,
+                logprobs=0,
+                stop_token_ids=[self._eos],
+                detokenize=False,
+            )
+        except ValueError as e:  # vLLM validates sampling values with ValueError: the caller's input
+            raise InvalidChatRequest(f"sampling parameters rejected by the engine: {e}") from e
+        version = await self._admit()
+        try:
+            final = await self._last_output(prompt_ids, params, request_id)
         finally:
-            async with self._cond:
-                self._inflight -= 1
-                self._cond.notify_all()
+            await self._release()
         if final is None or not final.outputs:
             raise EngineError(f"vLLM returned no output for request {request_id}")
         completion = final.outputs[0]
@@ -164,13 +342,14 @@ class VllmEngine:
         return {rid: self._records[rid] for rid in request_ids if rid in self._records}
 
     async def prompt_logprobs(self, token_ids: list[int]) -> list[float]:
-        """Logprob of each prompt token given its prefix (position 0 gets 0.0)."""
-        from vllm import SamplingParams
-
-        params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0, detokenize=False)
-        final = None
-        async for out in self._engine.generate({"prompt_token_ids": list(token_ids)}, params, f"plp-{os.urandom(8).hex()}"):
-            final = out
+        """Logprob of each prompt token given its prefix (position 0 gets 0.0); gated like generate."""
+        params = self._params_cls(max_tokens=1, prompt_logprobs=0, temperature=0.0, detokenize=False)
+        request_id = f"plp-{os.urandom(8).hex()}"
+        await self._admit()
+        try:
+            final = await self._last_output(token_ids, params, request_id)
+        finally:
+            await self._release()
         if final is None or final.prompt_logprobs is None:
             raise EngineError("vLLM returned no prompt logprobs")
         values = [0.0]
@@ -178,19 +357,57 @@ class VllmEngine:
             values.append(float(pos[tok].logprob))
         return values
 
+    # --- refit -------------------------------------------------------------------------------
     async def reload_weights(self, weights_dir: Path, version: int) -> None:
+        """Refit to `version` from `weights_dir` (see the module docstring for every outcome)."""
+        if not weights_dir.is_dir():
+            raise RefitAbortedError(
+                f"refit to version {version} aborted: weights dir {weights_dir} is not a directory; the engine "
+                f"keeps serving version {self.weight_version}"
+            )
         async with self._cond:
-            await self._cond.wait_for(lambda: not self._refitting)
-            self._refitting = True
-            await self._cond.wait_for(lambda: self._inflight == 0)
-        try:
-            await self._engine.collective_rpc("reload_weights", kwargs={"weights_path": str(weights_dir)})
-            await self._engine.reset_prefix_cache()
-            self.weight_version = version
-        finally:
-            async with self._cond:
-                self._refitting = False
+            self._raise_if_failed()
+            await self._wait_gate_open()  # a concurrent refit finishes (or fails) first
+            self._raise_if_failed()
+            self._state = EngineState.REFITTING
+            try:
+                await asyncio.wait_for(self._cond.wait_for(lambda: self._inflight == 0), self._deadlines.refit_drain_s)
+            except TimeoutError as e:
+                inflight = self._inflight
+                self._state = EngineState.SERVING
                 self._cond.notify_all()
+                raise RefitAbortedError(
+                    f"refit to version {version} aborted: {inflight} generation(s) still in flight after "
+                    f"generation.vllm.refit_drain_timeout_s={self._deadlines.refit_drain_s:g} s; the engine keeps "
+                    f"serving version {self.weight_version} (nothing was reloaded)"
+                ) from e
+            except BaseException:
+                # Cancelled while draining: nothing was reloaded, so the old weights still serve.
+                self._state = EngineState.SERVING
+                self._cond.notify_all()
+                raise
+        try:
+            await asyncio.wait_for(self._reload(weights_dir), self._deadlines.refit_reload_s)
+        except TimeoutError as e:
+            await self._fail(
+                f"refit to version {version} did not finish within generation.vllm.refit_reload_timeout_s="
+                f"{self._deadlines.refit_reload_s:g} s; the weights may be partially loaded"
+            )
+            raise RefitFailedError(f"the vLLM engine is failed: {self._failure}") from e
+        except asyncio.CancelledError:
+            await self._fail(f"refit to version {version} was cancelled while loading weights; the weights are unknown")
+            raise
+        except Exception as e:  # vLLM's reload raises many types; the weights are unknown after any of them
+            await self._fail(f"refit to version {version} from {weights_dir} raised {type(e).__name__}: {e}")
+            raise RefitFailedError(f"the vLLM engine is failed: {self._failure}") from e
+        async with self._cond:
+            self.weight_version = version
+            self._state = EngineState.SERVING
+            self._cond.notify_all()
+
+    async def _reload(self, weights_dir: Path) -> None:
+        await self._engine.collective_rpc("reload_weights", kwargs={"weights_path": str(weights_dir)})
+        await self._engine.reset_prefix_cache()
 
     def shutdown(self) -> None:
         self._engine.shutdown()

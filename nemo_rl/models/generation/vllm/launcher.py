@@ -8,6 +8,8 @@ components meanwhile); `await_workers` waits for the engines within
 Every actor call made through `WorkerGroup` has a deadline; an actor
 that dies or hangs surfaces as `WorkerError` naming the worker and the operation.
 Worker `i` (0-based, the order of `handles`/`base_urls`) is constructed with `worker_index=i`.
+One control bearer per run (`secrets.token_urlsafe`) opens the workers' control routes; it lives
+on `WorkerGroup.control_token` (kept out of its repr) and is never printed or logged.
 `take_served_async` pops what every worker served for the given rollouts and
 merge it (`merge_served`, worker order then call order); the async variant awaits the refs under
 `asyncio.wait_for(call_timeout_s)` so a driver coroutine never blocks its event loop in ray.get.
@@ -26,9 +28,10 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+import secrets
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -176,6 +179,7 @@ class WorkerGroup:
     handles: list[Any]
     base_urls: list[str]
     call_timeout_s: float
+    control_token: str = field(default="", repr=False)  # the run's bearer for the workers' control routes
 
     def _get(self, refs: list[Any], op: str) -> list[Any]:
         try:
@@ -191,6 +195,10 @@ class WorkerGroup:
     def weight_versions(self) -> list[int]:
         """The weight version each worker serves, in worker order (measured from the workers)."""
         return self._get([h.weight_version.remote() for h in self.handles], "weight_version")
+
+    def venv_info(self) -> list[dict]:
+        """Per worker (in worker order), the venv its interpreter runs in (`VllmGenerationWorker.venv_info`)."""
+        return self._get([h.venv_info.remote() for h in self.handles], "venv_info")
 
     def engine_records_by_worker(self, request_ids: list[str]) -> list[dict[str, dict]]:
         """Per worker (in worker order), the engine records it holds for `request_ids`: which worker
@@ -291,9 +299,12 @@ def spawn_workers(
         for i in range(gen.num_workers)
     ]
     progress(f"[generation] starting {len(handles)} vLLM worker(s) ({flavor}) from {model_dir}")
-    group = WorkerGroup(handles=handles, base_urls=[], call_timeout_s=gen.vllm.call_timeout_s)
-    # bind before start_engine: the engine's synchronous start blocks the actor's event loop.
-    base_urls = _startup_get(group, [h.bind.remote() for h in handles], deadline, gen.vllm.startup_timeout_s, "open their ports")
+    control_token = secrets.token_urlsafe(32)
+    group = WorkerGroup(handles=handles, base_urls=[], call_timeout_s=gen.vllm.call_timeout_s, control_token=control_token)
+    # bind first: the ports must exist (answering 503) before anyone is pointed at them.
+    base_urls = _startup_get(
+        group, [h.bind.remote(control_token) for h in handles], deadline, gen.vllm.startup_timeout_s, "open their ports"
+    )
     return PendingWorkers(
         group=group,
         base_urls=base_urls,

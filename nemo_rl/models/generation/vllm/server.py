@@ -1,58 +1,127 @@
 """OpenAI-compatible HTTP transport over `ChatService` (aiohttp, bound to 127.0.0.1).
 
 Routes: POST /v1/chat/completions, POST /tokenize (and /v1/tokenize), GET /v1/models,
-GET /health. Handlers only parse JSON, call the service and map `HttpError` to its status with
-an OpenAI-style error body; any other exception is a 500 that names its type.
+GET /health (and /v1/health); control: GET /control/state (bearer).
 
-The port can be opened before the engine is up (so the Gym servers can be pointed at it while
-vLLM loads): until `get_service()` returns a service, every route answers 503 `worker_starting`
-and nothing is generated.
+Contract:
+- Handlers only read the body, call the service and map `HttpError` to its status with an
+  OpenAI-style error body `{"error": {"message", "type", "param", "code"}}` (`param` names the
+  field at fault). Bodies are strict JSON (`request_rules.parse_json_body`: 400 `invalid_json`)
+  of at most `max_request_bytes` (413 `request_too_large`, before the body is parsed).
+- Availability, one rule for every non-control route, in this order: after `shutdown` began
+  503 `worker_stopping`; once failed 503 `worker_failed` naming the reason; before the service
+  is let through 503 `worker_starting` (the port opens before the engine is up so the Gym
+  servers can be pointed at it while vLLM loads). Nothing is generated in any of these states.
+- Any exception that is not an `HttpError` (or aiohttp's own 4xx) is a bug: it is logged with
+  its traceback, answered 500 `internal_error`, and reported to the `Endpoint`, which makes the
+  worker failed, so the driver's next call into it raises with that traceback.
+- Control routes need `Authorization: Bearer <control token>` (the per-run token the launcher
+  mints): 401 without a bearer credential, 403 with a wrong one (constant-time compare,
+  `request_rules.bearer_status`). They answer in every state, including starting and failed.
+  The token is never logged and never part of a response.
 """
 
 from __future__ import annotations
 
-import json
 import logging
+import traceback
 from collections.abc import Callable
+from typing import Any
 
 from aiohttp import web
 
+from nemo_rl.models.generation.vllm.request_rules import RequestFieldError, bearer_status, parse_json_body
 from nemo_rl.models.generation.vllm.serving import ChatService, HttpError
+from nemo_rl.token_capture import wire_metrics  # opt-in body/latency counters (benchmarks/capture_ab.py)
 
 LOGGER = logging.getLogger(__name__)
 
+CONTROL_PREFIX = "/control/"
+_AUTH_MESSAGES = {
+    401: ("control_auth_required", "control routes need an Authorization: Bearer <control token> header"),
+    403: ("control_auth_invalid", "the control bearer token is not this run's"),
+}
 
-async def _json_body(request: web.Request) -> object:
+
+class Endpoint:
+    """What the routes serve from; the worker actor owns it and updates it as it starts, fails, stops."""
+
+    def __init__(self) -> None:
+        self.service: ChatService | None = None  # None while starting
+        self.stopping = False
+        # Set by the worker once its engine exists (until then: no failure, nothing to report).
+        self.engine_failure: Callable[[], str | None] = lambda: None
+        self.engine_state: Callable[[], str] = lambda: "serving"
+        self.status: Callable[[], dict[str, Any]] = lambda: {}
+        self._bug: str | None = None
+
+    def failure(self) -> str | None:
+        """Why the worker is failed: the first bug a route hit, else the engine's failure."""
+        return self._bug or self.engine_failure()
+
+    def report_bug(self, where: str, error: BaseException) -> None:
+        if self._bug is None:
+            trace = "".join(traceback.format_exception(error)).rstrip()
+            self._bug = f"internal error in {where}: {type(error).__name__}: {error}\n{trace}"
+
+    def state(self) -> str:
+        if self.stopping:
+            return "stopping"
+        if self.failure() is not None:
+            return "failed"
+        if self.service is None:
+            return "starting"
+        return self.engine_state()  # serving or refitting
+
+
+def _error(e: HttpError, headers: dict[str, str] | None = None) -> web.Response:
+    return web.json_response(e.body(), status=e.status, headers=headers)
+
+
+async def _json_body(request: web.Request, max_request_bytes: int) -> object:
     try:
-        return await request.json(loads=json.loads)
-    except json.JSONDecodeError as e:
-        raise HttpError(400, "invalid_json", f"request body is not JSON: {e}") from e
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge as e:
+        raise HttpError(
+            413,
+            "request_too_large",
+            f"request body exceeds generation.vllm.max_request_bytes={max_request_bytes} bytes",
+            param="body",
+        ) from e
+    try:
+        return parse_json_body(raw)
+    except RequestFieldError as e:
+        raise HttpError(400, "invalid_json", e.message, param=e.field) from e
 
 
-def _error(e: HttpError) -> web.Response:
-    return web.json_response(e.body(), status=e.status)
-
-
-_STARTING = HttpError(503, "worker_starting", "the vLLM worker is still starting; retry once /health answers 200")
+def _unavailable(endpoint: Endpoint) -> HttpError | None:
+    if endpoint.stopping:
+        return HttpError(503, "worker_stopping", "the vLLM worker is shutting down")
+    failure = endpoint.failure()
+    if failure is not None:
+        first_line = failure.splitlines()[0]
+        return HttpError(503, "worker_failed", f"the vLLM worker is failed and serves nothing: {first_line}")
+    if endpoint.service is None:
+        return HttpError(503, "worker_starting", "the vLLM worker is still starting; retry once /health answers 200")
+    return None
 
 
 def build_app(
-    get_service: Callable[[], ChatService | None], *, model_name: str, max_model_len: int
+    endpoint: Endpoint, *, model_name: str, max_model_len: int, max_request_bytes: int, control_token: str
 ) -> web.Application:
+    if not control_token:
+        raise ValueError("build_app needs the run's control bearer token (control routes are never open)")
+
+    def service() -> ChatService:
+        assert endpoint.service is not None  # the availability middleware let the request through
+        return endpoint.service
+
     async def chat(request: web.Request) -> web.Response:
-        try:
-            return web.json_response(await get_service().chat_completions(await _json_body(request)))
-        except HttpError as e:
-            return _error(e)
-        except Exception as e:
-            LOGGER.exception("chat completion failed")
-            return _error(HttpError(500, "engine_error", f"{type(e).__name__}: {e}"))
+        body = await _json_body(request, max_request_bytes)
+        return web.json_response(await service().chat_completions(body))
 
     async def tokenize(request: web.Request) -> web.Response:
-        try:
-            out = get_service().tokenize(await _json_body(request))
-        except HttpError as e:
-            return _error(e)
+        out = service().tokenize(await _json_body(request, max_request_bytes))
         return web.json_response({**out, "max_model_len": max_model_len})
 
     async def models(_: web.Request) -> web.Response:
@@ -63,20 +132,46 @@ def build_app(
     async def health(_: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
 
+    async def control_state(_: web.Request) -> web.Response:
+        return web.json_response({**endpoint.status(), "state": endpoint.state(), "failure": endpoint.failure()})
+
     @web.middleware
-    async def starting_gate(request: web.Request, handler) -> web.StreamResponse:
-        # One gate for every route: nothing is served before the service is let through.
-        if get_service() is None:
-            return _error(_STARTING)
+    async def errors(request: web.Request, handler) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except HttpError as e:
+            return _error(e)
+        except web.HTTPException:
+            raise  # aiohttp's own answers (404, 405): the caller's mistake, already a response
+        except Exception as e:  # a bug in our code: loud, and the worker stops serving (see the contract)
+            LOGGER.exception("internal error serving %s %s; the worker is now failed", request.method, request.path)
+            endpoint.report_bug(f"{request.method} {request.path}", e)
+            return _error(
+                HttpError(500, "internal_error", f"internal error ({type(e).__name__}); the worker is now failed, see its log")
+            )
+
+    @web.middleware
+    async def gate(request: web.Request, handler) -> web.StreamResponse:
+        if request.path.startswith(CONTROL_PREFIX):
+            status = bearer_status(request.headers.get("Authorization"), control_token)
+            if status is not None:
+                err_type, message = _AUTH_MESSAGES[status]
+                headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+                return _error(HttpError(status, err_type, message, param="Authorization"), headers)
+            return await handler(request)
+        unavailable = _unavailable(endpoint)
+        if unavailable is not None:
+            return _error(unavailable)
         return await handler(request)
 
-    app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=[starting_gate])
+    app = web.Application(client_max_size=max_request_bytes, middlewares=[*wire_metrics.aiohttp_middlewares(), errors, gate])
     app.router.add_post("/v1/chat/completions", chat)
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/v1/tokenize", tokenize)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/v1/health", health)
+    app.router.add_get(CONTROL_PREFIX + "state", control_state)
     return app
 
 

@@ -15,9 +15,22 @@ Contract (the transport, `server.py`, is a thin shell over `ChatService`):
   token-in tails is probed from that template once at construction (`chat.derive_turn_end`; if
   it cannot be found every token-in call is `capture_failed`); replies are parsed with the
   configured `tool_call_parser` (vLLM's names, `chat.TOOL_CALL_PARSERS`).
-- Caller errors are `HttpError`s with a status and a named type: 400 for an invalid request or
-  admission, 503 when the staged prefix cannot be fetched, 409 when it does not match the
-  admission. Generation never starts from an unverified prefix.
+- Caller errors are `HttpError`s with a status, a named type and the field (`param`): 400 for an
+  invalid request (`request_rules.check_chat_request`, the chat template refusing the
+  messages, sampling values the engine refuses) or admission (Gym's `CaptureAdmission`, inline
+  prefix ids outside the vocabulary), 409 `prefix_mismatch` when staged records do not form the
+  chain the admission names, 409 `duplicate_model_call_id` when this worker already served
+  the same (rollout_id, model_call_id) (remembered LRU, `max_admitted_calls`; a call refused
+  or not generated is forgotten, so its retry is admitted; a call generated once, staged or
+  `capture_failed`, is never generated again). Generation never starts from an
+  unverified prefix.
+- Expected failures of the components are 503s with a named type, and nothing else is: the
+  staging source's named errors (`StagingFetchError`: missing key, store unavailable or past its
+  deadline) and data-plane errors are `staging_unavailable` (a stored record that is not a valid
+  snapshot is 409 `prefix_mismatch`); the engine's `EngineFailedError` is `worker_failed`,
+  `GenerationTimeoutError` is `generation_timeout`, `RefitGateTimeoutError` is
+  `worker_refitting`. Any other exception is a bug and propagates (the transport answers 500 and
+  fails the worker).
 - Context overflow (vLLM's rule, checked on the final prompt ids BEFORE `begin_call` and before
   generation, for plain and admitted calls alike): a prompt of `max_model_len` tokens or more, or
   an explicit `max_tokens` that does not fit after the prompt, is a 400 `context_length_exceeded`
@@ -41,9 +54,11 @@ from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
+from jinja2 import TemplateError
 from pydantic import ValidationError
 
 from nemo_gym.token_id_capture.staging import CaptureAdmission, CaptureError, RolloutTokenCapture
+from nemo_rl.data_plane.errors import DataPlaneError
 from nemo_rl.models.generation.vllm.chat import (
     ChatTemplateTokenizer,
     InvalidChatRequest,
@@ -62,8 +77,15 @@ from nemo_rl.models.generation.vllm.chat import (
     sampled_turn_close,
     sampling_from_body,
 )
+from nemo_rl.models.generation.vllm.engine import (
+    EngineFailedError,
+    GenerationTimeoutError,
+    RefitGateTimeoutError,
+)
 from nemo_rl.models.generation.vllm.prefix_cache import PrefixCache, PrefixError, PrefixMismatchError
+from nemo_rl.models.generation.vllm.request_rules import RequestFieldError, check_chat_request
 from nemo_rl.token_capture.served import ServedCall
+from nemo_rl.token_capture.staging import StagedRecordInvalidError, StagingFetchError
 
 LOGGER = logging.getLogger(__name__)
 
@@ -71,14 +93,53 @@ DEFAULT_MAX_SERVED_ROLLOUTS = 100_000
 
 
 class HttpError(Exception):
-    def __init__(self, status: int, err_type: str, message: str) -> None:
+    """An answer for the caller: status, named type, message and (when one is at fault) the field."""
+
+    def __init__(self, status: int, err_type: str, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.err_type = err_type
         self.message = message
+        self.param = param
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.err_type, "code": self.status}}
+        return {"error": {"message": self.message, "type": self.err_type, "param": self.param, "code": self.status}}
+
+
+def _admission_field(e: ValidationError) -> str:
+    """`ng_capture.<loc>` of the first error pydantic reports for an admission."""
+    loc = e.errors()[0].get("loc", ()) if e.errors() else ()
+    return ".".join(["ng_capture", *(str(part) for part in loc)])
+
+
+class AdmittedCalls:
+    """Bounded LRU set of admitted (rollout_id, model_call_id) pairs; thread-safe."""
+
+    def __init__(self, max_calls: int) -> None:
+        if max_calls < 1:
+            raise ValueError(f"max_calls={max_calls}: must be >= 1")
+        self._max_calls = max_calls
+        self._calls: OrderedDict[tuple[str, str], None] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def claim(self, key: tuple[str, str]) -> bool:
+        """Remember `key`; False when it is already remembered (a duplicate)."""
+        with self._lock:
+            if key in self._calls:
+                self._calls.move_to_end(key)
+                return False
+            self._calls[key] = None
+            while len(self._calls) > self._max_calls:
+                self._calls.popitem(last=False)
+            return True
+
+    def release(self, key: tuple[str, str]) -> None:
+        with self._lock:
+            self._calls.pop(key, None)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._calls)
 
 
 class GenerationResultLike(Protocol):
@@ -173,11 +234,17 @@ class ChatService:
         default_max_tokens: int,
         max_model_len: int,
         tool_call_parser: str,
+        vocab_size: int,
+        max_admitted_calls: int,
         worker_index: int = 0,
         max_served_rollouts: int = DEFAULT_MAX_SERVED_ROLLOUTS,
     ) -> None:
         if max_model_len < 1:
             raise ValueError(f"max_model_len={max_model_len}: must be >= 1")
+        if vocab_size < 1:
+            raise ValueError(f"vocab_size={vocab_size}: must be >= 1")
+        self._vocab_size = vocab_size
+        self._admitted = AdmittedCalls(max_admitted_calls)
         self._engine = engine
         self._tokenizer = tokenizer
         self._parse_tool_calls = get_tool_call_parser(tool_call_parser)
@@ -207,11 +274,11 @@ class ChatService:
         self.prefix_cache = cache
 
     async def chat_completions(self, body: Any) -> dict:
-        if not isinstance(body, dict):
-            raise HttpError(400, "invalid_request", "request body must be a JSON object")
         try:
-            if body.get("stream"):
-                raise InvalidChatRequest("stream=true is not supported: token custody needs complete responses")
+            check_chat_request(body, max_model_len=self._max_model_len)
+        except RequestFieldError as e:
+            raise HttpError(400, "invalid_request", e.message, param=e.field) from e
+        try:
             messages = normalize_messages(body.get("messages"))
             tools = chat_tools(body.get("tools"))
             sampling = sampling_from_body(body, default_max_tokens=self._default_max_tokens)
@@ -220,8 +287,26 @@ class ChatService:
         raw_admission = body.get("ng_capture")
         if raw_admission is None:
             return await self._serve_plain(messages, tools, sampling)
-        plan = await self._plan_admitted(raw_admission, body, messages, tools, sampling)
-        return await self._serve_admitted(plan)
+        admission = self._validate_admission(raw_admission)
+        key = (admission.rollout_id, admission.model_call_id)
+        if not self._admitted.claim(key):
+            self.stats["duplicate_model_call_id"] += 1
+            raise HttpError(
+                409,
+                "duplicate_model_call_id",
+                f"rollout {admission.rollout_id!r} call {admission.model_call_id!r} was already admitted by this "
+                "worker; a model_call_id is served once (fix: mint a fresh model_call_id per call)",
+                param="ng_capture.model_call_id",
+            )
+        try:
+            plan = await self._plan_admitted(admission, body, messages, tools, sampling)
+            result = await self._generate(plan.prompt_ids, plan.sampling)
+        except BaseException:
+            # Refused or not generated (timeout, failed engine): nothing was staged under this id, so a
+            # retry of the same call (Gym's client retries 5xx with the same body) may use it.
+            self._admitted.release(key)
+            raise
+        return await self._serve_admitted(plan, result)
 
     def take_served(self, rollout_ids: list[str]) -> list[ServedCall]:
         """Pop and return the served-call records of `rollout_ids` (unknown ids: nothing)."""
@@ -236,54 +321,84 @@ class ChatService:
         message = context_overflow_message(len(prompt_ids), requested, self._max_model_len)
         if message is not None:
             self.stats["context_length_exceeded"] += 1
-            raise HttpError(400, "context_length_exceeded", message)
+            field = "messages" if len(prompt_ids) >= self._max_model_len else "max_tokens"
+            raise HttpError(400, "context_length_exceeded", message, param=field)
         room = self._max_model_len - len(prompt_ids)
         return sampling if sampling.max_tokens <= room else replace(sampling, max_tokens=room)
 
     def tokenize(self, body: Any) -> dict:
         if not isinstance(body, dict):
-            raise HttpError(400, "invalid_request", "request body must be a JSON object")
+            raise HttpError(400, "invalid_request", "request body must be a JSON object", param="body")
         try:
             if "messages" in body:
-                ids = render_root_prompt(self._tokenizer, normalize_messages(body["messages"]), chat_tools(body.get("tools")))
+                check_chat_request({"messages": body["messages"], "tools": body.get("tools")}, max_model_len=self._max_model_len)
+                ids = self._render_root(normalize_messages(body["messages"]), chat_tools(body.get("tools")))
             elif isinstance(body.get("prompt"), str):
                 ids = self._tokenizer.encode(body["prompt"], add_special_tokens=False)
             else:
-                raise InvalidChatRequest("tokenize needs `messages` (chat) or `prompt` (text)")
+                raise RequestFieldError("messages", "tokenize needs `messages` (chat) or `prompt` (a string)")
+        except RequestFieldError as e:
+            raise HttpError(400, "invalid_request", e.message, param=e.field) from e
         except InvalidChatRequest as e:
             raise HttpError(400, "invalid_request", str(e)) from e
         return {"tokens": ids, "count": len(ids)}
 
+    def _render_root(self, messages: list[dict], tools: list[dict] | None) -> list[int]:
+        """The whole conversation through the model's template; a template refusal is the caller's 400."""
+        try:
+            return render_root_prompt(self._tokenizer, messages, tools)
+        except TemplateError as e:  # templates `raise_exception` on conversations they do not accept
+            raise HttpError(
+                400, "invalid_request", f"the model's chat template cannot render these messages: {e}", param="messages"
+            ) from e
+
     async def _serve_plain(self, messages: list[dict], tools: list[dict] | None, sampling: SamplingRequest) -> dict:
-        prompt_ids = render_root_prompt(self._tokenizer, messages, tools)
+        prompt_ids = self._render_root(messages, tools)
         sampling = self._fit_context(prompt_ids, sampling)
         result = await self._generate(prompt_ids, sampling)
         self.stats["plain_calls"] += 1
         self.stats["served_calls"] += 1
         return self._response(result, include_logprobs=sampling.logprobs, include_token_ids=sampling.return_token_ids)
 
-    async def _plan_admitted(
-        self,
-        raw: Any,
-        body: dict,
-        messages: list[dict],
-        tools: list[dict] | None,
-        sampling: SamplingRequest,
-    ) -> _Plan:
+    def _validate_admission(self, raw: Any) -> CaptureAdmission:
         if self.capture is None:
             raise HttpError(
                 400,
                 "capture_not_installed",
                 "request carries ng_capture but token capture is not installed on this worker "
                 "(set token_capture.enabled=true, or point the gate at a capture-off worker)",
+                param="ng_capture",
             )
         try:
             admission = CaptureAdmission.model_validate(raw)
         except ValidationError as e:
-            raise HttpError(400, "invalid_capture_admission", f"ng_capture is not a valid CaptureAdmission: {e}") from e
+            raise HttpError(
+                400, "invalid_capture_admission", f"ng_capture is not a valid CaptureAdmission: {e}",
+                param=_admission_field(e),
+            ) from e
+        outside = [t for t in admission.required_prefix_token_ids if not 0 <= t < self._vocab_size]
+        if outside:
+            raise HttpError(
+                400,
+                "invalid_capture_admission",
+                f"ng_capture.required_prefix_token_ids holds {len(outside)} id(s) outside this model's vocabulary "
+                f"0..{self._vocab_size - 1} (first: {outside[0]})",
+                param="ng_capture.required_prefix_token_ids",
+            )
+        return admission
+
+    async def _plan_admitted(
+        self,
+        admission: CaptureAdmission,
+        body: dict,
+        messages: list[dict],
+        tools: list[dict] | None,
+        sampling: SamplingRequest,
+    ) -> _Plan:
+        assert self.capture is not None  # _validate_admission refused the call otherwise
         if admission.mode == "text":
             prefix = None
-            prompt_ids, tail_error = render_root_prompt(self._tokenizer, messages, tools), None
+            prompt_ids, tail_error = self._render_root(messages, tools), None
         else:
             prefix = await self._resolve_prefix(admission, body)
             try:
@@ -299,37 +414,51 @@ class ChatService:
                 prompt_ids, tail_error = prefix + tail, None
             except TailRenderError as e:
                 # Serve the turn from the re-rendered conversation, but never as captured.
-                prompt_ids, tail_error = render_root_prompt(self._tokenizer, messages, tools), f"tail_render_failed: {e}"
+                prompt_ids, tail_error = self._render_root(messages, tools), f"tail_render_failed: {e}"
+            except TemplateError as e:
+                raise HttpError(
+                    400, "invalid_request", f"the model's chat template cannot render these messages: {e}",
+                    param="messages",
+                ) from e
         sampling = self._fit_context(prompt_ids, sampling)  # before any capture lifecycle step
         try:
             self.capture.begin_call(admission, prefix_token_ids=prefix, stream=False, weight_version=0)
         except CaptureError as e:
-            raise HttpError(400, "invalid_capture_admission", str(e)) from e
+            raise HttpError(400, "invalid_capture_admission", str(e), param="ng_capture") from e
         return _Plan(admission=admission, prefix=prefix, prompt_ids=prompt_ids, tail_error=tail_error, sampling=sampling)
 
     async def _resolve_prefix(self, admission: CaptureAdmission, body: dict) -> list[int]:
         if admission.staging_chain:
+            where = f"staging_chain of call {admission.model_call_id}"
             if self.prefix_cache is None:
-                raise HttpError(503, "staging_unavailable", "no staging source is configured to resolve staging_chain")
+                raise HttpError(
+                    503, "staging_unavailable", "no staging source is configured to resolve staging_chain",
+                    param="ng_capture.staging_chain",
+                )
             try:
+                # Bounded: every staging read carries token_capture.stage_timeout_s (the source's deadline).
                 return await asyncio.to_thread(
                     self.prefix_cache.resolve, list(admission.staging_chain), admission.prev_len, admission.parent_chain_hash
                 )
-            except PrefixMismatchError as e:
-                raise HttpError(409, "prefix_mismatch", f"staging_chain of call {admission.model_call_id}: {e}") from e
-            except PrefixError as e:
-                raise HttpError(503, "staging_unavailable", f"staging_chain of call {admission.model_call_id}: {e}") from e
-            except Exception as e:  # the source's own named errors (missing key, deadline) end here
-                raise HttpError(503, "staging_unavailable", f"staging_chain of call {admission.model_call_id}: {type(e).__name__}: {e}") from e
+            except (PrefixMismatchError, StagedRecordInvalidError) as e:
+                raise HttpError(
+                    409, "prefix_mismatch", f"{where}: {type(e).__name__}: {e}", param="ng_capture.staging_chain"
+                ) from e
+            except (PrefixError, StagingFetchError, DataPlaneError) as e:
+                raise HttpError(
+                    503, "staging_unavailable", f"{where}: {type(e).__name__}: {e}", param="ng_capture.staging_chain"
+                ) from e
         inline = list(admission.required_prefix_token_ids)
         top = body.get("required_prefix_token_ids")
         if top not in (None, []) and list(top) != inline:
-            raise HttpError(400, "invalid_capture_admission", "top-level required_prefix_token_ids disagree with ng_capture")
+            raise HttpError(
+                400, "invalid_capture_admission", "top-level required_prefix_token_ids disagree with ng_capture",
+                param="required_prefix_token_ids",
+            )
         return inline
 
-    async def _serve_admitted(self, plan: _Plan) -> dict:
+    async def _serve_admitted(self, plan: _Plan, result: GenerationResultLike) -> dict:
         assert self.capture is not None and plan.admission is not None
-        result = await self._generate(plan.prompt_ids, plan.sampling)
         call = self.capture.begin_call(plan.admission, prefix_token_ids=plan.prefix, stream=False, weight_version=result.weight_version)
         native = self._response(result, include_logprobs=True, include_token_ids=True)
         if plan.tail_error is not None:
@@ -371,6 +500,13 @@ class ChatService:
             return await self._engine.generate(prompt_ids, sampling, new_request_id())
         except InvalidChatRequest as e:
             raise HttpError(400, "invalid_request", str(e)) from e
+        except EngineFailedError as e:
+            raise HttpError(503, "worker_failed", str(e)) from e
+        except GenerationTimeoutError as e:
+            self.stats["generation_timeout"] += 1
+            raise HttpError(503, "generation_timeout", str(e)) from e
+        except RefitGateTimeoutError as e:
+            raise HttpError(503, "worker_refitting", str(e)) from e
 
     def _response(self, result: GenerationResultLike, *, include_logprobs: bool, include_token_ids: bool) -> dict:
         parsed = self._parse_tool_calls(generated_text(self._tokenizer, result.token_ids))

@@ -6,34 +6,52 @@ Contract:
   the thin actor shell that wires them and converts failures into `WorkerError` before they
   cross the Ray boundary.
 - Start-up is three calls so the driver can start the data plane and the Gym servers while
-  vLLM loads: `bind()` opens the HTTP port and returns its base URL (every route answers 503
-  `worker_starting`), `start_engine()` loads vLLM (slow), `serve()` installs token capture when
+  vLLM loads: `bind(control_token)` opens the HTTP port and returns its base URL (every route
+  answers 503 `worker_starting`; control routes need the per-run bearer `control_token`, never
+  logged), `start_engine()` loads vLLM (slow), `serve()` installs token capture when
   enabled and only then lets requests through, so no request is ever served uncaptured.
+- Failed state: once the engine is failed (a refit that timed out or raised, the engine process
+  died) or a route hit a bug, every route answers 503 `worker_failed` and every driver call
+  (`update_weights`, `weight_version`, `engine_records`, `prompt_logprobs`, `take_served`,
+  `capture_stats`) raises `WorkerFailedError` (a `WorkerError`) naming the reason (with the
+  bug's traceback). A refit whose in-flight generations outlive `refit_drain_timeout_s` is
+  aborted instead: `WorkerError` says so and the worker keeps serving its previous weights and
+  version. `GET /control/state` (bearer) reports state, weight version, in-flight count, failure.
 - `install_token_capture` (called by `serve` when token capture is enabled) hosts Gym's
   `RolloutTokenCapture` with the TransferQueue sink over the `ChatService`, and gives the
   service a bounded `PrefixCache` over the TQ source for `staging_chain` admissions.
 - `update_weights(dir, version)` refits the engine; every later sample carries `version`.
 - `worker_index` (given by the launcher, 0..num_workers-1) stamps every `ServedCall` this worker
   records; `take_served(rollout_ids)` pops them as wire dicts (`ServedCall.to_wire`).
+- `venv_info()` reports the venv this actor's interpreter runs in (`running_venv_info`: its
+  folder and the spec hash in its completion marker), so a run records what its workers ran.
 - `capture_stats()["served_calls"]` counts the completions this worker produced (plain and
   admitted), for per-worker call metrics.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from pathlib import Path
 
 from nemo_rl.data_plane import DataPlaneClient, DataPlaneConfig
 from nemo_rl.models.generation.vllm.config import GenerationConfig
+from nemo_rl.models.generation.vllm.server import Endpoint
 from nemo_rl.token_capture.config import TokenCaptureConfig
+from nemo_rl.utils.venvs import running_venv_info
 
 LOGGER = logging.getLogger(__name__)
 
 
 class WorkerError(RuntimeError):
     """A generation-worker operation failed (the message names the operation and cause)."""
+
+
+class WorkerFailedError(WorkerError):
+    """The worker is in its terminal failed state (engine failed, or a bug hit a route): it serves
+    nothing more, so the run must stop; the message carries the reason (a bug's traceback)."""
 
 
 class VllmGenerationWorker:
@@ -53,7 +71,7 @@ class VllmGenerationWorker:
         self._dp_cfg = DataPlaneConfig.model_validate(data_plane_cfg) if data_plane_cfg is not None else None
         self._engine = None
         self._service = None
-        self._serving = None  # the service the HTTP routes use; None answers 503 worker_starting
+        self._endpoint = Endpoint()  # what the HTTP routes serve from (starting until `serve`)
         self._runner = None
         self._client: DataPlaneClient | None = None
         self.base_url: str | None = None
@@ -68,7 +86,9 @@ class VllmGenerationWorker:
         t0 = time.monotonic()
         try:
             tokenizer = AutoTokenizer.from_pretrained(str(self._model_dir))
-            self._engine = VllmEngine.start(self._model_dir, self._gen.vllm, tokenizer.eos_token_id)
+            # Built off the event loop (vLLM starts its loop tasks lazily then), so the open port keeps
+            # answering 503 worker_starting at once instead of hanging while vLLM loads (~60 s on CPU).
+            self._engine = await asyncio.to_thread(VllmEngine.start, self._model_dir, self._gen.vllm, tokenizer.eos_token_id)
             await wait_ready(self._engine, self._gen.vllm.startup_timeout_s)
         except Exception as e:
             raise WorkerError(f"vLLM engine failed to start from {self._model_dir}: {type(e).__name__}: {e}") from e
@@ -79,17 +99,35 @@ class VllmGenerationWorker:
             default_max_tokens=self._gen.max_new_tokens,
             max_model_len=self._gen.vllm.max_model_len,
             tool_call_parser=self._gen.tool_call_parser,
+            vocab_size=len(tokenizer),
+            max_admitted_calls=self._gen.vllm.max_admitted_calls,
             worker_index=self._worker_index,
         )
+        engine = self._engine
+        self._endpoint.engine_failure = lambda: engine.failure
+        self._endpoint.engine_state = lambda: engine.state.value
+        self._endpoint.status = lambda: {
+            "worker_index": self._worker_index,
+            "weight_version": engine.weight_version,
+            "inflight": engine.inflight,
+        }
         LOGGER.warning("vLLM engine for %s up after %.1fs", self._model_dir.name, time.monotonic() - t0)
 
-    async def bind(self) -> str:
-        """Open the HTTP endpoint (503 until `serve`); returns `http://127.0.0.1:<port>/v1`."""
+    async def bind(self, control_token: str) -> str:
+        """Open the HTTP endpoint (503 until `serve`); returns `http://127.0.0.1:<port>/v1`.
+
+        `control_token` is the run's bearer for the control routes (minted by the launcher)."""
         from nemo_rl.models.generation.vllm.server import build_app, serve
 
         if self.base_url is not None:
             return self.base_url
-        app = build_app(lambda: self._serving, model_name=self._gen.model_name, max_model_len=self._gen.vllm.max_model_len)
+        app = build_app(
+            self._endpoint,
+            model_name=self._gen.model_name,
+            max_model_len=self._gen.vllm.max_model_len,
+            max_request_bytes=self._gen.vllm.max_request_bytes,
+            control_token=control_token,
+        )
         try:
             self._runner, port = await serve(app)
         except OSError as e:
@@ -102,14 +140,20 @@ class VllmGenerationWorker:
         through; returns the base URL. Capture is in place before the first request is served."""
         if self._service is None or self.base_url is None:
             raise WorkerError("serve called before bind and start_engine")
-        if self._serving is None:
+        if self._endpoint.service is None:
             if self._capture_cfg.enabled:
                 try:
                     self.install_token_capture()
                 except Exception as e:
                     raise WorkerError(f"installing token capture failed: {type(e).__name__}: {e}") from e
-            self._serving = self._service
+            self._endpoint.service = self._service
         return self.base_url
+
+    def _require_healthy(self, op: str) -> None:
+        """A failed worker refuses every driver call, naming why (the run must not go on silently)."""
+        failure = self._endpoint.failure()
+        if failure is not None:
+            raise WorkerFailedError(f"vLLM worker {self._worker_index} is failed, {op} refused: {failure}")
 
     def install_token_capture(self, capture=None) -> None:
         """Host Gym's RolloutTokenCapture (TQ sink) and the TQ-backed prefix cache on the service."""
@@ -117,6 +161,7 @@ class VllmGenerationWorker:
         from nemo_gym.token_id_capture.staging import install_capture
 
         from nemo_rl.models.generation.vllm.prefix_cache import PrefixCache
+        from nemo_rl.token_capture import wire_metrics
         from nemo_rl.token_capture.staging import TQTokenSink, TQTokenSource
 
         if self._service is None or self._engine is None:
@@ -135,42 +180,66 @@ class VllmGenerationWorker:
             weight_version_fn=lambda: engine.weight_version,
             adapter=VLLMCaptureAdapter(),
         )
-        self._service.install_prefix_cache(PrefixCache(TQTokenSource(self._client, partition), self._capture_cfg.prefix_cache_max_tokens))
+        wire_metrics.time_capture_calls(self._service)  # opt-in per-call capture timing (benchmarks/capture_ab.py)
+        source = TQTokenSource(self._client, partition, timeout_s=self._capture_cfg.stage_timeout_s)
+        self._service.install_prefix_cache(PrefixCache(source, self._capture_cfg.prefix_cache_max_tokens))
 
     async def update_weights(self, weights_dir: str, version: int) -> int:
+        from nemo_rl.models.generation.vllm.engine import RefitAbortedError
+
         if self._engine is None:
             raise WorkerError("update_weights called before start")
+        self._require_healthy("update_weights")
         try:
             await self._engine.reload_weights(Path(weights_dir), version)
-        except Exception as e:
-            raise WorkerError(f"refit to version {version} from {weights_dir} failed: {type(e).__name__}: {e}") from e
+        except RefitAbortedError as e:
+            raise WorkerError(f"vLLM worker {self._worker_index}: {e}") from e
+        except Exception as e:  # converted before it crosses the Ray boundary; a reload error also fails the engine
+            raise WorkerError(
+                f"vLLM worker {self._worker_index}: refit to version {version} from {weights_dir} failed: "
+                f"{type(e).__name__}: {e}"
+            ) from e
         return self._engine.weight_version
+
+    def venv_info(self) -> dict:
+        """The venv this actor runs in, measured in the actor: prefix, folder, marker spec hash."""
+        return running_venv_info()
 
     def weight_version(self) -> int:
         if self._engine is None:
             raise WorkerError("weight_version called before start")
+        self._require_healthy("weight_version")
         return self._engine.weight_version
 
     def engine_records(self, request_ids: list[str]) -> dict[str, dict]:
         """What the engine itself sampled, per request id (the audit trail for exactness checks)."""
         if self._engine is None:
             raise WorkerError("engine_records called before start")
+        self._require_healthy("engine_records")
         return {rid: vars(rec) for rid, rec in self._engine.records(request_ids).items()}
 
     async def prompt_logprobs(self, token_ids: list[int]) -> list[float]:
         if self._engine is None:
             raise WorkerError("prompt_logprobs called before start")
-        return await self._engine.prompt_logprobs(token_ids)
+        from nemo_rl.models.generation.vllm.engine import EngineError
+
+        self._require_healthy("prompt_logprobs")
+        try:
+            return await self._engine.prompt_logprobs(token_ids)
+        except EngineError as e:  # converted before it crosses the Ray boundary
+            raise WorkerError(f"vLLM worker {self._worker_index}: prompt_logprobs failed: {type(e).__name__}: {e}") from e
 
     def take_served(self, rollout_ids: list[str]) -> list[dict]:
         """Pop what this worker served for `rollout_ids`, as `ServedCall` wire dicts."""
         if self._service is None:
             raise WorkerError("take_served called before start")
+        self._require_healthy("take_served")
         return [call.to_wire() for call in self._service.take_served(rollout_ids)]
 
     def capture_stats(self) -> dict:
         if self._service is None:
             raise WorkerError("capture_stats called before start")
+        self._require_healthy("capture_stats")
         cache = self._service.prefix_cache
         return {
             "worker_index": self._worker_index,
@@ -184,6 +253,7 @@ class VllmGenerationWorker:
         }
 
     async def shutdown(self) -> None:
+        self._endpoint.stopping = True  # requests arriving from now on get 503 worker_stopping
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None

@@ -14,7 +14,7 @@ from transformers import AutoConfig, Qwen2ForCausalLM
 
 from nemo_rl.algorithms.grpo import ClippedPGLossFn, EmptyMaskError
 from nemo_rl.models.policy import LossConfig, PolicyConfig, PolicyWorkerHandle, TrainBatch
-from nemo_rl.models.policy.core import PolicyCore
+from nemo_rl.models.policy.core import PolicyCore, warmup_lr
 from nemo_rl.models.policy.errors import (
     PolicyLoadError,
     TokenIdOutOfRangeError,
@@ -166,3 +166,31 @@ def test_named_errors(tiny_model_dir: Path, tmp_path: Path) -> None:
         core.get_logprobs([[1, 128]])
     with pytest.raises(EmptyMaskError, match="no masked token"):
         core.train_step(_batch([SEQ], [[0] * len(SEQ)], [1.0]), LOSS)
+
+
+@pytest.mark.parametrize(
+    ("warmup", "expected"),
+    [(0, [1e-3, 1e-3, 1e-3]), (1, [1e-3, 1e-3, 1e-3]), (4, [2.5e-4, 5e-4, 7.5e-4, 1e-3, 1e-3])],
+)
+def test_warmup_lr_ramps_linearly_then_holds(warmup: int, expected: list[float]) -> None:
+    got = [warmup_lr(1e-3, warmup, k) for k in range(1, len(expected) + 1)]
+    assert got == pytest.approx(expected, rel=1e-12)
+    with pytest.raises(ValueError, match="1-based"):
+        warmup_lr(1e-3, warmup, 0)
+
+
+def test_train_step_applies_the_warmup_rate_to_the_optimizer(tiny_model_dir: Path) -> None:
+    core = _core(tiny_model_dir, learning_rate=1e-3, lr_warmup_steps=4)
+    rates = [core.train_step(_batch([SEQ], [MASK], [1.0]), LOSS)["lr"] for _ in range(2)]
+    assert rates == pytest.approx([2.5e-4, 5e-4], rel=1e-12)
+    assert [g["lr"] for g in core._optimizer.param_groups] == pytest.approx([5e-4])
+
+
+def test_first_step_moves_weights_by_the_warmup_rate(tiny_model_dir: Path) -> None:
+    # A fresh AdamW's first update is lr * sign(grad) (up to eps) on every weight with a gradient:
+    # the ramp's first rate bounds how far step 1 moves any weight.
+    core = _core(tiny_model_dir, learning_rate=1e-3, lr_warmup_steps=10)
+    before = {n: p.detach().clone() for n, p in core.model.named_parameters()}
+    core.train_step(_batch([SEQ], [MASK], [1.0]), LOSS)
+    moved = max(float((p.detach() - before[n]).abs().max()) for n, p in core.model.named_parameters())
+    assert moved == pytest.approx(1e-4, rel=1e-3)

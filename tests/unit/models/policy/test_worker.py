@@ -12,7 +12,7 @@ import ray
 
 from nemo_rl.algorithms.grpo import ClippedPGLossFn
 from nemo_rl.models.policy import LossConfig, PolicyConfig, PolicyWorkerHandle, TrainBatch
-from nemo_rl.models.policy.core import PolicyCore
+from nemo_rl.models.policy.core import PolicyCore, PolicyStateInfo
 from nemo_rl.models.policy.errors import (
     LossFnError,
     PolicyWorkerDiedError,
@@ -57,6 +57,21 @@ def test_policy_worker_actor_shell(private_ray: None, tiny_model_dir: Path) -> N
     assert client.state_fingerprint() == local.state_fingerprint()
     with pytest.raises(LossFnError, match="ClippedPGLossFn.from_config"):
         client.train_step(batch, LossConfig())  # refused in the driver, before any remote call
+
+    # Checkpoints through the actor: what it saves is what the local core would save, and loading
+    # it back undoes a later step bit for bit (weights, optimizer and step counter).
+    ckpt = Path(tempfile.mkdtemp(prefix="nrlpol_ckpt_"))
+    try:
+        saved = client.save_state(ckpt / "s")
+        assert saved == PolicyStateInfo(1, local.state_fingerprint(), local.optimizer_fingerprint())
+        client.train_step(batch, loss_fn)
+        assert client.optimizer_fingerprint() != saved.optimizer_fingerprint
+        assert client.load_state(ckpt / "s") == saved
+        assert (client.state_fingerprint(), client.optimizer_fingerprint()) == (saved.policy_fingerprint, saved.optimizer_fingerprint)
+        with pytest.raises(PolicyWorkerError, match=r"save_state failed: PolicyCheckpointError: .*already holds"):
+            client.save_state(ckpt / "s")
+    finally:
+        shutil.rmtree(ckpt)
 
     client.kill()
     with pytest.raises(PolicyWorkerDiedError, match="policy.state_fingerprint: the actor died"):

@@ -32,6 +32,7 @@ from nemo_rl.models.tiny_model.chat_template import LLAMA3
 from nemo_rl.models.tiny_model.corpus import task_conversation
 from nemo_rl.models.tiny_model.tokenizer import train_tokenizer
 from nemo_rl.token_capture.served import ServedCall
+from nemo_rl.token_capture.staging import StagedKeysMissingError
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +85,7 @@ class MemoryStaging:
         self.fetches.append(list(keys))
         missing = [k for k in keys if k not in self.records]
         if missing:
-            raise KeyError(f"missing staged keys {missing}")
+            raise StagedKeysMissingError("staging", missing)  # the TQ source's named error
         return [StagedCallBaseSnapshot.model_validate(self.records[k].model_dump(exclude={"extras"})) for k in keys]
 
 
@@ -107,6 +108,8 @@ def _service(
         default_max_tokens=16,
         max_model_len=max_model_len,
         tool_call_parser=tool_call_parser,
+        vocab_size=len(tokenizer),
+        max_admitted_calls=1000,
         worker_index=worker_index,
         max_served_rollouts=max_served_rollouts,
     )
@@ -366,11 +369,13 @@ async def test_tail_render_failure_is_capture_failed_not_silent(tokenizer):
 async def test_http_routes_answer_503_until_the_service_is_let_through(tokenizer):
     from aiohttp import ClientSession
 
-    from nemo_rl.models.generation.vllm.server import build_app, serve
+    from nemo_rl.models.generation.vllm.server import Endpoint, build_app, serve
 
     svc, engine, _ = _service(tokenizer, [_gen(tokenizer, "The answer is 17.")], capture=False)
-    holder: dict[str, ChatService | None] = {"service": None}
-    runner, port = await serve(build_app(lambda: holder["service"], model_name="tiny", max_model_len=2048))
+    endpoint = Endpoint()
+    runner, port = await serve(
+        build_app(endpoint, model_name="tiny", max_model_len=2048, max_request_bytes=1 << 20, control_token="t0k")
+    )
     base = f"http://127.0.0.1:{port}"
     try:
         async with ClientSession() as http:
@@ -383,7 +388,7 @@ async def test_http_routes_answer_503_until_the_service_is_let_through(tokenizer
                     assert (resp.status, (await resp.json())["error"]["type"]) == (503, "worker_starting"), path
             assert engine.prompts == []
 
-            holder["service"] = svc
+            endpoint.service = svc
             async with http.get(base + "/health") as resp:
                 assert (resp.status, await resp.json()) == (200, {"status": "ok"})
             async with http.post(base + "/v1/chat/completions", json={"messages": MESSAGES}) as resp:
@@ -546,10 +551,12 @@ async def test_token_in_overflow_is_400_before_begin_call(tokenizer):
 async def test_http_context_overflow_body_matches_gyms_check(tokenizer):
     from aiohttp import ClientSession
 
-    from nemo_rl.models.generation.vllm.server import build_app, serve
+    from nemo_rl.models.generation.vllm.server import Endpoint, build_app, serve
 
     svc, engine, _ = _service(tokenizer, [[1]], capture=False, max_model_len=8)
-    runner, port = await serve(build_app(lambda: svc, model_name="tiny", max_model_len=8))
+    endpoint = Endpoint()
+    endpoint.service = svc
+    runner, port = await serve(build_app(endpoint, model_name="tiny", max_model_len=8, max_request_bytes=1 << 20, control_token="t"))
     try:
         async with ClientSession() as http:
             async with http.post(f"http://127.0.0.1:{port}/v1/chat/completions", json={"messages": MESSAGES}) as resp:

@@ -1,0 +1,173 @@
+"""What a GRPO checkpoint holds besides the policy, and how a run finds the one to resume from.
+
+A checkpoint `step_<k>` (written through `nemo_rl.utils.checkpoint.commit_checkpoint`) holds:
+- `policy/`: `PolicyCore.save_state` (weights, AdamW state with its step counter, the policy
+  process's torch RNG state, both fingerprints);
+- `trainer_state.json`: a `TrainerState`: the step k, the weight version the engines served when
+  k ended, the masked-step streak, the driver's Python/numpy/torch RNG states, the engine's probe
+  logprobs at save time, and the dataloader position.
+
+The dataloader position IS the step: every prompt source (`nemo_rl.environments.datasets`) is a
+pure function of (seed, step) — step s dispatches `batch(s, num_prompts_per_step)` — so a run
+resumed from k dispatches batch(k+1, n), batch(k+2, n), ... exactly as an uninterrupted run
+would: no group dropped, none repeated. What can break that is a different seed, batch size or
+dataset, so the state records `seed`, `num_prompts_per_step` and a digest of step k's batch, and
+`check_resumable` / `check_prompt_position` refuse a recipe that would dispatch other prompts.
+
+`prepare_checkpointing(cfg)` runs before anything starts: it removes leftovers of a killed
+writer, and either picks the newest complete checkpoint (`checkpointing.resume=latest`; none:
+`NoCheckpointError`) or, for a run that does not resume, refuses a checkpoint_dir that already
+holds checkpoints (`CheckpointDirNotEmptyError`: resuming by accident or overwriting a run are
+both worse than a clear stop). On resume it also cuts the run's JSONL logs back to step k (the
+steps after k are redone), so `metrics.jsonl` continues with step k+1 exactly once.
+
+No checkpoint with `resume=latest` is an error, not a fresh start: a mistyped checkpoint_dir
+would otherwise silently retrain from step 1 next to the real run's checkpoints. A requeue
+script that cannot know whether the first attempt got as far as a checkpoint checks the folder
+(`latest_complete_step`) before adding the override.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from nemo_rl.utils.checkpoint import (
+    CheckpointDirNotEmptyError,
+    CheckpointingConfig,
+    CheckpointMismatchError,
+    CorruptCheckpointError,
+    NoCheckpointError,
+    RngStates,
+    complete_steps,
+    open_checkpoint,
+    remove_leftovers,
+    scan,
+    truncate_jsonl_after,
+)
+
+TRAINER_STATE_FILE = "trainer_state.json"
+POLICY_SUBDIR = "policy"
+DISPATCHED_PROMPTS_FILE = "dispatched_prompts.jsonl"
+
+
+class TrainerState(BaseModel):
+    """The driver's side of a checkpoint (see the module docstring)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    format: Literal[1] = 1
+    step: int = Field(ge=1, description="The last completed step; the resumed run starts at step + 1.")
+    weight_version: int = Field(ge=0, description="The version every engine served when the step ended.")
+    masked_streak: int = Field(ge=0)
+    seed: int
+    num_prompts_per_step: int = Field(ge=1)
+    prompt_batch_digest: str = Field(pattern=r"^[0-9a-f]{64}$", description="batch_digest of step `step`'s prompts.")
+    policy_fingerprint: str = Field(pattern=r"^[0-9a-f]{64}$")
+    optimizer_fingerprint: str = Field(pattern=r"^[0-9a-f]{64}$")
+    policy_steps_taken: int = Field(ge=0)
+    engine_probe: tuple[float, ...] = Field(min_length=1, description="The engine's probe logprobs at save time.")
+    rng: RngStates
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """The checkpoint a run continues from."""
+
+    folder: Path
+    state: TrainerState
+
+    @property
+    def step(self) -> int:
+        return self.state.step
+
+
+def batch_digest(rows: Sequence[Mapping[str, Any]]) -> str:
+    """sha256 of a step's prompt rows (canonical JSON): equal digests, equal prompts in equal order."""
+    return hashlib.sha256(json.dumps(list(rows), sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def prompt_records(step: int, rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """One record per dispatched group (`<log_dir>/dispatched_prompts.jsonl`): step, group, row digest."""
+    return [{"step": step, "group": g, "digest": batch_digest([row])} for g, row in enumerate(rows)]
+
+
+def write_trainer_state(folder: Path, state: TrainerState) -> Path:
+    path = folder / TRAINER_STATE_FILE
+    path.write_text(state.model_dump_json(indent=1) + "\n", encoding="utf-8")
+    return path  # made durable by commit_checkpoint's fsync of the whole folder
+
+
+def read_trainer_state(folder: Path) -> TrainerState:
+    path = folder / TRAINER_STATE_FILE
+    try:
+        return TrainerState.model_validate_json(path.read_text(encoding="utf-8"))
+    except FileNotFoundError as e:
+        raise CorruptCheckpointError(f"{folder} has no {TRAINER_STATE_FILE} (fix: delete {folder})") from e
+    except ValidationError as e:
+        raise CorruptCheckpointError(f"{path} is not a valid TrainerState: {e} (fix: delete {folder})") from e
+
+
+def check_resumable(state: TrainerState, seed: int, num_prompts_per_step: int) -> None:
+    """Refuse a recipe whose prompt source would continue with other prompts than the saved run's."""
+    for field, saved, now in (("grpo.seed", state.seed, seed),
+                              ("grpo.num_prompts_per_step", state.num_prompts_per_step, num_prompts_per_step)):
+        if saved != now:
+            raise CheckpointMismatchError(
+                f"{field}={now} but the checkpoint of step {state.step} was written with {field}={saved}; the "
+                f"prompt position is a function of (seed, step, batch size), so the resumed run would dispatch "
+                f"other prompts (fix: set {field}={saved}, or start a new run without checkpointing.resume)"
+            )
+
+
+def check_prompt_position(state: TrainerState, rows_of_step: Sequence[Mapping[str, Any]]) -> None:
+    """The prompt source must give step k the batch the saved run trained on at step k."""
+    digest = batch_digest(rows_of_step)
+    if digest != state.prompt_batch_digest:
+        raise CheckpointMismatchError(
+            f"the prompt source gives step {state.step} other prompts (digest {digest[:12]}) than the run that "
+            f"wrote the checkpoint (digest {state.prompt_batch_digest[:12]}): the env: section, its dataset or "
+            "the grpo sampling keys changed (fix: resume with the recipe the checkpoint was written with)"
+        )
+
+
+def prepare_checkpointing(
+    ckpt: CheckpointingConfig, log_files: Sequence[Path], progress: Callable[[str], None] = print
+) -> ResumePoint | None:
+    """Before anything starts: clean leftovers, choose the checkpoint to resume from (or refuse)."""
+    if ckpt.checkpoint_dir is None:  # the config guarantees: neither enabled nor resuming
+        return None
+    root = Path(ckpt.checkpoint_dir)
+    removed = remove_leftovers(root)
+    if removed:
+        progress(f"[checkpoint] removed half-written checkpoints of a killed run from {root}: {removed}")
+    steps = complete_steps(scan(root))
+    if ckpt.resume is None:
+        if ckpt.enabled and steps:
+            raise CheckpointDirNotEmptyError(
+                f"checkpointing.checkpoint_dir={str(root)!r} already holds checkpoints of steps {steps}, and this run "
+                "would start from step 1 (fix: add checkpointing.resume=latest to continue that run, or use another "
+                "checkpointing.checkpoint_dir)"
+            )
+        return None
+    if not steps:
+        raise NoCheckpointError(
+            f"checkpointing.resume={ckpt.resume!r} but checkpointing.checkpoint_dir={str(root)!r} holds no complete "
+            f"checkpoint ({'the folder does not exist' if not root.exists() else 'no step_<k> folder with its marker'}) "
+            "(fix: check the folder, or drop checkpointing.resume to start a new run from step 1)"
+        )
+    folder = open_checkpoint(root, steps[-1])
+    state = read_trainer_state(folder)
+    if state.step != steps[-1]:
+        raise CorruptCheckpointError(f"{folder} holds the trainer state of step {state.step} (fix: delete {folder})")
+    for path in log_files:
+        dropped = truncate_jsonl_after(path, state.step)
+        if dropped:
+            progress(f"[checkpoint] {path}: dropped {dropped} record(s) after step {state.step} (those steps are redone)")
+    return ResumePoint(folder=folder, state=state)

@@ -1,0 +1,395 @@
+"""Our validation in front of Gym's model server (the capture gate): bad input is a named 4xx
+before Gym's code sees it, so nothing is ledgered for it and nothing reaches the worker.
+
+Gym 0.7.0's gate answers HTTP 500 for a rollout id it cannot use (spaces, overlong: its
+capture middleware raises), turns a worker 400 that mentions "context length" or "max_tokens"
+into a synthetic 200 (so a negative or huge `max_tokens` looked served), forwards bodies of any
+size, and maps every other worker error to 500. `GateGuardMiddleware` (pure ASGI, outside Gym's
+middlewares) closes those holes without touching Gym's installed code.
+
+Contract (all answers are JSON `{"error": {"message", "type", "param", "code"}}`):
+- Rollout ids, in `/ng-rollout/<id>/...` and in the manifest route, read from the raw
+  (still percent-encoded) path: Gym's charset (ASCII letters, digits, `._-`), first character a
+  letter or digit (so no `.`/`..`), at most `max_rollout_id_chars` -> else 400
+  `invalid_rollout_id`, param `rollout_id`.
+- Control routes (`/training-token-capture/control/...`): 401 `control_auth_required` without a
+  bearer credential, 403 `control_auth_invalid` with a wrong one (constant-time,
+  `request_rules.bearer_status`), checked before anything else about the request. Gym checks
+  the bearer again behind us. The token is never logged or echoed.
+- Generating POSTs (`/v1/chat/completions`, `/v1/responses`, `/v1/messages`, with or without the
+  rollout prefix): a `Content-Length` or a streamed body above `max_body_bytes` is 413
+  `request_too_large` (not read further); invalid JSON 400 `invalid_json`; a body Gym's own
+  request model rejects, or that cannot be converted to a chat request, 400 `invalid_request`
+  naming the field (Gym would have answered 422, after recording a failed call); a converted
+  chat request that breaks the worker's rules (`request_rules.check_chat_request`, with the
+  worker's `max_model_len`) 400 `invalid_request` naming the field and, for token counts, the
+  context limit. Then the original bytes are replayed to the app unchanged.
+- The context limit is read once from the worker's `GET /v1/models` (`max_model_len`), within
+  `context_probe_timeout_s`; until a worker answers, generating requests get 503
+  `upstream_unavailable` naming the URLs tried (the worker is still starting or is down).
+- Everything else (health, other methods, non-HTTP scopes) passes through untouched.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Awaitable, Callable, MutableMapping, Sequence
+from typing import Any
+from urllib.parse import unquote
+
+import aiohttp
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from nemo_rl.models.generation.vllm.request_rules import (
+    RequestFieldError,
+    bearer_status,
+    check_chat_request,
+    check_sampling_fields,
+    parse_json_body,
+    show,
+)
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+GATE_GUARD_KEY = "nrl_gate_guard"  # top-level key of Gym's global config that carries GateGuardConfig
+ROLLOUT_PREFIX = b"/ng-rollout/"
+CONTROL_PREFIX = "/training-token-capture/control/"
+MANIFEST_PREFIX = CONTROL_PREFIX + "rollouts/"
+CAPTURE_SEGMENT = "training-token-capture"
+GENERATING_ROUTES = {"/v1/chat/completions": "chat", "/v1/responses": "responses", "/v1/messages": "messages"}
+# The token-count fields of each route's own dialect (checked on the body as the client sent it).
+TOKEN_FIELDS = {"chat": ("max_tokens", "max_completion_tokens"), "responses": ("max_output_tokens",), "messages": ("max_tokens",)}
+_ID_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
+
+
+class GateGuardConfig(BaseModel):
+    """Limits of the gate's input validation (the only home of their defaults)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    max_body_bytes: int = Field(
+        default=4 * 1024 * 1024,
+        ge=1024,
+        description="Largest request body the gate reads on a generating route; larger is 413 before forwarding.",
+    )
+    max_rollout_id_chars: int = Field(
+        default=128,
+        ge=1,
+        le=200,
+        description="Longest rollout id the gate accepts (ids become ledger file names; 200 keeps them under 255 bytes).",
+    )
+    context_probe_timeout_s: float = Field(
+        default=10.0,
+        gt=0.0,
+        allow_inf_nan=False,
+        description="Deadline of one GET <worker>/v1/models that reads the worker's max_model_len.",
+    )
+
+
+class GateRequestError(Exception):
+    """An answer the guard gives instead of forwarding (status, named type, field)."""
+
+    def __init__(self, status: int, err_type: str, message: str, param: str | None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.err_type = err_type
+        self.message = message
+        self.param = param
+
+    def body(self) -> bytes:
+        error = {"message": self.message, "type": self.err_type, "param": self.param, "code": self.status}
+        return json.dumps({"error": error}).encode()
+
+
+def check_rollout_id(rollout_id: str, max_chars: int) -> None:
+    """Raise `GateRequestError` 400 `invalid_rollout_id` unless the id is usable (module contract)."""
+    rule = (
+        f"a rollout id is 1..{max_chars} ASCII letters, digits, '.', '_' or '-', starting with a letter or digit"
+    )
+    if not rollout_id:
+        raise GateRequestError(400, "invalid_rollout_id", f"the rollout id is empty; {rule}", "rollout_id")
+    if len(rollout_id) > max_chars:
+        raise GateRequestError(
+            400, "invalid_rollout_id", f"rollout id of {len(rollout_id)} characters is too long; {rule}", "rollout_id"
+        )
+    bad = sorted({c for c in rollout_id if c not in _ID_CHARS})
+    if bad or not rollout_id[0].isalnum():
+        why = f"it contains {show(''.join(bad))}" if bad else f"it starts with {show(rollout_id[0])}"
+        raise GateRequestError(400, "invalid_rollout_id", f"rollout id {show(rollout_id)} is not usable: {why}; {rule}", "rollout_id")
+
+
+def split_rollout_path(raw_path: bytes) -> tuple[str | None, str]:
+    """(rollout id or None, the route after the prefix), split on the RAW path so an encoded
+    `%2F` stays inside the id (and is then refused) instead of moving the route. The id is
+    returned decoded: that is what Gym keys its ledger by."""
+    if not raw_path.startswith(ROLLOUT_PREFIX):
+        return None, unquote(raw_path.decode("latin-1"))
+    rest = raw_path[len(ROLLOUT_PREFIX) :]
+    rollout_id, slash, route = rest.partition(b"/")
+    route_text = "/" + unquote(route.decode("latin-1")) if slash else "/"
+    if route_text.startswith("/" + CAPTURE_SEGMENT + "/"):
+        route_text = route_text[len(CAPTURE_SEGMENT) + 1 :]
+    return unquote(rollout_id.decode("latin-1"), errors="replace"), route_text
+
+
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none", "bytes"})
+
+
+def _is_union_tag(part: str) -> bool:
+    # pydantic names the union member it tried (`NeMoGym...Param`, `str`, `function-after[...]`) in `loc`;
+    # those are not fields of the request.
+    return part[:1].isupper() or part in _TYPE_TAGS or ("[" in part and part.endswith("]"))
+
+
+def loc_field(loc: Sequence[Any]) -> str:
+    """A pydantic error location as the request's JSON path (`messages[0].content`)."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif not _is_union_tag(str(part)):
+            out += f".{part}" if out else str(part)
+    return out or "body"
+
+
+def validation_error(e: ValidationError, what: str) -> GateRequestError:
+    first = e.errors()[0] if e.errors() else {"loc": (), "msg": str(e)}
+    field = loc_field(first.get("loc", ()))
+    return GateRequestError(400, "invalid_request", f"{what}: {field}: {first.get('msg')}", field)
+
+
+class WorkerContextLimit:
+    """The workers' `max_model_len`, read once from `GET <base_url>/models` (first worker that answers)."""
+
+    def __init__(self, base_urls: Sequence[str], timeout_s: float) -> None:
+        self._base_urls = [url.rstrip("/") for url in base_urls]
+        self._timeout_s = timeout_s
+        self._value: int | None = None
+        self._lock = asyncio.Lock()
+
+    async def __call__(self) -> int:
+        if self._value is not None:
+            return self._value
+        async with self._lock:
+            if self._value is None:
+                self._value = await self._probe()
+        return self._value
+
+    async def _probe(self) -> int:
+        reasons = []
+        timeout = aiohttp.ClientTimeout(total=self._timeout_s)
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            for url in self._base_urls:
+                try:
+                    async with session.get(f"{url}/models") as resp:
+                        if resp.status != 200:
+                            text = (await resp.text())[:300]
+                            reasons.append(f"{url}/models answered HTTP {resp.status}: {text}")
+                            continue
+                        payload = await resp.json()
+                except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError) as e:
+                    reasons.append(f"{url}/models: {type(e).__name__}: {e}")
+                    continue
+                value = (payload.get("data") or [{}])[0].get("max_model_len") if isinstance(payload, dict) else None
+                if not isinstance(value, int) or isinstance(value, bool) or value < 2:
+                    raise GateRequestError(
+                        502, "upstream_error", f"{url}/models names no usable max_model_len (got {show(value)})", None
+                    )
+                return value
+        raise GateRequestError(
+            503,
+            "upstream_unavailable",
+            f"no vLLM worker answered its model list within {self._timeout_s:g} s ({'; '.join(reasons)}); the workers "
+            "are still starting or are down",
+            None,
+        )
+
+
+# (route kind, request body) -> the chat request the worker will get, or None when the route's body
+# cannot be converted before Gym's own handling (a streamed Responses/Messages request).
+ToChat = Callable[[str, dict], "dict | None"]
+
+
+class GateGuardMiddleware:
+    """Pure ASGI middleware implementing the module contract."""
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        config: GateGuardConfig,
+        control_token: str,
+        to_chat: ToChat,
+        context_limit: Callable[[], Awaitable[int]],
+    ) -> None:
+        if not control_token:
+            raise ValueError("GateGuardMiddleware needs the run's control bearer token")
+        self.app = app
+        self._cfg = config
+        self._token = control_token
+        self._to_chat = to_chat
+        self._context_limit = context_limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope.get("type") != "http":
+            await self.app(scope, receive, send)
+            return
+        try:
+            replay = await self._check(scope, receive)
+        except GateRequestError as e:
+            await _answer(send, e)
+            return
+        await self.app(scope, replay or receive, send)
+
+    async def _check(self, scope: Scope, receive: Receive) -> Receive | None:
+        raw_path = scope.get("raw_path") or str(scope.get("path") or "").encode("utf-8")
+        rollout_id, route = split_rollout_path(raw_path)
+        if route.startswith(CONTROL_PREFIX):  # with or without a rollout prefix (Gym strips it first)
+            self._check_control(scope, route)
+        if rollout_id is not None:
+            check_rollout_id(rollout_id, self._cfg.max_rollout_id_chars)
+        kind = GENERATING_ROUTES.get(route)
+        if kind is None or str(scope.get("method") or "").upper() != "POST":
+            return None
+        raw, received = await self._read_body(scope, receive)
+        await self._check_body(kind, raw)
+
+        async def replay() -> Message:
+            if received:
+                return received.pop(0)
+            return await receive()
+
+        return replay
+
+    def _check_control(self, scope: Scope, route: str) -> None:
+        headers = {k.lower(): v for k, v in scope.get("headers") or []}
+        authorization = headers.get(b"authorization")
+        status = bearer_status(authorization.decode("latin-1") if authorization else None, self._token)
+        if status == 401:
+            raise GateRequestError(
+                401, "control_auth_required", "control routes need an Authorization: Bearer <control token> header",
+                "Authorization",
+            )
+        if status == 403:
+            raise GateRequestError(403, "control_auth_invalid", "the control bearer token is not this run's", "Authorization")
+        if route.startswith(MANIFEST_PREFIX):
+            rollout_id = route[len(MANIFEST_PREFIX) :].split("/", 1)[0]
+            check_rollout_id(rollout_id, self._cfg.max_rollout_id_chars)
+
+    async def _read_body(self, scope: Scope, receive: Receive) -> tuple[bytes, list[Message]]:
+        limit = self._cfg.max_body_bytes
+        too_large = GateRequestError(
+            413,
+            "request_too_large",
+            f"request body exceeds the gate's limit of {limit} bytes (nrl_gate_guard.max_body_bytes); "
+            "nothing was forwarded",
+            "body",
+        )
+        for key, value in scope.get("headers") or []:
+            if key.lower() == b"content-length" and value.strip().isdigit() and int(value) > limit:
+                raise too_large
+        received: list[Message] = []
+        size = 0
+        while True:
+            message = await receive()
+            received.append(message)
+            if message.get("type") != "http.request":
+                break  # a disconnect: replayed as it came, the app handles it
+            size += len(message.get("body", b"") or b"")
+            if size > limit:
+                raise too_large
+            if not message.get("more_body", False):
+                break
+        raw = b"".join(m.get("body", b"") or b"" for m in received if m.get("type") == "http.request")
+        return raw, received
+
+    async def _check_body(self, kind: str, raw: bytes) -> None:
+        try:
+            body = parse_json_body(raw)
+        except RequestFieldError as e:
+            raise GateRequestError(400, "invalid_json", e.message, e.field) from e
+        if not isinstance(body, dict):
+            raise GateRequestError(400, "invalid_request", f"request body must be a JSON object, got {show(body)}", "body")
+        max_model_len = await self._context_limit()
+        try:
+            # The client's own dialect first (precise field names), then Gym's model and conversion.
+            if kind == "chat":
+                check_chat_request(body, max_model_len=max_model_len)
+            else:
+                check_sampling_fields(body, TOKEN_FIELDS[kind], max_model_len)
+        except RequestFieldError as e:
+            raise GateRequestError(400, "invalid_request", e.message, e.field) from e
+        try:
+            chat = self._to_chat(kind, body)
+        except ValidationError as e:
+            raise validation_error(e, f"the {kind} request does not match Gym's request model") from e
+        except (ValueError, TypeError, KeyError, NotImplementedError) as e:  # how Gym's converters refuse input
+            raise GateRequestError(
+                400,
+                "invalid_request",
+                f"the {kind} request cannot be converted to a chat request: {type(e).__name__}: {e}",
+                "body",
+            ) from e
+        if chat is None:
+            return
+        try:
+            check_chat_request(chat, max_model_len=max_model_len)
+        except RequestFieldError as e:
+            raise GateRequestError(400, "invalid_request", e.message, e.field) from e
+
+
+class BodyLimitMiddleware:
+    """Pure ASGI: any HTTP request whose body exceeds `max_body_bytes` (by `Content-Length`, or as it
+    streams in) is answered 413 `request_too_large` without reaching the app; smaller bodies are
+    replayed unchanged. For servers without the gate's route rules (our resources server)."""
+
+    def __init__(self, app: ASGIApp, *, max_body_bytes: int, knob: str) -> None:
+        self.app = app
+        self._limit = max_body_bytes
+        self._knob = knob
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope.get("type") != "http":
+            await self.app(scope, receive, send)
+            return
+        error = GateRequestError(
+            413, "request_too_large", f"request body exceeds {self._limit} bytes ({self._knob})", "body"
+        )
+        for key, value in scope.get("headers") or []:
+            if key.lower() == b"content-length" and value.strip().isdigit() and int(value) > self._limit:
+                await _answer(send, error)
+                return
+        received: list[Message] = []
+        size = 0
+        while True:
+            message = await receive()
+            received.append(message)
+            if message.get("type") != "http.request":
+                break
+            size += len(message.get("body", b"") or b"")
+            if size > self._limit:
+                await _answer(send, error)
+                return
+            if not message.get("more_body", False):
+                break
+
+        async def replay() -> Message:
+            if received:
+                return received.pop(0)
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+
+async def _answer(send: Send, error: GateRequestError) -> None:
+    body = error.body()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode("ascii"))]
+    if error.status == 401:
+        headers.append((b"www-authenticate", b"Bearer"))
+    await send({"type": "http.response.start", "status": error.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body, "more_body": False})

@@ -1,0 +1,269 @@
+"""What a chat request must look like before anything is generated, staged or ledgered (pure).
+
+One set of rules for every HTTP surface that takes a chat request: the vLLM worker's OpenAI
+endpoint (`serving.ChatService`) and our capture gate in front of Gym's model server
+(`nemo_rl.environments.gate_guard`), so a request the worker would refuse is refused at the gate
+before Gym's capture middleware records anything for it.
+
+Contract:
+- `parse_json_body(raw)` is strict JSON: invalid UTF-8, invalid JSON, `NaN` / `Infinity` and
+  nesting deeper than the parser allows are `RequestFieldError(field="body")`.
+- `check_chat_request(body, max_model_len=L)` raises `RequestFieldError(field, message)` for the
+  first field the body gets wrong, and returns None otherwise. `field` is the JSON path
+  (`messages[2].content[0].text`, `max_tokens`); the message names the value (cut to
+  `_MAX_VALUE_CHARS`) and the fix. Rules:
+  - `messages`: a non-empty list of objects whose `role` is system/developer/user/assistant/tool;
+    `content` is null, a string or a list of text parts (`{"type": "text"|"input_text"|
+    "output_text", "text": str}`; other part types are refused, never silently dropped); `name`
+    and `tool_call_id` are strings; an assistant's `tool_calls` is a list of
+    `{"function": {"name": str, "arguments": str|object}}` (`id` a string, `type` "function").
+  - `tools`: null or a list of `{"type": "function", "function": {"name": non-empty str,
+    "parameters": object, "description": str}}` (the last two optional).
+  - `max_tokens` / `max_completion_tokens`: null or an integer in 1..L-1 (a prompt takes at
+    least one token of the L-token context); the message names the field and L.
+  - `temperature`: a finite number >= 0; `top_p`: a number in (0, 1]; `seed`: an int64;
+    `n`: 1; `stream`: false; `logprobs` / `return_token_ids`: booleans; `top_logprobs`: an
+    integer >= 0; `model`: a string; `required_prefix_token_ids`: a list of integers >= 0.
+    null is accepted wherever a field is optional (OpenAI clients send explicit nulls).
+  - Unknown keys are left to the caller (the worker ignores them; the gate also applies Gym's
+    own request model, which forbids them).
+- `check_sampling_fields(body, token_fields, max_model_len)` applies the numeric rules alone, for
+  the Responses (`max_output_tokens`) and Messages (`max_tokens`) routes of the gate.
+- JSON booleans are never numbers here (`True` is not `max_tokens=1`).
+- `bearer_status(authorization, token)` authorizes control routes: None (allowed), 401 (no
+  bearer credential) or 403 (a wrong one), compared in constant time.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import math
+from collections.abc import Sequence
+from typing import Any
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+TEXT_PART_TYPES = ("text", "input_text", "output_text")
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+_MAX_VALUE_CHARS = 80
+
+
+class RequestFieldError(ValueError):
+    """A request field is missing, of the wrong type or out of range (HTTP 400 naming `field`)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+        self.message = message
+
+
+def show(value: Any) -> str:
+    """A bounded JSON rendering of a caller's value for error messages."""
+    try:
+        text = json.dumps(value, ensure_ascii=False)
+    except (TypeError, ValueError, RecursionError):  # not JSON data (only from Python callers)
+        text = repr(value)
+    return text if len(text) <= _MAX_VALUE_CHARS else text[:_MAX_VALUE_CHARS] + f"...<{len(text)} chars>"
+
+
+def _type_name(value: Any) -> str:
+    return "null" if value is None else type(value).__name__
+
+
+def _reject_constant(name: str) -> Any:
+    raise RequestFieldError("body", f"request body contains {name}, which is not JSON (fix: send finite numbers)")
+
+
+def parse_json_body(raw: bytes) -> Any:
+    """Strict JSON of a request body (see the module contract)."""
+    try:
+        return json.loads(raw, parse_constant=_reject_constant)
+    except RecursionError as e:
+        raise RequestFieldError("body", "request body nests JSON too deeply to parse") from e
+    except UnicodeDecodeError as e:
+        raise RequestFieldError("body", f"request body is not UTF-8 text: {e}") from e
+    except json.JSONDecodeError as e:
+        raise RequestFieldError("body", f"request body is not JSON: {e}") from e
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def check_token_count(body: dict, field: str, max_model_len: int) -> None:
+    """`body[field]` is null/absent or an integer in 1..max_model_len-1."""
+    value = body.get(field)
+    if value is None:
+        return
+    if not _is_int(value):
+        raise RequestFieldError(field, f"{field} must be an integer, got {_type_name(value)} {show(value)}")
+    if value < 1:
+        raise RequestFieldError(field, f"{field}={value} must be at least 1 (fix: ask for 1 or more tokens)")
+    if value >= max_model_len:
+        raise RequestFieldError(
+            field,
+            f"{field}={show(value)} does not fit this model's context: max_model_len={max_model_len} tokens for "
+            f"prompt and completion together, so {field} must be at most {max_model_len - 1} (fix: lower {field})",
+        )
+
+
+def _check_optional(body: dict, field: str, ok: bool, expected: str) -> None:
+    if not ok:
+        value = body[field]
+        raise RequestFieldError(field, f"{field} must be {expected}, got {_type_name(value)} {show(value)}")
+
+
+def check_sampling_fields(body: dict, token_fields: Sequence[str], max_model_len: int) -> None:
+    """The numeric sampling rules of the module contract (token counts, temperature, top_p, seed)."""
+    for field in token_fields:
+        check_token_count(body, field, max_model_len)
+    temperature = body.get("temperature")
+    if temperature is not None:
+        _check_optional(
+            body, "temperature", _is_number(temperature) and math.isfinite(temperature) and temperature >= 0,
+            "a finite number >= 0",
+        )
+    top_p = body.get("top_p")
+    if top_p is not None:
+        _check_optional(body, "top_p", _is_number(top_p) and 0 < top_p <= 1, "a number in (0, 1]")
+    seed = body.get("seed")
+    if seed is not None:
+        _check_optional(body, "seed", _is_int(seed) and INT64_MIN <= seed <= INT64_MAX, "a 64-bit integer")
+
+
+def _check_text_parts(content: list, where: str) -> None:
+    for j, part in enumerate(content):
+        at = f"{where}[{j}]"
+        if not isinstance(part, dict):
+            raise RequestFieldError(at, f"{at} must be an object, got {_type_name(part)} {show(part)}")
+        kind = part.get("type")
+        if kind not in TEXT_PART_TYPES:
+            raise RequestFieldError(
+                f"{at}.type",
+                f"{at}.type={show(kind)} is not supported: this model serves text parts only "
+                f"({', '.join(TEXT_PART_TYPES)})",
+            )
+        if not isinstance(part.get("text"), str):
+            raise RequestFieldError(f"{at}.text", f"{at}.text must be a string, got {_type_name(part.get('text'))}")
+
+
+def _check_tool_calls(calls: Any, where: str) -> None:
+    if not isinstance(calls, list):
+        raise RequestFieldError(where, f"{where} must be a list, got {_type_name(calls)} {show(calls)}")
+    for j, call in enumerate(calls):
+        at = f"{where}[{j}]"
+        if not isinstance(call, dict):
+            raise RequestFieldError(at, f"{at} must be an object, got {_type_name(call)} {show(call)}")
+        if call.get("id") is not None and not isinstance(call["id"], str):
+            raise RequestFieldError(f"{at}.id", f"{at}.id must be a string, got {_type_name(call['id'])}")
+        if call.get("type") not in (None, "function"):
+            raise RequestFieldError(f"{at}.type", f"{at}.type must be 'function', got {show(call.get('type'))}")
+        function = call.get("function")
+        if not isinstance(function, dict):
+            raise RequestFieldError(f"{at}.function", f"{at}.function must be an object, got {_type_name(function)}")
+        if not isinstance(function.get("name"), str) or not function["name"]:
+            raise RequestFieldError(f"{at}.function.name", f"{at}.function.name must be a non-empty string")
+        if not isinstance(function.get("arguments"), (str, dict)):
+            raise RequestFieldError(
+                f"{at}.function.arguments",
+                f"{at}.function.arguments must be a JSON string or an object, got {_type_name(function.get('arguments'))}",
+            )
+
+
+def check_messages(messages: Any) -> None:
+    if not isinstance(messages, list) or not messages:
+        raise RequestFieldError(
+            "messages", f"messages must be a non-empty list of messages, got {_type_name(messages)} {show(messages)}"
+        )
+    for i, message in enumerate(messages):
+        at = f"messages[{i}]"
+        if not isinstance(message, dict):
+            raise RequestFieldError(at, f"{at} must be an object, got {_type_name(message)} {show(message)}")
+        role = message.get("role")
+        if role not in ROLES:
+            raise RequestFieldError(f"{at}.role", f"{at}.role={show(role)} must be one of {', '.join(ROLES)}")
+        content = message.get("content")
+        if isinstance(content, list):
+            _check_text_parts(content, f"{at}.content")
+        elif content is not None and not isinstance(content, str):
+            raise RequestFieldError(
+                f"{at}.content", f"{at}.content must be a string, a list of text parts or null, got {_type_name(content)}"
+            )
+        for key in ("name", "tool_call_id"):
+            if message.get(key) is not None and not isinstance(message[key], str):
+                raise RequestFieldError(f"{at}.{key}", f"{at}.{key} must be a string, got {_type_name(message[key])}")
+        if message.get("tool_calls") is not None:
+            if role != "assistant":
+                raise RequestFieldError(f"{at}.tool_calls", f"{at}.tool_calls is only allowed on assistant messages")
+            _check_tool_calls(message["tool_calls"], f"{at}.tool_calls")
+
+
+def check_tools(tools: Any) -> None:
+    if tools is None:
+        return
+    if not isinstance(tools, list):
+        raise RequestFieldError("tools", f"tools must be a list, got {_type_name(tools)} {show(tools)}")
+    for i, tool in enumerate(tools):
+        at = f"tools[{i}]"
+        if not isinstance(tool, dict):
+            raise RequestFieldError(at, f"{at} must be an object, got {_type_name(tool)} {show(tool)}")
+        if tool.get("type") not in (None, "function"):
+            raise RequestFieldError(f"{at}.type", f"{at}.type must be 'function', got {show(tool.get('type'))}")
+        function = tool.get("function")
+        if not isinstance(function, dict):
+            raise RequestFieldError(f"{at}.function", f"{at}.function must be an object, got {_type_name(function)}")
+        if not isinstance(function.get("name"), str) or not function["name"]:
+            raise RequestFieldError(f"{at}.function.name", f"{at}.function.name must be a non-empty string")
+        if function.get("parameters") is not None and not isinstance(function["parameters"], dict):
+            raise RequestFieldError(f"{at}.function.parameters", f"{at}.function.parameters must be an object")
+        if function.get("description") is not None and not isinstance(function["description"], str):
+            raise RequestFieldError(f"{at}.function.description", f"{at}.function.description must be a string")
+
+
+def check_chat_request(body: Any, *, max_model_len: int) -> None:
+    """Raise `RequestFieldError` for the first field `body` gets wrong (see the module contract)."""
+    if not isinstance(body, dict):
+        raise RequestFieldError("body", f"request body must be a JSON object, got {_type_name(body)}")
+    if body.get("stream") not in (None, False):
+        raise RequestFieldError(
+            "stream", f"stream={show(body['stream'])} is not supported: token custody needs complete responses"
+        )
+    if body.get("n") not in (None, 1) or isinstance(body.get("n"), bool):
+        raise RequestFieldError("n", f"n={show(body['n'])} is not supported: n must be 1 (custody is per single choice)")
+    check_messages(body.get("messages"))
+    check_tools(body.get("tools"))
+    check_sampling_fields(body, ("max_tokens", "max_completion_tokens"), max_model_len)
+    for field in ("logprobs", "return_token_ids"):
+        if body.get(field) is not None:
+            _check_optional(body, field, isinstance(body[field], bool), "a boolean")
+    if body.get("top_logprobs") is not None:
+        _check_optional(body, "top_logprobs", _is_int(body["top_logprobs"]) and body["top_logprobs"] >= 0, "an integer >= 0")
+    if body.get("model") is not None:
+        _check_optional(body, "model", isinstance(body["model"], str), "a string")
+    prefix = body.get("required_prefix_token_ids")
+    if prefix is not None:
+        _check_optional(
+            body,
+            "required_prefix_token_ids",
+            isinstance(prefix, list) and all(_is_int(t) and t >= 0 for t in prefix),
+            "a list of token ids (integers >= 0)",
+        )
+
+
+def bearer_status(authorization: str | None, token: str) -> int | None:
+    """Authorize a control request: None when `authorization` is `Bearer <token>`, 401 when no bearer
+    credential is presented, 403 when a wrong one is. The comparison is constant-time
+    (`hmac.compare_digest` over UTF-8 bytes); neither token appears in any message."""
+    if not token:
+        raise ValueError("a control route needs a non-empty bearer token")
+    if not authorization:
+        return 401
+    scheme, _, credential = authorization.strip().partition(" ")
+    if scheme.lower() != "bearer" or not credential.strip():
+        return 401
+    presented = credential.strip().encode("utf-8", errors="replace")
+    return None if hmac.compare_digest(presented, token.encode("utf-8")) else 403

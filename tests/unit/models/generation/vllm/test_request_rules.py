@@ -1,0 +1,165 @@
+"""The chat-request rules shared by the worker and the gate: each bad field is named, exactly."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from nemo_rl.models.generation.vllm.request_rules import (
+    RequestFieldError,
+    bearer_status,
+    check_chat_request,
+    parse_json_body,
+)
+
+L = 2048
+USER = {"role": "user", "content": "What is 2 + 2?"}
+GOOD = {"model": "tiny", "messages": [USER], "max_tokens": 16}
+TOOL = {"type": "function", "function": {"name": "calculator", "parameters": {"type": "object"}}}
+CALL = {"id": "call_1", "type": "function", "function": {"name": "calculator", "arguments": "{\"expression\": \"2+2\"}"}}
+
+
+def _field(body: object) -> tuple[str, str]:
+    with pytest.raises(RequestFieldError) as e:
+        check_chat_request(body, max_model_len=L)
+    return e.value.field, e.value.message
+
+
+def test_a_good_request_passes_with_tools_calls_parts_and_nulls() -> None:
+    check_chat_request(GOOD, max_model_len=L)
+    check_chat_request(
+        {
+            "messages": [
+                {"role": "developer", "content": [{"type": "text", "text": "be brief"}]},
+                USER,
+                {"role": "assistant", "content": None, "tool_calls": [CALL], "refusal": None},
+                {"role": "tool", "tool_call_id": "call_1", "content": "4"},
+            ],
+            "tools": [TOOL],
+            "max_tokens": None,
+            "temperature": 0,
+            "top_p": 1,
+            "seed": 2**63 - 1,
+            "n": 1,
+            "stream": False,
+            "logprobs": True,
+            "return_token_ids": True,
+            "top_logprobs": 0,
+            "required_prefix_token_ids": [],
+        },
+        max_model_len=L,
+    )
+
+
+@pytest.mark.parametrize(
+    ("body", "field", "message"),
+    [
+        ([1, 2], "body", "request body must be a JSON object, got list"),
+        ({}, "messages", "messages must be a non-empty list of messages, got null null"),
+        ({"messages": []}, "messages", "messages must be a non-empty list of messages, got list []"),
+        ({"messages": "hi"}, "messages", 'messages must be a non-empty list of messages, got str "hi"'),
+        ({"messages": [3]}, "messages[0]", "messages[0] must be an object, got int 3"),
+        ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role",
+         'messages[0].role="robot" must be one of system, developer, user, assistant, tool'),
+        ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content",
+         "messages[0].content must be a string, a list of text parts or null, got int"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+         "messages[0].content[0].type",
+         'messages[0].content[0].type="image_url" is not supported: this model serves text parts only '
+         "(text, input_text, output_text)"),
+        ({"messages": [{"role": "user", "content": [{"type": "text", "text": 1}]}]}, "messages[0].content[0].text",
+         "messages[0].content[0].text must be a string, got int"),
+        ({"messages": [{"role": "user", "content": "x", "name": 5}]}, "messages[0].name",
+         "messages[0].name must be a string, got int"),
+        ({"messages": [{"role": "user", "content": "x", "tool_calls": [CALL]}]}, "messages[0].tool_calls",
+         "messages[0].tool_calls is only allowed on assistant messages"),
+        ({"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": ""}}]}]},
+         "messages[0].tool_calls[0].function.name", "messages[0].tool_calls[0].function.name must be a non-empty string"),
+        ({"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": 3}}]}]},
+         "messages[0].tool_calls[0].function.arguments",
+         "messages[0].tool_calls[0].function.arguments must be a JSON string or an object, got int"),
+        ({**GOOD, "tools": {"a": 1}}, "tools", 'tools must be a list, got dict {"a": 1}'),
+        ({**GOOD, "tools": [{"type": "function", "function": {"name": 7}}]}, "tools[0].function.name",
+         "tools[0].function.name must be a non-empty string"),
+        ({**GOOD, "stream": True}, "stream",
+         "stream=true is not supported: token custody needs complete responses"),
+        ({**GOOD, "n": 2}, "n", "n=2 is not supported: n must be 1 (custody is per single choice)"),
+        ({**GOOD, "n": True}, "n", "n=true is not supported: n must be 1 (custody is per single choice)"),
+        ({**GOOD, "max_tokens": -5}, "max_tokens", "max_tokens=-5 must be at least 1 (fix: ask for 1 or more tokens)"),
+        ({**GOOD, "max_tokens": 0}, "max_tokens", "max_tokens=0 must be at least 1 (fix: ask for 1 or more tokens)"),
+        ({**GOOD, "max_tokens": True}, "max_tokens", "max_tokens must be an integer, got bool true"),
+        ({**GOOD, "max_tokens": "16"}, "max_tokens", 'max_tokens must be an integer, got str "16"'),
+        ({**GOOD, "max_tokens": 10**9}, "max_tokens",
+         "max_tokens=1000000000 does not fit this model's context: max_model_len=2048 tokens for prompt and "
+         "completion together, so max_tokens must be at most 2047 (fix: lower max_tokens)"),
+        ({**GOOD, "max_tokens": None, "max_completion_tokens": 2048}, "max_completion_tokens",
+         "max_completion_tokens=2048 does not fit this model's context: max_model_len=2048 tokens for prompt and "
+         "completion together, so max_completion_tokens must be at most 2047 (fix: lower max_completion_tokens)"),
+        ({**GOOD, "temperature": -1}, "temperature", "temperature must be a finite number >= 0, got int -1"),
+        ({**GOOD, "temperature": "hot"}, "temperature", 'temperature must be a finite number >= 0, got str "hot"'),
+        ({**GOOD, "top_p": 0}, "top_p", "top_p must be a number in (0, 1], got int 0"),
+        ({**GOOD, "top_p": 1.5}, "top_p", "top_p must be a number in (0, 1], got float 1.5"),
+        ({**GOOD, "seed": 2**64}, "seed", "seed must be a 64-bit integer, got int 18446744073709551616"),
+        ({**GOOD, "logprobs": "yes"}, "logprobs", 'logprobs must be a boolean, got str "yes"'),
+        ({**GOOD, "top_logprobs": -1}, "top_logprobs", "top_logprobs must be an integer >= 0, got int -1"),
+        ({**GOOD, "model": 1}, "model", "model must be a string, got int 1"),
+        ({**GOOD, "required_prefix_token_ids": [1, -2]}, "required_prefix_token_ids",
+         "required_prefix_token_ids must be a list of token ids (integers >= 0), got list [1, -2]"),
+    ],
+)
+def test_each_bad_field_is_named_with_its_value_and_fix(body: object, field: str, message: str) -> None:
+    assert _field(body) == (field, message)
+
+
+def test_long_values_are_cut_in_messages() -> None:
+    field, message = _field({"messages": "x" * 5000})
+    assert field == "messages" and message.endswith("...<5002 chars>") and len(message) < 200
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        (b"{not json", "request body is not JSON: Expecting property name enclosed in double quotes: line 1 column 2 (char 1)"),
+        (b'{"temperature": NaN}', "request body contains NaN, which is not JSON (fix: send finite numbers)"),
+        (b'{"top_p": -Infinity}', "request body contains -Infinity, which is not JSON (fix: send finite numbers)"),
+        (b"\xff\xfe\xfa", "request body is not UTF-8 text"),
+        (b"[" * 100_000 + b"]" * 100_000, "request body nests JSON too deeply to parse"),
+    ],
+)
+def test_bodies_are_strict_json(raw: bytes, message: str) -> None:
+    with pytest.raises(RequestFieldError) as e:
+        parse_json_body(raw)
+    assert e.value.field == "body" and e.value.message.startswith(message)
+
+
+def test_control_bearer_is_401_without_403_wrong_and_none_when_right() -> None:
+    token = "s3cret-token"
+    assert [bearer_status(h, token) for h in (None, "", "Bearer", "Bearer  ", "Basic s3cret-token", "s3cret-token")] == [401] * 6
+    assert [bearer_status(h, token) for h in ("Bearer nope", "Bearer s3cret-token2", "Bearer s3crét")] == [403] * 3
+    assert [bearer_status(h, token) for h in ("Bearer s3cret-token", "bearer s3cret-token", " Bearer s3cret-token ")] == [None] * 3
+    with pytest.raises(ValueError, match="non-empty bearer token"):
+        bearer_status("Bearer x", "")
+
+
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=20),
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4),
+    max_leaves=20,
+)
+FIELDS = ["messages", "tools", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "n", "stream",
+          "logprobs", "return_token_ids", "top_logprobs", "model", "required_prefix_token_ids"]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.dictionaries(st.sampled_from(FIELDS), JSON, max_size=6))
+def test_any_json_either_passes_or_names_a_field_it_contains(extra: dict) -> None:
+    body = {**GOOD, **extra}
+    try:
+        check_chat_request(body, max_model_len=L)
+    except RequestFieldError as e:
+        top = e.field.split("[")[0].split(".")[0]
+        assert top in body or top == "messages"  # a missing messages is named too
+        assert e.message and json.dumps({"param": e.field, "message": e.message})
