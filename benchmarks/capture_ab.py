@@ -1,7 +1,10 @@
 """What capture costs and what it buys: the same recipe with token capture on and off, side by side.
 
     uv run python benchmarks/capture_ab.py --out DIR [--steps N] [--group-size N] [--repeats N]
-        [--turns 2,8,32,64] [--config YAML] [--skip-ab] [--skip-synthetic] [key=value ...]
+        [--turns 2,8,32,64] [--finalizers N] [--config YAML] [--arm-timeout-s S]
+        [--skip-ab] [--skip-synthetic] [--summarize-only] [key=value ...]
+
+Defaults (3 steps, the first a warm-up; group size 4; 2 repeats) take ~8 minutes on 2 cores.
 
 Two parts, each in child processes of this one (this process only orchestrates, samples memory
 and summarises):
@@ -28,10 +31,15 @@ and summarises):
    the `FinalizerPool` over TQ. The tiny model stops after ~2 calls per rollout, so scaling with
    turns (2, 8, 32, 64 calls of `SYN_TAIL + SYN_GEN` tokens each) and finalizer throughput (rows
    of 1k, 4k, 16k tokens) are measured here, plus retention time as the partition fills.
+   `finalize_time_per_token_growth` uses the judge's own time per token (verify + linearize in
+   one process, no fetch and no Ray call): the fixed per-rollout costs of a fetch and an actor
+   call would otherwise make any rollout look cheaper per token the longer it is.
 
 Outputs: `DIR/results.json` (every figure; the top-level numeric keys `TOP_LEVEL_KEYS`),
 `DIR/report.md` (tables) and PNG plots; per arm `DIR/arms/<mode>_r<k>/` (metrics.jsonl, the
-wire files, the child's log). Progress goes to stderr. Nothing is asserted with a timer: the
+wire files, the child's log, `run.json` with its wall time and RSS), and `DIR/synthetic/`.
+`--summarize-only` rebuilds the three outputs from those folders without running anything
+(pass the options of the run that wrote them). Progress goes to stderr. Nothing is asserted with a timer: the
 issue's targets are printed beside the figures. Not part of the unit lane (the pure summary
 functions are: tests/unit/benchmarks/test_capture_ab.py).
 
@@ -40,11 +48,16 @@ Contract of the pure part:
 - `ratio(a, b)` = a / b, a `BenchError` when b is 0 (a ratio to nothing is no figure).
 - `percentile(values, q)`: nearest rank, the smallest value with at least q% of values <= it.
 - `growth(by_turns)`: value at the largest turn count / value at the smallest (1.0 = flat).
-- `step_phases(lines, skip_steps)`: per phase key of `PHASES`, the per-step values of
-  metrics.jsonl lines, leaving out the first `skip_steps` logged steps (warm-up).
+- `metrics_records(lines)`: metrics.jsonl records in step order (a repeated step is an error).
+- `step_phases(records, skip_steps)`: per phase key of `PHASES`, the per-step values, leaving
+  out the first `skip_steps` logged steps (warm-up).
 - `http_links(files, gate_role)`: body bytes per link (`LINKS`) from the wire files of one arm.
+- `route_times_ms(files, gate_role)`: mean server-side ms per request of each `ROUTE_TIMES` route.
 - `call_costs(samples)`: capture's added time per worker chat call (`begin_call_s` +
-  `prefix_fetch_s` + `commit_s`) against the rest of the call (`total_s` - added), p50/p99.
+  `prefix_fetch_s` + `commit_s`) against the rest of the call (`total_s` - added), p50/p99;
+  each part's own p50/p99 is over the calls that report it (prefix fetches: token-in calls).
+- `summarize_ab(arms)` / `top_level(ab, synthetic)`: spreads over repeats, capture/legacy ratios
+  of the medians, and the `TOP_LEVEL_KEYS` (None for a part that was skipped).
 """
 
 from __future__ import annotations
@@ -76,6 +89,11 @@ LINKS = ("agent_gate", "gate_worker", "driver_agent", "driver_gate_control", "ag
 HEADLINE_LINKS = ("agent_gate", "gate_worker")
 CALL_COST_PARTS = ("begin_call_s", "prefix_fetch_s", "commit_s", "stage_s")
 ADDED_PARTS = ("begin_call_s", "prefix_fetch_s", "commit_s")  # stage_s is inside commit_s
+# results.json top level: step_s median capture/legacy; headline HTTP bytes per trained token
+# capture/legacy; added worker time per call / the rest of the call, p50 (capture arms);
+# token_mult_prob_error per path; capture rows whose ids differ from their re-tokenized text;
+# finalizer rows/s per actor at HEADLINE_ROW_SIZE tokens; ledger bytes per call and judge time per
+# token at the largest turn count over the smallest.
 TOP_LEVEL_KEYS = (
     "step_time_ratio",
     "http_bytes_per_trained_token_ratio",
@@ -214,7 +232,8 @@ def route_times_ms(files: Sequence[Mapping[str, Any]], gate_role: str = GATE_ROL
     """Mean server-side handling time per request (ms) of each `<server>:<route>` in `ROUTE_TIMES`."""
     totals: dict[str, list[float]] = {}
     for wire in files:
-        server = {WORKER_ROLE: "worker", gate_role: "gate"}.get(wire["role"], "agent" if "run" in wire["http"] else "resources")
+        fallback = "agent" if "run" in wire["http"] else "resources"
+        server = {WORKER_ROLE: "worker", gate_role: "gate"}.get(wire["role"], fallback)
         for route, entry in wire["http"].items():
             name = f"{server}:{route}"
             if name in ROUTE_TIMES:
@@ -247,15 +266,12 @@ def call_costs(samples: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         "rest_ms_p50": 1000.0 * percentile(rest, 50),
     }
     for part in CALL_COST_PARTS:
-        values = [float(s.get(part, 0.0)) for s in ok]
+        # Over the calls that have the part (a prefix fetch happens on token-in calls only); 0 when none.
+        values = [float(s[part]) for s in ok if part in s] or [0.0]
         out[f"{part[:-2]}_ms_p50"] = 1000.0 * percentile(values, 50)
         out[f"{part[:-2]}_ms_p99"] = 1000.0 * percentile(values, 99)
+        out[f"{part[:-2]}_calls"] = sum(part in s for s in ok)
     return out
-
-
-def per_repeat_spread(per_arm: Sequence[float]) -> dict[str, float]:
-    """Median/min/max over repeats of one per-arm figure (each already a median over its steps)."""
-    return spread(per_arm)
 
 
 # --- the A/B arms ---------------------------------------------------------------------------------
@@ -334,6 +350,7 @@ def _run_child(argv: list[str], log_path: Path, env: Mapping[str, str], timeout_
     """
     log_path.parent.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
+    load_before = [round(x, 2) for x in os.getloadavg()]
     with log_path.open("w") as log:
         proc = subprocess.Popen(
             [sys.executable, str(Path(__file__).resolve()), *argv], cwd=REPO_ROOT, env=dict(env),
@@ -373,13 +390,18 @@ def _run_child(argv: list[str], log_path: Path, env: Mapping[str, str], timeout_
             sampler.stop()
     if code != 0:
         raise BenchError(f"{tag} exited with status {code}; see {log_path}")
-    return {
+    run = {
         "wall_s": time.monotonic() - started,
+        "load_before": load_before,
+        "load_after": [round(x, 2) for x in os.getloadavg()],
         "first_step_s": first_step_s,
         "rss_peak_mib": sampler.peak,
         "rss_at_mark_mib": sampler.at_mark or {},
         "rss_peak_after_mark_mib": sampler.peak_after_mark,
     }
+    # Kept beside the child's outputs, so --summarize-only can rebuild the summary without rerunning.
+    (log_path.parent / "run.json").write_text(json.dumps(run, indent=1))
+    return run
 
 
 def _load_json(path: Path) -> Any:
@@ -460,6 +482,7 @@ def arm_main(args: argparse.Namespace) -> int:
         batches.append(step_batch.batch)
         return step_batch
 
+    # run_grpo looks build_train_batch up in its module on every step, so this sees each step's batch.
     sc.build_train_batch = observing
     asyncio.run(sc.run_grpo(cfg, progress=lambda m: print(m, file=sys.stderr, flush=True)))
 
@@ -531,7 +554,8 @@ async def _stage_rollout(sink: _TimedSink, ledger: Any, ledger_dir: Path, rollou
         else:
             admission = CaptureAdmission(
                 rollout_id=rollout_id, model_call_id=call_id, parent_call_id=parent.model_call_id,
-                prev_len=parent.cum_len, mode="token_in", staging_chain=list(chain), parent_chain_hash=parent.chain_hash,
+                prev_len=parent.cum_len, mode="token_in", staging_chain=list(chain),
+                parent_chain_hash=parent.chain_hash,
             )
         prompt = sequence + [rng.randrange(3, 1000) for _ in range(tail_len)]
         generated = [rng.randrange(3, 1000) for _ in range(gen_len)]
@@ -604,7 +628,9 @@ def _judge_in_process(source: Any, items: Sequence[Any], cfg: Any) -> list[tuple
     return times
 
 
-async def _finalize(pool: Any, staged: Sequence[dict[str, Any]], rollout_ids: Sequence[str]) -> tuple[float, list[float]]:
+async def _finalize(
+    pool: Any, staged: Sequence[dict[str, Any]], rollout_ids: Sequence[str]
+) -> tuple[float, list[float]]:
     """Finalize staged rollouts as one group through the pool; (wall seconds, queue waits ms). All must verify."""
     from nemo_rl.token_capture.rows import KeptRollout
 
@@ -654,7 +680,8 @@ async def _synthetic(out: Path, turns: Sequence[int], num_finalizers: int) -> di
         scaling: dict[str, Any] = {}
         for t in turns:
             ids = [f"turns{t}-r{i}" for i in range(SYN_ROLLOUTS_PER_TURNS)]
-            staged = [await _stage_rollout(sink, ledger, ledger_dir, rid, [(SYN_TAIL, SYN_GEN)] * t, rng) for rid in ids]
+            calls_of = [(SYN_TAIL, SYN_GEN)] * t
+            staged = [await _stage_rollout(sink, ledger, ledger_dir, rid, calls_of, rng) for rid in ids]
             wall, waits = await _finalize(pool, staged, ids)
             in_process = _judge_in_process(source, _evidence(staged, ids), capture_cfg)
             calls = [c for s in staged for c in s["per_call"]]
@@ -691,7 +718,8 @@ async def _synthetic(out: Path, turns: Sequence[int], num_finalizers: int) -> di
             n = ROWS_PER_SIZE[size]
             ids = [f"rows{size}-r{i}" for i in range(n)]
             quarter = size // 4
-            staged = [await _stage_rollout(sink, ledger, ledger_dir, rid, [(quarter, quarter), (quarter, quarter)], rng) for rid in ids]
+            two_calls = [(quarter, quarter), (quarter, quarter)]
+            staged = [await _stage_rollout(sink, ledger, ledger_dir, rid, two_calls, rng) for rid in ids]
             wall, waits = await _finalize(pool, staged, ids)
             throughput[str(size)] = {
                 "rows": n,
@@ -875,7 +903,8 @@ def write_report(path: Path, results: Mapping[str, Any]) -> None:
             f"| added (ms) | {_fmt(cc['added_ms_p50'])} | {_fmt(cc['added_ms_p99'])} |",
             f"| fraction of the call | {_fmt(cc['fraction_p50'])} | {_fmt(cc['fraction_p99'])} |",
             f"| begin_call x2 (ms) | {_fmt(cc['begin_call_ms_p50'])} | {_fmt(cc['begin_call_ms_p99'])} |",
-            f"| prefix fetch (ms) | {_fmt(cc['prefix_fetch_ms_p50'])} | {_fmt(cc['prefix_fetch_ms_p99'])} |",
+            f"| prefix fetch, token-in calls (ms) | {_fmt(cc['prefix_fetch_ms_p50'])} | "
+            f"{_fmt(cc['prefix_fetch_ms_p99'])} |",
             f"| commit incl. stage (ms) | {_fmt(cc['commit_ms_p50'])} | {_fmt(cc['commit_ms_p99'])} |",
             f"| stage: TQ write (ms) | {_fmt(cc['stage_ms_p50'])} | {_fmt(cc['stage_ms_p99'])} |",
             f"| rest of the call (ms) | {_fmt(cc['rest_ms_p50'])} | |",
@@ -940,7 +969,8 @@ def write_report(path: Path, results: Mapping[str, Any]) -> None:
             lines.append(f"| {size} | {v['rows']} | {_fmt(v['rows_per_s_per_actor'])} | {_fmt(v['ms_per_row'])} | "
                          f"{_fmt(v['queue_wait_ms_p50'])} | {_fmt(v['queue_wait_ms_max'])} |")
         rss = syn.get("rss_peak_mib", {})
-        lines += ["", "Peak RSS in the synthetic part (MiB): " + ", ".join(f"{r} {v:.0f}" for r, v in sorted(rss.items()))]
+        lines += ["", "Peak RSS in the synthetic part (MiB): "
+                  + ", ".join(f"{r} {v:.0f}" for r, v in sorted(rss.items()))]
         lines += ["", "## Retention: clearing one group (8 rollouts x 2 staged keys, 1 orphan)", "",
                   f"Median over {RETENTION_GROUPS_PER_LEVEL} groups per partition size.", "",
                   "| other keys in the partition | clear ms |", "|---|---|"]
@@ -1082,12 +1112,16 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--skip-steps", type=int, default=1, help="leading steps left out of the timing (default 1)")
     p.add_argument("--group-size", type=int, default=4, help="grpo.num_generations_per_prompt (default 4)")
     p.add_argument("--repeats", type=int, default=2, help="arms per mode, interleaved ABBA (default 2)")
-    p.add_argument("--turns", type=_turns, default=[2, 8, 32, 64], help="calls per synthetic rollout (default 2,8,32,64)")
+    p.add_argument("--turns", type=_turns, default=[2, 8, 32, 64],
+                   help="calls per synthetic rollout (default 2,8,32,64)")
     p.add_argument("--finalizers", type=int, default=1, help="finalizer actors in the synthetic part (default 1)")
     p.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="recipe (default grpo_capture_tiny_cpu.yaml)")
     p.add_argument("--arm-timeout-s", type=float, default=900.0, help="deadline per child process (default 900)")
     p.add_argument("--skip-ab", action="store_true", help="only the synthetic part")
     p.add_argument("--skip-synthetic", action="store_true", help="only the A/B arms")
+    p.add_argument("--summarize-only", action="store_true",
+                   help="rebuild results.json, report.md and the plots from the outputs already in --out "
+                        "(give the options of the run that wrote them)")
     p.add_argument("--arm", choices=MODES, help=argparse.SUPPRESS)
     p.add_argument("--arm-dir", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--synthetic-dir", type=Path, help=argparse.SUPPRESS)
@@ -1107,6 +1141,12 @@ def _child_args(args: argparse.Namespace) -> list[str]:
             "--config", str(args.config), *args.overrides]
 
 
+def _shown_path(path: Path) -> str:
+    """A recipe path for the report: relative to the repo when inside it (no machine paths in reports)."""
+    resolved = Path(path).resolve()
+    return str(resolved.relative_to(REPO_ROOT)) if resolved.is_relative_to(REPO_ROOT) else str(path)
+
+
 def _num_prompts(config: Path, overrides: Sequence[str]) -> int:
     from nemo_rl.algorithms.grpo_config import load_master_config
 
@@ -1123,13 +1163,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     out: Path = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
-    load_before = [round(x, 2) for x in os.getloadavg()]
+    runs: list[dict[str, Any]] = []
+
+    def child(argv_: list[str], child_dir: Path, env: Mapping[str, str], tag: str, mark: str) -> dict[str, Any]:
+        if args.summarize_only:
+            run_ = _load_json(child_dir / "run.json")
+        else:
+            run_ = _run_child(argv_, child_dir / "child.log", env, args.arm_timeout_s, tag, mark=mark)
+        runs.append(run_)
+        return run_
+
     results: dict[str, Any] = {"config": {
-        "command": "uv run python benchmarks/capture_ab.py " + " ".join(sys.argv[1:] if argv is None else argv),
-        "config": str(Path(args.config).resolve().relative_to(REPO_ROOT)) if Path(args.config).resolve().is_relative_to(REPO_ROOT) else str(args.config),
+        "command": "uv run python benchmarks/capture_ab.py " + " ".join(
+            a for a in (sys.argv[1:] if argv is None else argv) if a != "--summarize-only"),
+        "config": _shown_path(args.config),
         "steps": args.steps, "skip_steps": args.skip_steps, "group_size": args.group_size, "repeats": args.repeats,
         "turns": args.turns, "finalizers": args.finalizers, "overrides": list(args.overrides),
-        "cpus": os.cpu_count(), "load_before": load_before,
+        "cpus": os.cpu_count(),
     }}
     ab = syn = None
     if not args.skip_ab:
@@ -1139,13 +1189,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             order = MODES if repeat % 2 == 0 else tuple(reversed(MODES))
             for mode in order:
                 arm_dir = out / "arms" / f"{mode}_r{repeat}"
-                shutil.rmtree(arm_dir, ignore_errors=True)  # the logger appends: never mix two runs
-                arm_dir.mkdir(parents=True)
+                if not args.summarize_only:
+                    shutil.rmtree(arm_dir, ignore_errors=True)  # the logger appends: never mix two runs
+                    arm_dir.mkdir(parents=True)
+                    _log(f"arm {mode} repeat {repeat}: starting")
                 env = {**os.environ, "NRL_WIRE_METRICS_DIR": str(arm_dir / "wire")}
-                _log(f"arm {mode} repeat {repeat}: starting")
-                run = _run_child(["--arm", mode, "--arm-dir", str(arm_dir), *_child_args(args)],
-                                 arm_dir / "child.log", env, args.arm_timeout_s, f"{mode} r{repeat}",
-                                 mark=f"[step {args.skip_steps + 1}] dispatching")
+                run = child(["--arm", mode, "--arm-dir", str(arm_dir), *_child_args(args)], arm_dir, env,
+                            f"{mode} r{repeat}", f"[step {args.skip_steps + 1}] dispatching")
                 arms[mode].append(arm_summary(arm_dir, run, args.skip_steps, in_flight))
                 _log(f"arm {mode} repeat {repeat}: done in {run['wall_s']:.0f}s "
                      f"(step_s median {arms[mode][-1]['phases_median_s'].get('timing/step_s', float('nan')):.2f})")
@@ -1155,19 +1205,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.skip_synthetic:
         syn_dir = out / "synthetic"
         syn_dir.mkdir(parents=True, exist_ok=True)
-        _log("synthetic part: starting")
+        if not args.summarize_only:
+            _log("synthetic part: starting")
         env = {k: v for k, v in os.environ.items() if k != "NRL_WIRE_METRICS_DIR"}
-        run = _run_child(["--synthetic-dir", str(syn_dir), "--turns", ",".join(map(str, args.turns)),
-                          "--finalizers", str(args.finalizers)], syn_dir / "child.log", env, args.arm_timeout_s,
-                         "synthetic", mark=SYNTHETIC_MARK)
+        run = child(["--synthetic-dir", str(syn_dir), "--turns", ",".join(map(str, args.turns)),
+                     "--finalizers", str(args.finalizers)], syn_dir, env, "synthetic", SYNTHETIC_MARK)
         syn = _load_json(syn_dir / "synthetic.json")
         syn["rss_peak_mib"] = run["rss_peak_mib"]
         syn["wall_s"] = run["wall_s"]
     results["ab"], results["synthetic"] = ab, syn
     results["top_level"] = top_level(ab, syn)
     results.update(results["top_level"])
-    results["config"]["load_after"] = [round(x, 2) for x in os.getloadavg()]
-    results["wall_time_s"] = round(time.monotonic() - started, 1)
+    if not runs:
+        raise BenchError("nothing to summarise: both --skip-ab and --skip-synthetic were given")
+    results["config"]["load_before"] = runs[0]["load_before"]
+    results["config"]["load_after"] = runs[-1]["load_after"]
+    # The measuring time: this process's when it ran the children, theirs summed when only summarising.
+    results["wall_time_s"] = round(sum(r["wall_s"] for r in runs) if args.summarize_only
+                                   else time.monotonic() - started, 1)
     results["plots"] = write_plots(out, results)
     (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
     write_report(out / "report.md", results)

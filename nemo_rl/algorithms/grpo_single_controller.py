@@ -78,6 +78,7 @@ from nemo_rl.token_capture.judge import RolloutEvidence
 from nemo_rl.token_capture.metrics import finalize_metrics, first_call_prompt_records
 from nemo_rl.token_capture.retention import TQStagingCleaner
 from nemo_rl.token_capture.rows import GroupResult, KeptRollout
+from nemo_rl.utils.aio import gather_cancelling
 from nemo_rl.utils.checkpoint import (
     CheckpointMismatchError,
     capture_rng_states,
@@ -420,12 +421,14 @@ async def rollout_step(run: GRPORun, step: int) -> tuple[list[GroupResult], dict
     append_jsonl(Path(cfg.logger.log_dir) / DISPATCHED_PROMPTS_FILE, prompt_records(step, rows))
     run.progress(f"[step {step}] dispatching {len(rows)} groups x {n} rollouts")
     with Timer("generation_s", metrics):
-        groups = list(await asyncio.gather(*(
+        # A failing group (a bug, a failed worker) cancels its siblings, whose accounting and
+        # retention finish before the error reaches teardown.
+        groups = await gather_cancelling(
             _reported(run.manager.run_group(step, g, row, n), step, len(rows), run.progress)
             for g, row in enumerate(rows)
-        )))
+        )
     metrics["timing/finalize_s"] = run.finalizer.seconds if run.finalizer is not None else 0.0
-    calls_now = run.stack.workers.served_calls()
+    calls_now = await asyncio.to_thread(run.stack.workers.served_calls)
     metrics.update(worker_call_metrics(run.worker_calls, calls_now))
     run.worker_calls = calls_now
     metrics.update(finalize_metrics(groups, run.manager.take_queue_waits_ms()))
@@ -515,13 +518,14 @@ async def run_grpo(cfg: MasterConfig, progress=print) -> Path:
                 run.masked_streak = next_masked_streak(
                     run.masked_streak, trainable, cfg.token_capture.max_consecutive_masked_steps, step)
                 if trainable:
-                    metrics.update(train_step(run, step, step_batch.batch))
-                    metrics.update(refit_step(run, step))
+                    # Blocking Ray calls run off the event loop (it may hold other I/O).
+                    metrics.update(await asyncio.to_thread(train_step, run, step, step_batch.batch))
+                    metrics.update(await asyncio.to_thread(refit_step, run, step))
             run.logger.log(step, metrics)
             # After the metrics line: a run killed in between redoes this step from the previous
             # checkpoint, and the resume cuts this line (resumable_logs) so no step is logged twice.
             if ckpt.enabled and should_save(step, ckpt.save_period, cfg.grpo.max_num_steps):
-                save_checkpoint(run, step)
+                await asyncio.to_thread(save_checkpoint, run, step)
         return run.logger.metrics_path
     finally:
         run.close()

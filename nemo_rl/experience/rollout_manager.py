@@ -55,6 +55,7 @@ from nemo_rl.token_capture.retention import reported_staged_keys
 from nemo_rl.token_capture.receipt import reward_of
 from nemo_rl.token_capture.rows import GroupEntry, GroupResult, KeptRollout, Placeholder, PlaceholderReason
 from nemo_rl.token_capture.served import ServedCall
+from nemo_rl.utils.aio import gather_cancelling
 
 LOGGER = logging.getLogger(__name__)
 ABORTED_DETAIL = "aborted"
@@ -309,7 +310,7 @@ class RolloutManager:
                 state.outcomes[index] = legacy_row_from_result(
                     result, rollout_id=rollout_id, group_index=state.group_index, sample_index=index)
 
-        await asyncio.gather(*(one(i) for i in range(len(state.rollout_ids))))
+        await gather_cancelling(one(i) for i in range(len(state.rollout_ids)))
 
     async def _evidence(self, state: _GroupState, index: int, run) -> RolloutEvidence:
         """Run (or take the harness's outcome), then fetch the manifest; the served report comes later."""
@@ -346,7 +347,7 @@ class RolloutManager:
         return {rollout_id: tuple(found) for rollout_id, found in by_rollout.items()}
 
     async def _capture_group(self, state: _GroupState, runs) -> None:
-        evidence = list(await asyncio.gather(*(self._evidence(state, i, run) for i, run in enumerate(runs))))
+        evidence = await gather_cancelling(self._evidence(state, i, run) for i, run in enumerate(runs))
         served = await self._served_report(list(state.rollout_ids))
         if served is not None:
             evidence = [dataclasses.replace(ev, served=served[ev.rollout_id]) for ev in evidence]

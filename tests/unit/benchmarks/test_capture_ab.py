@@ -134,8 +134,10 @@ def test_call_costs_measure_capture_against_the_rest_of_the_call() -> None:
     assert out["fraction_p50"] == pytest.approx(0.01)
     assert out["fraction_p99"] == pytest.approx(0.1)
     assert out["rest_ms_p50"] == pytest.approx(100.0)
-    assert out["stage_ms_p50"] == pytest.approx(0.5)
-    assert out["prefix_fetch_ms_p99"] == pytest.approx(3.0)
+    assert out["stage_ms_p50"] == pytest.approx(0.5)  # over the two calls that staged
+    assert (out["stage_calls"], out["prefix_fetch_calls"], out["commit_calls"]) == (2, 1, 2)
+    assert out["prefix_fetch_ms_p50"] == pytest.approx(3.0)  # the one token-in call
+    assert out["begin_call_ms_p99"] == pytest.approx(2.0)
     with pytest.raises(ab.BenchError, match="no successful"):
         ab.call_costs([{"total_s": 1.0, "status": 500}])
     with pytest.raises(ab.BenchError, match="inconsistent"):

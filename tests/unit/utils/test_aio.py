@@ -1,0 +1,59 @@
+"""gather_cancelling: siblings are cancelled and finish their cleanup before the error propagates."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from nemo_rl.utils.aio import gather_cancelling
+
+
+async def test_results_in_order_when_all_succeed() -> None:
+    async def value(v: int, delay: float) -> int:
+        await asyncio.sleep(delay)
+        return v
+
+    assert await gather_cancelling([value(1, 0.02), value(2, 0.0), value(3, 0.01)]) == [1, 2, 3]
+
+
+async def test_a_failure_cancels_siblings_after_their_cleanup_and_keeps_its_type() -> None:
+    events: list[str] = []
+
+    async def slow(name: str) -> None:
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            await asyncio.sleep(0.01)  # cleanup that itself awaits (like retention)
+            events.append(f"{name} cleaned up")
+            raise
+
+    async def failing() -> None:
+        await asyncio.sleep(0.01)
+        raise KeyError("group 2 broke")
+
+    with pytest.raises(KeyError, match="group 2 broke"):
+        await gather_cancelling([slow("a"), failing(), slow("b")])
+    assert sorted(events) == ["a cleaned up", "b cleaned up"]  # both finished before the raise
+
+
+async def test_plain_gather_would_have_left_the_siblings_running() -> None:
+    # The behaviour gather_cancelling exists to fix, pinned so the test above cannot pass vacuously.
+    started = asyncio.Event()
+    sibling_done: list[bool] = []
+
+    async def sibling() -> None:
+        started.set()
+        await asyncio.sleep(0.05)
+        sibling_done.append(True)
+
+    async def failing() -> None:
+        await started.wait()
+        raise RuntimeError("x")
+
+    task = asyncio.ensure_future(sibling())
+    with pytest.raises(RuntimeError):
+        await asyncio.gather(task, failing())
+    assert not task.done()
+    await task
+    assert sibling_done == [True]
