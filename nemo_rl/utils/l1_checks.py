@@ -50,7 +50,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
-from nemo_rl.utils.logger import FIRST_CALL_PROMPTS_FILE, METRICS_FILE, RUN_INFO_FILE
+from nemo_rl.utils.logger import FIRST_CALL_PROMPTS_FILE, METRICS_FILE, RUN_INFO_FILE, read_jsonl_objects
 from nemo_rl.utils.venvs import spec_hash, venv_folder_name, vllm_spec
 
 MIN_TOKEN_IN_RATE = 0.99
@@ -65,16 +65,7 @@ class L1DataError(ValueError):
 def _read_json_lines(path: Path) -> list[dict]:
     if not path.is_file():
         raise L1DataError(f"{path} does not exist (fix: did the leg run with this logger.log_dir?)")
-    records = []
-    for number, line in enumerate(path.read_text().splitlines(), start=1):
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise L1DataError(f"{path}:{number} is not JSON: {e}") from e
-        if not isinstance(record, dict):
-            raise L1DataError(f"{path}:{number} is {type(record).__name__}, expected an object")
-        records.append(record)
-    return records
+    return read_jsonl_objects(path, L1DataError)
 
 
 def read_metrics(log_dir: Path) -> list[dict]:

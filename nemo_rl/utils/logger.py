@@ -205,6 +205,22 @@ def append_jsonl(path: str | Path, records: list[Mapping[str, Any]]) -> None:
         os.fsync(f.fileno())
 
 
+def read_jsonl_objects(path: Path, error: type[Exception]) -> list[dict[str, Any]]:
+    """The JSON objects of `path`, one per non-blank line; a bad line raises `error` naming file:line."""
+    records: list[dict[str, Any]] = []
+    for number, text in enumerate(Path(path).read_text().splitlines(), start=1):
+        if not text.strip():
+            continue
+        try:
+            record = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise error(f"{path}:{number} is not JSON ({e.msg}); the file may be truncated") from e
+        if not isinstance(record, dict):
+            raise error(f"{path}:{number} is a JSON {type(record).__name__}, not an object")
+        records.append(record)
+    return records
+
+
 class Timer:
     """`with Timer("step_s", metrics): ...` sets `metrics["timing/step_s"]` to seconds elapsed."""
 

@@ -28,14 +28,13 @@ Contract:
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from nemo_rl.utils.logger import METRICS_FILE
+from nemo_rl.utils.logger import METRICS_FILE, read_jsonl_objects
 
 ENGAGED = "ENGAGED"
 DEGRADED = "DEGRADED"
@@ -78,18 +77,7 @@ def read_metrics(log_dir: str | Path) -> list[dict]:
     path = Path(log_dir) / METRICS_FILE
     if not path.is_file():
         return []
-    lines: list[dict] = []
-    for number, text in enumerate(path.read_text().splitlines(), start=1):
-        if not text.strip():
-            continue
-        try:
-            record = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise VerdictError(f"{path}:{number} is not JSON ({e.msg}); the file may be truncated") from e
-        if not isinstance(record, dict):
-            raise VerdictError(f"{path}:{number} is a JSON {type(record).__name__}, not an object")
-        lines.append(record)
-    return lines
+    return read_jsonl_objects(path, VerdictError)
 
 
 def _placeholder_reasons(lines: Sequence[Mapping]) -> str:
