@@ -396,9 +396,15 @@ class FakeWorker:
         return web.json_response(response)
 
 
+async def _model_list(request: web.Request) -> web.Response:
+    return web.json_response({"object": "list", "data": [{"id": "policy", "object": "model", "max_model_len": 2048}]})
+
+
 async def _serve(worker: FakeWorker) -> web.AppRunner:
     app = web.Application()
     app.router.add_post("/v1/chat/completions", worker.chat)
+    # Our capture gate reads the context limit from the worker's model list before admitting calls.
+    app.router.add_get("/v1/models", _model_list)
     runner = web.AppRunner(app)
     await runner.setup()
     await web.TCPSite(runner, launch.LOOPBACK, 0).start()

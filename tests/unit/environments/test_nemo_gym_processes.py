@@ -156,9 +156,15 @@ class StandInWorker:
         return web.json_response(response)
 
 
+async def _model_list(request: web.Request) -> web.Response:
+    return web.json_response({"object": "list", "data": [{"id": "policy", "object": "model", "max_model_len": 2048}]})
+
+
 async def _serve(worker: StandInWorker) -> web.AppRunner:
     app = web.Application()
     app.router.add_post("/v1/chat/completions", worker.chat)
+    # Our capture gate reads the context limit from the worker's model list before admitting calls.
+    app.router.add_get("/v1/models", _model_list)
     runner = web.AppRunner(app)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -220,7 +226,8 @@ async def test_legacy_run_rewards_the_tool_answer_with_token_echo(tmp_path: Path
     assert output[2]["prompt_token_ids"] == _render(worker.requests[1]["messages"])
     assert (calc_status, calc_text) == (200, "error: calculator: unexpected character at 1 in expression '7 / 0'")
     assert (wrong_status, wrong_json["reward"], wrong_json["final_text"]) == (200, 0.25, "The answer is 26.")  # partial credit 0.5/(1+|26-27|)
-    assert corrupt_status == 500 and "InvalidGroundTruthError" in corrupt_text
+    # Ground truth that disagrees with the expression is the caller's bad input: a 422 naming it.
+    assert corrupt_status == 422 and "answer" in corrupt_text
 
 
 async def test_capture_run_stages_both_turns_and_serves_the_manifest(tmp_path: Path) -> None:
