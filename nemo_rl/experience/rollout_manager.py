@@ -52,7 +52,6 @@ from nemo_rl.token_capture.finalizer import legacy_row_from_result
 from nemo_rl.token_capture.finalizer_pool import FinalizeOutcome
 from nemo_rl.token_capture.judge import RolloutEvidence, RunFailure
 from nemo_rl.token_capture.retention import reported_staged_keys
-from nemo_rl.token_capture.receipt import reward_of
 from nemo_rl.token_capture.rows import GroupEntry, GroupResult, KeptRollout, Placeholder, PlaceholderReason
 from nemo_rl.token_capture.served import ServedCall
 from nemo_rl.utils.aio import gather_cancelling
