@@ -28,6 +28,15 @@ A step whose rollouts are all placeholders is logged loudly, counted (`steps/mas
 and skipped (no train, no refit); `token_capture.max_consecutive_masked_steps` such steps in a row
 raise `MaskedStepsError`.
 
+Component deaths (capture mode; `nemo_rl.algorithms.grpo_health`): a watch polls every component
+while a step runs; the first rollout-path death ends the in-flight rollouts as `component_failed`
+placeholders naming it. `token_capture.on_component_failure=abort` stops the run with
+`ComponentFailedError` after that step's metrics line; `continue` restarts dead Gym servers
+before the next step, replaces finalizer actors, and masks steps while a vLLM worker or a
+TransferQueue actor stays dead (the masked-step streak then ends the run). Every step logs
+`retention/staged_keys_remaining` and `retention/ledger_files_remaining` (0 when retention kept
+up) and `component/*`.
+
 Checkpoint and resume (`checkpointing:`; what a checkpoint holds: `nemo_rl.algorithms.grpo_checkpoint`):
 after step k's metrics line, when `should_save(k, save_period, max_num_steps)`, `save_checkpoint`
 writes `step_<k>` atomically. With `checkpointing.resume=latest`, `run_grpo` picks the newest
@@ -43,6 +52,7 @@ to run: the run says so and starts nothing.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import shutil
 import time
@@ -65,10 +75,21 @@ from nemo_rl.algorithms.grpo_checkpoint import (
     write_trainer_state,
 )
 from nemo_rl.algorithms.grpo_config import MasterConfig, policy_config
+from nemo_rl.algorithms.grpo_health import (
+    build_watch,
+    check_abort,
+    component_metrics,
+    component_pids,
+    recover,
+    step_deaths,
+    unrecoverable,
+    untrainable,
+)
+from nemo_rl.distributed.component_watch import ComponentWatch
 from nemo_rl.distributed.stack import Stack, start_stack
 from nemo_rl.environments.datasets import PromptSource, make_prompt_source
 from nemo_rl.environments.nemo_gym import RowSampling
-from nemo_rl.experience.rollout_manager import RolloutManager, RolloutManagerConfig
+from nemo_rl.experience.rollout_manager import RolloutManager, RolloutManagerConfig, component_failure_detail
 from nemo_rl.models.generation.vllm.launcher import resolve_flavor
 from nemo_rl.models.policy import TrainBatch
 from nemo_rl.models.policy.worker import RayPolicyClient
@@ -227,6 +248,9 @@ class GRPORun:
     probe: list[int]
     pool: FinalizerPool | None = None
     finalizer: TimedFinalizer | None = None
+    cleaner: TQStagingCleaner | None = None
+    watch: ComponentWatch | None = None
+    step_component_deaths: dict[str, str] = field(default_factory=dict)
     previous_engine_probe: list[float] = field(default_factory=list)
     served_version: int = 0
     worker_calls: list[int] = field(default_factory=list)
@@ -275,12 +299,13 @@ async def setup(
     try:
         assert stack.env is not None and stack.workers is not None
         policy = RayPolicyClient.spawn(pcfg)
-        finalizer = cleaner = None
+        finalizer = cleaner = watch = None
         if cfg.token_capture.enabled:
             pool = FinalizerPool.from_config(cfg.token_capture, TQSourceFactory.from_config(cfg.data_plane, cfg.token_capture))
             await pool.wait_ready(cfg.data_plane.startup_timeout_s)
             finalizer = TimedFinalizer(pool)
             cleaner = TQStagingCleaner(stack.client, cfg.token_capture.staging_partition, cfg.token_capture.stage_timeout_s)
+            watch = build_watch(stack, pool, cfg.token_capture, progress)
         manager = RolloutManager(
             RolloutManagerConfig(
                 # Fresh per process, resumed or not: Gym appends to the ledger of a reused rollout id.
@@ -292,18 +317,22 @@ async def setup(
             finalizer=finalizer,
             cleaner=cleaner,
             served=stack.workers if cfg.token_capture.enabled else None,
+            health=watch,
         )
         from transformers import AutoTokenizer
 
         eos = AutoTokenizer.from_pretrained(str(model_dir)).eos_token_id
         probe = probe_sequence(eos, cfg.grpo.refit_probe_tokens, cfg.grpo.seed)
         run_info: dict = {"generation/venv": venv_record(flavor, stack.workers.venv_info())}
+        if watch is not None:
+            run_info["components"] = component_pids(stack, pool, cfg.generation.vllm.call_timeout_s)
         initial_versions = set(stack.workers.weight_versions())
         if len(initial_versions) != 1:
             raise StaleWeightsError(f"the generation workers start from different weight versions {sorted(initial_versions)}")
         run = GRPORun(
             cfg=cfg, stack=stack, policy=policy, manager=manager, prompts=prompts, logger=MetricsLogger(cfg.logger),
             progress=progress, weights_root=log_dir / "weights", probe=probe, pool=pool, finalizer=finalizer,
+            cleaner=cleaner, watch=watch,
             previous_engine_probe=stack.workers.prompt_logprobs(probe)[0], served_version=initial_versions.pop(),
             worker_calls=stack.workers.served_calls(),
         )
@@ -417,24 +446,43 @@ async def rollout_step(run: GRPORun, step: int) -> tuple[list[GroupResult], dict
     metrics: dict[str, float] = {}
     if run.finalizer is not None:
         run.finalizer.seconds = 0.0
+    restarts = 0
+    if run.watch is not None and cfg.token_capture.on_component_failure == "continue":
+        restarts = await recover(run.stack, run.watch, run.pool, run.progress)
+    replaced_before = run.pool.replacements if run.pool is not None else 0
     rows = run.prompts.batch(step, cfg.grpo.num_prompts_per_step)
     append_jsonl(Path(cfg.logger.log_dir) / DISPATCHED_PROMPTS_FILE, prompt_records(step, rows))
     run.progress(f"[step {step}] dispatching {len(rows)} groups x {n} rollouts")
+    watching = run.watch.watching() if run.watch is not None else contextlib.nullcontext()
     with Timer("generation_s", metrics):
-        # A failing group (a bug, a failed worker) cancels its siblings, whose accounting and
-        # retention finish before the error reaches teardown.
-        groups = await gather_cancelling(
-            _reported(run.manager.run_group(step, g, row, n), step, len(rows), run.progress)
-            for g, row in enumerate(rows)
-        )
+        async with watching:
+            # A failing group (a bug, a failed worker) cancels its siblings, whose accounting and
+            # retention finish before the error reaches teardown.
+            groups = await gather_cancelling(
+                _reported(run.manager.run_group(step, g, row, n), step, len(rows), run.progress)
+                for g, row in enumerate(rows)
+            )
     metrics["timing/finalize_s"] = run.finalizer.seconds if run.finalizer is not None else 0.0
-    calls_now = await asyncio.to_thread(run.stack.workers.served_calls)
-    metrics.update(worker_call_metrics(run.worker_calls, calls_now))
-    run.worker_calls = calls_now
+    down = run.watch.down() if run.watch is not None else {}
+    if not any(name.startswith("vllm_worker_") for name in down):  # a dead worker has no counter to read
+        calls_now = await asyncio.to_thread(run.stack.workers.served_calls)
+        metrics.update(worker_call_metrics(run.worker_calls, calls_now))
+        run.worker_calls = calls_now
+    if run.watch is not None:
+        run.step_component_deaths = step_deaths(run.watch, run.pool)
+        replaced = run.pool.replacements - replaced_before if run.pool is not None else 0
+        metrics.update(component_metrics(run.step_component_deaths, down, restarts, replaced))
+        if cfg.token_capture.on_component_failure == "continue":
+            groups = untrainable(groups, unrecoverable(run.stack, down))
     metrics.update(finalize_metrics(groups, run.manager.take_queue_waits_ms()))
     metrics["finalize/orphaned_staged_keys"] = float(run.manager.take_orphaned_staged_keys())
     metrics["finalize/dropped_groups"] = float(run.manager.take_dropped_groups())
     metrics["finalize/served_report_failures"] = float(run.manager.take_served_report_failures())
+    if run.cleaner is not None:
+        metrics["retention/failures"] = float(run.manager.take_retention_failures())
+        if not any(name.startswith("tq_") for name in down):  # a dead data plane cannot list its keys
+            metrics["retention/staged_keys_remaining"] = float(await asyncio.to_thread(run.cleaner.remaining))
+        metrics["retention/ledger_files_remaining"] = float(run.stack.env.ledger_file_count())
     if metrics["rollouts/dispatched"] != metrics["finalize/kept_rollouts"] + metrics["finalize/placeholders"]:
         raise GRPOError(f"step {step}: always-N accounting broke: {metrics}")
     check_row_versions(groups, run.served_version, step)
@@ -475,10 +523,12 @@ def refit_step(run: GRPORun, step: int) -> dict[str, float]:
 
 def _report_masked(run: GRPORun, step: int, metrics: dict[str, float]) -> None:
     limit = run.cfg.token_capture.max_consecutive_masked_steps
+    down = run.watch.down() if run.watch is not None else {}
     run.progress(
         f"[step {step}] WARNING: every rollout became a placeholder; step skipped (no train, no refit), "
         f"{run.masked_streak + 1}/{limit} in a row. Reasons: "
         + ", ".join(f"{k.rsplit('/', 1)[-1]}={int(v)}" for k, v in metrics.items() if k.startswith("finalize/placeholders/"))
+        + (f". Down: {component_failure_detail(down)}" if down else "")
     )
     if run.masked_streak + 1 >= limit:
         run.logger.log(step, metrics)  # the step that stops the run keeps its metrics line
@@ -509,6 +559,9 @@ async def run_grpo(cfg: MasterConfig, progress=print) -> Path:
             with Timer("step_s", metrics):
                 groups, rollout_metrics = await rollout_step(run, step)
                 metrics.update(rollout_metrics)
+                if run.step_component_deaths and cfg.token_capture.on_component_failure == "abort":
+                    run.logger.log(step, metrics)  # the step that stops the run keeps its accounting line
+                    check_abort(cfg.token_capture.on_component_failure, run.step_component_deaths, step)
                 step_batch = build_train_batch(groups, cfg.grpo.normalize_rewards)
                 trainable = step_batch.batch is not None
                 metrics["reward/mean"] = metrics.get("reward/mean", step_batch.rewards_mean)

@@ -9,6 +9,8 @@ Contract:
   call in the package that stops the controller. Clients' `close()` never does. Call it only
   when no process still needs the data (the owner decides; clients then fail by deadline or
   with `DataPlaneUnavailableError`, never hang).
+- `probes()`: a liveness probe per actor (`tq_controller`, `tq_storage_unit_<i>`, rollout path:
+  every staged call goes through them); `actors()` the same actors by those names.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import ray
 from nemo_rl.data_plane import tq_backend
 from nemo_rl.data_plane.config import DataPlaneConfig
 from nemo_rl.data_plane.errors import DataPlaneUnavailableError
+from nemo_rl.distributed.component_watch import Probe, Role, ray_actor_probe
 
 
 class DataPlane:
@@ -44,6 +47,17 @@ class DataPlane:
     def storage_units(self) -> dict[str, Any]:
         """Storage-unit Ray actor handles by name."""
         return dict(self._actors.storage_units)
+
+    def actors(self) -> dict[str, Any]:
+        """Every actor by component name: `tq_controller`, then `tq_storage_unit_<i>` in start order."""
+        named = {"tq_controller": self._actors.controller}
+        for index, handle in enumerate(self._actors.storage_units.values()):
+            named[f"tq_storage_unit_{index}"] = handle
+        return named
+
+    def probes(self) -> list[Probe]:
+        return [ray_actor_probe(name, Role.ROLLOUT_PATH, handle, f"TransferQueue {name.removeprefix('tq_')}")
+                for name, handle in self.actors().items()]
 
     @property
     def stopped(self) -> bool:

@@ -27,6 +27,12 @@ Contract:
   -> `ManifestServerError`, no answer within `manifest_timeout_s` -> `ManifestTimeoutError`.
 - `retire(rollout_ids)` deletes those rollouts' ledger files (Gym never does) and returns the
   paths removed; call it only after the rollouts' rows are committed.
+- `probes()`: one liveness probe per server process (`component_watch.process_probe`, rollout
+  path), named `gate` for the model server and by server name otherwise. `restart(name)`
+  starts that one server again with the same command, port, environment and bearer (its log
+  appended), waits for its health route within `startup_timeout_s` and returns the seconds it
+  took; the ledger dir is on disk, so a restarted gate serves new rollouts at once.
+- `ledger_file_count()` counts the files left in the ledger dir.
 - `stop()` terminates only the processes this object started; it is idempotent and also runs
   at interpreter exit if the caller never called it.
 """
@@ -50,6 +56,7 @@ from pydantic import ValidationError
 
 from nemo_gym.token_id_capture.staging.records import RolloutManifest
 from nemo_gym.token_id_capture.store import validate_rollout_id
+from nemo_rl.distributed.component_watch import Probe, Role, process_probe
 from nemo_rl.environments import nemo_gym_launch as launch
 from nemo_rl.environments.gym_servers import check_agent, resolve_gym_environment
 from nemo_rl.environments.nemo_gym_config import (
@@ -155,6 +162,8 @@ class NemoGymEnvironment:
         )
         self._reward_key = config.gym.reward_key if config.gym is not None else REWARD_FIELD
         self._procs: dict[str, subprocess.Popen] = {}
+        self._specs: dict[str, launch.ServerSpec] = {}
+        self._envs: dict[str, dict[str, str]] = {}
         self._log_paths: dict[str, Path] = {}
         self._ports: launch.ServerPorts | None = None
         self._bearer: str | None = None
@@ -242,6 +251,8 @@ class NemoGymEnvironment:
                     extra=gate_extra if spec.name == launch.GATE else {},
                 )
                 self._log_paths[spec.name] = log_path
+                self._specs[spec.name] = spec
+                self._envs[spec.name] = env
                 self._procs[spec.name] = launch.start_server(
                     spec, python=sys.executable, env=env, cwd=cwd, log_path=log_path
                 )
@@ -286,6 +297,41 @@ class NemoGymEnvironment:
     def _start_error(self, name: str, reason: str) -> GymServerStartError:
         log_path = self._log_paths[name]
         return GymServerStartError(name, reason, log_path, launch.read_log_tail(log_path, self._cfg.log_tail_lines))
+
+    @staticmethod
+    def component_name(server: str) -> str:
+        return "gate" if server == launch.GATE else server
+
+    def probes(self) -> list[Probe]:
+        """A liveness probe per running server (rollout path: every rollout goes through each)."""
+        return [
+            process_probe(self.component_name(name), Role.ROLLOUT_PATH, proc, f"Gym server {name}")
+            for name, proc in self._procs.items()
+        ]
+
+    def pids(self) -> dict[str, int]:
+        """Pid of every server process by component name."""
+        return {self.component_name(name): proc.pid for name, proc in self._procs.items()}
+
+    def server_for(self, component: str) -> str | None:
+        """The server name behind a component name of `probes()` (None: not one of ours)."""
+        return next((name for name in self._procs if self.component_name(name) == component), None)
+
+    async def restart(self, name: str) -> float:
+        """Start server `name` again on its port with its environment; seconds until healthy."""
+        proc = self._procs.get(name)
+        if proc is None:
+            raise GymNotStartedError(f"no server named {name!r} was started (servers: {sorted(self._procs)})")
+        if proc.poll() is None:
+            raise NemoGymError(f"server {name!r} (pid {proc.pid}) is alive; restart() is for a dead server")
+        began = time.monotonic()
+        spec = self._specs[name]
+        cwd = self._log_dir / "gym_cwd"
+        self._procs[name] = launch.start_server(
+            spec, python=sys.executable, env=self._envs[name], cwd=cwd, log_path=self._log_paths[name]
+        )
+        await self._wait_healthy([spec], began + self._cfg.startup_timeout_s)
+        return time.monotonic() - began
 
     def stop(self) -> dict[str, int]:
         """Terminate the servers this object started; returns their exit codes."""
@@ -383,6 +429,11 @@ class NemoGymEnvironment:
         if status != 200:
             raise ManifestServerError(f"rollout {rollout_id!r}: manifest answered HTTP {status}: {_quote(text)}")
         return _parse_manifest(rollout_id, text)
+
+    def ledger_file_count(self) -> int:
+        """Ledger files in the ledger dir now (0 once every rollout was retired)."""
+        ledger_dir = self.ledger_dir
+        return sum(1 for path in ledger_dir.iterdir() if path.is_file()) if ledger_dir.exists() else 0
 
     def retire(self, rollout_ids: Iterable[str]) -> list[Path]:
         """Delete the ledger files of committed rollouts; returns the paths removed."""

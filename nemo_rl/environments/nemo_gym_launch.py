@@ -293,8 +293,8 @@ def read_log_tail(path: Path, lines: int) -> str:
 def start_server(
     spec: ServerSpec, *, python: str, env: Mapping[str, str], cwd: Path, log_path: Path
 ) -> subprocess.Popen:
-    """Start one server in its own session, stdout and stderr into `log_path`."""
-    with log_path.open("wb") as log:
+    """Start one server in its own session, stdout and stderr appended to `log_path`."""
+    with log_path.open("ab") as log:
         return subprocess.Popen(
             server_command(python, spec, os.getpid()),
             cwd=cwd,

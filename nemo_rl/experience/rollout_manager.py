@@ -27,6 +27,13 @@ Contract of `RolloutManager.run_group(step, group_index, row, n) -> GroupResult`
   orphan count is reported by `take_orphaned_staged_keys()`), each bounded by
   `token_capture.stage_timeout_s` (skipped when
   `retire_after_commit` is false); a failure raises `RetentionError` carrying the accounted group.
+- Component deaths (capture mode, `health` given: the component watch): a rollout whose run is
+  in flight when a rollout-path component (Gym server, vLLM worker, TransferQueue actor) is found
+  dead, or that starts while one is down, stops at once and becomes a `component_failed`
+  placeholder whose detail names the dead components (no wait for `run_timeout_s`). While one is
+  down, a retention failure is logged and counted (`take_retention_failures()`) instead of raised:
+  the dead component took those keys with it, and the run's policy (`on_component_failure`)
+  decides what happens next.
 - Cancellation mid-group: in-flight runs are cancelled, the accounted (aborted) group is kept
   for `take_aborted_groups()`, retention runs, and the `CancelledError` propagates.
 """
@@ -69,6 +76,23 @@ class RolloutEnvironment(Protocol):
 
     def retire(self, rollout_ids: list[str]) -> object:
         """Delete these rollouts' ledger files (synchronous, local file-system work)."""
+
+
+class ComponentHealth(Protocol):
+    """What the manager needs from the component watch (`distributed.component_watch`)."""
+
+    @property
+    def rollout_path_down(self) -> asyncio.Event: ...
+
+    def down(self) -> dict[str, str]: ...
+
+    async def poll(self) -> object:
+        """One liveness round now (a failed run asks before blaming the rollout)."""
+
+
+def component_failure_detail(down: Mapping[str, str]) -> str:
+    """The placeholder detail naming every dead rollout-path component."""
+    return "; ".join(f"{name} died: {detail}" for name, detail in sorted(down.items()))
 
 
 class GroupFinalizer(Protocol):
@@ -186,6 +210,7 @@ class RolloutManager:
         finalizer: GroupFinalizer | None = None,
         cleaner: StagingCleaner | None = None,
         served: ServedReporter | None = None,
+        health: ComponentHealth | None = None,
     ) -> None:
         if cfg.capture.enabled and (finalizer is None or cleaner is None or served is None):
             raise ValueError(
@@ -197,6 +222,8 @@ class RolloutManager:
         self._finalizer = finalizer
         self._cleaner = cleaner
         self._served = served
+        self._health = health
+        self._retention_failures = 0
         self._served_report_failures = 0
         self._dropped_groups = 0
         self._attempts: dict[tuple[int, int], int] = {}
@@ -226,6 +253,11 @@ class RolloutManager:
     def take_served_report_failures(self) -> int:
         """Groups whose served-call report could not be read, since the last call."""
         count, self._served_report_failures = self._served_report_failures, 0
+        return count
+
+    def take_retention_failures(self) -> int:
+        """Groups whose retention failed while a component was down, since the last call."""
+        count, self._retention_failures = self._retention_failures, 0
         return count
 
     def take_dropped_groups(self) -> int:
@@ -282,14 +314,47 @@ class RolloutManager:
             raise
         finally:
             failures = await self._retain(state)
-            if failures and result is not None:
+            down = self._health.down() if self._health is not None else {}
+            if failures and result is not None and down:
+                self._retention_failures += 1
+                LOGGER.error("group %d retention failed while %s: %s", group_index,
+                             component_failure_detail(down), "; ".join(failures))
+            elif failures and result is not None:
                 raise RetentionError(result, failures)
             if failures:  # an error or cancellation is already propagating; it stays the primary failure
                 LOGGER.error("group %d did not complete and retention failed: %s", group_index, "; ".join(failures))
         return result
 
     async def _run(self, rollout_id: str, row: dict[str, Any]) -> dict[str, Any] | RunFailure:
-        """The run result, or the typed failure of the run."""
+        """The run result, or the typed failure of the run (a component death ends it at once)."""
+        health = self._health
+        if health is None:
+            return await self._bounded_run(rollout_id, row)
+        if health.down():
+            return RunFailure(PlaceholderReason.COMPONENT_FAILED, component_failure_detail(health.down()))
+        run = asyncio.ensure_future(self._bounded_run(rollout_id, row))
+        death = asyncio.ensure_future(health.rollout_path_down.wait())
+        try:
+            await asyncio.wait({run, death}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            pending = [task for task in (run, death) if not task.done()]
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+        if run.done() and not run.cancelled():
+            result = run.result()
+            if not isinstance(result, RunFailure):
+                return result
+            # A dead gate or worker fails the run (connection refused) before the next watch
+            # round: look now, so the placeholder names the component rather than the rollout.
+            await health.poll()
+            if not health.down():
+                return result
+            detail = f"{component_failure_detail(health.down())} (the run reported: {result.detail[:300]})"
+            return RunFailure(PlaceholderReason.COMPONENT_FAILED, detail)
+        return RunFailure(PlaceholderReason.COMPONENT_FAILED, component_failure_detail(health.down()))
+
+    async def _bounded_run(self, rollout_id: str, row: dict[str, Any]) -> dict[str, Any] | RunFailure:
         try:
             return await asyncio.wait_for(self._env.run(rollout_id, row), self._cfg.run_timeout_s)
         except asyncio.TimeoutError:

@@ -133,3 +133,30 @@ class TokenCaptureConfig(BaseModel):
             "steps in a row."
         ),
     )
+    on_component_failure: Literal["continue", "abort"] = Field(
+        default="abort",
+        description=(
+            "What a component death mid-run does (Gym server, vLLM worker, TransferQueue actor, finalizer "
+            "actor; found by the component watch within component_check_interval_s). Either way the "
+            "rollouts in flight become `component_failed` placeholders naming the component and the step "
+            "is accounted and logged. `abort`: the run then stops with ComponentFailedError naming it. "
+            "`continue`: dead Gym servers are restarted on their ports and finalizer actors replaced "
+            "before the next step; while a vLLM worker or TransferQueue actor stays dead, steps are "
+            "masked and the run stops after max_consecutive_masked_steps."
+        ),
+    )
+    component_check_interval_s: float = Field(
+        default=1.0,
+        gt=0.0,
+        allow_inf_nan=False,
+        description="Seconds between two liveness rounds of the component watch while a step runs.",
+    )
+    component_probe_timeout_s: float = Field(
+        default=5.0,
+        gt=0.0,
+        allow_inf_nan=False,
+        description=(
+            "Deadline of one liveness probe; a component that does not answer in time counts as busy, "
+            "not dead (each call into it has its own deadline)."
+        ),
+    )

@@ -20,6 +20,11 @@ Contract:
   died gets no new work and is killed and replaced once its last in-flight call has resolved.
 - Queue wait = worker start time - driver submit time (wall clock, both on the same host for
   a meaningful number), reported per answered item; None when the worker never answered.
+- Liveness: `probes()` gives one off-path probe per actor, named `finalizer_<slot>` (and
+  `finalizer_<slot>_r<k>` after the k-th replacement, so a replacement is watched afresh).
+  `mark_dead(name)` takes a dead actor out of rotation at once (replaced as soon as nothing is
+  in flight on it), so no item waits on an actor the watch already found dead. Every actor the
+  pool found dead (a call raised `RayActorError`) is reported once by `take_deaths()`.
 - `shutdown()` kills only this pool's actors.
 """
 
@@ -35,6 +40,7 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from nemo_rl.data_plane import DataPlaneClient, DataPlaneConfig
+from nemo_rl.distributed.component_watch import Probe, Role, ray_actor_probe
 from nemo_rl.token_capture.config import TokenCaptureConfig
 from nemo_rl.token_capture.finalizer import SnapshotSource, fetch_snapshots
 from nemo_rl.token_capture.judge import RolloutEvidence, judge_rollout
@@ -86,7 +92,13 @@ class FinalizeOutcome:
 
 
 def judge_from_source(source: SnapshotSource, evidence: RolloutEvidence, cfg: TokenCaptureConfig) -> GroupEntry:
-    """Fetch what the judge needs from the staging source, judge the rollout, attach R3 routes."""
+    """Fetch what the judge needs from the staging source, judge the rollout, attach R3 routes.
+
+    A failed run's verdict needs no snapshot (the judge decides it first): nothing is fetched, so
+    a dead data plane cannot hold a component-failure verdict up by `stage_timeout_s`.
+    """
+    if evidence.run_failure is not None:
+        return judge_rollout(evidence, {}, {}, cfg)
     snapshots, problems = fetch_snapshots(source, evidence.staging_keys())
     verdict = judge_rollout(evidence, snapshots, problems, cfg)
     if not isinstance(verdict, KeptRollout):
@@ -125,6 +137,11 @@ class _WorkerSlot:
     handle: ray.actor.ActorHandle
     inflight: int = 0
     suspect: bool = False  # timed out or died: no new work; replaced when inflight drops to 0
+    generation: int = 0  # replacements of this slot so far
+
+    @property
+    def name(self) -> str:
+        return f"finalizer_{self.index}" + (f"_r{self.generation}" if self.generation else "")
 
 
 class FinalizerPool:
@@ -148,6 +165,7 @@ class FinalizerPool:
         self._cursor = 0
         self._closed = False
         self.replacements = 0
+        self._deaths: dict[str, str] = {}  # actor name -> description, reported once
 
     @classmethod
     def from_config(cls, cfg: TokenCaptureConfig, source_factory: SourceFactory) -> "FinalizerPool":
@@ -178,13 +196,39 @@ class FinalizerPool:
         self._cursor += 1
         return slot
 
-    def _release(self, slot: _WorkerSlot) -> None:
-        slot.inflight -= 1
+    def _replace_if_idle(self, slot: _WorkerSlot) -> None:
         if slot.suspect and slot.inflight == 0 and not self._closed:
             ray.kill(slot.handle, no_restart=True)
             slot.handle = self._spawn()
             slot.suspect = False
+            slot.generation += 1
             self.replacements += 1
+
+    def _release(self, slot: _WorkerSlot) -> None:
+        slot.inflight -= 1
+        self._replace_if_idle(slot)
+
+    def probes(self) -> list[Probe]:
+        return [ray_actor_probe(name, Role.OFF_PATH, handle, f"finalizer worker {name}")
+                for name, handle in self.actors().items()]
+
+    def actors(self) -> dict[str, ray.actor.ActorHandle]:
+        """The current actors by watch name."""
+        return {slot.name: slot.handle for slot in self._workers}
+
+    def mark_dead(self, name: str) -> bool:
+        """Take the actor `name` out of rotation (replaced once idle); False if no current actor has that name."""
+        for slot in self._workers:
+            if slot.name == name:
+                slot.suspect = True
+                self._replace_if_idle(slot)
+                return True
+        return False
+
+    def take_deaths(self) -> dict[str, str]:
+        """Actors found dead by a failed call since the last call: name -> description."""
+        deaths, self._deaths = self._deaths, {}
+        return deaths
 
     async def _finalize_one(self, item: RolloutEvidence) -> FinalizeOutcome:
         slot = self._pick()
@@ -206,6 +250,7 @@ class FinalizerPool:
                                 f"finalizer worker {slot.index} gave no answer within {self._call_timeout_s}s")
         except RayActorError as error:
             slot.suspect = True
+            self._deaths.setdefault(slot.name, f"finalizer worker {slot.index} (Ray actor) died: {str(error).strip()[:300]}")
             return self._failed(
                 item, PlaceholderReason.FINALIZER_UNAVAILABLE, f"finalizer worker {slot.index} died: {error}"
             )

@@ -73,3 +73,7 @@ class TQStagingCleaner:
         if keys:
             self._client.clear(self._partition, keys, timeout_s=self._timeout_s)
         return len(orphans)
+
+    def remaining(self) -> int:
+        """How many keys the staging partition still holds (one bounded list)."""
+        return len(self._client.list_keys(self._partition, timeout_s=self._timeout_s))

@@ -27,6 +27,9 @@ def test_defaults() -> None:
         "mixed_weight_version_policy": "allow",
         "min_valid_fraction_per_group": 0.0,
         "max_consecutive_masked_steps": 3,
+        "on_component_failure": "abort",
+        "component_check_interval_s": 1.0,
+        "component_probe_timeout_s": 5.0,
     }
 
 
@@ -125,12 +128,23 @@ def test_enabled_from_recipe_override(tmp_path: Path) -> None:
             "token_capture.max_consecutive_masked_steps to a value >= 1)",
         ),
         (
+            {"on_component_failure": "ignore"},
+            "token_capture.on_component_failure='ignore': Input should be 'continue' or 'abort' (fix: set "
+            "token_capture.on_component_failure to a value of type Literal['continue', 'abort'])",
+        ),
+        (
+            {"component_check_interval_s": 0},
+            "token_capture.component_check_interval_s=0: Input should be greater than 0 (fix: set "
+            "token_capture.component_check_interval_s to a value > 0)",
+        ),
+        (
             {"finalizer_workers": 2},
             "token_capture.finalizer_workers=2: unknown key token_capture.finalizer_workers; "
             "allowed keys: enabled, num_finalizer_workers, staging_partition, "
             "manifest_timeout_s, finalize_timeout_s, stage_timeout_s, prefix_cache_max_tokens, "
             "control_token_env, retire_after_commit, branch_policy, mixed_weight_version_policy, "
-            "min_valid_fraction_per_group, max_consecutive_masked_steps (fix: remove "
+            "min_valid_fraction_per_group, max_consecutive_masked_steps, on_component_failure, "
+            "component_check_interval_s, component_probe_timeout_s (fix: remove "
             "token_capture.finalizer_workers or rename it to an allowed key)",
         ),
     ],

@@ -37,6 +37,7 @@ from typing import Any
 
 import ray
 
+from nemo_rl.distributed.component_watch import Probe, Role, ray_actor_probe
 from nemo_rl.models.generation.vllm.config import GenerationConfig
 from nemo_rl.models.generation.vllm.engine import cpu_engine_env
 from nemo_rl.models.generation.vllm.worker import VllmGenerationWorker, WorkerError
@@ -233,6 +234,11 @@ class WorkerGroup:
         """Pop what every worker served for `rollout_ids`; awaits the refs, never blocks the event loop."""
         refs = [h.take_served.remote(list(rollout_ids)) for h in self.handles]
         return merge_served(await self._get_async(refs, "take_served"))
+
+    def probes(self) -> list[Probe]:
+        """A liveness probe per worker actor, `vllm_worker_<i>` (rollout path)."""
+        return [ray_actor_probe(f"vllm_worker_{i}", Role.ROLLOUT_PATH, h, f"vLLM worker {i}")
+                for i, h in enumerate(self.handles)]
 
     def shutdown(self) -> None:
         refs = [h.shutdown.remote() for h in self.handles]

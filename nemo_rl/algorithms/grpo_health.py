@@ -1,0 +1,160 @@
+"""What the GRPO loop does when a component dies (`token_capture.on_component_failure`).
+
+Contract (capture mode; the legacy loop has no watch and is unchanged):
+- `build_watch(stack, pool, cfg, progress)` watches every component the run started: the Gym
+  servers (`gate`, agent, resources server), the vLLM workers, the TransferQueue controller and
+  storage units (all on the rollout path) and the finalizer actors (off the path). A death is
+  printed at once (`[health] ... died: ...`), once, with what happens next.
+- During a step (`ComponentWatch.watching()`), the rollout manager ends every in-flight run at
+  the first rollout-path death: each becomes a `component_failed` placeholder naming it, so the
+  step is accounted (dispatched == kept + placeholders) and logged, never stalled.
+- `abort`: at the end of that step (after its metrics line) `check_abort` raises
+  `ComponentFailedError` naming every component that died in it, finalizers found dead by the
+  pool included. Nothing of the step is trained.
+- `continue`: before each step `recover` restarts dead Gym servers on their ports and takes
+  dead finalizer actors out of rotation (the pool replaces them); a vLLM worker or a
+  TransferQueue actor cannot be restarted under a live run (weights, staged data). While one is
+  dead, `untrainable` masks the step: every kept rollout becomes a `component_failed`
+  placeholder (no train, no refit against a dead worker), so the masked-step streak ends the run
+  with `MaskedStepsError` after `token_capture.max_consecutive_masked_steps`.
+- `component_pids(stack, pool)`: the pid of every watched component by name (run_info.json
+  `components`), for operators and chaos tests.
+- `component_metrics`: `component/deaths` (this step), `component/down` (rollout-path
+  components dead at the step's end), `component/restarts` (Gym servers restarted before it),
+  `finalize/replaced_workers` (finalizer actors replaced during it).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+
+import ray
+
+from nemo_rl.distributed.component_watch import ComponentDeath, ComponentWatch
+from nemo_rl.distributed.stack import Stack
+from nemo_rl.experience.rollout_manager import component_failure_detail
+from nemo_rl.token_capture.config import TokenCaptureConfig
+from nemo_rl.token_capture.finalizer_pool import FinalizerPool
+from nemo_rl.token_capture.rows import GroupResult, KeptRollout, Placeholder, PlaceholderReason
+
+
+class ComponentFailedError(RuntimeError):
+    """A component died and `token_capture.on_component_failure=abort` stops the run."""
+
+
+def build_watch(
+    stack: Stack, pool: FinalizerPool | None, cfg: TokenCaptureConfig, progress: Callable[[str], None]
+) -> ComponentWatch:
+    def probes():
+        found = []
+        if stack.env is not None:
+            found += stack.env.probes()
+        if stack.workers is not None:
+            found += stack.workers.probes()
+        if stack.data_plane is not None:
+            found += stack.data_plane.probes()
+        if pool is not None:
+            found += pool.probes()
+        return found
+
+    def announce(death: ComponentDeath) -> None:
+        then = (
+            "the run stops at the end of this step (token_capture.on_component_failure=abort)"
+            if cfg.on_component_failure == "abort"
+            else "rollouts in flight become component_failed placeholders; recovery before the next step "
+            "(token_capture.on_component_failure=continue)"
+        )
+        progress(f"[health] {death.describe()}; {then}")
+
+    return ComponentWatch(probes, interval_s=cfg.component_check_interval_s,
+                          probe_timeout_s=cfg.component_probe_timeout_s, on_death=announce)
+
+
+def _own_pid(_actor: object) -> int:
+    return os.getpid()
+
+
+def component_pids(stack: Stack, pool: FinalizerPool | None, timeout_s: float) -> dict[str, int]:
+    """Pid of every watched component by its watch name (Ray actors asked with one bounded call)."""
+    pids = dict(stack.env.pids()) if stack.env is not None else {}
+    actors = {}
+    if stack.workers is not None:
+        actors.update({f"vllm_worker_{i}": h for i, h in enumerate(stack.workers.handles)})
+    if stack.data_plane is not None:
+        actors.update(stack.data_plane.actors())
+    if pool is not None:
+        actors.update(pool.actors())
+    refs = [handle.__ray_call__.remote(_own_pid) for handle in actors.values()]
+    pids.update(zip(actors, ray.get(refs, timeout=timeout_s)))
+    return pids
+
+
+def unrecoverable(stack: Stack, down: dict[str, str]) -> dict[str, str]:
+    """Dead rollout-path components that `recover` cannot restart (all but the Gym servers)."""
+    env = stack.env
+    return {name: detail for name, detail in down.items() if env is None or env.server_for(name) is None}
+
+
+async def recover(stack: Stack, watch: ComponentWatch, pool: FinalizerPool | None,
+                  progress: Callable[[str], None]) -> int:
+    """Restart dead Gym servers, retire dead finalizer actors; returns how many servers restarted."""
+    await watch.poll()
+    restarted = 0
+    for name in sorted(watch.dead()):
+        server = stack.env.server_for(name) if stack.env is not None else None
+        if server is not None:
+            seconds = await stack.env.restart(server)
+            watch.recovered(name)
+            restarted += 1
+            progress(f"[health] restarted {name} (Gym server {server}) on its port in {seconds:.1f}s")
+        elif pool is not None and pool.mark_dead(name):
+            watch.recovered(name)
+            progress(f"[health] {name} taken out of rotation; the finalizer pool replaces it")
+    return restarted
+
+
+def untrainable(groups: Sequence[GroupResult], down: dict[str, str]) -> list[GroupResult]:
+    """Every kept rollout as a `component_failed` placeholder naming `down` (empty `down`: unchanged)."""
+    if not down:
+        return list(groups)
+    detail = f"step not trained: {component_failure_detail(down)}"
+    masked = []
+    for group in groups:
+        entries = [
+            Placeholder(e.rollout_id, e.group_index, e.sample_index, PlaceholderReason.COMPONENT_FAILED, detail,
+                        e.reward, e.terminal_selection) if isinstance(e, KeptRollout) else e
+            for e in group.entries
+        ]
+        masked.append(GroupResult(group.group_index, tuple(entries)))
+    return masked
+
+
+def step_deaths(watch: ComponentWatch, pool: FinalizerPool | None) -> dict[str, str]:
+    """Every component found dead during the step (watch and finalizer pool): name -> description."""
+    deaths = {d.name: d.detail for d in watch.take_deaths()}
+    if pool is not None:
+        for name, detail in pool.take_deaths().items():
+            deaths.setdefault(name, detail)
+    return deaths
+
+
+def component_metrics(deaths: dict[str, str], down: dict[str, str], restarts: int, replaced: int) -> dict[str, float]:
+    return {
+        "component/deaths": float(len(deaths)),
+        "component/down": float(len(down)),
+        "component/restarts": float(restarts),
+        "finalize/replaced_workers": float(replaced),
+    }
+
+
+def check_abort(policy: str, deaths: dict[str, str], step: int) -> None:
+    """With `abort`, raise ComponentFailedError naming every component that died in the step."""
+    if policy != "abort" or not deaths:
+        return
+    named = "; ".join(f"{name} died: {detail}" for name, detail in sorted(deaths.items()))
+    raise ComponentFailedError(
+        f"step {step}: {named}. The step was accounted and logged (component_failed placeholders) and "
+        "nothing of it was trained; token_capture.on_component_failure=abort stops the run (set it to "
+        "continue to restart Gym servers / replace finalizers and keep going)"
+    )

@@ -1,0 +1,181 @@
+"""Liveness of a run's components, checked on a cadence while a step runs: deaths are named.
+
+A component that dies mid-step (SIGKILL, OOM killer, a crash) must never turn into a silent
+stall or a pile of anonymous `run_failed` placeholders after a 10-minute deadline. This module
+says, within about one check interval, which component died and how.
+
+Contract:
+- A `Probe` is a component's name ("gate", "vllm_worker_0", "tq_storage_unit_0", ...), its
+  `role` and an async `check()` that returns None while the component lives, or a one-line
+  description of its death. `role` says what a death does to rollouts in flight:
+  `ROLLOUT_PATH` (Gym servers, vLLM workers, TransferQueue actors: every rollout depends on
+  them; a death there fails the rollouts in flight at once) or `OFF_PATH` (finalizer actors,
+  the policy worker: no rollout waits on them while it runs).
+- `ComponentWatch(probes, interval_s, probe_timeout_s)`: `probes()` is called every round, so a
+  restarted or replaced component is watched as it is now. `poll()` runs one round (probes
+  concurrently; a probe that does not answer within `probe_timeout_s` counts as alive: a busy
+  component is not a dead one, and every call into it has its own deadline). A newly dead
+  component is recorded once as a `ComponentDeath` and reported through `on_death`.
+- `down()`: the rollout-path components dead now (name -> description); `rollout_path_down` is
+  an asyncio.Event set while that is non-empty (what in-flight runs race against).
+  `recovered(name)` clears a component after it was restarted.
+- `take_deaths()`: deaths recorded since the last call (the step's `component/deaths`).
+- `watching()` is an async context manager polling every `interval_s` in a background task
+  while the body runs; the task is cancelled and awaited on exit.
+- Ray actors are probed with `ray_actor_probe` (`__ray_ready__`, bounded): `RayActorError`
+  means dead; processes we started with `process_probe` (`Popen.poll()`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import signal
+import subprocess
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+
+class Role(str, enum.Enum):
+    ROLLOUT_PATH = "rollout_path"
+    OFF_PATH = "off_path"
+
+
+@dataclass(frozen=True)
+class Probe:
+    name: str
+    role: Role
+    check: Callable[[], Awaitable[str | None]]
+
+
+@dataclass(frozen=True)
+class ComponentDeath:
+    name: str
+    role: Role
+    detail: str
+    detected_at_s: float  # time.monotonic() of the round that found it
+
+    def describe(self) -> str:
+        return f"{self.name} died: {self.detail}"
+
+
+def exit_description(code: int) -> str:
+    """`Popen.returncode` as words: "killed by SIGKILL" for -9, "exited with code 3" for 3."""
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+def process_probe(name: str, role: Role, proc: subprocess.Popen, what: str) -> Probe:
+    """A probe of a child process we started: dead once it has an exit code."""
+
+    async def check() -> str | None:
+        code = proc.poll()
+        return None if code is None else f"{what} (pid {proc.pid}) {exit_description(code)}"
+
+    return Probe(name, role, check)
+
+
+def ray_actor_probe(name: str, role: Role, handle: Any, what: str) -> Probe:
+    """A probe of a Ray actor: dead when a trivial call raises RayActorError."""
+    import ray
+
+    async def check() -> str | None:
+        try:
+            await handle.__ray_ready__.remote()
+        except ray.exceptions.RayActorError as e:
+            first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            return f"{what} (Ray actor) is gone: {first_line[:300]}"
+        return None
+
+    return Probe(name, role, check)
+
+
+class ComponentWatch:
+    def __init__(
+        self,
+        probes: Callable[[], Sequence[Probe]],
+        *,
+        interval_s: float,
+        probe_timeout_s: float,
+        on_death: Callable[[ComponentDeath], None] = lambda death: None,
+    ) -> None:
+        if interval_s <= 0 or probe_timeout_s <= 0:
+            raise ValueError(f"interval_s={interval_s} and probe_timeout_s={probe_timeout_s} must be > 0")
+        self._probes = probes
+        self._interval_s = interval_s
+        self._probe_timeout_s = probe_timeout_s
+        self._on_death = on_death
+        self._dead: dict[str, ComponentDeath] = {}
+        self._new: list[ComponentDeath] = []
+        self._event: asyncio.Event | None = None
+
+    @property
+    def rollout_path_down(self) -> asyncio.Event:
+        """Set while a rollout-path component is dead (created on first use, in the running loop)."""
+        if self._event is None:
+            self._event = asyncio.Event()
+            if self.down():
+                self._event.set()
+        return self._event
+
+    def down(self) -> dict[str, str]:
+        """Rollout-path components dead now: name -> description."""
+        return {name: d.detail for name, d in self._dead.items() if d.role is Role.ROLLOUT_PATH}
+
+    def dead(self) -> dict[str, ComponentDeath]:
+        return dict(self._dead)
+
+    def take_deaths(self) -> list[ComponentDeath]:
+        deaths, self._new = self._new, []
+        return deaths
+
+    def recovered(self, name: str) -> None:
+        self._dead.pop(name, None)
+        if self._event is not None and not self.down():
+            self._event.clear()
+
+    async def _check(self, probe: Probe) -> str | None:
+        try:
+            return await asyncio.wait_for(probe.check(), self._probe_timeout_s)
+        except asyncio.TimeoutError:
+            return None  # busy, not dead: every call into it carries its own deadline
+
+    async def poll(self) -> list[ComponentDeath]:
+        """One round over every probe; returns the components newly found dead."""
+        probes = [p for p in self._probes() if p.name not in self._dead]
+        verdicts = await asyncio.gather(*(self._check(p) for p in probes))
+        now = time.monotonic()
+        found = []
+        for probe, verdict in zip(probes, verdicts):
+            if verdict is None:
+                continue
+            death = ComponentDeath(probe.name, probe.role, verdict, now)
+            self._dead[probe.name] = death
+            self._new.append(death)
+            found.append(death)
+            self._on_death(death)
+        if self.down():
+            self.rollout_path_down.set()
+        return found
+
+    async def _loop(self) -> None:
+        while True:
+            await self.poll()
+            await asyncio.sleep(self._interval_s)
+
+    @contextlib.asynccontextmanager
+    async def watching(self) -> AsyncIterator[None]:
+        task = asyncio.ensure_future(self._loop())
+        try:
+            yield
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
