@@ -8,6 +8,10 @@ Contract (the transport, `server.py`, is a thin shell over `ChatService`):
 - token-in: the prompt is the parent's exact ids (inline `required_prefix_token_ids`, or the
   `staging_chain` resolved through the bounded `PrefixCache`; an empty inline list never counts
   as "no prefix") followed by the newly rendered tail only.
+- One admission check per admitted call: Gym's `begin_call` runs once, after the prefix is
+  resolved and the context checked and before anything is generated (its `CaptureError` is the
+  400 `invalid_capture_admission`); the `ActiveCall` it returns is restamped with the weight
+  version the generation ran under before it is completed.
 - Never a silently uncaptured success: if custody fails after generation (tail cannot be
   rendered exactly, staging fails or times out), the reply carries `capture_failed` coords and
   the reason is counted and kept in `capture_failures`.
@@ -57,7 +61,7 @@ from typing import Any, Protocol
 from jinja2 import TemplateError
 from pydantic import ValidationError
 
-from nemo_gym.token_id_capture.staging import CaptureAdmission, CaptureError, RolloutTokenCapture
+from nemo_gym.token_id_capture.staging import ActiveCall, CaptureAdmission, CaptureError, RolloutTokenCapture
 from nemo_rl.data_plane.errors import DataPlaneError
 from nemo_rl.models.generation.vllm.chat import (
     ChatTemplateTokenizer,
@@ -159,7 +163,8 @@ class Generator(Protocol):
 
 @dataclass(frozen=True)
 class _Plan:
-    admission: CaptureAdmission | None
+    admission: CaptureAdmission
+    call: ActiveCall  # from the one `begin_call`; its weight version is restamped after generation
     prefix: list[int] | None
     prompt_ids: list[int]
     tail_error: str | None
@@ -185,6 +190,15 @@ def context_overflow_message(prompt_len: int, requested: int | None, max_model_l
             "Please reduce the length of the messages or completion."
         )
     return None
+
+
+def _stamped(call: ActiveCall, weight_version: int) -> ActiveCall:
+    """`call` with the weight version its generation ran under (Gym's `begin_call` rule for it).
+
+    A fresh `ActiveCall` (never completed), so the admission is checked once, by `begin_call`."""
+    if type(weight_version) is not int or weight_version < 0:
+        raise CaptureError(f"weight_version must be a non-negative int, got {weight_version!r}")
+    return replace(call, weight_version=weight_version)
 
 
 class ServedRegistry:
@@ -422,10 +436,17 @@ class ChatService:
                 ) from e
         sampling = self._fit_context(prompt_ids, sampling)  # before any capture lifecycle step
         try:
-            self.capture.begin_call(admission, prefix_token_ids=prefix, stream=False, weight_version=0)
+            # The one admission check: Gym validates the admission against the resolved prefix here,
+            # before any token is generated. The version is provisional (a refit may land before the
+            # generation is admitted); `_serve_admitted` restamps the one the generation ran with.
+            call = self.capture.begin_call(
+                admission, prefix_token_ids=prefix, stream=False, weight_version=self._engine.weight_version
+            )
         except CaptureError as e:
             raise HttpError(400, "invalid_capture_admission", str(e), param="ng_capture") from e
-        return _Plan(admission=admission, prefix=prefix, prompt_ids=prompt_ids, tail_error=tail_error, sampling=sampling)
+        return _Plan(
+            admission=admission, call=call, prefix=prefix, prompt_ids=prompt_ids, tail_error=tail_error, sampling=sampling
+        )
 
     async def _resolve_prefix(self, admission: CaptureAdmission, body: dict) -> list[int]:
         if admission.staging_chain:
@@ -458,8 +479,9 @@ class ChatService:
         return inline
 
     async def _serve_admitted(self, plan: _Plan, result: GenerationResultLike) -> dict:
-        assert self.capture is not None and plan.admission is not None
-        call = self.capture.begin_call(plan.admission, prefix_token_ids=plan.prefix, stream=False, weight_version=result.weight_version)
+        assert self.capture is not None
+        admission = plan.admission
+        call = _stamped(plan.call, result.weight_version)
         native = self._response(result, include_logprobs=True, include_token_ids=True)
         if plan.tail_error is not None:
             coords = self.capture.fail_call(call, reason=plan.tail_error)
@@ -467,15 +489,15 @@ class ChatService:
         else:
             coords = await asyncio.to_thread(self.capture.complete_call_from_response, call, native)
             reason = None if coords.disposition == "staged" else "staging_failed (see worker log)"
-        self.stats[f"{plan.admission.mode}_calls"] += 1
+        self.stats[f"{admission.mode}_calls"] += 1
         self.stats["served_calls"] += 1
-        self._record_served(plan.admission, generated_tokens=len(result.token_ids), failure=reason)
+        self._record_served(admission, generated_tokens=len(result.token_ids), failure=reason)
         if reason is not None:
             self.stats["capture_failed"] += 1
             self.capture_failures.append(
-                {"rollout_id": plan.admission.rollout_id, "model_call_id": plan.admission.model_call_id, "reason": reason}
+                {"rollout_id": admission.rollout_id, "model_call_id": admission.model_call_id, "reason": reason}
             )
-            LOGGER.error("capture_failed rollout=%s call=%s: %s", plan.admission.rollout_id, plan.admission.model_call_id, reason)
+            LOGGER.error("capture_failed rollout=%s call=%s: %s", admission.rollout_id, admission.model_call_id, reason)
         native["ng_commit_coords"] = coords.model_dump(mode="json")
         return native
 

@@ -274,6 +274,62 @@ async def test_prefix_cache_fetches_each_parent_once(tokenizer):
     assert svc.prefix_cache.fetched_keys == 2
 
 
+class CountingCapture:
+    """Gym's capture core with its begin_call counted (everything else passes through)."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.begin_calls: list[int] = []
+
+    def begin_call(self, admission, **kwargs):
+        self.begin_calls.append(kwargs["weight_version"])
+        return self.inner.begin_call(admission, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+class RefitDuringGeneration(ScriptedEngine):
+    """The weights change between admission and generation (a refit landed in between)."""
+
+    async def generate(self, prompt_ids, sampling, request_id):
+        self.weight_version += 1
+        return await super().generate(prompt_ids, sampling, request_id)
+
+
+async def test_one_admission_check_and_the_generations_weight_version_is_staged(tokenizer):
+    gen1, gen2 = _gen(tokenizer, CALL_TEXT), _gen(tokenizer, "The answer is 17.")
+    svc, _, staging = _service(tokenizer, [])
+    engine = RefitDuringGeneration([gen1, gen2])
+    svc._engine = engine
+    counting = CountingCapture(svc.capture)
+    svc.install_token_capture(counting)
+    r1, r2 = await _root_then_token_in(svc, engine)
+    # One begin_call per admitted call, at the version current at admission (3, then 4) ...
+    assert counting.begin_calls == [3, 4]
+    # ... and each call is staged with the version its generation ran under (4, then 5).
+    assert [r["ng_commit_coords"]["weight_version"] for r in (r1, r2)] == [4, 5]
+    assert [staging.records[k].weight_version for k in ("r1/c1", "r1/c2")] == [4, 5]
+
+
+async def test_an_admission_gym_refuses_is_400_before_generation_and_may_be_retried(tokenizer):
+    gen1 = _gen(tokenizer, CALL_TEXT)
+    svc, engine, staging = _service(tokenizer, [gen1, _gen(tokenizer, "The answer is 17.")])
+    r1 = await svc.chat_completions({"messages": MESSAGES, "tools": TOOLS, "ng_capture": _admission("text", "c1")})
+    c1 = r1["ng_commit_coords"]
+    body = {"messages": _second_turn_messages(r1), "tools": TOOLS}
+    conflicting = _admission("token_in", "c2", parent="c1", prev_len=c1["cum_len"], chain=[c1["staging_key"]],
+                             parent_hash=c1["chain_hash"], inline=[1] * c1["cum_len"])
+    with pytest.raises(HttpError) as e:
+        await svc.chat_completions({**body, "ng_capture": conflicting})
+    assert (e.value.status, e.value.err_type, e.value.param) == (400, "invalid_capture_admission", "ng_capture")
+    assert e.value.message == "rollout r1 call c2: prefix_token_ids conflict with the admission's inline prefix"
+    assert len(engine.prompts) == 1 and list(staging.records) == ["r1/c1"]
+    assert [c.model_call_id for c in svc.take_served(["r1"])] == ["c1"]
+    ok = _admission("token_in", "c2", parent="c1", prev_len=c1["cum_len"], chain=[c1["staging_key"]], parent_hash=c1["chain_hash"])
+    assert (await svc.chat_completions({**body, "ng_capture": ok}))["ng_commit_coords"]["disposition"] == "staged"
+
+
 async def test_token_in_with_inline_prefix(tokenizer):
     gen1, gen2 = _gen(tokenizer, CALL_TEXT), _gen(tokenizer, "The answer is 17.")
     svc, engine, _ = _service(tokenizer, [gen1, gen2])
