@@ -12,6 +12,12 @@ Contract (the transport, `server.py`, is a thin shell over `ChatService`):
   resolved and the context checked and before anything is generated (its `CaptureError` is the
   400 `invalid_capture_admission`); the `ActiveCall` it returns is restamped with the weight
   version the generation ran under before it is completed.
+- An admitted call's reply carries no token echo, whatever the request asked (`logprobs`,
+  `return_token_ids`): no `prompt_token_ids`, no choice `token_ids`, choice `logprobs` null. The
+  staged record is the source of truth for the ids; Gym's external-staging gate strips those
+  fields unread and reads only the message, `finish_reason`, `id` and `ng_commit_coords`. The
+  capture core reads the ids from an internal payload (`_capture_payload`), never from the reply.
+  Plain calls (no admission: the legacy path) echo exactly as before.
 - Never a silently uncaptured success: if custody fails after generation (tail cannot be
   rendered exactly, staging fails or times out), the reply carries `capture_failed` coords and
   the reason is counted and kept in `capture_failures`.
@@ -199,6 +205,17 @@ def _stamped(call: ActiveCall, weight_version: int) -> ActiveCall:
     if type(weight_version) is not int or weight_version < 0:
         raise CaptureError(f"weight_version must be a non-negative int, got {weight_version!r}")
     return replace(call, weight_version=weight_version)
+
+
+def _capture_payload(result: GenerationResultLike) -> dict:
+    """What Gym's `VLLMCaptureAdapter` reads the call's ids from: prompt ids at the top level and the
+    sampled ids with their logprobs as the message-level token bundle (no chat completion is built)."""
+    return {
+        "prompt_token_ids": list(result.prompt_token_ids),
+        "choices": [
+            {"message": {"generation_token_ids": list(result.token_ids), "generation_log_probs": list(result.logprobs)}}
+        ],
+    }
 
 
 class ServedRegistry:
@@ -482,12 +499,11 @@ class ChatService:
         assert self.capture is not None
         admission = plan.admission
         call = _stamped(plan.call, result.weight_version)
-        native = self._response(result, include_logprobs=True, include_token_ids=True)
         if plan.tail_error is not None:
             coords = self.capture.fail_call(call, reason=plan.tail_error)
             reason = plan.tail_error
         else:
-            coords = await asyncio.to_thread(self.capture.complete_call_from_response, call, native)
+            coords = await asyncio.to_thread(self.capture.complete_call_from_response, call, _capture_payload(result))
             reason = None if coords.disposition == "staged" else "staging_failed (see worker log)"
         self.stats[f"{admission.mode}_calls"] += 1
         self.stats["served_calls"] += 1
@@ -498,8 +514,11 @@ class ChatService:
                 {"rollout_id": admission.rollout_id, "model_call_id": admission.model_call_id, "reason": reason}
             )
             LOGGER.error("capture_failed rollout=%s call=%s: %s", admission.rollout_id, admission.model_call_id, reason)
-        native["ng_commit_coords"] = coords.model_dump(mode="json")
-        return native
+        # No token echo: the staged record is the source of truth for the ids, and Gym's gate strips
+        # prompt_token_ids / token_ids / logprobs from an external-staging reply unread.
+        reply = self._response(result, include_logprobs=False, include_token_ids=False)
+        reply["ng_commit_coords"] = coords.model_dump(mode="json")
+        return reply
 
     def _record_served(self, admission: CaptureAdmission, *, generated_tokens: int, failure: str | None) -> None:
         served = ServedCall(

@@ -274,6 +274,35 @@ async def test_prefix_cache_fetches_each_parent_once(tokenizer):
     assert svc.prefix_cache.fetched_keys == 2
 
 
+async def test_admitted_replies_carry_no_token_echo(tokenizer):
+    gen1, gen2 = _gen(tokenizer, CALL_TEXT), _gen(tokenizer, "The answer is 17.")
+    svc, engine, staging = _service(tokenizer, [gen1, gen2])
+    echo = {"logprobs": True, "top_logprobs": 0, "return_token_ids": True, "return_tokens_as_token_ids": True}
+    r1 = await svc.chat_completions({"messages": MESSAGES, "tools": TOOLS, **echo, "ng_capture": _admission("text", "c1")})
+    c1 = r1["ng_commit_coords"]
+    adm2 = _admission("token_in", "c2", parent="c1", prev_len=c1["cum_len"], chain=[c1["staging_key"]], parent_hash=c1["chain_hash"])
+    r2 = await svc.chat_completions({"messages": _second_turn_messages(r1), "tools": TOOLS, **echo, "ng_capture": adm2})
+    for reply, gen in ((r1, gen1), (r2, gen2)):
+        assert set(reply) == {"id", "object", "created", "model", "choices", "usage", "ng_commit_coords"}
+        [choice] = reply["choices"]
+        assert set(choice) == {"index", "message", "finish_reason", "logprobs"} and choice["logprobs"] is None
+        assert reply["usage"]["completion_tokens"] == len(gen)
+    # The ids and logprobs are in the staged records, exactly as the engine produced them.
+    rec1, rec2 = staging.records["r1/c1"], staging.records["r1/c2"]
+    assert rec1.token_ids_delta == engine.prompts[0] + gen1
+    assert rec2.token_ids_delta == engine.prompts[1][c1["cum_len"] :] + gen2
+    assert rec2.generation_log_probs_delta[-len(gen2) :] == [-0.5 - 0.01 * i for i in range(len(gen2))]
+    assert rec2.token_mask_delta == [0.0] * (len(engine.prompts[1]) - c1["cum_len"]) + [1.0] * len(gen2)
+
+
+async def test_plain_calls_on_a_capture_worker_still_echo(tokenizer):
+    gen = _gen(tokenizer, "The answer is 17.")
+    svc, engine, _ = _service(tokenizer, [gen])
+    r = await svc.chat_completions({"messages": MESSAGES, "logprobs": True, "top_logprobs": 0, "return_token_ids": True})
+    assert r["prompt_token_ids"] == engine.prompts[0] and r["choices"][0]["token_ids"] == gen
+    assert [c["token"] for c in r["choices"][0]["logprobs"]["content"]] == [f"token_id:{t}" for t in gen]
+
+
 class CountingCapture:
     """Gym's capture core with its begin_call counted (everything else passes through)."""
 
@@ -396,7 +425,9 @@ async def test_capture_off_serves_legacy_token_echo(tokenizer):
     svc, engine, _ = _service(tokenizer, [gen], capture=False)
     r = await svc.chat_completions({"messages": MESSAGES, "logprobs": True, "top_logprobs": 0, "return_token_ids": True})
     assert r["prompt_token_ids"] == engine.prompts[0]
+    assert set(r) == {"id", "object", "created", "model", "choices", "usage", "prompt_token_ids"}
     choice = r["choices"][0]
+    assert set(choice) == {"index", "message", "finish_reason", "logprobs", "token_ids"}
     assert choice["token_ids"] == gen
     assert [c["token"] for c in choice["logprobs"]["content"]] == [f"token_id:{t}" for t in gen]
     assert choice["message"]["content"] == "The answer is 17."
