@@ -256,6 +256,41 @@ def test_gym_capture_core_stages_a_chain_that_linearizes(sink: TQTokenSink, sour
     assert f64_bits(row.logprobs) == f64_bits([0.0, 0.0, 0.0, -0.25, -1e-9, 0.0, 0.0, -3.5])
 
 
+def test_a_seeded_prefix_entry_equals_the_one_fetched_from_tq(sink: TQTokenSink, source: TQTokenSource) -> None:
+    """The worker seeds its prefix cache with what it staged; a worker that fetches it gets the same entries."""
+    from nemo_rl.models.generation.vllm.prefix_cache import PrefixCache
+
+    capture = RolloutTokenCapture(sink=sink, weight_version_fn=lambda: 0)
+    seeded = PrefixCache(source, max_tokens=1000)
+    rollout = f"seed-{uuid.uuid4().hex[:8]}"
+    chain: list[str] = []
+    prefix: list[int] = []
+    parent_hash, parent_id = None, None
+    for i, (tail, generated) in enumerate([([1, 2, 2**40], [4, 5]), ([6, 2**62], [8]), ([9], [10, 11, 12])]):
+        admission = CaptureAdmission(
+            rollout_id=rollout, model_call_id=f"c{i}", parent_call_id=parent_id, prev_len=len(prefix),
+            mode="token_in" if chain else "text", staging_chain=list(chain), parent_chain_hash=parent_hash,
+        )
+        call = capture.begin_call(admission, prefix_token_ids=list(prefix) if chain else None)
+        prompt = prefix + tail
+        coords = capture.complete_call(
+            call, prompt_token_ids=prompt, generated_token_ids=generated, generated_logprobs=[-0.5] * len(generated)
+        )
+        assert coords.disposition == "staged"
+        # What the worker does after a staged call (serving._seed_prefix_cache).
+        assert seeded.seed(
+            coords.staging_key, parent_key=chain[-1] if chain else None, parent_chain_hash=parent_hash,
+            delta=(prompt + generated)[admission.prev_len :], cum_len=coords.cum_len, chain_hash=coords.chain_hash,
+        )
+        chain.append(coords.staging_key)
+        prefix, parent_hash, parent_id = prompt + generated, coords.chain_hash, f"c{i}"
+    fetched = PrefixCache(source, max_tokens=1000)
+    assert fetched.resolve(chain, len(prefix), parent_hash) == prefix
+    assert fetched.fetched_keys == 3 and seeded.fetched_keys == 0
+    assert [seeded.entry(k) for k in chain] == [fetched.entry(k) for k in chain]
+    assert seeded.resolve(chain, len(prefix), parent_hash) == prefix and seeded.fetched_keys == 0
+
+
 # Finite floats the float32-packed digest accepts; float64 subnormals included on purpose.
 _LOGPROBS = st.floats(min_value=-3.0e38, max_value=3.0e38, allow_nan=False, allow_infinity=False)
 

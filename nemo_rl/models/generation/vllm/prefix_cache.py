@@ -8,14 +8,26 @@ Contract:
   (`snapshot.prev_len == len(prefix)`), and the running chain hash recomputed from the deltas
   must equal the snapshot's and, at the end, the admission's `parent_chain_hash`. Any mismatch
   raises `PrefixMismatchError`; the worker never generates from an unverified prefix.
+- `seed(key, ...)` enters a delta this worker has just staged, so the next turn of the same
+  rollout on this worker fetches nothing. A seeded entry is exactly the entry a fetch of `key`
+  in the chain `[..., parent_key, key]` would produce (`CacheEntry(parent_key, delta, cum_len,
+  chain_hash)`), and it is admitted under the same checks a fetch passes: the delta is
+  non-empty, continues `parent_key` (`cum_len - len(delta)` is the parent's length: 0 for a
+  root), and `compute_chain_hash(parent_chain_hash, delta)` equals `chain_hash`. A delta that
+  fails them is not cached (`seed` returns False and counts it in `seed_rejected`); a key
+  already cached is replaced by the seeded entry (the worker's write is what the store now
+  holds). A key that is not cached is fetched and verified by a later resolve as before.
 - The cache holds per-key deltas with a parent link (memory linear in tokens) and evicts least
-  recently used keys beyond `max_tokens`. It is thread-safe.
+  recently used keys beyond `max_tokens`; a single delta longer than `max_tokens` is never
+  cached (it would evict everything else and then itself). Fetched and seeded entries share the
+  bound. It is thread-safe.
 """
 
 from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from nemo_gym.token_id_capture.staging import StagingSource, compute_chain_hash
@@ -30,7 +42,9 @@ class PrefixMismatchError(PrefixError):
 
 
 @dataclass(frozen=True)
-class _Entry:
+class CacheEntry:
+    """One staged delta as the cache holds it: its parent's key in the chain, ids, length so far, chain hash."""
+
     parent_key: str | None
     delta: tuple[int, ...]
     cum_len: int
@@ -43,11 +57,13 @@ class PrefixCache:
             raise ValueError(f"token_capture.prefix_cache_max_tokens={max_tokens}: must be >= 0")
         self._source = source
         self._max_tokens = max_tokens
-        self._entries: OrderedDict[str, _Entry] = OrderedDict()
+        self._entries: OrderedDict[str, CacheEntry] = OrderedDict()
         self._tokens = 0
         self._lock = threading.Lock()
         self.fetched_keys = 0
         self.fetched_tokens = 0
+        self.seeded_keys = 0
+        self.seed_rejected = 0
 
     def resolve(self, chain: list[str], prev_len: int, parent_chain_hash: str | None) -> list[int]:
         if not chain:
@@ -61,9 +77,9 @@ class PrefixCache:
         if len(snapshots) != len(missing):
             raise PrefixError(f"staging source returned {len(snapshots)} snapshots for {len(missing)} keys")
         fetched = dict(zip(missing, snapshots))
-        resolved: list[tuple[str, _Entry]] = []
+        resolved: list[tuple[str, CacheEntry]] = []
         parent_key: str | None = None
-        parent: _Entry | None = None
+        parent: CacheEntry | None = None
         for key in chain:
             cum = parent.cum_len if parent else 0
             if key in cached:
@@ -77,7 +93,7 @@ class PrefixCache:
                 expected = compute_chain_hash(parent.chain_hash if parent else None, list(snap.token_ids_delta))
                 if expected != snap.chain_hash:
                     raise PrefixMismatchError(f"{key}: chain_hash {snap.chain_hash} != recomputed {expected}")
-                entry = _Entry(parent_key, tuple(snap.token_ids_delta), snap.cum_len, snap.chain_hash)
+                entry = CacheEntry(parent_key, tuple(snap.token_ids_delta), snap.cum_len, snap.chain_hash)
             resolved.append((key, entry))
             parent_key, parent = key, entry
         assert parent is not None  # chain is non-empty
@@ -98,10 +114,51 @@ class PrefixCache:
             raise PrefixMismatchError(f"concatenated prefix has {len(prefix)} ids, admission prev_len is {prev_len}")
         return prefix
 
-    def _insert(self, key: str, entry: _Entry) -> None:
+    def seed(
+        self,
+        key: str,
+        *,
+        parent_key: str | None,
+        parent_chain_hash: str | None,
+        delta: Sequence[int],
+        cum_len: int,
+        chain_hash: str,
+    ) -> bool:
+        """Cache a delta this worker staged under `key` (see the module contract).
+
+        True when the delta passed the checks (then it is cached unless it alone exceeds the bound;
+        `seeded_keys` counts the cached ones); False when it failed them (`seed_rejected`).
+        """
+        ids = tuple(delta)
+        parent_len = cum_len - len(ids)
+        consistent = (
+            len(ids) > 0
+            and (parent_len == 0 if parent_key is None else parent_len > 0)
+            and (parent_key is None) == (parent_chain_hash is None)
+            and compute_chain_hash(parent_chain_hash, list(ids)) == chain_hash
+        )
+        with self._lock:
+            if not consistent:
+                self.seed_rejected += 1
+                return False
+            old = self._entries.pop(key, None)
+            if old is not None:
+                self._tokens -= len(old.delta)
+            self._insert(key, CacheEntry(parent_key, ids, cum_len, chain_hash))
+            self.seeded_keys += key in self._entries
+            return True
+
+    def entry(self, key: str) -> CacheEntry | None:
+        """The cached entry of `key` (no LRU touch), or None."""
+        with self._lock:
+            return self._entries.get(key)
+
+    def _insert(self, key: str, entry: CacheEntry) -> None:
+        if len(entry.delta) > self._max_tokens:
+            return  # never cached: it alone is over the bound
         self._entries[key] = entry
         self._tokens += len(entry.delta)
-        while self._tokens > self._max_tokens and self._entries:
+        while self._tokens > self._max_tokens:
             _, old = self._entries.popitem(last=False)
             self._tokens -= len(old.delta)
 

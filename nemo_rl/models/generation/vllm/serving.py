@@ -18,6 +18,9 @@ Contract (the transport, `server.py`, is a thin shell over `ChatService`):
   fields unread and reads only the message, `finish_reason`, `id` and `ng_commit_coords`. The
   capture core reads the ids from an internal payload (`_capture_payload`), never from the reply.
   Plain calls (no admission: the legacy path) echo exactly as before.
+- Prefix seeding: a staged ROOT or `staging_chain` continuation enters the `PrefixCache` as the
+  entry a fetch of its key would give (`PrefixCache.seed` checks the delta against the staged
+  chain hash), so the next turn of the rollout on this worker resolves its chain without a fetch.
 - Never a silently uncaptured success: if custody fails after generation (tail cannot be
   rendered exactly, staging fails or times out), the reply carries `capture_failed` coords and
   the reason is counted and kept in `capture_failures`.
@@ -60,6 +63,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
@@ -67,7 +71,7 @@ from typing import Any, Protocol
 from jinja2 import TemplateError
 from pydantic import ValidationError
 
-from nemo_gym.token_id_capture.staging import ActiveCall, CaptureAdmission, CaptureError, RolloutTokenCapture
+from nemo_gym.token_id_capture.staging import ActiveCall, CaptureAdmission, CaptureError, CommitCoords, RolloutTokenCapture
 from nemo_rl.data_plane.errors import DataPlaneError
 from nemo_rl.models.generation.vllm.chat import (
     ChatTemplateTokenizer,
@@ -94,6 +98,7 @@ from nemo_rl.models.generation.vllm.engine import (
 )
 from nemo_rl.models.generation.vllm.prefix_cache import PrefixCache, PrefixError, PrefixMismatchError
 from nemo_rl.models.generation.vllm.request_rules import RequestFieldError, check_chat_request
+from nemo_rl.token_capture import wire_metrics  # opt-in per-call cost (benchmarks/capture_ab.py)
 from nemo_rl.token_capture.served import ServedCall
 from nemo_rl.token_capture.staging import StagedRecordInvalidError, StagingFetchError
 
@@ -505,6 +510,8 @@ class ChatService:
         else:
             coords = await asyncio.to_thread(self.capture.complete_call_from_response, call, _capture_payload(result))
             reason = None if coords.disposition == "staged" else "staging_failed (see worker log)"
+        if reason is None:
+            self._seed_prefix_cache(admission, result, coords)
         self.stats[f"{admission.mode}_calls"] += 1
         self.stats["served_calls"] += 1
         self._record_served(admission, generated_tokens=len(result.token_ids), failure=reason)
@@ -519,6 +526,37 @@ class ChatService:
         reply = self._response(result, include_logprobs=False, include_token_ids=False)
         reply["ng_commit_coords"] = coords.model_dump(mode="json")
         return reply
+
+    def _seed_prefix_cache(self, admission: CaptureAdmission, result: GenerationResultLike, coords: CommitCoords) -> None:
+        """Cache the delta just staged, so this rollout's next turn here resolves it without a fetch.
+
+        Only chain members are seeded: a ROOT (`text`) or a `staging_chain` continuation, whose key
+        follows `staging_chain[-1]` in the chain Gym names for the next turn. The cache checks the
+        delta against the staged chain hash (`PrefixCache.seed`).
+        """
+        if self.prefix_cache is None or coords.staging_key is None:
+            return
+        if admission.mode == "token_in" and not admission.staging_chain:
+            return  # an inline-prefix parent is not a staging_chain member
+        parent_key = admission.staging_chain[-1] if admission.mode == "token_in" else None
+        started = time.perf_counter()
+        delta = (list(result.prompt_token_ids) + list(result.token_ids))[admission.prev_len :]
+        accepted = self.prefix_cache.seed(
+            coords.staging_key,
+            parent_key=parent_key,
+            parent_chain_hash=admission.parent_chain_hash,
+            delta=delta,
+            cum_len=coords.cum_len,
+            chain_hash=coords.chain_hash,
+        )
+        wire_metrics.add_call_cost("prefix_seed_s", time.perf_counter() - started)
+        if not accepted:  # the engine's ids do not hash to what Gym staged: a bug, never a silent one
+            self.stats["prefix_seed_rejected"] += 1
+            LOGGER.error(
+                "prefix cache refused the delta staged as %s (it does not hash to the staged chain hash); "
+                "the next turn fetches it from the staging store",
+                coords.staging_key,
+            )
 
     def _record_served(self, admission: CaptureAdmission, *, generated_tokens: int, failure: str | None) -> None:
         served = ServedCall(

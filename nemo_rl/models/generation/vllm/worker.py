@@ -26,7 +26,9 @@ Contract:
 - `venv_info()` reports the venv this actor's interpreter runs in (`running_venv_info`: its
   folder and the spec hash in its completion marker), so a run records what its workers ran.
 - `capture_stats()["served_calls"]` counts the completions this worker produced (plain and
-  admitted), for per-worker call metrics.
+  admitted), for per-worker call metrics; `prefix_cache_fetched_keys` counts the staged deltas
+  the prefix cache read from TransferQueue, `prefix_cache_seeded_keys` the ones it took from
+  this worker's own staging writes (a same-worker continuation fetches nothing).
 """
 
 from __future__ import annotations
@@ -249,6 +251,8 @@ class VllmGenerationWorker:
             "capture_failures": list(self._service.capture_failures),
             "prefix_cache_fetched_keys": cache.fetched_keys if cache else 0,
             "prefix_cache_fetched_tokens": cache.fetched_tokens if cache else 0,
+            "prefix_cache_seeded_keys": cache.seeded_keys if cache else 0,
+            "prefix_cache_seed_rejected": cache.seed_rejected if cache else 0,
             "prefix_cache_tokens": cache.cached_tokens if cache else 0,
         }
 

@@ -254,9 +254,8 @@ async def test_hermes_parser_leaves_llama3_json_replies_as_text(llama3_tokenizer
     assert r["choices"][0]["message"] == {"role": "assistant", "content": call}
 
 
-async def test_prefix_cache_fetches_each_parent_once(tokenizer):
-    gens = [_gen(tokenizer, CALL_TEXT), _gen(tokenizer, CALL_TEXT), _gen(tokenizer, "The answer is 17.")]
-    svc, _, staging = _service(tokenizer, gens)
+async def _three_turns(svc):
+    """ROOT c1, then token-in c2 and c3 over staging_chain; returns the last reply and the chain of c3."""
     r = await svc.chat_completions({"messages": MESSAGES, "tools": TOOLS, "ng_capture": _admission("text", "c1")})
     chain, parent, coords, messages = [], "c1", r["ng_commit_coords"], MESSAGES
     for i in (2, 3):
@@ -269,6 +268,38 @@ async def test_prefix_cache_fetches_each_parent_once(tokenizer):
         r = await svc.chat_completions({"messages": messages, "tools": TOOLS, "ng_capture": adm})
         coords, parent = r["ng_commit_coords"], f"c{i}"
         assert coords["disposition"] == "staged"
+    return r, chain + [coords["staging_key"]]
+
+
+async def test_a_same_worker_continuation_fetches_nothing(tokenizer):
+    gens = [_gen(tokenizer, CALL_TEXT), _gen(tokenizer, CALL_TEXT), _gen(tokenizer, "The answer is 17.")]
+    svc, engine, staging = _service(tokenizer, gens)
+    await _three_turns(svc)
+    # Each staged delta was seeded into the cache by the call that staged it: turns 2 and 3 fetched nothing.
+    assert staging.fetches == []
+    assert (svc.prefix_cache.fetched_keys, svc.prefix_cache.seeded_keys, svc.prefix_cache.seed_rejected) == (0, 3, 0)
+    assert engine.prompts[2][: len(engine.prompts[1])] == engine.prompts[1]
+
+
+async def test_a_seeded_entry_is_exactly_what_a_fetch_returns(tokenizer):
+    gens = [_gen(tokenizer, CALL_TEXT), _gen(tokenizer, CALL_TEXT), _gen(tokenizer, "The answer is 17.")]
+    svc, _, staging = _service(tokenizer, gens)
+    _, chain = await _three_turns(svc)
+    last = staging.records[chain[-1]]
+    # Another worker (a fresh cache over the same store) resolves the whole chain by fetching each key once.
+    fresh = PrefixCache(staging, max_tokens=100_000)
+    prefix = fresh.resolve(chain, last.cum_len, last.chain_hash)
+    assert staging.fetches == [chain] and fresh.fetched_keys == 3
+    assert [fresh.entry(k) for k in chain] == [svc.prefix_cache.entry(k) for k in chain]
+    assert prefix == [t for k in chain for t in staging.records[k].token_ids_delta]
+    assert svc.prefix_cache.resolve(chain, last.cum_len, last.chain_hash) == prefix  # from the seeded entries
+
+
+async def test_prefix_cache_fetches_each_parent_once(tokenizer):
+    gens = [_gen(tokenizer, CALL_TEXT), _gen(tokenizer, CALL_TEXT), _gen(tokenizer, "The answer is 17.")]
+    svc, _, staging = _service(tokenizer, gens)
+    svc.prefix_cache.seed = lambda key, **entry: True  # a worker that never seeds: every parent comes from the store
+    await _three_turns(svc)
     # Turn 3 needed keys c1 and c2 but fetched only c2: c1 was cached when turn 2 resolved it.
     assert staging.fetches == [["r1/c1"], ["r1/c2"]]
     assert svc.prefix_cache.fetched_keys == 2
