@@ -54,8 +54,8 @@ Contract of the pure part:
 - `http_links(files, gate_role)`: body bytes per link (`LINKS`) from the wire files of one arm.
 - `route_times_ms(files, gate_role)`: mean server-side ms per request of each `ROUTE_TIMES` route.
 - `call_costs(samples)`: capture's added time per worker chat call (`begin_call_s` +
-  `prefix_fetch_s` + `commit_s`) against the rest of the call (`total_s` - added), p50/p99;
-  each part's own p50/p99 is over the calls that report it (prefix fetches: token-in calls).
+  `prefix_fetch_s` + `commit_s` + `prefix_seed_s`) against the rest of the call (`total_s` - added), p50/p99;
+  each part's own p50/p99 is over the calls that report it (prefix fetches: token-in calls that fetched).
 - `summarize_ab(arms)` / `top_level(ab, synthetic)`: spreads over repeats, capture/legacy ratios
   of the medians, and the `TOP_LEVEL_KEYS` (None for a part that was skipped).
 """
@@ -87,8 +87,8 @@ EXACTNESS_KEYS = ("token_mult_prob_error", "gen_kl_error")
 # Links between the processes, by which server counted the bodies (see `http_links`).
 LINKS = ("agent_gate", "gate_worker", "driver_agent", "driver_gate_control", "agent_resources", "agent_internal")
 HEADLINE_LINKS = ("agent_gate", "gate_worker")
-CALL_COST_PARTS = ("begin_call_s", "prefix_fetch_s", "commit_s", "stage_s")
-ADDED_PARTS = ("begin_call_s", "prefix_fetch_s", "commit_s")  # stage_s is inside commit_s
+CALL_COST_PARTS = ("begin_call_s", "prefix_fetch_s", "commit_s", "stage_s", "prefix_seed_s")
+ADDED_PARTS = ("begin_call_s", "prefix_fetch_s", "commit_s", "prefix_seed_s")  # stage_s is inside commit_s
 # results.json top level: step_s median capture/legacy; headline HTTP bytes per trained token
 # capture/legacy; added worker time per call / the rest of the call, p50 (capture arms);
 # token_mult_prob_error per path; capture rows whose ids differ from their re-tokenized text;
@@ -246,7 +246,8 @@ def route_times_ms(files: Sequence[Mapping[str, Any]], gate_role: str = GATE_ROL
 def call_costs(samples: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """Capture's added time per successful worker chat call, absolute and as a fraction of the rest.
 
-    added = begin_call_s + prefix_fetch_s + commit_s (commit includes the staging write, stage_s);
+    added = begin_call_s + prefix_fetch_s + commit_s + prefix_seed_s (commit includes the staging write,
+    stage_s; the seed enters the staged delta into the worker's prefix cache);
     the rest of the call (total_s - added) is generation plus rendering and parsing.
     """
     ok = [s for s in samples if int(s.get("status", 0)) == 200]
@@ -895,18 +896,20 @@ def write_report(path: Path, results: Mapping[str, Any]) -> None:
             "", f"Ratio capture/legacy: headline {_fmt(ab['http']['headline_ratio'])}, all links "
             f"{_fmt(ab['http']['all_links_ratio'])}.", "",
             "## Per-call latency added by capture at the worker", "",
-            "added = both `begin_call`s + prefix fetch from TQ + commit (digests + staging write); "
-            "fraction = added / (call time - added).", "",
+            "added = `begin_call` + prefix fetch from TQ + commit (digests + staging write) + prefix cache seed; "
+            "fraction = added / (call time - added). A token-in call whose parents this worker staged "
+            "resolves them from its prefix cache and fetches nothing.", "",
             "| | p50 | p99 |", "|---|---|---|"]
         cc = ab["call_costs"]["capture"]
         lines += [
             f"| added (ms) | {_fmt(cc['added_ms_p50'])} | {_fmt(cc['added_ms_p99'])} |",
             f"| fraction of the call | {_fmt(cc['fraction_p50'])} | {_fmt(cc['fraction_p99'])} |",
-            f"| begin_call x2 (ms) | {_fmt(cc['begin_call_ms_p50'])} | {_fmt(cc['begin_call_ms_p99'])} |",
-            f"| prefix fetch, token-in calls (ms) | {_fmt(cc['prefix_fetch_ms_p50'])} | "
-            f"{_fmt(cc['prefix_fetch_ms_p99'])} |",
+            f"| begin_call (ms) | {_fmt(cc['begin_call_ms_p50'])} | {_fmt(cc['begin_call_ms_p99'])} |",
+            f"| prefix fetch, calls that fetched: {cc['prefix_fetch_calls']} (ms) | "
+            f"{_fmt(cc['prefix_fetch_ms_p50'])} | {_fmt(cc['prefix_fetch_ms_p99'])} |",
             f"| commit incl. stage (ms) | {_fmt(cc['commit_ms_p50'])} | {_fmt(cc['commit_ms_p99'])} |",
             f"| stage: TQ write (ms) | {_fmt(cc['stage_ms_p50'])} | {_fmt(cc['stage_ms_p99'])} |",
+            f"| prefix cache seed (ms) | {_fmt(cc['prefix_seed_ms_p50'])} | {_fmt(cc['prefix_seed_ms_p99'])} |",
             f"| rest of the call (ms) | {_fmt(cc['rest_ms_p50'])} | |",
             "", f"{cc['calls']} capture calls sampled; legacy calls: {ab['call_costs']['legacy']['calls']} "
             f"(rest p50 {_fmt(ab['call_costs']['legacy']['rest_ms_p50'])} ms).", "",
@@ -1024,7 +1027,7 @@ def write_plots(out: Path, results: Mapping[str, Any]) -> list[str]:
         written.append("http_bytes.png")
 
         fig, ax = plt.subplots(figsize=(7, 4))
-        parts = ["begin_call_ms", "prefix_fetch_ms", "commit_ms", "stage_ms"]
+        parts = ["begin_call_ms", "prefix_fetch_ms", "commit_ms", "stage_ms", "prefix_seed_ms"]
         cc = ab["call_costs"]["capture"]
         ax.bar([p[:-3] for p in parts], [cc[f"{p}_p50"] for p in parts], label="p50")
         ax.bar([p[:-3] for p in parts], [cc[f"{p}_p99"] - cc[f"{p}_p50"] for p in parts],
