@@ -8,6 +8,8 @@ Contract (capture mode; the legacy loop has no watch and is unchanged):
 - During a step (`ComponentWatch.watching()`), the rollout manager ends every in-flight run at
   the first rollout-path death: each becomes a `component_failed` placeholder naming it, so the
   step is accounted (dispatched == kept + placeholders) and logged, never stalled.
+- A dead finalizer actor is taken out of the pool's rotation as soon as the watch finds it (its
+  queued items fail as `finalizer_unavailable` placeholders or go to its replacement).
 - `abort`: at the end of that step (after its metrics line) `check_abort` raises
   `ComponentFailedError` naming every component that died in it, finalizers found dead by the
   pool included. Nothing of the step is trained.
@@ -66,6 +68,9 @@ def build_watch(
             "(token_capture.on_component_failure=continue)"
         )
         progress(f"[health] {death.describe()}; {then}")
+        if pool is not None and pool.mark_dead(death.name):
+            # No item waits on an actor already found dead; the pool replaces it once idle.
+            progress(f"[health] {death.name} taken out of rotation; the finalizer pool replaces it")
 
     return ComponentWatch(probes, interval_s=cfg.component_check_interval_s,
                           probe_timeout_s=cfg.component_probe_timeout_s, on_death=announce)
@@ -130,12 +135,18 @@ def untrainable(groups: Sequence[GroupResult], down: dict[str, str]) -> list[Gro
     return masked
 
 
-def step_deaths(watch: ComponentWatch, pool: FinalizerPool | None) -> dict[str, str]:
-    """Every component found dead during the step (watch and finalizer pool): name -> description."""
+def step_deaths(watch: ComponentWatch, pool: FinalizerPool | None, progress: Callable[[str], None]) -> dict[str, str]:
+    """Every component found dead during the step (watch and finalizer pool): name -> description.
+
+    A finalizer actor the pool found dead by a failed call (before the watch's next round) is
+    announced here: the pool has already replaced it.
+    """
     deaths = {d.name: d.detail for d in watch.take_deaths()}
     if pool is not None:
         for name, detail in pool.take_deaths().items():
-            deaths.setdefault(name, detail)
+            if name not in deaths:
+                deaths[name] = detail
+                progress(f"[health] {name} died: {detail}; the finalizer pool replaced it")
     return deaths
 
 

@@ -469,7 +469,7 @@ async def rollout_step(run: GRPORun, step: int) -> tuple[list[GroupResult], dict
         metrics.update(worker_call_metrics(run.worker_calls, calls_now))
         run.worker_calls = calls_now
     if run.watch is not None:
-        run.step_component_deaths = step_deaths(run.watch, run.pool)
+        run.step_component_deaths = step_deaths(run.watch, run.pool, run.progress)
         replaced = run.pool.replacements - replaced_before if run.pool is not None else 0
         metrics.update(component_metrics(run.step_component_deaths, down, restarts, replaced))
         if cfg.token_capture.on_component_failure == "continue":

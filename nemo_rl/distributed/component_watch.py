@@ -72,6 +72,12 @@ def exit_description(code: int) -> str:
     return f"exited with code {code}"
 
 
+def first_line(error: BaseException, limit: int = 300) -> str:
+    """The first line of an error's message (Ray's run to dozens of lines), or its type name."""
+    text = str(error).strip()
+    return text.splitlines()[0][:limit] if text else type(error).__name__
+
+
 def process_probe(name: str, role: Role, proc: subprocess.Popen, what: str) -> Probe:
     """A probe of a child process we started: dead once it has an exit code."""
 
@@ -90,8 +96,7 @@ def ray_actor_probe(name: str, role: Role, handle: Any, what: str) -> Probe:
         try:
             await handle.__ray_ready__.remote()
         except ray.exceptions.RayActorError as e:
-            first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            return f"{what} (Ray actor) is gone: {first_line[:300]}"
+            return f"{what} (Ray actor) is gone: {first_line(e)}"
         return None
 
     return Probe(name, role, check)

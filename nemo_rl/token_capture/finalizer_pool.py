@@ -40,7 +40,7 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from nemo_rl.data_plane import DataPlaneClient, DataPlaneConfig
-from nemo_rl.distributed.component_watch import Probe, Role, ray_actor_probe
+from nemo_rl.distributed.component_watch import Probe, Role, first_line, ray_actor_probe
 from nemo_rl.token_capture.config import TokenCaptureConfig
 from nemo_rl.token_capture.finalizer import SnapshotSource, fetch_snapshots
 from nemo_rl.token_capture.judge import RolloutEvidence, judge_rollout
@@ -250,10 +250,9 @@ class FinalizerPool:
                                 f"finalizer worker {slot.index} gave no answer within {self._call_timeout_s}s")
         except RayActorError as error:
             slot.suspect = True
-            self._deaths.setdefault(slot.name, f"finalizer worker {slot.index} (Ray actor) died: {str(error).strip()[:300]}")
-            return self._failed(
-                item, PlaceholderReason.FINALIZER_UNAVAILABLE, f"finalizer worker {slot.index} died: {error}"
-            )
+            cause = first_line(error)
+            self._deaths.setdefault(slot.name, f"finalizer worker {slot.index} (Ray actor) died: {cause}")
+            return self._failed(item, PlaceholderReason.FINALIZER_UNAVAILABLE, f"finalizer worker {slot.index} died: {cause}")
         finally:
             self._release(slot)
         wait_ms = max(0.0, (reply.started_at_s - submitted_at_s) * 1000.0)

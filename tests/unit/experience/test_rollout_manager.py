@@ -230,11 +230,11 @@ def _config(*, enabled=True, run_timeout_s=0.05, retire=True, stage_timeout_s=1.
     return RolloutManagerConfig(run_id="run7", run_timeout_s=run_timeout_s, capture=capture)
 
 
-def _manager(script, *, cleaner=None, served=None, **cfg):
+def _manager(script, *, cleaner=None, served=None, health=None, **cfg):
     config = _config(**cfg)
     env, finalizer, cleaner = ScriptedEnv(script), ScriptedFinalizer(script, config.capture), cleaner or RecordingCleaner()
     served = served or ScriptedServed(script)
-    return RolloutManager(config, env, finalizer, cleaner, served), env, finalizer, cleaner
+    return RolloutManager(config, env, finalizer, cleaner, served, health), env, finalizer, cleaner
 
 
 def _kind_of(entry):
@@ -554,3 +554,93 @@ async def test_a_failed_worker_aborts_instead_of_degrading_the_served_report():
     with pytest.raises(WorkerFailedError, match="engine dead"):
         await manager.run_group(0, 0, {}, 1)
     assert manager.take_served_report_failures() == 0
+
+
+# --- component deaths (the component watch's view, faked) --------------------------------------
+
+
+class FakeHealth:
+    """The watch as the manager sees it; `found_on_poll` dies when the manager asks for a round."""
+
+    def __init__(self, down: dict[str, str] | None = None, found_on_poll: dict[str, str] | None = None) -> None:
+        self._down = dict(down or {})
+        self._found_on_poll = dict(found_on_poll or {})
+        self.rollout_path_down = asyncio.Event()
+        self.polls = 0
+        if self._down:
+            self.rollout_path_down.set()
+
+    def down(self) -> dict[str, str]:
+        return dict(self._down)
+
+    async def poll(self) -> None:
+        self.polls += 1
+        self._down.update(self._found_on_poll)
+        if self._down:
+            self.rollout_path_down.set()
+
+    def kill(self, name: str, detail: str) -> None:
+        self._down[name] = detail
+        self.rollout_path_down.set()
+
+
+GATE_DEATH = "Gym server policy_model (pid 12) killed by SIGKILL"
+
+
+async def test_runs_in_flight_end_at_once_when_a_rollout_path_component_dies():
+    health = FakeHealth()
+    manager, env, finalizer, cleaner = _manager(["hang", "success", "hang"], run_timeout_s=600.0, health=health)
+    task = asyncio.create_task(manager.run_group(2, 0, {}, 3))
+    while len(env.runs) < 3:
+        await asyncio.sleep(0.01)
+    began = time.monotonic()
+    health.kill("gate", GATE_DEATH)
+    group = await asyncio.wait_for(task, 5.0)
+
+    assert time.monotonic() - began < 1.0  # not the 600 s run deadline
+    assert [_kind_of(e) for e in group.entries] == [R.COMPONENT_FAILED, KeptRollout, R.COMPONENT_FAILED]
+    assert group.entries[0].detail == f"gate died: {GATE_DEATH}"
+    assert len(finalizer.items) == 3 and len(cleaner.cleared) == 1  # judged and retired like any group
+
+
+async def test_a_run_that_starts_while_a_component_is_down_fails_without_dispatch():
+    health = FakeHealth(down={"vllm_worker_0": "vLLM worker 0 (Ray actor) is gone: killed", "gate": GATE_DEATH})
+    manager, env, _, _ = _manager(["success", "success"], health=health)
+    group = await manager.run_group(0, 0, {}, 2)
+
+    assert env.runs == []
+    assert [(e.reason, e.detail) for e in group.entries] == [
+        (R.COMPONENT_FAILED, f"gate died: {GATE_DEATH}; vllm_worker_0 died: vLLM worker 0 (Ray actor) is gone: killed"),
+    ] * 2
+
+
+async def test_a_failed_run_asks_the_watch_before_blaming_the_rollout():
+    health = FakeHealth(found_on_poll={"gate": GATE_DEATH})
+    manager, _, _, _ = _manager(["run_error"], health=health)
+    (entry,) = (await manager.run_group(0, 0, {}, 1)).entries
+
+    assert health.polls == 1
+    assert entry.reason is R.COMPONENT_FAILED
+    assert entry.detail.startswith(f"gate died: {GATE_DEATH} (the run reported: GymRunError: rollout ")
+
+
+async def test_a_failed_run_with_every_component_alive_stays_the_rollouts_failure():
+    health = FakeHealth()
+    manager, _, _, _ = _manager(["run_error", "success"], health=health)
+    group = await manager.run_group(0, 0, {}, 2)
+
+    assert health.polls == 1  # only the failed run asked
+    assert [_kind_of(e) for e in group.entries] == [R.RUN_FAILED, KeptRollout]
+
+
+async def test_retention_failure_while_a_component_is_down_is_counted_not_raised():
+    health = FakeHealth()
+    cleaner = RecordingCleaner(error=ConnectionError("storage unit gone"))
+    manager, _, _, _ = _manager(["hang"], cleaner=cleaner, health=health, run_timeout_s=600.0)
+    task = asyncio.create_task(manager.run_group(0, 0, {}, 1))
+    await asyncio.sleep(0.05)
+    health.kill("tq_storage_unit_0", "TransferQueue storage_unit_0 (Ray actor) is gone: killed")
+    group = await asyncio.wait_for(task, 5.0)
+
+    assert group.entries[0].reason is R.COMPONENT_FAILED
+    assert (manager.take_retention_failures(), manager.take_retention_failures()) == (1, 0)

@@ -243,18 +243,48 @@ async def test_dead_worker_is_finalizer_unavailable_then_replaced(ray_cluster, c
     pool = FinalizerPool(1, functools.partial(FakeSource, _by_key(chain)), call_timeout_s=60.0, cfg=CFG)
     try:
         await pool.wait_ready(READY_TIMEOUT_S)
+        assert [p.name for p in pool.probes()] == ["finalizer_0"]
+        assert [await p.check() for p in pool.probes()] == [None]
         ray.kill(pool._workers[0].handle, no_restart=True)
         await _until_dead(pool._workers[0].handle, 60.0)
+        (probe,) = pool.probes()
+        verdict = await probe.check()
         (dead,) = await pool.finalize_group([item])
+        deaths, again = pool.take_deaths(), pool.take_deaths()
         await pool.wait_ready(READY_TIMEOUT_S)
         (alive,) = await pool.finalize_group([item])
+        replaced_probes = [(p.name, await p.check()) for p in pool.probes()]
     finally:
         pool.shutdown()
 
+    assert verdict.startswith("finalizer worker finalizer_0 (Ray actor) is gone: ")
     assert dead.result.reason is PlaceholderReason.FINALIZER_UNAVAILABLE
     assert dead.result.detail.startswith("finalizer worker 0 died: ")
     assert dead.queue_wait_ms is None
+    assert list(deaths) == ["finalizer_0"] and deaths["finalizer_0"].startswith("finalizer worker 0 (Ray actor) died: ")
+    assert again == {}  # reported once
     assert isinstance(alive.result, KeptRollout)
+    assert replaced_probes == [("finalizer_0_r1", None)]  # the replacement is watched afresh
+
+
+async def test_mark_dead_replaces_an_idle_actor_at_once(ray_cluster, chains):
+    chain, item = _item(chains, "r-a", 0)
+    pool = FinalizerPool(2, functools.partial(FakeSource, _by_key(chain)), call_timeout_s=60.0, cfg=CFG)
+    try:
+        await pool.wait_ready(READY_TIMEOUT_S)
+        old = pool._workers[1].handle
+        marked, unknown = pool.mark_dead("finalizer_1"), pool.mark_dead("finalizer_7")
+        names = sorted(pool.actors())
+        await pool.wait_ready(READY_TIMEOUT_S)
+        outcomes = await pool.finalize_group([item, item])
+        await _until_dead(old, 60.0)  # the replaced actor was killed
+    finally:
+        pool.shutdown()
+
+    assert (marked, unknown) == (True, False)
+    assert names == ["finalizer_0", "finalizer_1_r1"] and pool.replacements == 1
+    assert [type(o.result) for o in outcomes] == [KeptRollout, KeptRollout]
+    assert pool.take_deaths() == {}  # taken out of rotation by the watch, not found dead by a call
 
 
 async def test_a_judge_exception_is_a_finalizer_bug_not_a_placeholder(ray_cluster, chains):

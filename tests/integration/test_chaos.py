@@ -1,0 +1,219 @@
+"""Chaos through the real stack: SIGKILL a component mid-step, check the run's verdict and accounting.
+
+Two driver runs (two stack starts) cover the four components and both policies of
+`token_capture.on_component_failure`:
+
+- `continue` (one run, three kills): the gate (Gym's model server) as step 2 is dispatched; the
+  finalizer actor once step 3's first group is accounted (the other groups are finalizing or
+  about to, queued on it); a TransferQueue storage unit as step 4 is dispatched. Expected: step 2's
+  rollouts become `component_failed` placeholders naming the gate within seconds (not the
+  10-minute run deadline), the gate is restarted before step 3 and step 3 trains again; the dead
+  finalizer is replaced and nothing it held is lost; with the storage unit dead nothing can be
+  verified, steps 4 and 5 are masked, and the run stops with `MaskedStepsError`
+  (`max_consecutive_masked_steps=2`) naming the storage unit.
+- `abort`: the vLLM worker as step 2 is dispatched. The run stops with `ComponentFailedError`
+  naming `vllm_worker_0`, after step 2's accounting line, with nothing of step 2 trained.
+
+Every step of both runs: dispatched == kept + placeholders, and the rows trained are exactly the
+rows finalized that step (nothing trained twice, nothing from a masked step). The kills are by
+PID, read from the run's own `run_info.json` (`components`); processes the run leaves behind are
+listed, killed by PID and reported.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from tests.integration.process_family import (
+    TAG_VAR,
+    _command,
+    _descendants,
+    _kill_leftovers,
+    _ray_temp_dirs,
+    _snapshot,
+    _still_there,
+    _tagged,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+RECIPE = "examples/configs/grpo_capture_tiny_cpu.yaml"
+RUN_DEADLINE_S = 1500
+# A dead component must be named, and the step accounted, long before any rollout deadline
+# (`env.run_timeout_s` is 600 s): detection is within component_check_interval_s (1 s).
+STEP_AFTER_DEATH_MAX_S = 60.0
+
+
+@dataclass
+class Kill:
+    trigger: str  # a regex matched against the driver's output lines
+    component: str  # a key of run_info.json["components"]
+    killed_at: float | None = None
+    pid: int | None = None
+
+
+@dataclass
+class ChaosRun:
+    returncode: int
+    output: str
+    metrics: list[dict]
+    kills: list[Kill]
+    exited_at: float
+    leftovers: dict[int, str] = field(default_factory=dict)
+
+
+def _jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def _drive(tmp: Path, overrides: list[str], kills: list[Kill]) -> ChaosRun:
+    """Run the driver; SIGKILL each component when its trigger line appears (in order)."""
+    log_dir = tmp / "logs"
+    out = tmp / "driver.out"
+    tag = uuid.uuid4().hex
+    env = {**os.environ, "PYTHONPATH": str(REPO), TAG_VAR: tag}
+    command = [sys.executable, "examples/run_grpo_single_controller.py", "--config", RECIPE,
+               f"logger.log_dir={log_dir}", *overrides]
+    family: dict[int, int] = {}
+    pending = list(kills)
+    end = time.monotonic() + RUN_DEADLINE_S
+    with out.open("wb") as sink:
+        proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=sink, stderr=subprocess.STDOUT)
+    try:
+        while proc.poll() is None:
+            if time.monotonic() > end:
+                pytest.fail(f"the run did not end within {RUN_DEADLINE_S}s:\n{out.read_text()[-6000:]}")
+            family.update(_snapshot(_descendants(proc.pid)))
+            if pending and re.search(pending[0].trigger, out.read_text(errors="replace"), re.MULTILINE):
+                kill = pending.pop(0)
+                pids = json.loads((log_dir / "run_info.json").read_text())["components"]
+                kill.pid = pids[kill.component]
+                os.kill(kill.pid, signal.SIGKILL)
+                kill.killed_at = time.monotonic()
+                print(f"[chaos] SIGKILL {kill.component} (pid {kill.pid}) on /{kill.trigger}/")
+            time.sleep(0.05)
+        exited_at = time.monotonic()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+        family.update(_snapshot(_tagged(tag)))
+        family.pop(proc.pid, None)
+        ray_dirs = _ray_temp_dirs(set(family))
+        time.sleep(2.0)  # what shares the driver's fate has had time to go
+        leftovers = {pid: _command(pid) for pid in _still_there(family)}
+        _kill_leftovers(family)
+        for d in ray_dirs:
+            shutil.rmtree(d, ignore_errors=True)
+    assert not pending, f"triggers never seen: {[k.trigger for k in pending]}\n{out.read_text()[-6000:]}"
+    return ChaosRun(proc.returncode, out.read_text(errors="replace"), _jsonl(log_dir / "metrics.jsonl"), kills,
+                    exited_at, leftovers)
+
+
+def _check_every_step(run: ChaosRun) -> None:
+    for m in run.metrics:
+        assert m["rollouts/dispatched"] == m["finalize/kept_rollouts"] + m["finalize/placeholders"], m
+        if "train/num_samples" in m:  # trained: exactly the rows finalized this step
+            assert m["train/num_samples"] == m["finalize/rows"] > 0, m
+        else:
+            assert m["finalize/kept_rollouts"] == 0, m
+
+
+@pytest.fixture(scope="module")
+def continue_run(tmp_path_factory) -> ChaosRun:
+    overrides = [
+        "token_capture.on_component_failure=continue", "token_capture.max_consecutive_masked_steps=2",
+        "grpo.max_num_steps=8", "grpo.num_prompts_per_step=4",
+    ]
+    kills = [
+        Kill(r"^\[step 2\] dispatching", "gate"),
+        Kill(r"^\[step 3\] group \d+/4", "finalizer_0"),
+        Kill(r"^\[step 4\] dispatching", "tq_storage_unit_0"),
+    ]
+    return _drive(tmp_path_factory.mktemp("chaos_continue"), overrides, kills)
+
+
+@pytest.fixture(scope="module")
+def abort_run(tmp_path_factory) -> ChaosRun:
+    overrides = ["token_capture.on_component_failure=abort", "grpo.max_num_steps=3"]
+    return _drive(tmp_path_factory.mktemp("chaos_abort"), overrides, [Kill(r"^\[step 2\] dispatching", "vllm_worker_0")])
+
+
+@pytest.mark.integration
+def test_continue_gate_death_is_named_at_once_and_the_restarted_gate_is_picked_up(continue_run: ChaosRun) -> None:
+    _check_every_step(continue_run)
+    by_step = {m["step"]: m for m in continue_run.metrics}
+    step2, step3 = by_step[2], by_step[3]
+    assert step2["component/deaths"] == 1.0
+    assert step2["finalize/placeholders/component_failed"] == step2["rollouts/dispatched"] == 16.0
+    assert step2["timing/generation_s"] < STEP_AFTER_DEATH_MAX_S
+    assert "[health] gate died: Gym server policy_model" in continue_run.output
+    assert "killed by SIGKILL" in continue_run.output
+    assert step3["component/restarts"] == 1.0
+    assert "[health] restarted gate (Gym server policy_model)" in continue_run.output
+    assert step3["finalize/kept_rollouts"] > 0 and "train/num_samples" in step3
+
+
+@pytest.mark.integration
+def test_continue_finalizer_death_loses_nothing_and_is_replaced(continue_run: ChaosRun) -> None:
+    by_step = {m["step"]: m for m in continue_run.metrics}
+    # Found dead by the watch or by a failed call during step 3, or at the latest before step 4.
+    replaced = by_step[3]["finalize/replaced_workers"] + by_step[4]["finalize/replaced_workers"]
+    assert replaced == 1.0
+    assert "finalizer_0 died" in continue_run.output
+    # Items queued on the dead actor are placeholders (`finalizer_unavailable`) or went to its
+    # replacement; either way every rollout of step 3 is accounted and the step still trains.
+    step3 = by_step[3]
+    assert step3["finalize/kept_rollouts"] + step3["finalize/placeholders"] == step3["rollouts/dispatched"] == 16.0
+    assert step3["finalize/kept_rollouts"] > 0 and step3["train/num_samples"] == step3["finalize/rows"]
+
+
+@pytest.mark.integration
+def test_continue_dead_storage_unit_masks_steps_then_the_run_stops_loudly(continue_run: ChaosRun) -> None:
+    by_step = {m["step"]: m for m in continue_run.metrics}
+    assert sorted(by_step) == [1, 2, 3, 4, 5]  # steps 4 and 5 masked: the streak limit (2) stops the run
+    for step in (4, 5):
+        m = by_step[step]
+        assert m["finalize/placeholders/component_failed"] == m["rollouts/dispatched"] == 16.0, m
+        assert m["component/down"] == 1.0 and m["steps/masked_consecutive"] == float(step - 3)
+        assert "retention/staged_keys_remaining" not in m  # a dead data plane cannot list its keys
+    assert by_step[4]["component/deaths"] == 1.0
+    assert continue_run.returncode != 0
+    assert "MaskedStepsError" in continue_run.output
+    assert "Down: tq_storage_unit_0 died: TransferQueue storage_unit_0 (Ray actor) is gone" in continue_run.output
+    tq_kill = continue_run.kills[2]
+    assert continue_run.exited_at - tq_kill.killed_at < 2 * STEP_AFTER_DEATH_MAX_S + 60.0  # + teardown
+    for step in (1, 3):
+        assert by_step[step]["retention/staged_keys_remaining"] == 0.0
+        assert by_step[step]["retention/ledger_files_remaining"] == 0.0
+
+
+@pytest.mark.integration
+def test_abort_worker_death_stops_the_run_naming_it_after_the_step_is_accounted(abort_run: ChaosRun) -> None:
+    _check_every_step(abort_run)
+    assert abort_run.returncode != 0
+    assert "ComponentFailedError: step 2: vllm_worker_0 died: vLLM worker 0 (Ray actor) is gone" in abort_run.output
+    assert [m["step"] for m in abort_run.metrics] == [1, 2]
+    step2 = abort_run.metrics[1]
+    assert step2["component/deaths"] >= 1.0
+    assert step2["finalize/placeholders/component_failed"] == step2["rollouts/dispatched"] == 8.0
+    assert "train/num_samples" not in step2
+    kill = abort_run.kills[0]
+    assert abort_run.exited_at - kill.killed_at < STEP_AFTER_DEATH_MAX_S + 60.0  # + teardown
+
+
+@pytest.mark.integration
+def test_no_process_outlives_a_chaos_run(continue_run: ChaosRun, abort_run: ChaosRun) -> None:
+    assert continue_run.leftovers == {}
+    assert abort_run.leftovers == {}
