@@ -22,7 +22,7 @@ output goes to `DIR/driver.log`; its `[step k] dispatching` line marks the start
 each line appended to `DIR/logs/metrics.jsonl` marks the end of its step.
 
 Outputs: `DIR/soak.json`, `DIR/report.md`, `DIR/samples.jsonl` (every sample: seconds since the
-start, MiB per component), `DIR/driver.log`. Progress lines (`[soak] ...`) go to stdout.
+start, MiB per component and its anonymous part, processes per component), `DIR/driver.log`. Progress lines (`[soak] ...`) go to stdout.
 Exit status: 0 when every check passed, 1 when a check failed (both write the outputs), 2 when
 the run itself failed (the driver exited non-zero or passed `--timeout-s`: the outputs hold what
 was sampled, and the error names the driver's exit and its log; or a `SoakError`: a reused
@@ -47,6 +47,8 @@ Checks (`soak.json["checks"]`, each `{"ok": true | false | null, "detail": str}`
 - `bounded`: no component of `VERDICT_COMPONENTS` is "growing" (see `growth_verdict`) from the
   peak of step `--base-step` (2: step 1 carries first-use costs — compilation, allocator arenas,
   caches filling) to the peak of the last step; null when the run has no step after the base.
+  Defaults `--growth-pct 15 --growth-floor-mib 64`: the measured step-to-step jitter and why they
+  fit it are in the Soak section of docs/design-docs/token-capture-reliability.md.
 
 Contract of the pure part (tests/unit/benchmarks/test_soak.py):
 - `classify(pid, root_pid, cmdline)`: "driver" for `root_pid`, else the first component of

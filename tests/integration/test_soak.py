@@ -6,9 +6,10 @@ cluster and a tmp log dir, and samples the RSS of every component every 0.5 s), 
 (rows kept, every continuation served from exact parent ids, nothing poisoned), multi-turn
 rollouts, retention (no staged key, no ledger file left after each step), every component's RSS
 sampled, and no component growing beyond the soak's threshold from step 2 to step 3. Measured
-on 2 cores shared with other jobs (load average ~11): 128 s (start-up 83 s, then 11-12 s per
-step); at load ~20 the start-up alone took 167 s and a step up to 29 s (~4.5 min in all). See the
-Soak section of docs/design-docs/token-capture-reliability.md.
+on 2 cores shared with other jobs: 128 s at load average ~11 (start-up 83 s, then 11-12 s per
+step), 246 s at load ~15-17 (start-up 180 s, steps 12-22 s). The start-up dominates, so the
+budget (~5 min) is kept at the full 64 rollouts per step. See the Soak section of
+docs/design-docs/token-capture-reliability.md.
 """
 
 from __future__ import annotations
