@@ -79,6 +79,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from nemo_rl.utils.logger import metrics_by_step
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = REPO_ROOT / "examples" / "configs" / "grpo_capture_tiny_cpu.yaml"
 MODES = ("capture", "legacy")
@@ -179,17 +181,8 @@ def growth(by_turns: Mapping[int, float]) -> float:
 
 
 def metrics_records(lines: Iterable[str]) -> list[dict[str, Any]]:
-    """metrics.jsonl records in step order; a repeated step is an error (a reused log dir)."""
-    by_step: dict[int, dict[str, Any]] = {}
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        record = json.loads(line)
-        step = int(record["step"])
-        if step in by_step:
-            raise BenchError(f"metrics line {number}: step {step} appears twice (a reused log dir mixes runs)")
-        by_step[step] = record
-    return [by_step[s] for s in sorted(by_step)]
+    """metrics.jsonl records in step order (`nemo_rl.utils.logger.metrics_by_step`)."""
+    return metrics_by_step(lines, BenchError)
 
 
 def step_phases(records: Sequence[Mapping[str, Any]], skip_steps: int) -> dict[str, list[float]]:

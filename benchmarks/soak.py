@@ -82,6 +82,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from nemo_rl.utils.logger import metrics_by_step
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = REPO_ROOT / "examples" / "configs" / "grpo_soak_cpu.yaml"
 DRIVER_SCRIPT = REPO_ROOT / "examples" / "run_grpo_single_controller.py"
@@ -233,19 +235,8 @@ def calls_per_rollout(record: Mapping[str, Any]) -> float | None:
 
 
 def metrics_records(lines: Iterable[str]) -> list[dict[str, Any]]:
-    """metrics.jsonl lines in step order; a repeated step is an error (the logger appends)."""
-    by_step: dict[int, dict[str, Any]] = {}
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        record = json.loads(line)
-        step = record.get("step")
-        if not isinstance(step, int):
-            raise SoakError(f"metrics.jsonl line {number} has no integer 'step': {line[:200]}")
-        if step in by_step:
-            raise SoakError(f"metrics.jsonl: step {step} appears twice (a reused log dir?)")
-        by_step[step] = record
-    return [by_step[k] for k in sorted(by_step)]
+    """metrics.jsonl records in step order (`nemo_rl.utils.logger.metrics_by_step`)."""
+    return metrics_by_step(lines, SoakError)
 
 
 def _check(ok: bool | None, detail: str) -> dict[str, Any]:

@@ -30,7 +30,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -219,6 +219,23 @@ def read_jsonl_objects(path: Path, error: type[Exception]) -> list[dict[str, Any
             raise error(f"{path}:{number} is a JSON {type(record).__name__}, not an object")
         records.append(record)
     return records
+
+
+def metrics_by_step(lines: Iterable[str], error: type[Exception]) -> list[dict[str, Any]]:
+    """metrics.jsonl lines as records in step order; a line without an integer `step`, or a step
+    seen twice (a reused log dir mixes runs), raises `error` naming the line."""
+    by_step: dict[int, dict[str, Any]] = {}
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        record = json.loads(line)
+        step = record.get("step") if isinstance(record, dict) else None
+        if not isinstance(step, int):
+            raise error(f"metrics.jsonl line {number} has no integer 'step': {line[:200]}")
+        if step in by_step:
+            raise error(f"metrics.jsonl line {number}: step {step} appears twice (a reused log dir mixes runs)")
+        by_step[step] = record
+    return [by_step[k] for k in sorted(by_step)]
 
 
 class Timer:
