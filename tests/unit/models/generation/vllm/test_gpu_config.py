@@ -148,6 +148,7 @@ def test_engine_args_per_flavor() -> None:
         model="/models/m", tokenizer="/models/m", dtype="float32", seed=0, enforce_eager=True,
         max_model_len=2048, kv_cache_memory_bytes=256 * 1024 * 1024, distributed_executor_backend="uni",
         enable_prefix_caching=True, disable_log_stats=True,
+        worker_extension_cls="nemo_rl.models.generation.vllm.worker_extension.HostMemoryTrim",
     )
     assert engine_args(model, VllmConfig()) == engine_args(model, cpu)  # unresolved auto: CPU args
     gpu = engine_args(model, VllmConfig(flavor="gpu", dtype="bfloat16", tensor_parallel_size=2,
