@@ -67,6 +67,7 @@ import asyncio
 import json
 import math
 import os
+import pickle
 import random
 import shutil
 import signal
@@ -432,6 +433,8 @@ def arm_summary(arm_dir: Path, run: Mapping[str, Any], skip_steps: int, in_fligh
         "trained_tokens": trained,
         "loss_tokens": sum(s["loss_tokens"] for s in arm["steps"]),
         "rows": rows,
+        "driver_row_bytes_per_trained_token": (
+            sum(s.get("driver_row_bytes", 0) for s in arm["steps"]) / trained if trained else None),
         "http_bytes_per_trained_token": {k: v / trained for k, v in links.items()} if trained else {},
         "headline_http_bytes_per_trained_token": sum(links[k] for k in HEADLINE_LINKS) / trained if trained else None,
         "all_http_bytes_per_trained_token": sum(links.values()) / trained if trained else None,
@@ -458,6 +461,7 @@ def arm_main(args: argparse.Namespace) -> int:
     import nemo_rl.algorithms.grpo_single_controller as sc
     from nemo_rl.algorithms.grpo_config import load_master_config
     from nemo_rl.token_capture.audit import retokenization_drift
+    from nemo_rl.token_capture.train_rows import TrainPlan, read_train_batch
 
     arm_dir: Path = args.arm_dir
     overrides = [
@@ -469,16 +473,27 @@ def arm_main(args: argparse.Namespace) -> int:
     ]
     cfg = load_master_config(args.config, overrides)
     batches: list[Any] = []
-    original = sc.build_train_batch
+    driver_held: list[tuple[Any, Any]] = []  # (groups, what went to the policy): pickled after the run
+    original, original_clear = sc.build_train_batch, sc.clear_train_rows
+    planned: dict[int, Any] = {}  # id(plan) -> the batch the policy worker read
 
-    def observing(groups, normalize):  # keeps a reference only: no work inside the timed step
-        step_batch = original(groups, normalize)
-        batches.append(step_batch.batch)
+    def observing(groups, normalize, train_partition=None):  # keeps references only
+        step_batch = original(groups, normalize, train_partition)
+        batches.append(step_batch.plan if step_batch.plan is not None else step_batch.batch)
+        driver_held.append((tuple(groups), step_batch.plan if step_batch.plan is not None else step_batch.batch))
         return step_batch
 
-    # run_grpo looks build_train_batch up in its module on every step, so this sees each step's batch.
-    sc.build_train_batch = observing
+    def reading_then_clearing(cleaner, plan):
+        # Rows in the train partition never reach the driver; the benchmark reads them back (one get,
+        # outside the train phase, right before retention) to count tokens and check re-tokenization.
+        if plan is not None:
+            planned[id(plan)] = read_train_batch(cleaner.client, plan)
+        return original_clear(cleaner, plan)
+
+    # run_grpo looks these up in its module on every step, so this sees each step's batch.
+    sc.build_train_batch, sc.clear_train_rows = observing, reading_then_clearing
     asyncio.run(sc.run_grpo(cfg, progress=lambda m: print(m, file=sys.stderr, flush=True)))
+    batches = [planned[id(b)] if isinstance(b, TrainPlan) else b for b in batches]
 
     from transformers import AutoTokenizer
 
@@ -487,7 +502,7 @@ def arm_main(args: argparse.Namespace) -> int:
     model_dir = Path(cfg.model.path) if cfg.model.path else ensure_tiny_model(cfg.model.tiny, progress=lambda m: None)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     steps = []
-    for index, batch in enumerate(batches, start=1):
+    for index, (batch, (groups, sent)) in enumerate(zip(batches, driver_held), start=1):
         ids = list(batch.token_ids) if batch is not None else []
         masks = list(batch.token_mask) if batch is not None else []
         steps.append({
@@ -496,6 +511,8 @@ def arm_main(args: argparse.Namespace) -> int:
             "trained_tokens": sum(len(row) for row in ids),
             "loss_tokens": sum(sum(mask) for mask in masks),
             "retokenization_mismatch_rows": sum(retokenization_drift(tokenizer, list(row)) for row in ids),
+            # Row bytes through the driver: the finalizers' verdicts it received + what it sent the policy.
+            "driver_row_bytes": len(pickle.dumps(groups)) + len(pickle.dumps(sent)),
         })
     (arm_dir / "arm.json").write_text(json.dumps({"mode": args.arm, "steps": steps}, indent=1))
     return 0
@@ -796,6 +813,9 @@ def summarize_ab(arms: Mapping[str, list[dict[str, Any]]]) -> dict[str, Any]:
             "trained_tokens": [a["trained_tokens"] for a in arms[mode]],
             "rows": [a["rows"] for a in arms[mode]],
         }
+        driver = [a.get("driver_row_bytes_per_trained_token") for a in arms[mode]]
+        if all(v is not None for v in driver):
+            out["http"][mode]["driver_row_bytes_per_trained_token"] = spread(driver)
         out["exactness"][mode] = {k: spread(a["exactness"][k] for a in arms[mode]) for k in EXACTNESS_KEYS
                                   if all(k in a["exactness"] for a in arms[mode])}
         rows = sum(a["rows"] for a in arms[mode])
@@ -886,6 +906,11 @@ def write_report(path: Path, results: Mapping[str, Any]) -> None:
             f"| all links | {_sp(ab['http']['capture']['all_bytes_per_trained_token'])} | "
             f"{_sp(ab['http']['legacy']['all_bytes_per_trained_token'])} |",
             f"| (not HTTP) TQ staged bytes | {_sp(ab['http']['capture']['staged_tq_bytes_per_trained_token'])} | - |",
+            *([f"| (not HTTP) row bytes through the driver (pickled verdicts + what it sent the policy) | "
+               f"{_sp(ab['http']['capture']['driver_row_bytes_per_trained_token'])} | "
+               f"{_sp(ab['http']['legacy']['driver_row_bytes_per_trained_token'])} |"]
+              if "driver_row_bytes_per_trained_token" in ab["http"]["legacy"]
+              and "driver_row_bytes_per_trained_token" in ab["http"]["capture"] else []),
             "", f"Ratio capture/legacy: headline {_fmt(ab['http']['headline_ratio'])}, all links "
             f"{_fmt(ab['http']['all_links_ratio'])}.", "",
             "## Per-call latency added by capture at the worker", "",

@@ -12,7 +12,14 @@ Contract of one step (`run_grpo`):
 3. group-normalised advantages over the kept ROLLOUTS (placeholders get 0 and are not trained);
    every row of a kept rollout (one per verified chain) carries its rollout's advantage;
 4. one GRPO train step on the policy worker (loss mask = generated tokens only), which also
-   reports `token_mult_prob_error` / `gen_kl_error` of its logprobs against the generation's;
+   reports `token_mult_prob_error` / `gen_kl_error` of its logprobs against the generation's.
+   Legacy rows (and capture rows with `token_capture.train_partition=null`) reach it as a
+   `TrainBatch` argument; capture rows with a train partition stay in TransferQueue: the
+   finalizers wrote them there and returned `RowRef`s, the driver sends a `TrainPlan` (keys,
+   digests, advantages) and the worker reads and digest-checks the rows itself
+   (`token_capture.train_rows`). After the step the driver clears the plan's keys and any key a
+   masked rollout left (`retention/train_keys_cleared`, `retention/train_keys_stray`,
+   `retention/train_keys_remaining`, 0 when retention kept up);
 5. export the new weights and refit every vLLM worker to version `step`; the version each worker
    reports back is the one the next step's rows must carry (checked from the rows, per call);
    a probe sequence is then scored by engine and trainer to prove the engine serves the new weights;
@@ -94,11 +101,12 @@ from nemo_rl.models.generation.vllm.launcher import resolve_flavor
 from nemo_rl.models.policy import TrainBatch
 from nemo_rl.models.policy.worker import RayPolicyClient
 from nemo_rl.models.tiny_model import ensure_tiny_model
-from nemo_rl.token_capture.finalizer_pool import FinalizeOutcome, FinalizerPool, TQSourceFactory
+from nemo_rl.token_capture.finalizer_pool import FinalizeOutcome, FinalizerPool, TQSourceFactory, TQTrainRowsFactory
 from nemo_rl.token_capture.judge import RolloutEvidence
 from nemo_rl.token_capture.metrics import finalize_metrics, first_call_prompt_records
 from nemo_rl.token_capture.retention import TQStagingCleaner
-from nemo_rl.token_capture.rows import GroupResult, KeptRollout
+from nemo_rl.token_capture.rows import GroupResult, KeptRollout, RowRef
+from nemo_rl.token_capture.train_rows import TrainPlan, TrainRowCleaner
 from nemo_rl.utils.aio import gather_cancelling
 from nemo_rl.utils.checkpoint import (
     CheckpointMismatchError,
@@ -148,17 +156,26 @@ class TimedFinalizer:
 
 @dataclass(frozen=True)
 class StepBatch:
-    batch: TrainBatch | None
+    batch: TrainBatch | None  # rows held by the driver (legacy, or capture without a train partition)
     rewards_mean: float
+    plan: TrainPlan | None = None  # rows in the train partition (capture with one)
+
+    @property
+    def trainable(self) -> bool:
+        return self.batch is not None or self.plan is not None
 
 
-def build_train_batch(groups: Sequence[GroupResult], normalize: bool) -> StepBatch:
+def build_train_batch(groups: Sequence[GroupResult], normalize: bool, train_partition: str | None = None) -> StepBatch:
     """Advantages per group over kept rollouts; each of a rollout's rows gets its rollout's advantage.
 
     Placeholders are accounted but never trained. Normalising per rollout (not per row) keeps a
     rollout that branched into several rows from weighing more in its group's statistics.
+    `TrainRow`s become a `TrainBatch`; `RowRef`s (their payload in `train_partition`) a `TrainPlan`
+    in the same row order. A step holds one kind or the other.
     """
     ids, masks, lps, advs = [], [], [], []
+    refs: list[RowRef] = []
+    ref_advs: list[float] = []
     all_rewards: list[float] = []
     for group in groups:
         entries = list(group.entries)
@@ -170,12 +187,22 @@ def build_train_batch(groups: Sequence[GroupResult], normalize: bool) -> StepBat
             if not isinstance(entry, KeptRollout):
                 continue
             for row in entry.rows:
+                if isinstance(row, RowRef):
+                    refs.append(row)
+                    ref_advs.append(adv)
+                    continue
                 ids.append(list(row.token_ids))
                 masks.append([int(m) for m in row.token_mask])
                 lps.append(list(row.generation_logprobs))
                 advs.append(adv)
+    if refs and ids:
+        raise GRPOError(f"a step holds {len(ids)} TrainRows and {len(refs)} RowRefs; the finalizers disagree on "
+                        "token_capture.train_partition")
+    if refs and train_partition is None:
+        raise GRPOError(f"{len(refs)} rows are RowRefs but no train partition was given to read them from")
     batch = TrainBatch(token_ids=ids, token_mask=masks, generation_logprobs=lps, advantages=advs) if ids else None
-    return StepBatch(batch=batch, rewards_mean=sum(all_rewards) / max(1, len(all_rewards)))
+    plan = TrainPlan.of(train_partition, refs, ref_advs) if refs else None
+    return StepBatch(batch=batch, rewards_mean=sum(all_rewards) / max(1, len(all_rewards)), plan=plan)
 
 
 def probe_sequence(tokenizer_eos: int, length: int, seed: int) -> list[int]:
@@ -249,6 +276,7 @@ class GRPORun:
     pool: FinalizerPool | None = None
     finalizer: TimedFinalizer | None = None
     cleaner: TQStagingCleaner | None = None
+    train_cleaner: TrainRowCleaner | None = None
     watch: ComponentWatch | None = None
     step_component_deaths: dict[str, str] = field(default_factory=dict)
     previous_engine_probe: list[float] = field(default_factory=list)
@@ -298,10 +326,17 @@ async def setup(
     run: GRPORun | None = None
     try:
         assert stack.env is not None and stack.workers is not None
-        policy = RayPolicyClient.spawn(pcfg)
-        finalizer = cleaner = watch = None
+        capture = cfg.token_capture
+        train_partition = capture.train_partition if capture.enabled else None
+        policy = RayPolicyClient.spawn(pcfg, data_plane=cfg.data_plane if train_partition is not None else None)
+        finalizer = cleaner = watch = train_cleaner = rows_factory = None
+        if train_partition is not None:
+            rows_factory = TQTrainRowsFactory(cfg.data_plane, train_partition, capture.stage_timeout_s,
+                                              carry_prompt_ids=cfg.logger.dump_first_call_prompt_ids)
+            train_cleaner = TrainRowCleaner(stack.client, train_partition, capture.stage_timeout_s)
         if cfg.token_capture.enabled:
-            pool = FinalizerPool.from_config(cfg.token_capture, TQSourceFactory.from_config(cfg.data_plane, cfg.token_capture))
+            pool = FinalizerPool.from_config(cfg.token_capture, TQSourceFactory.from_config(cfg.data_plane, cfg.token_capture),
+                                             rows_factory)
             await pool.wait_ready(cfg.data_plane.startup_timeout_s)
             finalizer = TimedFinalizer(pool)
             cleaner = TQStagingCleaner(stack.client, cfg.token_capture.staging_partition, cfg.token_capture.stage_timeout_s)
@@ -332,7 +367,7 @@ async def setup(
         run = GRPORun(
             cfg=cfg, stack=stack, policy=policy, manager=manager, prompts=prompts, logger=MetricsLogger(cfg.logger),
             progress=progress, weights_root=log_dir / "weights", probe=probe, pool=pool, finalizer=finalizer,
-            cleaner=cleaner, watch=watch,
+            cleaner=cleaner, watch=watch, train_cleaner=train_cleaner,
             previous_engine_probe=stack.workers.prompt_logprobs(probe)[0], served_version=initial_versions.pop(),
             worker_calls=stack.workers.served_calls(),
         )
@@ -491,16 +526,36 @@ async def rollout_step(run: GRPORun, step: int) -> tuple[list[GroupResult], dict
     return groups, metrics
 
 
-def train_step(run: GRPORun, step: int, batch: TrainBatch) -> dict[str, float]:
+def train_step(run: GRPORun, step: int, step_batch: StepBatch) -> dict[str, float]:
     """One GRPO step on the policy worker; returns train/* and the generation-mismatch metrics."""
     metrics: dict[str, float] = {}
+    loss_fn = ClippedPGLossFn.from_config(run.cfg.loss_fn)
     with Timer("train_s", metrics):
-        run.progress(f"[step {step}] training on {batch.num_samples} rows")
-        train = run.policy.train_step(batch, ClippedPGLossFn.from_config(run.cfg.loss_fn))
+        if step_batch.plan is not None:
+            run.progress(f"[step {step}] training on {step_batch.plan.num_samples} rows read from the train partition")
+            train = run.policy.train_planned(step_batch.plan, loss_fn)
+        else:
+            assert step_batch.batch is not None  # the loop trains trainable steps only
+            run.progress(f"[step {step}] training on {step_batch.batch.num_samples} rows")
+            train = run.policy.train_step(step_batch.batch, loss_fn)
     metrics.update({f"train/{k}": v for k, v in train.items() if k not in ("token_mult_prob_error", "gen_kl_error")})
     metrics["token_mult_prob_error"] = train["token_mult_prob_error"]
     metrics["gen_kl_error"] = train["gen_kl_error"]
     return metrics
+
+
+def clear_train_rows(cleaner: TrainRowCleaner, plan: TrainPlan | None) -> dict[str, float]:
+    """Clear the step's trained keys, then any key the step left (rows of rollouts masked after they
+    were judged); between steps no rollout is in flight, so every key left is this step's."""
+    trained = list(plan.keys) if plan is not None else []
+    cleaner.clear(trained)
+    stray = cleaner.remaining()
+    cleaner.clear(stray)
+    return {
+        "retention/train_keys_cleared": float(len(trained) + len(stray)),
+        "retention/train_keys_stray": float(len(stray)),
+        "retention/train_keys_remaining": float(len(cleaner.remaining()) if stray else 0),
+    }
 
 
 def refit_step(run: GRPORun, step: int) -> dict[str, float]:
@@ -519,6 +574,10 @@ def refit_step(run: GRPORun, step: int) -> dict[str, float]:
     metrics["refit/engine_logprob_change"] = max(abs(a - b) for a, b in zip(engine_probe, run.previous_engine_probe))
     run.previous_engine_probe = engine_probe
     return metrics
+
+
+def _down(run: GRPORun) -> dict[str, str]:
+    return run.watch.down() if run.watch is not None else {}
 
 
 def _report_masked(run: GRPORun, step: int, metrics: dict[str, float]) -> None:
@@ -562,8 +621,9 @@ async def run_grpo(cfg: MasterConfig, progress=print) -> Path:
                 if run.step_component_deaths and cfg.token_capture.on_component_failure == "abort":
                     run.logger.log(step, metrics)  # the step that stops the run keeps its accounting line
                     check_abort(cfg.token_capture.on_component_failure, run.step_component_deaths, step)
-                step_batch = build_train_batch(groups, cfg.grpo.normalize_rewards)
-                trainable = step_batch.batch is not None
+                step_batch = build_train_batch(groups, cfg.grpo.normalize_rewards,
+                                               cfg.token_capture.train_partition if cfg.token_capture.enabled else None)
+                trainable = step_batch.trainable
                 metrics["reward/mean"] = metrics.get("reward/mean", step_batch.rewards_mean)
                 metrics["steps/masked_consecutive"] = 0.0 if trainable else float(run.masked_streak + 1)
                 if not trainable:
@@ -572,7 +632,10 @@ async def run_grpo(cfg: MasterConfig, progress=print) -> Path:
                     run.masked_streak, trainable, cfg.token_capture.max_consecutive_masked_steps, step)
                 if trainable:
                     # Blocking Ray calls run off the event loop (it may hold other I/O).
-                    metrics.update(await asyncio.to_thread(train_step, run, step, step_batch.batch))
+                    metrics.update(await asyncio.to_thread(train_step, run, step, step_batch))
+                if run.train_cleaner is not None and not any(name.startswith("tq_") for name in _down(run)):
+                    metrics.update(await asyncio.to_thread(clear_train_rows, run.train_cleaner, step_batch.plan))
+                if trainable:
                     metrics.update(await asyncio.to_thread(refit_step, run, step))
             run.logger.log(step, metrics)
             # After the metrics line: a run killed in between redoes this step from the previous

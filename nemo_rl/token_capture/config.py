@@ -4,8 +4,9 @@ Contract:
 - `TokenCaptureConfig` is immutable (frozen) and rejects unknown keys (extra="forbid"); every
   other module reads these fields and never carries its own fallback value.
 - Types are strict: a YAML string "false" is not a bool, a float is not an int. Timeouts are
-  finite and > 0, counts are bounded below, the staging partition name is a non-empty
-  `[A-Za-z0-9_-]` token and the control-token variable is a valid environment-variable name.
+  finite and > 0, counts are bounded below, the staging and train partition names are non-empty
+  `[A-Za-z0-9_-]` tokens (the train partition may be null: rows then return through the driver)
+  and the control-token variable is a valid environment-variable name.
 - The manifest bearer token itself never lives in config: only the name of the environment
   variable that holds it.
 - Build it from a loaded recipe with
@@ -14,9 +15,11 @@ Contract:
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+
+PartitionName = Annotated[str, StringConstraints(min_length=1, pattern=r"^[A-Za-z0-9_-]+$")]
 
 
 class TokenCaptureConfig(BaseModel):
@@ -46,6 +49,16 @@ class TokenCaptureConfig(BaseModel):
         description=(
             "TransferQueue partition the vLLM worker stages captured deltas into, keyed by "
             "`rollout_id/model_call_id`."
+        ),
+    )
+    train_partition: PartitionName | None = Field(
+        default="token_capture_train",
+        description=(
+            "TransferQueue partition the finalizer actors write each kept row's tokens, mask, logprobs "
+            "and routes into (keyed by `rollout_id#chain_index`, with a content digest); the policy "
+            "worker reads and verifies them there, so the driver handles row references and metrics, "
+            "never tokens. The loop clears a step's keys after its train step. null: rows travel "
+            "finalizer -> driver -> policy worker as Ray values (the path before this partition)."
         ),
     )
     manifest_timeout_s: float = Field(

@@ -12,7 +12,11 @@ Contract:
   `TQSourceFactory` builds the real TransferQueue source (`TQTokenSource` over
   `DataPlaneClient.attach`).
 - `judge_from_source` = `fetch_snapshots` + `judge_rollout` + `router_replay_rows.attach_router_replay`
-  (R3 routes beside each row of a kept rollout; see that module).
+  (R3 routes beside each row of a kept rollout; see that module) + with a row store (built in the
+  actor by the `rows_factory`, `TQTrainRowsFactory` for `token_capture.train_partition`), the kept
+  rollout's rows written to the train partition in one put and returned as `RowRef`s, so no token
+  of a kept row travels back to the driver (`train_rows`). A store that fails with a
+  `DataPlaneError` makes the rollout a `data_plane_error` placeholder (detail `train_partition: ...`).
 - `FinalizerPool.finalize_group(items)` answers exactly one `FinalizeOutcome` per item, in item
   order, never raising for a per-item failure: each actor call is bounded by `call_timeout_s`
   (expiry -> finalize_timeout), a dead actor -> finalizer_unavailable; a task error raises
@@ -39,20 +43,24 @@ from dataclasses import dataclass
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
-from nemo_rl.data_plane import DataPlaneClient, DataPlaneConfig
+from nemo_rl.data_plane import DataPlaneClient, DataPlaneConfig, DataPlaneError
 from nemo_rl.distributed.component_watch import Probe, Role, first_line, ray_actor_probe
 from nemo_rl.token_capture.config import TokenCaptureConfig
 from nemo_rl.token_capture.finalizer import SnapshotSource, fetch_snapshots
-from nemo_rl.token_capture.judge import RolloutEvidence, judge_rollout
+from nemo_rl.token_capture.judge import RolloutEvidence, all_served_lost, judge_rollout
 from nemo_rl.token_capture.receipt import reward_of
 from nemo_rl.token_capture.router_replay_rows import attach_router_replay
 from nemo_rl.token_capture.rows import GroupEntry, KeptRollout, Placeholder, PlaceholderReason
 from nemo_rl.token_capture.staging import TQTokenSource
+from nemo_rl.token_capture.train_rows import store_rows
 
 LOGGER = logging.getLogger(__name__)
 
 
 SourceFactory = Callable[[], SnapshotSource]
+RowStore = Callable[[KeptRollout], KeptRollout]  # rows -> RowRefs, once stored
+RowStoreFactory = Callable[[], RowStore]
+TRAIN_PARTITION_DETAIL_PREFIX = "train_partition"
 
 
 @dataclass(frozen=True)
@@ -69,6 +77,24 @@ class TQSourceFactory:
 
     def __call__(self) -> TQTokenSource:
         return TQTokenSource(DataPlaneClient.attach(self.data_plane), self.partition, timeout_s=self.timeout_s)
+
+
+@dataclass(frozen=True)
+class TQTrainRowsFactory:
+    """Builds the train-partition row store inside the actor (`train_rows.store_rows` over its own client)."""
+
+    data_plane: DataPlaneConfig
+    partition: str
+    timeout_s: float
+    carry_prompt_ids: bool  # logger.dump_first_call_prompt_ids: the driver's dump needs them
+
+    def __call__(self) -> RowStore:
+        client = DataPlaneClient.attach(self.data_plane)
+
+        def store(kept: KeptRollout) -> KeptRollout:
+            return store_rows(client, self.partition, kept, self.timeout_s, self.carry_prompt_ids)
+
+        return store
 
 
 class FinalizerPoolError(RuntimeError):
@@ -91,8 +117,11 @@ class FinalizeOutcome:
     queue_wait_ms: float | None  # None when the worker never answered
 
 
-def judge_from_source(source: SnapshotSource, evidence: RolloutEvidence, cfg: TokenCaptureConfig) -> GroupEntry:
-    """Fetch what the judge needs from the staging source, judge the rollout, attach R3 routes.
+def judge_from_source(
+    source: SnapshotSource, evidence: RolloutEvidence, cfg: TokenCaptureConfig, rows: RowStore | None = None
+) -> GroupEntry:
+    """Fetch what the judge needs from the staging source, judge the rollout, attach R3 routes,
+    and with `rows`, store the kept rows in the train partition (returning their `RowRef`s).
 
     A failed run's verdict needs no snapshot (the judge decides it first): nothing is fetched, so
     a dead data plane cannot hold a component-failure verdict up by `stage_timeout_s`.
@@ -103,7 +132,19 @@ def judge_from_source(source: SnapshotSource, evidence: RolloutEvidence, cfg: To
     verdict = judge_rollout(evidence, snapshots, problems, cfg)
     if not isinstance(verdict, KeptRollout):
         return verdict
-    return attach_router_replay(source, evidence, snapshots, verdict)
+    verdict = attach_router_replay(source, evidence, snapshots, verdict)
+    if rows is None or not isinstance(verdict, KeptRollout):
+        return verdict
+    try:
+        return rows(verdict)
+    except DataPlaneError as error:
+        reason = PlaceholderReason.DATA_PLANE_ERROR
+        chains = verdict.yield_.chains if verdict.yield_ is not None else 0
+        return Placeholder(
+            verdict.rollout_id, verdict.group_index, verdict.sample_index, reason,
+            f"{TRAIN_PARTITION_DETAIL_PREFIX}: {type(error).__name__}: {error}", verdict.reward,
+            verdict.terminal_selection, all_served_lost(evidence, reason.value, chains),
+        )
 
 
 def evidence_placeholder(evidence: RolloutEvidence, reason: PlaceholderReason, detail: str) -> Placeholder:
@@ -115,8 +156,11 @@ def evidence_placeholder(evidence: RolloutEvidence, reason: PlaceholderReason, d
 class FinalizerWorker:
     """Thin actor shell around `judge_from_source` (plain class, usable without Ray)."""
 
-    def __init__(self, source_factory: SourceFactory, cfg: TokenCaptureConfig) -> None:
+    def __init__(
+        self, source_factory: SourceFactory, cfg: TokenCaptureConfig, rows_factory: RowStoreFactory | None = None
+    ) -> None:
         self._source = source_factory()
+        self._rows = rows_factory() if rows_factory is not None else None
         self._cfg = cfg
 
     def ready(self) -> bool:
@@ -124,7 +168,7 @@ class FinalizerWorker:
 
     def finalize(self, evidence: RolloutEvidence) -> WorkerReply:
         started_at_s = time.time()
-        result = judge_from_source(self._source, evidence, self._cfg)
+        result = judge_from_source(self._source, evidence, self._cfg, self._rows)
         return WorkerReply(result=result, started_at_s=started_at_s)
 
 
@@ -149,7 +193,7 @@ class FinalizerPool:
 
     def __init__(
         self, num_workers: int, source_factory: SourceFactory, call_timeout_s: float, cfg: TokenCaptureConfig,
-        *, worker_num_cpus: float = 0.0,
+        *, worker_num_cpus: float = 0.0, rows_factory: RowStoreFactory | None = None,
     ) -> None:
         if num_workers < 1:
             raise FinalizerPoolError(
@@ -158,6 +202,7 @@ class FinalizerPool:
         if not call_timeout_s > 0:
             raise FinalizerPoolError(f"call_timeout_s must be > 0, got {call_timeout_s}")
         self._source_factory = source_factory
+        self._rows_factory = rows_factory
         self._cfg = cfg
         self._call_timeout_s = float(call_timeout_s)
         self._worker_num_cpus = worker_num_cpus
@@ -168,12 +213,14 @@ class FinalizerPool:
         self._deaths: dict[str, str] = {}  # actor name -> description, reported once
 
     @classmethod
-    def from_config(cls, cfg: TokenCaptureConfig, source_factory: SourceFactory) -> "FinalizerPool":
+    def from_config(
+        cls, cfg: TokenCaptureConfig, source_factory: SourceFactory, rows_factory: RowStoreFactory | None = None
+    ) -> "FinalizerPool":
         """`num_finalizer_workers` actors, each call bounded by `finalize_timeout_s`."""
-        return cls(cfg.num_finalizer_workers, source_factory, cfg.finalize_timeout_s, cfg)
+        return cls(cfg.num_finalizer_workers, source_factory, cfg.finalize_timeout_s, cfg, rows_factory=rows_factory)
 
     def _spawn(self) -> ray.actor.ActorHandle:
-        return _RemoteFinalizerWorker.options(num_cpus=self._worker_num_cpus).remote(self._source_factory, self._cfg)
+        return _RemoteFinalizerWorker.options(num_cpus=self._worker_num_cpus).remote(self._source_factory, self._cfg, self._rows_factory)
 
     async def wait_ready(self, timeout_s: float) -> None:
         """Block until every worker has built its source (one shared deadline); failures name the workers."""

@@ -34,14 +34,16 @@ Definitions (dispatched = all entries of all groups = kept rollouts + placeholde
   router_replay/sentinel_tokens = tokens of trained rows that are not covered (carry tokens
   without a route count too; placeholders contribute no row); router_replay/rows_with_routes =
   rows with at least one covered token. Same definitions as `router_replay.router_replay_metrics`
-  over a batch built from the same rows (padding excluded).
+  over a batch built from the same rows (padding excluded). A `RowRef` carries the same figures
+  (`RouteCoverage`), computed by the finalizer from the arrays it stored in the train partition.
 
 `first_call_prompt_records(step, groups) -> list[dict]` (pure; the loop appends them to a file
 when `logger.dump_first_call_prompt_ids`): one record per training row, `{"step", "group",
 "rollout" (sample index), "chain" (the row's chain_index), "origin", "prompt_ids", "placeholder":
 None}`, where `prompt_ids = token_ids[:prompt_len]`, the prompt of the first call of the row's
 chain (capture rows: the verified staged ids; legacy rows: Gym's echoed `prompt_token_ids` of
-the first call); and one record per placeholder with `chain`, `origin` and `prompt_ids` None and
+the first call; a `RowRef` carries them only when its finalizer was told the option is on, else
+this raises); and one record per placeholder with `chain`, `origin` and `prompt_ids` None and
 `placeholder` its reason. A rollout on the default tool loop has exactly one row (chain 0).
 """
 
@@ -50,9 +52,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 
-import numpy as np
-
-from nemo_rl.token_capture.rows import GroupResult, KeptRollout, Placeholder, PlaceholderReason, TrainRow
+from nemo_rl.token_capture.rows import GroupResult, KeptRollout, Placeholder, PlaceholderReason, RowRef, TrainRow
 
 
 def _ratio(numerator: float, denominator: float) -> float:
@@ -79,22 +79,13 @@ def _yield_metrics(entries: Sequence[KeptRollout | Placeholder]) -> dict[str, fl
     return metrics
 
 
-def _router_replay_metrics(rows: Sequence[TrainRow]) -> dict[str, float]:
-    loss_tokens = covered_loss = sentinel_tokens = rows_with_routes = 0
-    for row in rows:
-        loss = np.asarray(row.token_mask) == 1.0
-        loss_tokens += int(loss.sum())
-        if row.routed_experts is None:
-            sentinel_tokens += len(row.token_ids)
-            continue
-        covered = ~(row.routed_experts == -1).any(axis=(1, 2))
-        covered_loss += int((covered & loss).sum())
-        sentinel_tokens += int((~covered).sum())
-        rows_with_routes += int(covered.any())
+def _router_replay_metrics(rows: Sequence[TrainRow | RowRef]) -> dict[str, float]:
+    coverage = [row.route_coverage for row in rows]
+    loss_tokens = sum(c.loss_tokens for c in coverage)
     return {
-        "router_replay/coverage": _ratio(covered_loss, loss_tokens),
-        "router_replay/sentinel_tokens": float(sentinel_tokens),
-        "router_replay/rows_with_routes": float(rows_with_routes),
+        "router_replay/coverage": _ratio(sum(c.covered_loss_tokens for c in coverage), loss_tokens),
+        "router_replay/sentinel_tokens": float(sum(c.sentinel_tokens for c in coverage)),
+        "router_replay/rows_with_routes": float(sum(c.has_routes for c in coverage)),
     }
 
 
@@ -108,8 +99,11 @@ def first_call_prompt_records(step: int, groups: Sequence[GroupResult]) -> list[
                                 "placeholder": entry.reason.value})
                 continue
             for row in entry.rows:
+                if row.prompt_ids is None:
+                    raise ValueError(f"rollout {row.rollout_id} row {row.chain_index} carries no prompt ids: its "
+                                     "finalizer was not told logger.dump_first_call_prompt_ids=true")
                 records.append({**where, "chain": row.chain_index, "origin": row.origin.value,
-                                "prompt_ids": list(row.token_ids[: row.prompt_len]), "placeholder": None})
+                                "prompt_ids": list(row.prompt_ids), "placeholder": None})
     return records
 
 

@@ -21,6 +21,12 @@ Invariants checked at construction (a violation raises `RowInvariantError`):
   sentinel -1 where a token has no route; it is stored as a read-only view. It is excluded from
   equality and hashing (`compare=False`): rows compare by their tokens, and ndarray `==` is
   elementwise, which would make `TrainRow.__eq__` raise.
+- `RowRef` is a capture row whose payload (token_ids, token_mask, generation_logprobs,
+  routed_experts) lives in the TransferQueue train partition (`train_rows`): it keeps what the
+  driver's metrics and checks read (lengths, prompt_len, loss-token count, calls, versions, modes,
+  spans, the R3 `RouteCoverage`, the owned calls), the partition key and the payload's digest,
+  and the prompt ids only when `logger.dump_first_call_prompt_ids` asked for them. A kept
+  rollout's rows are all `TrainRow`s or all `RowRef`s.
 - Capture rows count every chain call as token_in or text root
   (`token_in_calls + text_root_calls == len(model_call_ids)`), carry an int weight version per
   call and name the terminal selection method. Legacy (token-echo) rows know neither modes,
@@ -30,6 +36,7 @@ Invariants checked at construction (a violation raises `RowInvariantError`):
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Union
@@ -81,6 +88,38 @@ def _check_slot(rollout_id: str, group_index: int, sample_index: int) -> None:
     for name, value in (("group_index", group_index), ("sample_index", sample_index)):
         if type(value) is not int or value < 0:
             raise RowInvariantError(f"{rollout_id}: {name} must be a non-negative int, got {value!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class RouteCoverage:
+    """R3 figures of one row: its tokens, loss tokens, loss tokens with a full route, tokens without one."""
+
+    tokens: int
+    loss_tokens: int
+    covered_loss_tokens: int
+    sentinel_tokens: int
+
+    def __post_init__(self) -> None:
+        values = (self.tokens, self.loss_tokens, self.covered_loss_tokens, self.sentinel_tokens)
+        if any(type(v) is not int or v < 0 for v in values) or not (
+            self.covered_loss_tokens <= self.loss_tokens <= self.tokens and self.sentinel_tokens <= self.tokens
+        ):
+            raise RowInvariantError(f"RouteCoverage: need ints >= 0, covered <= loss <= tokens, sentinel <= tokens; "
+                                    f"got {values}")
+
+    @classmethod
+    def of(cls, token_mask: Sequence[float], routed_experts: Any) -> "RouteCoverage":
+        """A token is covered iff none of its [L, K] entries is the sentinel -1 (no routes: none is)."""
+        loss = np.asarray(token_mask) == 1.0
+        if routed_experts is None:
+            return cls(len(token_mask), int(loss.sum()), 0, len(token_mask))
+        covered = ~(routed_experts == -1).any(axis=(1, 2))
+        return cls(len(token_mask), int(loss.sum()), int((covered & loss).sum()), int((~covered).sum()))
+
+    @property
+    def has_routes(self) -> bool:
+        """At least one token of the row (loss or carry) has a full route."""
+        return self.sentinel_tokens < self.tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,15 +209,16 @@ class TrainRow:
             if self.origin is RowOrigin.CAPTURE:
                 raise RowInvariantError(f"{where}: capture rows need one call span per call")
             return
-        if len(self.call_spans) != len(self.model_call_ids):
-            raise RowInvariantError(f"{where}: {len(self.call_spans)} call spans for {len(self.model_call_ids)} calls")
-        cursor = 0
-        for start, end in self.call_spans:
-            if start != cursor or end <= start:
-                raise RowInvariantError(f"{where}: call spans must be contiguous, non-empty and start at 0")
-            cursor = end
-        if cursor != n:
-            raise RowInvariantError(f"{where}: call spans cover {cursor} tokens of {n}")
+        _check_call_spans(where, self.call_spans, len(self.model_call_ids), n)
+
+    @property
+    def prompt_ids(self) -> tuple[int, ...]:
+        """The prompt of the first call of the row's chain."""
+        return self.token_ids[: self.prompt_len]
+
+    @property
+    def route_coverage(self) -> RouteCoverage:
+        return RouteCoverage.of(self.token_mask, self.routed_experts)
 
     @property
     def token_weight_versions(self) -> tuple[int | None, ...]:
@@ -223,6 +263,97 @@ class TrainRow:
     @property
     def num_generated_tokens(self) -> int:
         return sum(1 for m in self.token_mask if m == 1.0)
+
+
+def _check_call_spans(where: str, spans: Sequence[tuple[int, int]], calls: int, n: int) -> None:
+    if len(spans) != calls:
+        raise RowInvariantError(f"{where}: {len(spans)} call spans for {calls} calls")
+    cursor = 0
+    for start, end in spans:
+        if start != cursor or end <= start:
+            raise RowInvariantError(f"{where}: call spans must be contiguous, non-empty and start at 0")
+        cursor = end
+    if cursor != n:
+        raise RowInvariantError(f"{where}: call spans cover {cursor} tokens of {n}")
+
+
+@dataclass(frozen=True, slots=True)
+class RowRef:
+    """A capture row whose payload is in the train partition under `key` (see the module contract)."""
+
+    rollout_id: str
+    group_index: int
+    sample_index: int
+    chain_index: int
+    key: str
+    digest: str  # sha256 hex of the stored payload (`train_rows.payload_digest`)
+    num_tokens: int
+    prompt_len: int
+    num_generated_tokens: int  # loss (mask 1.0) tokens
+    reward: float
+    model_call_ids: tuple[str, ...]
+    weight_versions: tuple[int, ...]
+    token_in_calls: int
+    text_root_calls: int
+    terminal_selection: str
+    call_spans: tuple[tuple[int, int], ...]
+    loss_calls: frozenset[str]
+    route_coverage: RouteCoverage
+    prompt_ids: tuple[int, ...] | None = None  # only when logger.dump_first_call_prompt_ids
+
+    origin = RowOrigin.CAPTURE  # class constant: only capture rows go through the train partition
+
+    def __post_init__(self) -> None:
+        _check_slot(self.rollout_id, self.group_index, self.sample_index)
+        where = f"RowRef {self.rollout_id}#{self.chain_index}"
+        n = self.num_tokens
+        if type(self.chain_index) is not int or self.chain_index < 0:
+            raise RowInvariantError(f"{where}: chain_index must be a non-negative int")
+        if not isinstance(self.key, str) or not self.key:
+            raise RowInvariantError(f"{where}: key must be a non-empty str")
+        if not isinstance(self.digest, str) or len(self.digest) != 64 or any(c not in "0123456789abcdef" for c in self.digest):
+            raise RowInvariantError(f"{where}: digest must be a sha256 hex digest, got {self.digest!r}")
+        if type(n) is not int or n < 1 or type(self.prompt_len) is not int or not 0 <= self.prompt_len < n:
+            raise RowInvariantError(f"{where}: need num_tokens >= 1 and prompt_len in [0, num_tokens), got "
+                                    f"{n!r}/{self.prompt_len!r}")
+        if type(self.num_generated_tokens) is not int or not 1 <= self.num_generated_tokens <= n - self.prompt_len:
+            raise RowInvariantError(f"{where}: num_generated_tokens must be in [1, {n - self.prompt_len}], got "
+                                    f"{self.num_generated_tokens!r}")
+        if not isinstance(self.reward, float) or not math.isfinite(self.reward):
+            raise RowInvariantError(f"{where}: reward must be a finite float, got {self.reward!r}")
+        calls = len(self.model_call_ids)
+        if not calls or len(self.weight_versions) != calls or any(type(v) is not int or v < 0 for v in self.weight_versions):
+            raise RowInvariantError(f"{where}: need >= 1 calls and a non-negative int weight version per call")
+        if self.token_in_calls < 0 or self.text_root_calls < 0 or self.token_in_calls + self.text_root_calls != calls:
+            raise RowInvariantError(f"{where}: token_in_calls + text_root_calls must equal the {calls} chain calls")
+        if not isinstance(self.terminal_selection, str):
+            raise RowInvariantError(f"{where}: capture rows must name their terminal_selection method")
+        _check_call_spans(where, self.call_spans, calls, n)
+        if not self.loss_calls or not self.loss_calls <= set(self.model_call_ids):
+            raise RowInvariantError(f"{where}: loss_calls must be a non-empty subset of model_call_ids")
+        cov = self.route_coverage
+        if not isinstance(cov, RouteCoverage) or (cov.tokens, cov.loss_tokens) != (n, self.num_generated_tokens):
+            raise RowInvariantError(f"{where}: route_coverage must count the row's {n} tokens and "
+                                    f"{self.num_generated_tokens} loss tokens, got {cov!r}")
+        if self.prompt_ids is not None and (
+            len(self.prompt_ids) != self.prompt_len or any(type(t) is not int or t < 0 for t in self.prompt_ids)
+        ):
+            raise RowInvariantError(f"{where}: prompt_ids must be None or {self.prompt_len} non-negative ints")
+
+    @classmethod
+    def of(cls, row: TrainRow, key: str, digest: str, carry_prompt_ids: bool) -> "RowRef":
+        """The reference the driver keeps for `row` once its payload is stored under `key`."""
+        if row.origin is not RowOrigin.CAPTURE:
+            raise RowInvariantError(f"TrainRow {row.rollout_id}#{row.chain_index}: only capture rows have a RowRef")
+        return cls(
+            row.rollout_id, row.group_index, row.sample_index, row.chain_index, key, digest, len(row.token_ids),
+            row.prompt_len, row.num_generated_tokens, row.reward, row.model_call_ids, row.weight_versions,
+            row.token_in_calls, row.text_root_calls, row.terminal_selection, row.call_spans, row.loss_call_ids(),
+            row.route_coverage, row.prompt_ids if carry_prompt_ids else None,
+        )
+
+    def loss_call_ids(self) -> frozenset[str]:
+        return self.loss_calls
 
 
 @dataclass(frozen=True, slots=True)
@@ -294,7 +425,7 @@ class KeptRollout:
     rollout_id: str
     group_index: int
     sample_index: int
-    rows: tuple[TrainRow, ...]
+    rows: tuple[TrainRow, ...] | tuple[RowRef, ...]
     reward: float
     terminal_selection: str | None
     yield_: RolloutYield | None = None
@@ -306,8 +437,9 @@ class KeptRollout:
             raise RowInvariantError(f"{where}: a kept rollout needs at least one row")
         owned: set[str] = set()
         for position, row in enumerate(self.rows):
-            if not isinstance(row, TrainRow):
-                raise RowInvariantError(f"{where}: row {position} is {type(row).__name__}")
+            if not isinstance(row, (TrainRow, RowRef)) or type(row) is not type(self.rows[0]):
+                raise RowInvariantError(f"{where}: row {position} is {type(row).__name__}; rows are all "
+                                        f"TrainRow or all RowRef")
             if (row.rollout_id, row.group_index, row.sample_index) != (
                 self.rollout_id, self.group_index, self.sample_index
             ):
@@ -366,7 +498,7 @@ class GroupResult:
         return tuple(e for e in self.entries if isinstance(e, KeptRollout))
 
     @property
-    def rows(self) -> tuple[TrainRow, ...]:
+    def rows(self) -> tuple[TrainRow | RowRef, ...]:
         """Every training row of the group (a kept rollout may contribute several)."""
         return tuple(row for kept in self.kept for row in kept.rows)
 

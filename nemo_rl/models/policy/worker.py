@@ -8,6 +8,12 @@
   `PolicyWorkerDiedError`. The first call also waits for the actor to start (model load).
   `train_step(batch, loss_fn)` checks `loss_fn` in the driver (`LossFnError`) before it is
   pickled into the actor. `spawn` asks Ray for one GPU when `policy.device` is cuda.
+- Rows through the data plane (`token_capture.train_partition`): spawned with the run's
+  `DataPlaneConfig`, the worker attaches a data-plane client on its first `train_planned(plan,
+  loss_fn)` (kept for later steps), reads the plan's rows and checks their digests
+  (`token_capture.train_rows.read_train_batch`; a mismatch is `TrainRowDigestError`, a
+  `PolicyWorkerError`, and nothing is trained), then runs the same `train_step` on the batch.
+  Without a data-plane config `train_planned` fails by name. `close_data_plane()` detaches.
 - Checkpoints: `save_state(dir)` / `load_state(dir)` (PolicyCore's, returning a
   `PolicyStateInfo`) and `optimizer_fingerprint()`, under the same deadline. The folder is a path
   the actor's process writes or reads: on a multi-node cluster it must be on a shared filesystem.
@@ -23,6 +29,7 @@ import ray
 from ray.actor import ActorHandle
 from ray.exceptions import GetTimeoutError, RayActorError
 
+from nemo_rl.data_plane import DataPlaneClient, DataPlaneConfig
 from nemo_rl.models.policy.batch import TrainBatch
 from nemo_rl.models.policy.config import PolicyConfig
 from nemo_rl.models.policy.core import PolicyCore, PolicyStateInfo
@@ -32,6 +39,7 @@ from nemo_rl.models.policy.errors import (
     PolicyWorkerTimeoutError,
 )
 from nemo_rl.models.policy.loss import LossFn, check_loss_fn
+from nemo_rl.token_capture.train_rows import TrainPlan, read_train_batch
 
 T = TypeVar("T")
 
@@ -47,8 +55,28 @@ def _guard(method: str, fn: Callable[..., T], *args: Any) -> T:
 
 @ray.remote(num_cpus=1)
 class PolicyWorker:
-    def __init__(self, cfg: PolicyConfig) -> None:
+    def __init__(self, cfg: PolicyConfig, data_plane: DataPlaneConfig | None = None) -> None:
         self._core = _guard("__init__", PolicyCore, cfg)
+        self._data_plane = data_plane
+        self._client: DataPlaneClient | None = None
+
+    def _read_plan(self, plan: TrainPlan) -> TrainBatch:
+        if self._data_plane is None:
+            raise PolicyWorkerError(
+                "train_planned needs the data plane: spawn the policy worker with the run's DataPlaneConfig"
+            )
+        if self._client is None:
+            self._client = DataPlaneClient.attach(self._data_plane)
+        return read_train_batch(self._client, plan)
+
+    def train_planned(self, plan: TrainPlan, loss_fn: LossFn) -> dict[str, float]:
+        batch = _guard("train_planned", self._read_plan, plan)
+        return _guard("train_planned", self._core.train_step, batch, loss_fn)
+
+    def close_data_plane(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None
 
     def get_logprobs(self, token_ids: list[list[int]]) -> list[list[float]]:
         return _guard("get_logprobs", self._core.get_logprobs, token_ids)
@@ -81,8 +109,10 @@ class RayPolicyClient:
         self._name = name
 
     @classmethod
-    def spawn(cls, cfg: PolicyConfig, name: str = "policy_worker") -> RayPolicyClient:
-        actor = PolicyWorker.options(num_gpus=1 if cfg.device == "cuda" else 0).remote(cfg)
+    def spawn(
+        cls, cfg: PolicyConfig, name: str = "policy_worker", data_plane: DataPlaneConfig | None = None
+    ) -> RayPolicyClient:
+        actor = PolicyWorker.options(num_gpus=1 if cfg.device == "cuda" else 0).remote(cfg, data_plane)
         return cls(actor, cfg.call_timeout_s, name)
 
     def _get(self, method: str, ref: ray.ObjectRef) -> Any:
@@ -102,6 +132,11 @@ class RayPolicyClient:
     def train_step(self, batch: TrainBatch, loss_fn: LossFn) -> dict[str, float]:
         loss_fn = check_loss_fn(loss_fn)
         return self._get("train_step", self._actor.train_step.remote(batch, loss_fn))
+
+    def train_planned(self, plan: TrainPlan, loss_fn: LossFn) -> dict[str, float]:
+        """`train_step` on the rows the plan names, read and digest-checked by the worker itself."""
+        loss_fn = check_loss_fn(loss_fn)
+        return self._get("train_planned", self._actor.train_planned.remote(plan, loss_fn))
 
     def export_weights(self, out_dir: str | Path) -> Path:
         return Path(self._get("export_weights", self._actor.export_weights.remote(str(out_dir))))

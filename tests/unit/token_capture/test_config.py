@@ -17,6 +17,7 @@ def test_defaults() -> None:
         "enabled": False,
         "num_finalizer_workers": 1,
         "staging_partition": "token_capture_staging",
+        "train_partition": "token_capture_train",
         "manifest_timeout_s": 30.0,
         "finalize_timeout_s": 120.0,
         "stage_timeout_s": 10.0,
@@ -31,6 +32,10 @@ def test_defaults() -> None:
         "component_check_interval_s": 1.0,
         "component_probe_timeout_s": 5.0,
     }
+
+
+def test_train_partition_may_be_null() -> None:
+    assert TokenCaptureConfig(train_partition=None).train_partition is None
 
 
 def test_every_field_is_described() -> None:
@@ -79,6 +84,12 @@ def test_enabled_from_recipe_override(tmp_path: Path) -> None:
             {"staging_partition": "a/b"},
             "token_capture.staging_partition='a/b': String should match pattern "
             "'^[A-Za-z0-9_-]+$' (fix: set token_capture.staging_partition to a string "
+            "matching ^[A-Za-z0-9_-]+$)",
+        ),
+        (
+            {"train_partition": "a/b"},
+            "token_capture.train_partition='a/b': String should match pattern "
+            "'^[A-Za-z0-9_-]+$' (fix: set token_capture.train_partition to a string "
             "matching ^[A-Za-z0-9_-]+$)",
         ),
         (
@@ -140,7 +151,7 @@ def test_enabled_from_recipe_override(tmp_path: Path) -> None:
         (
             {"finalizer_workers": 2},
             "token_capture.finalizer_workers=2: unknown key token_capture.finalizer_workers; "
-            "allowed keys: enabled, num_finalizer_workers, staging_partition, "
+            "allowed keys: enabled, num_finalizer_workers, staging_partition, train_partition, "
             "manifest_timeout_s, finalize_timeout_s, stage_timeout_s, prefix_cache_max_tokens, "
             "control_token_env, retire_after_commit, branch_policy, mixed_weight_version_policy, "
             "min_valid_fraction_per_group, max_consecutive_masked_steps, on_component_failure, "

@@ -1,0 +1,296 @@
+"""Rows to the policy through the data plane: RowRef, the payload digest, TrainPlan, the policy-side read.
+
+The last tests run the real finalizer pool over a private Ray + TransferQueue and read back what
+it wrote with the policy side's `read_train_batch`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+
+import numpy as np
+import pytest
+import ray
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from nemo_rl.algorithms.grpo_single_controller import GRPOError, build_train_batch
+from nemo_rl.data_plane import DataPlaneError, MissingKeysError
+from nemo_rl.models.policy.errors import PolicyWorkerError
+from nemo_rl.token_capture.config import TokenCaptureConfig
+from nemo_rl.token_capture.finalizer_pool import (
+    FinalizerPool,
+    FinalizerWorker,
+    TQSourceFactory,
+    TQTrainRowsFactory,
+    judge_from_source,
+)
+from nemo_rl.token_capture.judge import RolloutEvidence
+from nemo_rl.token_capture.metrics import finalize_metrics, first_call_prompt_records
+from nemo_rl.token_capture.rows import (
+    GroupResult,
+    KeptRollout,
+    Placeholder,
+    PlaceholderReason,
+    RouteCoverage,
+    RowInvariantError,
+    RowOrigin,
+    RowRef,
+    TrainRow,
+)
+from nemo_rl.token_capture.staging import TQTokenSink, TQTokenSource
+from nemo_rl.token_capture.train_rows import (
+    FIELDS,
+    TrainPlan,
+    TrainPlanError,
+    TrainRowCleaner,
+    TrainRowDigestError,
+    payload_digest,
+    read_train_batch,
+    row_payload,
+    store_rows,
+    train_key,
+)
+
+from .conftest import TQ_TEST_CONFIG
+
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+CFG = TokenCaptureConfig()
+READY_TIMEOUT_S = 300.0
+
+
+def _row(rid="r-0", sample=0, *, chain=0, reward=1.0, call="c0", routes=None, ids=(5, 6, 7, 8),
+         lps=(-0.5, -0.25)) -> TrainRow:
+    return TrainRow(
+        rollout_id=rid, group_index=0, sample_index=sample, token_ids=ids, token_mask=(0.0, 0.0, 1.0, 1.0),
+        generation_logprobs=(0.0, 0.0) + lps, reward=reward, prompt_len=2, model_call_ids=(call,),
+        weight_versions=(3,), token_in_calls=0, text_root_calls=1, terminal_selection="response_id",
+        origin=RowOrigin.CAPTURE, call_spans=((0, 4),), chain_index=chain, routed_experts=routes,
+    )
+
+
+def _kept(*rows: TrainRow) -> KeptRollout:
+    first = rows[0]
+    return KeptRollout(first.rollout_id, first.group_index, first.sample_index, rows, first.reward, "response_id")
+
+
+class MemoryPlane:
+    """`put_many` / `get` / `clear` / `list_keys` of a DataPlaneClient, in memory, counting puts."""
+
+    def __init__(self, fail: Exception | None = None) -> None:
+        self.rows: dict[str, dict] = {}
+        self.puts: list[list[str]] = []
+        self.fail = fail
+
+    def put_many(self, partition, keys, rows, *, timeout_s=None):
+        if self.fail is not None:
+            raise self.fail
+        self.puts.append(list(keys))
+        self.rows.update({f"{partition}:{k}": dict(r) for k, r in zip(keys, rows)})
+
+    def get(self, partition, keys, fields, *, timeout_s=None):
+        return [{f: self.rows[f"{partition}:{k}"][f] for f in fields} for k in keys]
+
+    def clear(self, partition, keys, *, timeout_s=None):
+        for k in keys:
+            self.rows.pop(f"{partition}:{k}", None)
+
+    def list_keys(self, partition, *, timeout_s=None):
+        return [k.split(":", 1)[1] for k in self.rows if k.startswith(f"{partition}:")]
+
+
+# --- RowRef and the digest -----------------------------------------------------------------------
+
+
+def test_rowref_keeps_what_the_driver_reads_and_no_tokens():
+    routes = np.array([[[1, 2]], [[-1, 3]], [[4, 5]], [[6, -1]]], dtype=np.int16)
+    row = _row(routes=routes)
+    ref = RowRef.of(row, "r-0#0", "a" * 64, carry_prompt_ids=False)
+    assert (ref.num_tokens, ref.prompt_len, ref.num_generated_tokens, ref.reward) == (4, 2, 2, 1.0)
+    assert (ref.model_call_ids, ref.weight_versions, ref.call_spans, ref.loss_calls) == (
+        ("c0",), (3,), ((0, 4),), frozenset({"c0"}))
+    assert ref.route_coverage == RouteCoverage(tokens=4, loss_tokens=2, covered_loss_tokens=1, sentinel_tokens=2)
+    assert ref.route_coverage == row.route_coverage and ref.route_coverage.has_routes
+    assert ref.prompt_ids is None and ref.origin is RowOrigin.CAPTURE
+    assert RowRef.of(row, "r-0#0", "a" * 64, carry_prompt_ids=True).prompt_ids == (5, 6)
+    assert not hasattr(ref, "token_ids") and not hasattr(ref, "routed_experts")
+
+
+def test_rowref_invariants():
+    ref = RowRef.of(_row(), "r-0#0", "a" * 64, carry_prompt_ids=False)
+    with pytest.raises(RowInvariantError, match="digest must be a sha256 hex digest"):
+        dataclasses.replace(ref, digest="xyz")
+    with pytest.raises(RowInvariantError, match=r"num_generated_tokens must be in \[1, 2\]"):
+        dataclasses.replace(ref, num_generated_tokens=3)
+    with pytest.raises(RowInvariantError, match="route_coverage must count"):
+        dataclasses.replace(ref, num_generated_tokens=1)
+    with pytest.raises(RowInvariantError, match="prompt_ids must be None or 2"):
+        dataclasses.replace(ref, prompt_ids=(5,))
+    with pytest.raises(RowInvariantError, match="loss_calls must be a non-empty subset"):
+        dataclasses.replace(ref, loss_calls=frozenset({"other"}))
+    with pytest.raises(RowInvariantError, match="rows are all TrainRow or all RowRef"):
+        KeptRollout("r-0", 0, 0, (ref, dataclasses.replace(_row(chain=1, call="c1"))), 1.0, "response_id")
+
+
+_ids = st.lists(st.integers(0, 2**40), min_size=2, max_size=6)
+_lp = st.floats(max_value=0.0, allow_nan=False, allow_infinity=False).filter(lambda x: x != 0.0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(tail=_ids, lps=st.tuples(_lp, _lp), flip=st.integers(0, 3), with_routes=st.booleans())
+def test_digest_is_stable_through_a_copy_and_moves_with_any_change(tail, lps, flip, with_routes):
+    ids = (5, 6, *tail[:2])
+    routes = np.arange(8, dtype=np.int16).reshape(4, 1, 2) if with_routes else None
+    row = _row(ids=ids, lps=lps, routes=routes)
+    payload = row_payload("r-0#0", row)
+    copy = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in payload.items()}
+    assert payload_digest(copy) == payload_digest(payload)
+    changed = dict(copy)
+    if flip == 0:
+        changed["token_ids"] = copy["token_ids"].clone()
+        changed["token_ids"][3] += 1
+    elif flip == 1:
+        changed["generation_logprobs"] = copy["generation_logprobs"].clone()
+        changed["generation_logprobs"][3] = np.nextafter(float(lps[1]), 0.0)
+    elif flip == 2:
+        changed["meta"] = copy["meta"].replace("r-0#0", "r-0#1")
+    else:
+        changed["routed_experts"] = copy["routed_experts"] + b"\x00\x00"
+    assert payload_digest(changed) != payload_digest(payload)
+
+
+def test_train_plan_invariants():
+    with pytest.raises(TrainPlanError, match="one digest and advantage per key"):
+        TrainPlan("p", ("a",), ("0" * 64,), ())
+    with pytest.raises(TrainPlanError, match="distinct"):
+        TrainPlan("p", ("a", "a"), ("0" * 64,) * 2, (0.0, 0.0))
+    with pytest.raises(TrainPlanError, match="finite"):
+        TrainPlan("p", ("a",), ("0" * 64,), (float("nan"),))
+    with pytest.raises(TrainPlanError, match="sha256"):
+        TrainPlan("p", ("a",), ("g" * 64,), (0.0,))
+
+
+# --- finalizer side -> driver -> policy side (in memory) ------------------------------------------
+
+
+def _stored_groups(plane: MemoryPlane, carry: bool = False) -> tuple[list[GroupResult], list[GroupResult]]:
+    rollouts = [_kept(_row("r-0", 0, reward=1.0), _row("r-0", 0, chain=1, reward=1.0, call="c1")),
+                _kept(_row("r-1", 1, reward=0.0, ids=(5, 6, 9, 10)))]
+    whole = [GroupResult(0, tuple(rollouts))]
+    slim = [GroupResult(0, tuple(store_rows(plane, "train", k, 1.0, carry) for k in rollouts))]
+    return whole, slim
+
+
+def test_store_rows_is_one_put_per_rollout_and_the_policy_reads_the_driver_batch_back():
+    plane = MemoryPlane()
+    whole, slim = _stored_groups(plane)
+    assert plane.puts == [["r-0#0", "r-0#1"], ["r-1#0"]]
+    legacy = build_train_batch(whole, normalize=True)
+    planned = build_train_batch(slim, normalize=True, train_partition="train")
+    assert planned.batch is None and planned.plan is not None and planned.trainable
+    assert planned.plan.keys == ("r-0#0", "r-0#1", "r-1#0")
+    assert planned.plan.advantages == legacy.batch.advantages
+    assert planned.rewards_mean == legacy.rewards_mean
+    assert read_train_batch(plane, planned.plan) == legacy.batch
+    # The driver's metrics are the same from references as from whole rows.
+    assert finalize_metrics(slim, []) == finalize_metrics(whole, [])
+
+
+def test_a_tampered_row_is_refused_by_name():
+    plane = MemoryPlane()
+    _, slim = _stored_groups(plane)
+    plan = build_train_batch(slim, normalize=True, train_partition="train").plan
+    plane.rows["train:r-1#0"]["generation_logprobs"] = torch.tensor([0.0, 0.0, -0.5, -0.5], dtype=torch.float64)
+    with pytest.raises(TrainRowDigestError, match=r"key 'r-1#0': payload digest [0-9a-f]{64} != [0-9a-f]{64}"):
+        read_train_batch(plane, plan)
+    assert issubclass(TrainRowDigestError, PolicyWorkerError)
+
+
+def test_build_train_batch_refuses_mixed_rows_and_refs_without_a_partition():
+    plane = MemoryPlane()
+    whole, slim = _stored_groups(plane)
+    with pytest.raises(GRPOError, match="no train partition"):
+        build_train_batch(slim, normalize=True)
+    mixed = [GroupResult(0, (slim[0].entries[0], whole[0].entries[1]))]
+    with pytest.raises(GRPOError, match="1 TrainRows and 2 RowRefs"):
+        build_train_batch(mixed, normalize=True, train_partition="train")
+
+
+def test_first_call_prompts_come_from_refs_only_when_carried():
+    whole, carried = _stored_groups(MemoryPlane(), carry=True)
+    assert first_call_prompt_records(1, carried) == first_call_prompt_records(1, whole)
+    _, bare = _stored_groups(MemoryPlane(), carry=False)
+    with pytest.raises(ValueError, match="dump_first_call_prompt_ids"):
+        first_call_prompt_records(1, bare)
+
+
+def test_cleaner_clears_and_counts():
+    plane = MemoryPlane()
+    _stored_groups(plane)
+    cleaner = TrainRowCleaner(plane, "train", 1.0)
+    cleaner.clear(["r-0#0", "r-0#1"])
+    assert cleaner.remaining() == ["r-1#0"]
+
+
+def test_a_failed_store_is_a_data_plane_placeholder(chains):
+    chain = chains.build("r-s")
+    item = RolloutEvidence("r-s", 0, 0, chains.run_result(1.0, chain.terminal.response_id), None, chain.manifest(),
+                           None, None)
+
+    class Source:
+        def fetch(self, keys):
+            return [{s.staging_key: s for s in chain.snapshots}[k] for k in keys]
+
+    plane = MemoryPlane(fail=DataPlaneError("store down"))
+    result = judge_from_source(Source(), item, CFG, lambda kept: store_rows(plane, "train", kept, 1.0, False))
+    assert isinstance(result, Placeholder)
+    assert (result.reason, result.detail, result.reward) == (
+        PlaceholderReason.DATA_PLANE_ERROR, "train_partition: DataPlaneError: store down", 1.0)
+    kept = FinalizerWorker(lambda: Source(), CFG, lambda: (lambda k: store_rows(MemoryPlane(), "t", k, 1.0, False)))
+    (ref,) = kept.finalize(item).result.rows
+    assert isinstance(ref, RowRef) and ref.key == train_key("r-s", 0)
+
+
+# --- the real data plane: what the finalizer actor wrote is what the policy side reads -------------
+
+
+async def test_policy_side_reads_exactly_what_the_finalizer_actor_wrote(clients, chains):
+    writer, reader = clients
+    staging, train = "train_rows_test_staging", "train_rows_test_train"
+    chain = chains.build("r-tq")
+    item = RolloutEvidence("r-tq", 0, 0, chains.run_result(1.0, chain.terminal.response_id), None, chain.manifest(),
+                           None, None)
+    assert all(TQTokenSink(writer, staging).stage(record).ok for record in chain.staged)
+    pool = FinalizerPool(1, TQSourceFactory(TQ_TEST_CONFIG, staging, timeout_s=10.0), call_timeout_s=120.0, cfg=CFG,
+                         rows_factory=TQTrainRowsFactory(TQ_TEST_CONFIG, train, 10.0, carry_prompt_ids=False))
+    try:
+        await pool.wait_ready(READY_TIMEOUT_S)
+        (outcome,) = await pool.finalize_group([item])
+    finally:
+        pool.shutdown()
+    whole = judge_from_source(TQTokenSource(reader, staging, timeout_s=10.0), item, CFG)  # the same judge, rows kept whole
+    assert isinstance(outcome.result, KeptRollout) and isinstance(whole, KeptRollout)
+    (ref,) = outcome.result.rows
+    assert isinstance(ref, RowRef) and ref.key == "r-tq#0" and ref.prompt_ids is None
+    assert reader.list_keys(train) == ["r-tq#0"]
+
+    slim = build_train_batch([GroupResult(0, (outcome.result,))], normalize=False, train_partition=train)
+    expected = build_train_batch([GroupResult(0, (whole,))], normalize=False).batch
+    assert read_train_batch(reader, slim.plan) == expected
+    assert expected.token_ids == (chain.full_sequence,)
+
+    stored = reader.get(train, ["r-tq#0"], list(FIELDS))[0]
+    tampered = dict(stored, token_ids=stored["token_ids"].clone())
+    tampered["token_ids"][-1] += 1
+    writer.put(train, "r-tq#0", tampered)
+    with pytest.raises(TrainRowDigestError, match="'r-tq#0'"):
+        read_train_batch(reader, slim.plan)
+
+    cleaner = TrainRowCleaner(writer, train, 10.0)
+    cleaner.clear(list(slim.plan.keys))
+    assert cleaner.remaining() == []
+    with pytest.raises(MissingKeysError):
+        read_train_batch(reader, slim.plan)
