@@ -63,6 +63,10 @@ def test_grpo_capture_on_is_engaged_exact_and_refits(tmp_path):
         # Yield measured against the worker's own served-token counter.
         assert m["finalize/served_generated_tokens"] > 0
         assert m["finalize/kept_generated_token_fraction"] >= 0.99
+        # Rows went finalizer -> train partition -> policy worker; the step's keys are cleared after training.
+        assert m["retention/train_keys_cleared"] == m["finalize/rows"]
+        assert m["retention/train_keys_stray"] == 0.0
+        assert m["retention/train_keys_remaining"] == 0.0
     # Rows carry the version the workers served: step 1 samples from the initial weights (0),
     # step 2 from the weights refit after step 1.
     assert [(m["weight_version/min"], m["weight_version/max"]) for m in lines] == [(0.0, 0.0), (1.0, 1.0)]
@@ -75,6 +79,7 @@ def test_grpo_capture_off_runs_the_legacy_path(tmp_path):
         assert m["finalize/token_in_calls"] == 0
         assert m["finalize/rows"] >= 1
         assert m["weight_version/min"] == m["weight_version/max"] == -1.0  # the token echo carries no version
+        assert "retention/train_keys_remaining" not in m  # legacy rows reach the policy as a TrainBatch argument
 
 
 @pytest.mark.integration
