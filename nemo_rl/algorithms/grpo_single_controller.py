@@ -529,8 +529,8 @@ async def rollout_step(run: GRPORun, step: int) -> tuple[list[GroupResult], dict
 def train_step(run: GRPORun, step: int, step_batch: StepBatch) -> dict[str, float]:
     """One GRPO step on the policy worker; returns train/* and the generation-mismatch metrics."""
     metrics: dict[str, float] = {}
-    loss_fn = ClippedPGLossFn.from_config(run.cfg.loss_fn)
     with Timer("train_s", metrics):
+        loss_fn = ClippedPGLossFn.from_config(run.cfg.loss_fn)
         if step_batch.plan is not None:
             run.progress(f"[step {step}] training on {step_batch.plan.num_samples} rows read from the train partition")
             train = run.policy.train_planned(step_batch.plan, loss_fn)
@@ -582,7 +582,7 @@ def _down(run: GRPORun) -> dict[str, str]:
 
 def _report_masked(run: GRPORun, step: int, metrics: dict[str, float]) -> None:
     limit = run.cfg.token_capture.max_consecutive_masked_steps
-    down = run.watch.down() if run.watch is not None else {}
+    down = _down(run)
     run.progress(
         f"[step {step}] WARNING: every rollout became a placeholder; step skipped (no train, no refit), "
         f"{run.masked_streak + 1}/{limit} in a row. Reasons: "
