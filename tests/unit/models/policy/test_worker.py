@@ -76,3 +76,49 @@ def test_policy_worker_actor_shell(private_ray: None, tiny_model_dir: Path) -> N
     client.kill()
     with pytest.raises(PolicyWorkerDiedError, match="policy.state_fingerprint: the actor died"):
         client.state_fingerprint()
+
+
+def test_policy_worker_trains_on_the_rows_it_reads_from_the_train_partition(tiny_model_dir: Path) -> None:
+    """Rows written by `store_rows` (as a finalizer actor does) train in the actor exactly as the same
+    TrainBatch passed by value; a plan whose digest does not match is refused and trains nothing."""
+    import dataclasses
+
+    from nemo_rl.data_plane import DataPlaneClient, DataPlaneConfig, start_data_plane
+    from nemo_rl.distributed.ray_cluster import init_local_ray
+    from nemo_rl.token_capture.rows import KeptRollout, RowOrigin, TrainRow
+    from nemo_rl.token_capture.train_rows import TrainPlan, TrainRowDigestError, store_rows
+
+    row = TrainRow(
+        rollout_id="r-0", group_index=0, sample_index=0, token_ids=(1, 2, 3, 4), token_mask=(0.0, 1.0, 1.0, 1.0),
+        generation_logprobs=(0.0, -0.5, -0.25, -1.0), reward=1.0, prompt_len=1, model_call_ids=("c0",),
+        weight_versions=(0,), token_in_calls=0, text_root_calls=1, terminal_selection="response_id",
+        origin=RowOrigin.CAPTURE, call_spans=((0, 4),),
+    )
+    batch = TrainBatch(token_ids=[[1, 2, 3, 4]], token_mask=[[0, 1, 1, 1]],
+                       generation_logprobs=[[0.0, -0.5, -0.25, -1.0]], advantages=[1.0])
+    loss_fn = ClippedPGLossFn.from_config(LossConfig())
+    cfg = PolicyConfig(model_path=str(tiny_model_dir))
+    data_plane = DataPlaneConfig(call_timeout_s=30.0)
+    cluster = init_local_ray(num_cpus=2)
+    try:
+        plane = start_data_plane(data_plane)
+        try:
+            with DataPlaneClient.attach(data_plane) as client:
+                kept = store_rows(client, "policy_train", KeptRollout("r-0", 0, 0, (row,), 1.0, "response_id"), 30.0, False)
+                plan = TrainPlan.of("policy_train", kept.rows, [1.0])
+                policy = RayPolicyClient.spawn(cfg, data_plane=data_plane)
+                local = PolicyCore(cfg)
+                with pytest.raises(TrainRowDigestError, match=r"key 'r-0#0': payload digest [0-9a-f]{64} != 0{64}"):
+                    policy.train_planned(dataclasses.replace(plan, digests=("0" * 64,)), loss_fn)
+                assert policy.state_fingerprint() == local.state_fingerprint()  # nothing trained
+                assert policy.train_planned(plan, loss_fn) == local.train_step(batch, loss_fn)
+                assert policy.state_fingerprint() == local.state_fingerprint()
+                policy.kill()
+                bare = RayPolicyClient.spawn(cfg)
+                with pytest.raises(PolicyWorkerError, match="train_planned needs the data plane"):
+                    bare.train_planned(plan, loss_fn)
+                bare.kill()
+        finally:
+            plane.shutdown()
+    finally:
+        cluster.shutdown()
