@@ -16,8 +16,13 @@ and summarises):
    `capture_ab.py --arm MODE` that runs `run_grpo` unchanged, with `NRL_WIRE_METRICS_DIR` set so
    the Gym servers and the vLLM worker count HTTP body bytes and per-call capture time
    (`nemo_rl.token_capture.wire_metrics`). The child wraps `build_train_batch` to keep a reference
-   to each step's `TrainBatch` (no copy, no work inside the step) and, after the run, counts
-   trained tokens and checks every trained row for re-tokenization drift (`audit.retokenization_drift`).
+   to each step's `TrainBatch` or `TrainPlan` and the groups it came from (no copy, no work inside
+   the step) and, after the run, counts trained tokens, checks every trained row for
+   re-tokenization drift (`audit.retokenization_drift`) and measures the row bytes that went
+   through the driver (pickled groups + what it sent the policy worker). Rows that went through
+   the train partition never reach the driver: the child reads each plan's rows back with
+   `train_rows.read_train_batch` right before the step's retention clears them (one TQ get per
+   step, after the train phase).
    Why children rather than in-process runs: every arm then pays the same imports, a hang is
    bounded by `--arm-timeout-s` and killed by process group without touching the next arm, and
    peak RSS of the driver is the arm's own (a Python process never returns freed memory).
