@@ -22,7 +22,7 @@ and summarises):
    through the driver (pickled groups + what it sent the policy worker). Rows that went through
    the train partition never reach the driver: the child reads each plan's rows back with
    `train_rows.read_train_batch` right before the step's retention clears them (one TQ get per
-   step, after the train phase).
+   step, after the train phase; it counts in `step_s`).
    Why children rather than in-process runs: every arm then pays the same imports, a hang is
    bounded by `--arm-timeout-s` and killed by process group without touching the next arm, and
    peak RSS of the driver is the arm's own (a Python process never returns freed memory).
