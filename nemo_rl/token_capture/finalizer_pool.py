@@ -16,7 +16,8 @@ Contract:
   actor by the `rows_factory`, `TQTrainRowsFactory` for `token_capture.train_partition`), the kept
   rollout's rows written to the train partition in one put and returned as `RowRef`s, so no token
   of a kept row travels back to the driver (`train_rows`). A store that fails with a
-  `DataPlaneError` makes the rollout a `data_plane_error` placeholder (detail `train_partition: ...`).
+  `DataPlaneError` makes the rollout a `data_plane_error` placeholder (detail `train_partition: ...`);
+  a `FieldEncodingError` (our row encoding is wrong) is a bug and raises.
 - `FinalizerPool.finalize_group(items)` answers exactly one `FinalizeOutcome` per item, in item
   order, never raising for a per-item failure: each actor call is bounded by `call_timeout_s`
   (expiry -> finalize_timeout), a dead actor -> finalizer_unavailable; a task error raises
@@ -43,7 +44,7 @@ from dataclasses import dataclass
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
-from nemo_rl.data_plane import DataPlaneClient, DataPlaneConfig, DataPlaneError
+from nemo_rl.data_plane import DataPlaneClient, DataPlaneConfig, DataPlaneError, FieldEncodingError
 from nemo_rl.distributed.component_watch import Probe, Role, first_line, ray_actor_probe
 from nemo_rl.token_capture.config import TokenCaptureConfig
 from nemo_rl.token_capture.finalizer import SnapshotSource, fetch_snapshots
@@ -137,6 +138,8 @@ def judge_from_source(
         return verdict
     try:
         return rows(verdict)
+    except FieldEncodingError:
+        raise  # our encoding of a row is wrong: a bug, never a data verdict
     except DataPlaneError as error:
         reason = PlaceholderReason.DATA_PLANE_ERROR
         chains = verdict.yield_.chains if verdict.yield_ is not None else 0
