@@ -42,7 +42,8 @@ Checks (`soak.json["checks"]`, each `{"ok": true | false | null, "detail": str}`
   (`MIN_CALLS_PER_ROLLOUT`, 1.5: the tool loop is 2 calls, and most rollouts must make both; a
   sampled policy sometimes answers at once, and while it trains it may do so more often: measured
   1.64-2.00 per step over a 12-step soak).
-- `retention`: `retention/staged_keys_remaining` and `retention/ledger_files_remaining` are 0
+- `retention`: `retention/staged_keys_remaining`, `retention/ledger_files_remaining` and
+  `retention/train_keys_remaining` (the train partition) are 0
   every step (null, "not logged", while the driver does not log them).
 - `sampled`: every component of `REQUIRED_COMPONENTS` was sampled with a peak > 0.
 - `bounded`: no component of `VERDICT_COMPONENTS` is "growing" (see `growth_verdict`) from the
@@ -113,7 +114,7 @@ REQUIRED_COMPONENTS = (
 # Ray's own processes (OTHER) are reported but are not ours to bound.
 VERDICT_COMPONENTS = tuple(c for c in COMPONENTS if c != OTHER)
 ACCOUNTING_KEYS = ("rollouts/dispatched", "finalize/kept_rollouts", "finalize/placeholders")
-RETENTION_KEYS = ("retention/staged_keys_remaining", "retention/ledger_files_remaining")
+RETENTION_KEYS = ("retention/staged_keys_remaining", "retention/ledger_files_remaining", "retention/train_keys_remaining")
 EXACTNESS_KEYS = (
     "finalize/token_in_rate", "finalize/capture_poisoned_rollouts", "finalize/calls_per_rollout",
     "finalize/token_in_calls", "finalize/text_root_calls", "token_mult_prob_error", "gen_kl_error",
@@ -317,7 +318,7 @@ def summarize(
     elif unlogged or not per_step:
         checks["retention"] = _check(None, f"not logged: {unlogged or list(RETENTION_KEYS)}")
     else:
-        checks["retention"] = _check(True, "staged keys and ledger files remaining are 0 every step")
+        checks["retention"] = _check(True, "staged keys, ledger files and train keys remaining are 0 every step")
     unsampled = [c for c in REQUIRED_COMPONENTS if pk["overall"].get(c, 0.0) <= 0.0]
     checks["sampled"] = _check(not unsampled, f"never sampled: {unsampled}" if unsampled else "every component sampled")
     if last is None or last <= base_step:
@@ -713,8 +714,8 @@ def write_report(path: Path, soak: Mapping[str, Any]) -> None:
         "## Per step",
         "",
         "| Step | Dispatched | Kept | Placeholders | Holds | Calls/rollout | token_in_rate | Staged keys left | "
-        "Ledger files left | step_s |",
-        "|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|",
+        "Ledger files left | Train keys left | step_s |",
+        "|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|",
     ]
     for s in steps:
         a, r = s["accounting"], s["retention"]

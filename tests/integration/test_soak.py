@@ -74,7 +74,8 @@ def test_soak_64_rollouts_per_step_keeps_accounting_retention_and_memory_bounded
         assert x["finalize/capture_poisoned_rollouts"] == 0.0, s
         assert x["token_mult_prob_error"] < 1.01, s  # trainer and engine agree on the sampled tokens
         assert s["model_calls_per_rollout"] >= soak_bench.MIN_CALLS_PER_ROLLOUT, s  # the tool loop: multi-turn
-        assert s["retention"] == {"retention/staged_keys_remaining": 0.0, "retention/ledger_files_remaining": 0.0}, s
+        assert s["retention"] == {"retention/staged_keys_remaining": 0.0, "retention/ledger_files_remaining": 0.0,
+                                  "retention/train_keys_remaining": 0.0}, s
 
     for component in SAMPLED:
         assert soak["peak_rss_mib"].get(component, 0.0) > 0.0, f"{component} never sampled"

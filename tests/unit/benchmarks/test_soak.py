@@ -152,7 +152,8 @@ def test_step_accounting_holds_only_when_both_equalities_hold() -> None:
 
 def test_retention_figures_say_none_for_a_key_not_logged() -> None:
     assert soak.retention_figures(_rec(1, **{"retention/staged_keys_remaining": 0})) == {
-        "retention/staged_keys_remaining": 0.0, "retention/ledger_files_remaining": None}
+        "retention/staged_keys_remaining": 0.0, "retention/ledger_files_remaining": None,
+        "retention/train_keys_remaining": None}
 
 
 def test_calls_per_rollout_sums_every_worker() -> None:
@@ -172,7 +173,8 @@ def test_metrics_records_are_in_step_order_and_refuse_a_repeated_step() -> None:
 
 
 GOOD = {"finalize/token_in_rate": 1.0, "finalize/capture_poisoned_rollouts": 0.0, "generation/worker_0/calls": 128.0,
-        "retention/staged_keys_remaining": 0.0, "retention/ledger_files_remaining": 0.0}
+        "retention/staged_keys_remaining": 0.0, "retention/ledger_files_remaining": 0.0,
+        "retention/train_keys_remaining": 0.0}
 ALL = {c: 100.0 for c in soak.REQUIRED_COMPONENTS}
 
 
@@ -220,7 +222,8 @@ def test_summarize_reports_unlogged_retention_as_not_logged_and_passes() -> None
     out = _summarize([_rec(k, **{"finalize/token_in_rate": 1.0, "finalize/capture_poisoned_rollouts": 0.0,
                                  "generation/worker_0/calls": 128.0}) for k in (1, 2, 3)])
     assert out["checks"]["retention"] == {
-        "ok": None, "detail": "not logged: ['retention/ledger_files_remaining', 'retention/staged_keys_remaining']"}
+        "ok": None, "detail": "not logged: ['retention/ledger_files_remaining', 'retention/staged_keys_remaining', "
+              "'retention/train_keys_remaining']"}
     assert out["passed"] is True
 
 
