@@ -498,7 +498,7 @@ async def rollout_step(run: GRPORun, step: int) -> tuple[list[GroupResult], dict
                 for g, row in enumerate(rows)
             )
     metrics["timing/finalize_s"] = run.finalizer.seconds if run.finalizer is not None else 0.0
-    down = run.watch.down() if run.watch is not None else {}
+    down = _down(run)
     if not any(name.startswith("vllm_worker_") for name in down):  # a dead worker has no counter to read
         calls_now = await asyncio.to_thread(run.stack.workers.served_calls)
         metrics.update(worker_call_metrics(run.worker_calls, calls_now))

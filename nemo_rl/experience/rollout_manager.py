@@ -95,6 +95,10 @@ def component_failure_detail(down: Mapping[str, str]) -> str:
     return "; ".join(f"{name} died: {detail}" for name, detail in sorted(down.items()))
 
 
+def _component_failed(down: Mapping[str, str], suffix: str = "") -> RunFailure:
+    return RunFailure(PlaceholderReason.COMPONENT_FAILED, component_failure_detail(down) + suffix)
+
+
 class GroupFinalizer(Protocol):
     """The finalizer pool: one outcome per item, in order, never raising per item."""
 
@@ -330,8 +334,8 @@ class RolloutManager:
         health = self._health
         if health is None:
             return await self._bounded_run(rollout_id, row)
-        if health.down():
-            return RunFailure(PlaceholderReason.COMPONENT_FAILED, component_failure_detail(health.down()))
+        if down := health.down():
+            return _component_failed(down)
         run = asyncio.ensure_future(self._bounded_run(rollout_id, row))
         death = asyncio.ensure_future(health.rollout_path_down.wait())
         try:
@@ -341,18 +345,16 @@ class RolloutManager:
             for task in pending:
                 task.cancel()
             await asyncio.gather(*pending, return_exceptions=True)
-        if run.done() and not run.cancelled():
-            result = run.result()
-            if not isinstance(result, RunFailure):
-                return result
-            # A dead gate or worker fails the run (connection refused) before the next watch
-            # round: look now, so the placeholder names the component rather than the rollout.
-            await health.poll()
-            if not health.down():
-                return result
-            detail = f"{component_failure_detail(health.down())} (the run reported: {result.detail[:300]})"
-            return RunFailure(PlaceholderReason.COMPONENT_FAILED, detail)
-        return RunFailure(PlaceholderReason.COMPONENT_FAILED, component_failure_detail(health.down()))
+        if not run.done() or run.cancelled():
+            return _component_failed(health.down())
+        result = run.result()
+        if not isinstance(result, RunFailure):
+            return result
+        # A dead gate or worker fails the run (connection refused) before the next watch round:
+        # look now, so the placeholder names the component rather than the rollout.
+        await health.poll()
+        down = health.down()
+        return _component_failed(down, f" (the run reported: {result.detail[:300]})") if down else result
 
     async def _bounded_run(self, rollout_id: str, row: dict[str, Any]) -> dict[str, Any] | RunFailure:
         try:
