@@ -81,8 +81,22 @@ class TokenCaptureConfig(BaseModel):
         gt=0.0,
         allow_inf_nan=False,
         description=(
-            "Deadline in seconds for one staging write or read against TransferQueue; the "
-            "worker does not release a response whose delta was not staged in time."
+            "Deadline in seconds for one staging write or read against TransferQueue. A row not "
+            "written in time is never reported staged (before_reply: the call gets capture_failed "
+            "coordinates; behind_reply: the served-call report names it). Under behind_reply it "
+            "is also how long a worker waits for a staging_chain parent another worker is still "
+            "writing."
+        ),
+    )
+    stage_write: Literal["behind_reply", "before_reply"] = Field(
+        default="behind_reply",
+        description=(
+            "When a worker's staging write happens. behind_reply: the response leaves once the "
+            "staged row is queued; a background writer batches queued rows into one TransferQueue "
+            "write, and the worker's served-call report (which the driver takes before any "
+            "finalizer reads) waits for them, reporting rows that did not land as not staged. "
+            "before_reply: the response waits for its own write (Gym's StagingSink contract to "
+            "the letter; one write per call on the response path)."
         ),
     )
     prefix_cache_max_tokens: int = Field(

@@ -9,8 +9,11 @@ Contract (Gym's external-staging protocol, `nemo_gym.token_id_capture.staging.pr
   (versions, ids, lengths, weight version, digests, hashes); `extras` = JSON of `record.extras`
   (`null` when absent; Gym restricts extras to JSON types). Base fetches never move `extras`.
 - `TQTokenSink.stage` is thread-safe and costs one data-plane write per new key, no read (it is
-  on every model call's critical path: the HTTP response waits for it). The write has completed
-  (any other client can read it) before it returns ok. The sink remembers the digest of the last
+  on every model call's critical path). Without a writer the write has completed (any other
+  client can read it) before it returns ok. With a `StageWriter` (`token_capture.stage_write:
+  behind_reply`) it queues the row and returns ok at once; the writer batches queued rows into
+  one write and its `flush` barrier reports rows that did not land (`stage_writer.py` holds the
+  safety argument). The sink remembers the digest of the last
   `REMEMBERED_KEYS` keys it wrote (LRU): re-staging one of them with the same digest (a
   byte-identical retry: the digest covers every field and the extras digest) returns ok without
   a write; with a different digest it is rejected (`ok=False`, an error naming the key and both
@@ -34,7 +37,10 @@ Contract (Gym's external-staging protocol, `nemo_gym.token_id_capture.staging.pr
 - `TQTokenSource.fetch(keys)` returns exactly one `StagedCallBaseSnapshot` per key, in request
   order, each validated by Gym's model (which recomputes the digest). Failures raise a
   `StagingFetchError` subclass naming the key(s): missing keys, an invalid stored record, or
-  an unavailable store. `fetch_records` also returns extras, verified against `extras_digest`.
+  an unavailable store. With `missing_wait_s > 0` (a worker's prefix source under write-behind
+  staging: another worker's row may still be in its write) a missing key is re-read until it
+  appears or `missing_wait_s` has passed, then reported missing; `missing_waits` counts the
+  reads that had to wait. `fetch_records` also returns extras, verified against `extras_digest`.
 - `TQTokenSource.fetch_extras(keys, expected_extras_digests=None)` moves only `header` and
   `extras` (never the token columns) in one data-plane call under the source's deadline and
   returns each record's extras (a dict, or None when the call staged none), in request order.
@@ -71,6 +77,7 @@ from pydantic import ValidationError
 from nemo_rl.data_plane import DataPlaneError, MissingKeysError, Row
 from nemo_rl.data_plane.errors import format_keys
 from nemo_rl.token_capture import wire_metrics
+from nemo_rl.token_capture.stage_writer import StageWriter
 
 TOKEN_IDS_FIELD = "token_ids_delta"
 TOKEN_MASK_FIELD = "token_mask_delta"
@@ -81,6 +88,9 @@ _ARRAY_FIELDS = (TOKEN_IDS_FIELD, TOKEN_MASK_FIELD, LOGPROBS_FIELD)
 BASE_FIELDS = (*_ARRAY_FIELDS, HEADER_FIELD)
 ALL_FIELDS = (*BASE_FIELDS, EXTRAS_FIELD)
 _INT64_MAX = 2**63 - 1
+# Re-reads of a key another worker is still writing: a write takes milliseconds, so start small.
+_FIRST_MISSING_PAUSE_S = 0.002
+_MAX_MISSING_PAUSE_S = 0.1
 # Per-key locks are striped so memory stays bounded however many keys a worker stages.
 _LOCK_STRIPES = 64
 # Digests of recently written keys, for the in-process retry/conflict check (about 0.2 KB per key).
@@ -292,12 +302,17 @@ class TQTokenSink:
 
     def __init__(
         self, client: StagingStore, partition: str, *, timeout_s: float | None = None,
-        remembered_keys: int = REMEMBERED_KEYS,
+        remembered_keys: int = REMEMBERED_KEYS, writer: StageWriter | None = None,
     ) -> None:
-        """`timeout_s` bounds each data-plane call; None uses the client's configured deadline."""
+        """`timeout_s` bounds each data-plane call; None uses the client's configured deadline.
+
+        `writer`: queue rows on this write-behind writer (its partition) instead of writing them
+        before `stage` returns.
+        """
         self._client = client
         self._partition = partition
         self._timeout_s = timeout_s
+        self._writer = writer
         self._locks = [threading.Lock() for _ in range(_LOCK_STRIPES)]
         self._written = WrittenDigests(remembered_keys)
 
@@ -326,7 +341,10 @@ class TQTokenSink:
                 return StageResult(ok=False, staging_key=key, error=conflict_error(key, written, record.digest))
             if written is None:
                 # One write, no read: see "Why a blind write is safe" in the module contract.
-                self._client.put(self._partition, key, row, timeout_s=self._timeout_s)
+                if self._writer is None:
+                    self._client.put(self._partition, key, row, timeout_s=self._timeout_s)
+                else:
+                    self._writer.submit(record.rollout_id, key, row)
                 self._written.put(key, record.digest)
         wire_metrics.add_call_cost("stage_s", time.perf_counter() - started)
         if wire_metrics.active():
@@ -338,18 +356,35 @@ class TQTokenSink:
 class TQTokenSource:
     """Gym `StagingSource` that reads staged calls back from a TQ partition."""
 
-    def __init__(self, client: StagingStore, partition: str, *, timeout_s: float | None = None) -> None:
-        """`timeout_s` bounds each data-plane call; None uses the client's configured deadline."""
+    def __init__(
+        self, client: StagingStore, partition: str, *, timeout_s: float | None = None, missing_wait_s: float = 0.0
+    ) -> None:
+        """`timeout_s` bounds each data-plane call; None uses the client's configured deadline.
+
+        `missing_wait_s`: how long a read re-tries keys that are not there yet (0: report at once).
+        """
+        if missing_wait_s < 0:
+            raise ValueError(f"missing_wait_s={missing_wait_s}: must be >= 0")
         self._client = client
         self._partition = partition
         self._timeout_s = timeout_s
+        self._missing_wait_s = missing_wait_s
+        self.missing_waits = 0
 
     def _rows(self, staging_keys: list[str], fields: Sequence[str]) -> list[Row]:
         started = time.perf_counter()
+        deadline = time.monotonic() + self._missing_wait_s
+        pause_s = _FIRST_MISSING_PAUSE_S
         try:
-            return self._client.get(self._partition, staging_keys, list(fields), timeout_s=self._timeout_s)
-        except MissingKeysError as e:
-            raise StagedKeysMissingError(self._partition, e.missing_keys) from e
+            while True:
+                try:
+                    return self._client.get(self._partition, staging_keys, list(fields), timeout_s=self._timeout_s)
+                except MissingKeysError as e:
+                    if time.monotonic() + pause_s > deadline:
+                        raise StagedKeysMissingError(self._partition, e.missing_keys) from e
+                    self.missing_waits += 1
+                    time.sleep(pause_s)  # a row another worker is still writing (write-behind staging)
+                    pause_s = min(2 * pause_s, _MAX_MISSING_PAUSE_S)
         except DataPlaneError as e:
             raise StagingStoreUnavailableError(
                 f"fetching {len(staging_keys)} staging key(s) {format_keys(staging_keys)} from partition "

@@ -21,6 +21,7 @@ def test_defaults() -> None:
         "manifest_timeout_s": 30.0,
         "finalize_timeout_s": 120.0,
         "stage_timeout_s": 10.0,
+        "stage_write": "behind_reply",
         "prefix_cache_max_tokens": 1_000_000,
         "control_token_env": "NRL_TOKEN_CAPTURE_CONTROL_TOKEN",
         "retire_after_commit": True,
@@ -152,7 +153,7 @@ def test_enabled_from_recipe_override(tmp_path: Path) -> None:
             {"finalizer_workers": 2},
             "token_capture.finalizer_workers=2: unknown key token_capture.finalizer_workers; "
             "allowed keys: enabled, num_finalizer_workers, staging_partition, train_partition, "
-            "manifest_timeout_s, finalize_timeout_s, stage_timeout_s, prefix_cache_max_tokens, "
+            "manifest_timeout_s, finalize_timeout_s, stage_timeout_s, stage_write, prefix_cache_max_tokens, "
             "control_token_env, retire_after_commit, branch_policy, mixed_weight_version_policy, "
             "min_valid_fraction_per_group, max_consecutive_masked_steps, on_component_failure, "
             "component_check_interval_s, component_probe_timeout_s (fix: remove "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import struct
 import threading
+import time
 import uuid
 
 import pytest
@@ -33,6 +34,7 @@ from nemo_gym.token_id_capture.staging import (
 
 from nemo_rl.data_plane import DataPlaneClient, DataPlaneConfig, DataPlaneTimeoutError
 from nemo_rl.token_capture.retention import TQStagingCleaner
+from nemo_rl.token_capture.stage_writer import StageWriter
 from nemo_rl.token_capture.staging import (
     StagedKeysMissingError,
     StagedRecordInvalidError,
@@ -431,3 +433,55 @@ def test_a_second_process_overwrites_and_the_stored_digest_shows_it(
     assert TQTokenSink(clients[1], PARTITION).stage(second).ok
     (stored,) = source.fetch(["r/two-writers"])
     assert stored.digest == second.digest != first.digest
+
+
+# --- write-behind staging (token_capture.stage_write=behind_reply) -----------------------------------
+
+
+def test_write_behind_stage_returns_before_the_write_and_flush_is_the_barrier(
+    clients: tuple[DataPlaneClient, DataPlaneClient], source: TQTokenSource
+) -> None:
+    writer = StageWriter(clients[0], PARTITION, timeout_s=10.0)
+    sink = TQTokenSink(clients[0], PARTITION, writer=writer)
+    records = [simple_record(f"behind-{i}", rollout_id="behind") for i in range(8)]
+    barrier = threading.Barrier(len(records))
+    results: dict[int, object] = {}
+
+    def stage(slot: int) -> None:
+        barrier.wait()
+        results[slot] = sink.stage(records[slot])
+
+    threads = [threading.Thread(target=stage, args=(i,)) for i in range(len(records))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert all(results[i].ok for i in range(len(records)))
+    assert writer.flush(["behind"], 10.0) == {}
+    # Every row landed exactly as staged (the reader is another client, as the finalizer is) ...
+    assert [s.digest for s in source.fetch([r.staging_key for r in records])] == [r.digest for r in records]
+    # ... in fewer writes than rows when they queued up together (never more than one per row).
+    assert writer.stats["rows"] == 8 and 1 <= writer.stats["batches"] <= 8
+    # An identical retry is remembered at submit time and writes nothing more.
+    assert sink.stage(records[0]).ok and writer.flush(["behind"], 10.0) == {}
+    assert writer.stats["rows"] == 8
+    writer.close(10.0)
+
+
+def test_a_prefix_source_waits_for_a_row_another_worker_is_still_writing(
+    clients: tuple[DataPlaneClient, DataPlaneClient],
+) -> None:
+    record = simple_record("late", rollout_id="late")
+    waiting = TQTokenSource(clients[1], PARTITION, timeout_s=10.0, missing_wait_s=10.0)
+    writer = threading.Timer(0.3, lambda: TQTokenSink(clients[0], PARTITION).stage(record))
+    writer.start()
+    (snapshot,) = waiting.fetch([record.staging_key])
+    writer.join()
+    assert snapshot.digest == record.digest and waiting.missing_waits >= 1
+    impatient = TQTokenSource(clients[1], PARTITION, timeout_s=10.0, missing_wait_s=0.2)
+    started = time.monotonic()
+    with pytest.raises(StagedKeysMissingError, match="never/c"):
+        impatient.fetch(["never/c"])
+    assert 0.1 <= time.monotonic() - started < 5.0
+    with pytest.raises(ValueError, match="missing_wait_s=-1: must be >= 0"):
+        TQTokenSource(clients[1], PARTITION, missing_wait_s=-1)

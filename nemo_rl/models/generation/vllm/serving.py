@@ -53,7 +53,9 @@ Contract (the transport, `server.py`, is a thin shell over `ChatService`):
   without `max_tokens` is clipped to the room left (vLLM's default), never rejected for it.
 - Served witness: every admitted call that produced a completion leaves one `ServedCall`
   (generated-token count, parent, staged or why not, this worker's index) in a bounded per-rollout
-  registry; `take_served(rollout_ids)` pops them. Plain calls and calls that produced no
+  registry; `take_served(rollout_ids)` pops them. Under write-behind staging (a `StageBarrier`
+  installed) it first waits for the rollouts' queued rows and marks a call whose row did not land
+  as not staged (`stats["capture_failed"]`, `capture_failures`, an error log line). Plain calls and calls that produced no
   completion (rejected, or the engine raised) leave none. Past `max_served_rollouts` rollouts the
   least recently written one is dropped and counted in `stats["served_evicted_rollouts"]`.
 """
@@ -71,7 +73,14 @@ from typing import Any, Protocol
 from jinja2 import TemplateError
 from pydantic import ValidationError
 
-from nemo_gym.token_id_capture.staging import ActiveCall, CaptureAdmission, CaptureError, CommitCoords, RolloutTokenCapture
+from nemo_gym.token_id_capture.staging import (
+    ActiveCall,
+    CaptureAdmission,
+    CaptureError,
+    CommitCoords,
+    RolloutTokenCapture,
+    staging_key,
+)
 from nemo_rl.data_plane.errors import DataPlaneError
 from nemo_rl.models.generation.vllm.chat import (
     ChatTemplateTokenizer,
@@ -170,6 +179,12 @@ class Generator(Protocol):
     weight_version: int
 
     async def generate(self, prompt_ids: list[int], sampling: SamplingRequest, request_id: str) -> GenerationResultLike: ...
+
+
+class StageBarrier(Protocol):
+    """Write-behind staging's barrier (`StageWriter` implements it)."""
+
+    def flush(self, rollout_ids: list[str], timeout_s: float) -> dict[str, str]: ...
 
 
 @dataclass(frozen=True)
@@ -301,6 +316,8 @@ class ChatService:
         self.stats: Counter[str] = Counter()
         self.capture_failures: deque[dict] = deque(maxlen=1000)
         self._served = ServedRegistry(max_served_rollouts)
+        self._stage_barrier: StageBarrier | None = None
+        self._stage_flush_timeout_s = 0.0
 
     # Gym's `install_capture(serving_layer, ...)` seam.
     def install_token_capture(self, capture: RolloutTokenCapture) -> None:
@@ -308,6 +325,10 @@ class ChatService:
 
     def install_prefix_cache(self, cache: PrefixCache) -> None:
         self.prefix_cache = cache
+
+    def install_stage_barrier(self, barrier: StageBarrier, timeout_s: float) -> None:
+        """Write-behind staging: `take_served` first waits (up to `timeout_s`) for the rollouts' rows."""
+        self._stage_barrier, self._stage_flush_timeout_s = barrier, timeout_s
 
     async def chat_completions(self, body: Any) -> dict:
         try:
@@ -345,8 +366,25 @@ class ChatService:
         return await self._serve_admitted(plan, result)
 
     def take_served(self, rollout_ids: list[str]) -> list[ServedCall]:
-        """Pop and return the served-call records of `rollout_ids` (unknown ids: nothing)."""
-        return self._served.take(list(rollout_ids))
+        """Pop and return the served-call records of `rollout_ids` (unknown ids: nothing).
+
+        Under write-behind staging this blocks until the rollouts' staged rows are written (the
+        barrier every finalizer read comes after); a row that did not land turns its call into
+        served-not-staged, naming why.
+        """
+        ids = list(rollout_ids)
+        failures = {} if self._stage_barrier is None else self._stage_barrier.flush(ids, self._stage_flush_timeout_s)
+        calls = self._served.take(ids)
+        return [self._unstaged_if_lost(call, failures) for call in calls] if failures else calls
+
+    def _unstaged_if_lost(self, call: ServedCall, failures: dict[str, str]) -> ServedCall:
+        why = failures.get(staging_key(call.rollout_id, call.model_call_id))
+        if why is None or not call.staged:
+            return call
+        self.stats["capture_failed"] += 1
+        self.capture_failures.append({"rollout_id": call.rollout_id, "model_call_id": call.model_call_id, "reason": why})
+        LOGGER.error("capture_failed after reply rollout=%s call=%s: %s", call.rollout_id, call.model_call_id, why)
+        return replace(call, staged=False, failure=why)
 
     def served_rollouts_pending(self) -> int:
         return len(self._served)

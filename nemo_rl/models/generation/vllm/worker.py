@@ -19,7 +19,10 @@ Contract:
   version. `GET /control/state` (bearer) reports state, weight version, in-flight count, failure.
 - `install_token_capture` (called by `serve` when token capture is enabled) hosts Gym's
   `RolloutTokenCapture` with the TransferQueue sink over the `ChatService`, and gives the
-  service a bounded `PrefixCache` over the TQ source for `staging_chain` admissions.
+  service a bounded `PrefixCache` over the TQ source for `staging_chain` admissions. Under
+  `token_capture.stage_write=behind_reply` it also starts the worker's `StageWriter` (staged rows
+  written behind the reply, batched) and installs it as the service's served-report barrier;
+  `shutdown` writes what is queued before closing the data-plane client.
 - `update_weights(dir, version)` refits the engine; every later sample carries `version`.
 - `worker_index` (given by the launcher, 0..num_workers-1) stamps every `ServedCall` this worker
   records; `take_served(rollout_ids)` pops them as wire dicts (`ServedCall.to_wire`).
@@ -28,7 +31,9 @@ Contract:
 - `capture_stats()["served_calls"]` counts the completions this worker produced (plain and
   admitted), for per-worker call metrics; `prefix_cache_fetched_keys` counts the staged deltas
   the prefix cache read from TransferQueue, `prefix_cache_seeded_keys` the ones it took from
-  this worker's own staging writes (a same-worker continuation fetches nothing).
+  this worker's own staging writes (a same-worker continuation fetches nothing),
+  `prefix_fetch_missing_waits` the re-reads of a parent another worker was still writing, and
+  `stage_writer` the write-behind writer's counters (rows, batches, write_s, failed_rows, ...).
 """
 
 from __future__ import annotations
@@ -76,6 +81,8 @@ class VllmGenerationWorker:
         self._endpoint = Endpoint()  # what the HTTP routes serve from (starting until `serve`)
         self._runner = None
         self._client: DataPlaneClient | None = None
+        self._stage_writer = None  # StageWriter under token_capture.stage_write=behind_reply
+        self._prefix_source = None  # TQTokenSource of the prefix cache (capture on)
         self.base_url: str | None = None
 
     async def start_engine(self) -> None:
@@ -164,6 +171,7 @@ class VllmGenerationWorker:
 
         from nemo_rl.models.generation.vllm.prefix_cache import PrefixCache
         from nemo_rl.token_capture import wire_metrics
+        from nemo_rl.token_capture.stage_writer import StageWriter
         from nemo_rl.token_capture.staging import TQTokenSink, TQTokenSource
 
         if self._service is None or self._engine is None:
@@ -175,15 +183,22 @@ class VllmGenerationWorker:
             raise WorkerError("token_capture.enabled=true needs a data plane config for the TQ staging sink")
         self._client = DataPlaneClient.attach(self._dp_cfg)
         partition = self._capture_cfg.staging_partition
+        timeout_s = self._capture_cfg.stage_timeout_s
+        behind = self._capture_cfg.stage_write == "behind_reply"
+        if behind:
+            self._stage_writer = StageWriter(self._client, partition, timeout_s=timeout_s)
+            self._service.install_stage_barrier(self._stage_writer, timeout_s)
         engine = self._engine
         install_capture(
             self._service,
-            sink=TQTokenSink(self._client, partition, timeout_s=self._capture_cfg.stage_timeout_s),
+            sink=TQTokenSink(self._client, partition, timeout_s=timeout_s, writer=self._stage_writer),
             weight_version_fn=lambda: engine.weight_version,
             adapter=VLLMCaptureAdapter(),
         )
         wire_metrics.time_capture_calls(self._service)  # opt-in per-call capture timing (benchmarks/capture_ab.py)
-        source = TQTokenSource(self._client, partition, timeout_s=self._capture_cfg.stage_timeout_s)
+        # Under write-behind a staging_chain parent staged by another worker may still be in its write.
+        source = TQTokenSource(self._client, partition, timeout_s=timeout_s, missing_wait_s=timeout_s if behind else 0.0)
+        self._prefix_source = source
         self._service.install_prefix_cache(PrefixCache(source, self._capture_cfg.prefix_cache_max_tokens))
 
     async def update_weights(self, weights_dir: str, version: int) -> int:
@@ -231,12 +246,17 @@ class VllmGenerationWorker:
         except EngineError as e:  # converted before it crosses the Ray boundary
             raise WorkerError(f"vLLM worker {self._worker_index}: prompt_logprobs failed: {type(e).__name__}: {e}") from e
 
-    def take_served(self, rollout_ids: list[str]) -> list[dict]:
-        """Pop what this worker served for `rollout_ids`, as `ServedCall` wire dicts."""
+    async def take_served(self, rollout_ids: list[str]) -> list[dict]:
+        """Pop what this worker served for `rollout_ids`, as `ServedCall` wire dicts.
+
+        Under write-behind staging it first waits (off the event loop, bounded by
+        `token_capture.stage_timeout_s`) for the rollouts' staged rows to be written.
+        """
         if self._service is None:
             raise WorkerError("take_served called before start")
         self._require_healthy("take_served")
-        return [call.to_wire() for call in self._service.take_served(rollout_ids)]
+        calls = await asyncio.to_thread(self._service.take_served, list(rollout_ids))
+        return [call.to_wire() for call in calls]
 
     def capture_stats(self) -> dict:
         if self._service is None:
@@ -254,6 +274,8 @@ class VllmGenerationWorker:
             "prefix_cache_seeded_keys": cache.seeded_keys if cache else 0,
             "prefix_cache_seed_rejected": cache.seed_rejected if cache else 0,
             "prefix_cache_tokens": cache.cached_tokens if cache else 0,
+            "prefix_fetch_missing_waits": self._prefix_source.missing_waits if self._prefix_source else 0,
+            "stage_writer": dict(self._stage_writer.stats) if self._stage_writer else None,
         }
 
     async def shutdown(self) -> None:
@@ -264,6 +286,9 @@ class VllmGenerationWorker:
         if self._engine is not None:
             self._engine.shutdown()
             self._engine = None
+        if self._stage_writer is not None:
+            self._stage_writer.close(self._capture_cfg.stage_timeout_s)  # before the client it writes with
+            self._stage_writer = None
         if self._client is not None:
             self._client.close()
             self._client = None

@@ -562,6 +562,35 @@ async def test_staging_failure_is_served_but_not_staged(tokenizer):
     assert (served.staged, served.failure, served.generated_tokens) == (False, "staging_failed (see worker log)", len(gen1))
 
 
+class ScriptedBarrier:
+    """A write-behind barrier that reports the given rows as not written, and records its flushes."""
+
+    def __init__(self, failures: dict[str, str]) -> None:
+        self.failures = failures
+        self.flushes: list[tuple[list[str], float]] = []
+
+    def flush(self, rollout_ids, timeout_s):
+        self.flushes.append((list(rollout_ids), timeout_s))
+        return {k: v for k, v in self.failures.items() if k.split("/")[0] in rollout_ids}
+
+
+async def test_a_row_lost_behind_the_reply_turns_its_call_unstaged_in_the_served_report(tokenizer):
+    gen1, gen2 = _gen(tokenizer, CALL_TEXT), _gen(tokenizer, "The answer is 17.")
+    svc, engine, _ = _service(tokenizer, [gen1, gen2])
+    barrier = ScriptedBarrier({"r1/c2": "staging write failed: DataPlaneTimeoutError: put past its deadline"})
+    svc.install_stage_barrier(barrier, 7.5)
+    _, r2 = await _root_then_token_in(svc, engine)
+    assert r2["ng_commit_coords"]["disposition"] == "staged"  # the reply left before the write
+    root, child = svc.take_served(["r1"])
+    assert barrier.flushes == [(["r1"], 7.5)]  # the report waited for the rollout's rows first
+    assert (root.staged, root.failure) == (True, None)
+    assert (child.staged, child.failure) == (False, "staging write failed: DataPlaneTimeoutError: put past its deadline")
+    assert svc.stats["capture_failed"] == 1
+    assert list(svc.capture_failures) == [
+        {"rollout_id": "r1", "model_call_id": "c2", "reason": "staging write failed: DataPlaneTimeoutError: put past its deadline"}
+    ]
+
+
 async def test_tail_render_failure_is_served_with_its_reason(tokenizer):
     gen1, gen2 = _gen(tokenizer, CALL_TEXT), [5, tokenizer.eos_token_id]
     svc, _, _ = _service(tokenizer, [gen1, gen2])
@@ -703,13 +732,13 @@ async def test_worker_take_served_returns_wire_dicts_and_counts_calls(tokenizer)
 
     worker = VllmGenerationWorker("/nonexistent", GenerationConfig().model_dump(), {}, None, worker_index=1)
     with pytest.raises(WorkerError, match="take_served called before start"):
-        worker.take_served(["r1"])
+        await worker.take_served(["r1"])
     svc, _, _ = _service(tokenizer, [[7, tokenizer.eos_token_id]] * 2, worker_index=1)
     worker._service = svc
     await svc.chat_completions({"messages": MESSAGES, "ng_capture": _admission("text", "c1")})
     await svc.chat_completions({"messages": MESSAGES})
     stats = worker.capture_stats()
     assert (stats["worker_index"], stats["served_calls"], stats["served_rollouts_pending"]) == (1, 2, 1)
-    wire = worker.take_served(["r1"])
+    wire = await worker.take_served(["r1"])
     assert wire == [ServedCall("r1", "c1", None, "text", 2, True, None, 1).to_wire()]
-    assert worker.take_served(["r1"]) == []
+    assert await worker.take_served(["r1"]) == []
