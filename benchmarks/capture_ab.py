@@ -95,6 +95,8 @@ EXACTNESS_KEYS = ("token_mult_prob_error", "gen_kl_error")
 # Links between the processes, by which server counted the bodies (see `http_links`).
 LINKS = ("agent_gate", "gate_worker", "driver_agent", "driver_gate_control", "agent_resources", "agent_internal")
 HEADLINE_LINKS = ("agent_gate", "gate_worker")
+STAGE_WRITER_COUNTERS = ("stage_write_rows", "stage_write_batches", "stage_write_s", "stage_flushes",
+                         "stage_flush_wait_s")
 CALL_COST_PARTS = ("begin_call_s", "prefix_fetch_s", "commit_s", "stage_s", "prefix_seed_s")
 ADDED_PARTS = ("begin_call_s", "prefix_fetch_s", "commit_s", "prefix_seed_s")  # stage_s is inside commit_s
 # results.json top level: step_s median capture/legacy; headline HTTP bytes per trained token
@@ -444,6 +446,7 @@ def arm_summary(arm_dir: Path, run: Mapping[str, Any], skip_steps: int, in_fligh
         "headline_http_bytes_per_trained_token": sum(links[k] for k in HEADLINE_LINKS) / trained if trained else None,
         "all_http_bytes_per_trained_token": sum(links.values()) / trained if trained else None,
         "staged_bytes_per_trained_token": counters.get("staged_bytes", 0.0) / trained if trained else None,
+        "stage_writer": {name: counters.get(name, 0.0) for name in STAGE_WRITER_COUNTERS},
         "worker_call_samples": worker_calls,
         "route_ms_per_request": route_times_ms(wires),
         "exactness": exactness,
@@ -797,6 +800,20 @@ def synthetic_main(args: argparse.Namespace) -> int:
 # --- summary, report, plots -----------------------------------------------------------------------
 
 
+def stage_writer_figures(per_arm: Sequence[Mapping[str, float]]) -> dict[str, float | None]:
+    """The write-behind writer's totals over the capture arms: rows per write, ms per write and per report."""
+    total = {name: sum(float(a.get(name, 0.0)) for a in per_arm) for name in STAGE_WRITER_COUNTERS}
+    batches, flushes = total["stage_write_batches"], total["stage_flushes"]
+    return {
+        "rows": total["stage_write_rows"],
+        "writes": batches,
+        "rows_per_write": total["stage_write_rows"] / batches if batches else None,
+        "ms_per_write": 1000.0 * total["stage_write_s"] / batches if batches else None,
+        "served_reports": flushes,
+        "ms_waited_per_served_report": 1000.0 * total["stage_flush_wait_s"] / flushes if flushes else None,
+    }
+
+
 def summarize_ab(arms: Mapping[str, list[dict[str, Any]]]) -> dict[str, Any]:
     """Per mode: spreads over repeats of each per-arm figure; on/off ratios of the medians."""
     out: dict[str, Any] = {"phases_s": {}, "http": {}, "exactness": {}}
@@ -831,6 +848,7 @@ def summarize_ab(arms: Mapping[str, list[dict[str, Any]]]) -> dict[str, Any]:
     out["http"]["all_links_ratio"] = ratio(out["http"]["capture"]["all_bytes_per_trained_token"]["median"],
                                            out["http"]["legacy"]["all_bytes_per_trained_token"]["median"])
     out["call_costs"] = {m: call_costs([c for a in arms[m] for c in a["worker_call_samples"]]) for m in MODES}
+    out["stage_writer"] = stage_writer_figures([a.get("stage_writer", {}) for a in arms["capture"]])
     out["route_ms_per_request"] = {
         m: {name: spread(a["route_ms_per_request"][name] for a in arms[m]) for name in ROUTE_TIMES
             if all(name in a["route_ms_per_request"] for a in arms[m])} for m in MODES}
@@ -931,11 +949,20 @@ def write_report(path: Path, results: Mapping[str, Any]) -> None:
             f"| prefix fetch, calls that fetched: {cc['prefix_fetch_calls']} (ms) | "
             f"{_fmt(cc['prefix_fetch_ms_p50'])} | {_fmt(cc['prefix_fetch_ms_p99'])} |",
             f"| commit incl. stage (ms) | {_fmt(cc['commit_ms_p50'])} | {_fmt(cc['commit_ms_p99'])} |",
-            f"| stage: TQ write (ms) | {_fmt(cc['stage_ms_p50'])} | {_fmt(cc['stage_ms_p99'])} |",
+            f"| stage (ms; behind_reply: queueing the row) | {_fmt(cc['stage_ms_p50'])} | {_fmt(cc['stage_ms_p99'])} |",
             f"| prefix cache seed (ms) | {_fmt(cc['prefix_seed_ms_p50'])} | {_fmt(cc['prefix_seed_ms_p99'])} |",
             f"| rest of the call (ms) | {_fmt(cc['rest_ms_p50'])} | |",
             "", f"{cc['calls']} capture calls sampled; legacy calls: {ab['call_costs']['legacy']['calls']} "
-            f"(rest p50 {_fmt(ab['call_costs']['legacy']['rest_ms_p50'])} ms).", "",
+            f"(rest p50 {_fmt(ab['call_costs']['legacy']['rest_ms_p50'])} ms).", ""]
+        sw = ab.get("stage_writer") or {}
+        if sw.get("writes"):
+            lines += [
+                f"Staging behind the reply (`token_capture.stage_write=behind_reply`): the stage row above is the "
+                f"queueing; {sw['rows']:.0f} rows reached TransferQueue in {sw['writes']:.0f} writes "
+                f"({_fmt(sw['rows_per_write'])} rows per write, {_fmt(sw['ms_per_write'])} ms per write, off the "
+                f"response path); the served-call report waited {_fmt(sw['ms_waited_per_served_report'])} ms on "
+                f"average for them ({sw['served_reports']:.0f} reports).", ""]
+        lines += [
             "## Server-side time per request (ms, mean over the arm's requests)", "",
             "| server:route | capture | legacy |", "|---|---|---|"]
         for name in ROUTE_TIMES:

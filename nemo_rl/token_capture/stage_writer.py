@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from nemo_rl.data_plane import DataPlaneError
+from nemo_rl.token_capture import wire_metrics  # opt-in counters (benchmarks/capture_ab.py)
 
 DEFAULT_MAX_BATCH = 64
 DEFAULT_MAX_ROLLOUTS = 16_384
@@ -123,9 +124,12 @@ class StageWriter:
                 failures.update(self._failed.pop(rollout_id, {}))
                 for key in sorted(self._pending.get(rollout_id, ())):
                     failures[key] = f"staging write not finished within token_capture.stage_timeout_s={timeout_s}s"
+            waited = time.monotonic() - started
             self.stats["flushes"] += 1
-            self.stats["flush_wait_s"] += time.monotonic() - started
-            return failures
+            self.stats["flush_wait_s"] += waited
+        wire_metrics.add_counter("stage_flushes", 1)
+        wire_metrics.add_counter("stage_flush_wait_s", waited)
+        return failures
 
     def pending_rows(self) -> int:
         with self._cv:
@@ -188,3 +192,6 @@ class StageWriter:
             if error is not None:
                 self.stats["failed_rows"] += len(batch)
             self._cv.notify_all()
+        wire_metrics.add_counter("stage_write_batches", 1)
+        wire_metrics.add_counter("stage_write_rows", len(batch))
+        wire_metrics.add_counter("stage_write_s", elapsed_s)

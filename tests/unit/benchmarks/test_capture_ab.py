@@ -152,6 +152,20 @@ def _syn(judge_us: dict[int, float], ledger: dict[int, float]) -> dict:
     }
 
 
+def test_stage_writer_figures_sum_the_arms_then_divide() -> None:
+    arms = [
+        {"stage_write_rows": 30.0, "stage_write_batches": 10.0, "stage_write_s": 0.05, "stage_flushes": 4.0,
+         "stage_flush_wait_s": 0.002},
+        {"stage_write_rows": 18.0, "stage_write_batches": 2.0, "stage_write_s": 0.03, "stage_flushes": 4.0,
+         "stage_flush_wait_s": 0.006},
+    ]
+    figures = ab.stage_writer_figures(arms)
+    assert figures == pytest.approx({"rows": 48.0, "writes": 12.0, "rows_per_write": 4.0, "ms_per_write": 80 / 12,
+                                     "served_reports": 8.0, "ms_waited_per_served_report": 1.0})
+    assert ab.stage_writer_figures([{}]) == {"rows": 0.0, "writes": 0.0, "rows_per_write": None, "ms_per_write": None,
+                                             "served_reports": 0.0, "ms_waited_per_served_report": None}
+
+
 def test_top_level_from_the_synthetic_part_only() -> None:
     top = ab.top_level(None, _syn({2: 10.0, 8: 9.0, 64: 12.5}, {2: 1000.0, 8: 1100.0, 64: 1500.0}))
     assert list(top) == list(ab.TOP_LEVEL_KEYS)
