@@ -2,9 +2,11 @@
 
 Contract:
 - `BranchingCaptureLedger(dir)` is a `FileLineageStore` over the same directory and file
-  layout (`<rollout>.lineage.jsonl`, the token store's flock). Rows are written by Gym's own
-  `record` / `record_failure`, and the manifest is built by Gym's own code. Only parent
-  resolution (`_resolve`, `_resolve_row`) changes.
+  layout (`<rollout>.lineage.jsonl`, the token store's flock). Rows are built by Gym's own
+  `record` / `record_failure`, and the manifest is built by Gym's own code. Parent resolution
+  (`_resolve`, `_resolve_row`) changes, and rows go to the file without their cumulative
+  `staging_chain` (`ledger_chain.py`: flat bytes per call; `_read` restores the chains, so every
+  reader above the file sees Gym's rows).
 - How Gym 0.7.0 resolves, which we keep: `FileLineageStore._resolve` first asks
   `IncrementalLineageStore._resolve`, the index over `TokenEntry` JSONL written by Gym's local
   capture. That index is empty under external staging. It answers ROOT when the request has no
@@ -56,6 +58,8 @@ from nemo_gym.token_id_capture.fingerprint import (
 from nemo_gym.token_id_capture.lineage import FileLineageStore, IncrementalLineageStore
 from nemo_gym.token_id_capture.protocols import LineageMatch, LineageResolution
 from nemo_gym.token_id_capture.records import ParentResolutionStatus
+
+from nemo_rl.environments.ledger_chain import chains_of, compact_row, expand_rows
 
 logger = logging.getLogger(__name__)
 
@@ -137,6 +141,17 @@ class BranchingCaptureLedger(FileLineageStore):
         self._branches: Counter[str] = Counter()
         # `_resolve` runs in worker threads (`asyncio.to_thread`), so the counter needs a lock.
         self._branches_lock = threading.Lock()
+
+    def _append(self, rollout_id: str, record: dict, records: list[dict]) -> None:
+        # On disk without the cumulative staging chain (ledger_chain.py); in memory (Gym's cached
+        # rows, what resolution and the manifest read) the row stays whole.
+        super()._append(rollout_id, compact_row(record, chains_of(records)), records)
+        records[-1] = record
+
+    def _read(self, rollout_id: str) -> list[dict]:
+        rows = super()._read(rollout_id)
+        expand_rows(rows, rollout_id)
+        return rows
 
     def branch_counts(self) -> dict[str, int]:
         """Branches opened by this instance, per reason (`branch:<why>`)."""

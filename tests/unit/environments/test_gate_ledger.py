@@ -523,3 +523,59 @@ def test_the_gate_reads_its_ledger_dir_and_refuses_configs_it_cannot_honour(tmp_
         ledger_dir_from_config(legacy)
     with pytest.raises(CaptureGateConfigError, match="would replace the gate's BranchingCaptureLedger"):
         ledger_dir_from_config(custom)
+
+
+# --- rows on disk without cumulative staging chains (ledger_chain.py) ------------------------------
+
+
+def _chain_of_commits(turns: int) -> list[CaptureLedgerCommit]:
+    commits, request, parent = [], [SYSTEM, USER], None
+    for turn in range(turns):
+        call_id = f"c{turn:03d}"
+        commit = _commit(call_id, list(request), _output_items(f"t{turn}", f"{turn} + 1"), parent=parent)
+        commits.append(commit)
+        request += [_assistant(f"t{turn}", f"{turn} + 1"), _tool(f"t{turn}", str(turn + 1))]
+        parent = commit
+    return commits
+
+
+async def test_the_ledger_file_holds_no_cumulative_chain_and_reads_back_as_gyms_rows(tmp_path: Path) -> None:
+    ours, gyms = BranchingCaptureLedger(tmp_path / "ours"), FileLineageStore(tmp_path / "gym")
+    commits = _chain_of_commits(12)
+    branch = _commit("b000", [SYSTEM, {"role": "user", "content": "compacted history"}], _output_items("tb", "2 + 2"))
+    for store in (ours, gyms):
+        for commit in [*commits, branch]:
+            await store.record(commit)
+        await store.record_failure(ROLLOUT, "c999", "worker_capture_failed")
+    lines = (tmp_path / "ours" / f"{ROLLOUT}.lineage.jsonl").read_bytes().splitlines()
+    rows = [json.loads(line) for line in lines]
+    assert [("staging_chain" in r, r.get("staging_chain_from_parent")) for r in rows] == [(False, True)] * 13 + [(False, None)]
+    # Flat bytes per call: the 12th committed row is the 2nd's length plus one digit in each of
+    # context_len (4 -> 24), prev_len (10 -> 110) and cum_len (20 -> 120) ...
+    assert len(lines[11]) - len(lines[1]) == 3
+    # ... while Gym's own row also grows by one key per turn.
+    gym_lines = (tmp_path / "gym" / f"{ROLLOUT}.lineage.jsonl").read_bytes().splitlines()
+    assert len(gym_lines[11]) - len(gym_lines[1]) == 3 + 10 * len(json.dumps(f"{ROLLOUT}/c000") + ",")
+    # What every reader above the file sees is Gym's: the manifest (here and from a cold instance) ...
+    expected = await gyms.manifest(ROLLOUT)
+    assert await ours.manifest(ROLLOUT) == expected
+    assert await BranchingCaptureLedger(tmp_path / "ours").manifest(ROLLOUT) == expected
+    # ... and the parent a continuation resolves to, with its whole chain.
+    request = list(commits[-1].request_items) + [_assistant("t11", "11 + 1"), _tool("t11", "12")]
+    cold = await BranchingCaptureLedger(tmp_path / "ours").resolve(ROLLOUT, request)
+    assert cold == await gyms.resolve(ROLLOUT, request)
+    assert cold.match.staging_chain == commits[-1].staging_chain and len(cold.match.staging_chain) == 12
+
+
+async def test_a_ledger_file_missing_a_parent_row_fails_closed_by_name(tmp_path: Path) -> None:
+    from nemo_rl.environments.ledger_chain import LedgerChainError
+
+    ledger = BranchingCaptureLedger(tmp_path)
+    for commit in _chain_of_commits(3):
+        await ledger.record(commit)
+    path = tmp_path / f"{ROLLOUT}.lineage.jsonl"
+    lines = path.read_bytes().splitlines(keepends=True)
+    path.write_bytes(lines[0] + lines[2])  # the middle row is gone
+    with pytest.raises(LedgerChainError, match=rf"ledger of rollout '{ROLLOUT}': row 'c002' elides its staging_chain "
+                                               r"but its parent row 'c001' is not before it"):
+        await BranchingCaptureLedger(tmp_path).manifest(ROLLOUT)
