@@ -1161,7 +1161,7 @@ def _turns(text: str) -> list[int]:
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, help="output folder (results.json, report.md, *.png, arms/)")
-    p.add_argument("--steps", type=int, default=3, help="GRPO steps per arm (default 3; the first is warm-up)")
+    p.add_argument("--steps", type=int, default=6, help="GRPO steps per arm (default 6; the first is warm-up)")
     p.add_argument("--skip-steps", type=int, default=1, help="leading steps left out of the timing (default 1)")
     p.add_argument("--group-size", type=int, default=4, help="grpo.num_generations_per_prompt (default 4)")
     p.add_argument("--repeats", type=int, default=2, help="arms per mode, interleaved ABBA (default 2)")
