@@ -4,7 +4,7 @@
         [--turns 2,8,32,64] [--finalizers N] [--config YAML] [--arm-timeout-s S]
         [--skip-ab] [--skip-synthetic] [--summarize-only] [key=value ...]
 
-Defaults (3 steps, the first a warm-up; group size 4; 2 repeats) take ~8 minutes on 2 cores.
+Defaults (6 steps, the first a warm-up; group size 4; 2 repeats) take 6-7 minutes on 2 quiet cores.
 
 Two parts, each in child processes of this one (this process only orchestrates, samples memory
 and summarises):
