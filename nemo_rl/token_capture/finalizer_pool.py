@@ -6,7 +6,8 @@ Contract:
   pickled, is created where it is used). `finalize(evidence)` fetches the snapshots of every
   committed record of the evidence's manifest (`finalizer.fetch_snapshots`: per-key faults
   become typed problems) and returns a `WorkerReply` holding `judge.judge_rollout`'s verdict:
-  the same pure judge the driver and `capture_one_rollout.py` use. An exception inside the
+  the same pure judge the driver and `capture_one_rollout.py` use; `finalize_many(items)` does
+  the same for several rollouts with one staging read and one train-partition write. An exception inside the
   actor is a bug (data faults are verdicts, never exceptions): it surfaces as
   `FinalizerBugError` with the actor's traceback and stops the run.
   `TQSourceFactory` builds the real TransferQueue source (`TQTokenSource` over
@@ -19,10 +20,14 @@ Contract:
   `DataPlaneError` makes the rollout a `data_plane_error` placeholder (detail `train_partition: ...`);
   a `FieldEncodingError` (our row encoding is wrong) is a bug and raises.
 - `FinalizerPool.finalize_group(items)` answers exactly one `FinalizeOutcome` per item, in item
-  order, never raising for a per-item failure: each actor call is bounded by `call_timeout_s`
-  (expiry -> finalize_timeout), a dead actor -> finalizer_unavailable; a task error raises
-  `FinalizerBugError`. Work is spread round-robin over healthy workers; a worker that timed out or
-  died gets no new work and is killed and replaced once its last in-flight call has resolved.
+  order, never raising for a per-item failure. The group is cut into one contiguous chunk per
+  healthy worker (`split_evenly`) and each chunk is ONE actor call (`finalize_many`: one staging
+  read for the chunk's keys, one train-partition write for its kept rows), so a group of N costs
+  the pool O(workers) calls and data-plane round trips, not O(N). Each call is bounded by
+  `call_timeout_s` (expiry -> finalize_timeout for the chunk's items), a dead actor ->
+  finalizer_unavailable for them; a task error raises `FinalizerBugError`. Chunks go round-robin
+  over healthy workers; a worker that timed out or died gets no new work and is killed and
+  replaced once its last in-flight call has resolved.
 - Queue wait = worker start time - driver submit time (wall clock, both on the same host for
   a meaningful number), reported per answered item; None when the worker never answered.
 - Liveness: `probes()` gives one off-path probe per actor, named `finalizer_<slot>` (and
@@ -36,6 +41,7 @@ Contract:
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -53,13 +59,13 @@ from nemo_rl.token_capture.receipt import reward_of
 from nemo_rl.token_capture.router_replay_rows import attach_router_replay
 from nemo_rl.token_capture.rows import GroupEntry, KeptRollout, Placeholder, PlaceholderReason
 from nemo_rl.token_capture.staging import TQTokenSource
-from nemo_rl.token_capture.train_rows import store_rows
+from nemo_rl.token_capture.train_rows import store_many_rows
 
 LOGGER = logging.getLogger(__name__)
 
 
 SourceFactory = Callable[[], SnapshotSource]
-RowStore = Callable[[KeptRollout], KeptRollout]  # rows -> RowRefs, once stored
+RowStore = Callable[[Sequence[KeptRollout]], list[KeptRollout]]  # rows -> RowRefs, all in one write
 RowStoreFactory = Callable[[], RowStore]
 TRAIN_PARTITION_DETAIL_PREFIX = "train_partition"
 
@@ -82,7 +88,7 @@ class TQSourceFactory:
 
 @dataclass(frozen=True)
 class TQTrainRowsFactory:
-    """Builds the train-partition row store inside the actor (`train_rows.store_rows` over its own client)."""
+    """Builds the train-partition row store inside the actor (`train_rows.store_many_rows` over its own client)."""
 
     data_plane: DataPlaneConfig
     partition: str
@@ -90,12 +96,27 @@ class TQTrainRowsFactory:
     carry_prompt_ids: bool  # logger.dump_first_call_prompt_ids: the driver's dump needs them
 
     def __call__(self) -> RowStore:
-        client = DataPlaneClient.attach(self.data_plane)
+        return functools.partial(
+            _store_with, DataPlaneClient.attach(self.data_plane), self.partition, self.timeout_s, self.carry_prompt_ids
+        )
 
-        def store(kept: KeptRollout) -> KeptRollout:
-            return store_rows(client, self.partition, kept, self.timeout_s, self.carry_prompt_ids)
 
-        return store
+def _store_with(
+    client: DataPlaneClient, partition: str, timeout_s: float, carry_prompt_ids: bool, kept: Sequence[KeptRollout]
+) -> list[KeptRollout]:
+    return store_many_rows(client, partition, kept, timeout_s, carry_prompt_ids)
+
+
+def split_evenly(items: list[RolloutEvidence], parts: int) -> list[list[RolloutEvidence]]:
+    """`items` in order, cut into at most `parts` non-empty contiguous chunks whose sizes differ by <= 1."""
+    parts = max(1, min(parts, len(items)))
+    size, extra = divmod(len(items), parts)
+    chunks, start = [], 0
+    for index in range(parts):
+        end = start + size + (1 if index < extra else 0)
+        chunks.append(items[start:end])
+        start = end
+    return [chunk for chunk in chunks if chunk]
 
 
 class FinalizerPoolError(RuntimeError):
@@ -121,33 +142,52 @@ class FinalizeOutcome:
 def judge_from_source(
     source: SnapshotSource, evidence: RolloutEvidence, cfg: TokenCaptureConfig, rows: RowStore | None = None
 ) -> GroupEntry:
-    """Fetch what the judge needs from the staging source, judge the rollout, attach R3 routes,
-    and with `rows`, store the kept rows in the train partition (returning their `RowRef`s).
+    """`judge_group_from_source` for one rollout."""
+    return judge_group_from_source(source, [evidence], cfg, rows)[0]
 
-    A failed run's verdict needs no snapshot (the judge decides it first): nothing is fetched, so
-    a dead data plane cannot hold a component-failure verdict up by `stage_timeout_s`.
+
+def judge_group_from_source(
+    source: SnapshotSource, items: Sequence[RolloutEvidence], cfg: TokenCaptureConfig, rows: RowStore | None = None
+) -> list[GroupEntry]:
+    """Fetch what the judge needs for every item in ONE read, judge each rollout, attach R3 routes,
+    and with `rows`, store every kept rollout's rows in ONE train-partition write (returning their
+    `RowRef`s). One verdict per item, in item order.
+
+    A failed run's verdict needs no snapshot (the judge decides it first): its keys are not
+    fetched, so a dead data plane cannot hold a component-failure verdict up by `stage_timeout_s`.
+    Keys are per rollout (`<rollout_id>/<call>`), so one shared fetch gives each judge exactly
+    its own snapshots and problems.
     """
-    if evidence.run_failure is not None:
-        return judge_rollout(evidence, {}, {}, cfg)
-    snapshots, problems = fetch_snapshots(source, evidence.staging_keys())
-    verdict = judge_rollout(evidence, snapshots, problems, cfg)
-    if not isinstance(verdict, KeptRollout):
-        return verdict
-    verdict = attach_router_replay(source, evidence, snapshots, verdict)
-    if rows is None or not isinstance(verdict, KeptRollout):
-        return verdict
+    keys = [key for ev in items if ev.run_failure is None for key in ev.staging_keys()]
+    snapshots, problems = fetch_snapshots(source, keys) if keys else ({}, {})
+    verdicts: list[GroupEntry] = []
+    for ev in items:
+        verdict = judge_rollout(ev, snapshots, problems, cfg) if ev.run_failure is None else judge_rollout(ev, {}, {}, cfg)
+        if isinstance(verdict, KeptRollout):
+            verdict = attach_router_replay(source, ev, snapshots, verdict)
+        verdicts.append(verdict)
+    kept = [i for i, verdict in enumerate(verdicts) if isinstance(verdict, KeptRollout)]
+    if rows is None or not kept:
+        return verdicts
     try:
-        return rows(verdict)
+        stored = rows([verdicts[i] for i in kept])
     except FieldEncodingError:
         raise  # our encoding of a row is wrong: a bug, never a data verdict
     except DataPlaneError as error:
-        reason = PlaceholderReason.DATA_PLANE_ERROR
-        chains = verdict.yield_.chains if verdict.yield_ is not None else 0
-        return Placeholder(
-            verdict.rollout_id, verdict.group_index, verdict.sample_index, reason,
-            f"{TRAIN_PARTITION_DETAIL_PREFIX}: {type(error).__name__}: {error}", verdict.reward,
-            verdict.terminal_selection, all_served_lost(evidence, reason.value, chains),
-        )
+        detail = f"{TRAIN_PARTITION_DETAIL_PREFIX}: {type(error).__name__}: {error}"
+        stored = [_store_failed(items[i], verdicts[i], detail) for i in kept]
+    for i, verdict in zip(kept, stored, strict=True):
+        verdicts[i] = verdict
+    return verdicts
+
+
+def _store_failed(evidence: RolloutEvidence, verdict: KeptRollout, detail: str) -> Placeholder:
+    reason = PlaceholderReason.DATA_PLANE_ERROR
+    chains = verdict.yield_.chains if verdict.yield_ is not None else 0
+    return Placeholder(
+        verdict.rollout_id, verdict.group_index, verdict.sample_index, reason, detail, verdict.reward,
+        verdict.terminal_selection, all_served_lost(evidence, reason.value, chains),
+    )
 
 
 def evidence_placeholder(evidence: RolloutEvidence, reason: PlaceholderReason, detail: str) -> Placeholder:
@@ -170,9 +210,13 @@ class FinalizerWorker:
         return True
 
     def finalize(self, evidence: RolloutEvidence) -> WorkerReply:
+        return self.finalize_many([evidence])[0]
+
+    def finalize_many(self, items: Sequence[RolloutEvidence]) -> list[WorkerReply]:
+        """One reply per item: one staging read and one train-partition write for all of them."""
         started_at_s = time.time()
-        result = judge_from_source(self._source, evidence, self._cfg, self._rows)
-        return WorkerReply(result=result, started_at_s=started_at_s)
+        results = judge_group_from_source(self._source, list(items), self._cfg, self._rows)
+        return [WorkerReply(result=result, started_at_s=started_at_s) for result in results]
 
 
 _RemoteFinalizerWorker = ray.remote(FinalizerWorker)
@@ -280,43 +324,49 @@ class FinalizerPool:
         deaths, self._deaths = self._deaths, {}
         return deaths
 
-    async def _finalize_one(self, item: RolloutEvidence) -> FinalizeOutcome:
+    async def _finalize_chunk(self, items: Sequence[RolloutEvidence]) -> list[FinalizeOutcome]:
         slot = self._pick()
         slot.inflight += 1
         submitted_at_s = time.time()
+        what = (f"rollout {items[0].rollout_id}" if len(items) == 1
+                else f"{len(items)} rollouts ({items[0].rollout_id} .. {items[-1].rollout_id})")
         try:
-            ref = slot.handle.finalize.remote(item)
-            reply: WorkerReply = await asyncio.wait_for(ref, self._call_timeout_s)
+            ref = slot.handle.finalize_many.remote(list(items))
+            replies: list[WorkerReply] = await asyncio.wait_for(ref, self._call_timeout_s)
         except RayTaskError as error:
             # First: Ray re-raises a task's TimeoutError as a subclass of TimeoutError too, which the
             # deadline branch below would misread as "the actor gave no answer".
             raise FinalizerBugError(
-                f"finalizer worker {slot.index} raised while judging rollout {item.rollout_id} (a bug, not a data "
-                f"fault):\n{error}"
+                f"finalizer worker {slot.index} raised while judging {what} (a bug, not a data fault):\n{error}"
             ) from error
         except (asyncio.TimeoutError, GetTimeoutError):
             slot.suspect = True
-            return self._failed(item, PlaceholderReason.FINALIZE_TIMEOUT,
+            return self._failed(items, PlaceholderReason.FINALIZE_TIMEOUT,
                                 f"finalizer worker {slot.index} gave no answer within {self._call_timeout_s}s")
         except RayActorError as error:
             slot.suspect = True
             cause = first_line(error)
             self._deaths.setdefault(slot.name, f"finalizer worker {slot.index} (Ray actor) died: {cause}")
-            return self._failed(item, PlaceholderReason.FINALIZER_UNAVAILABLE, f"finalizer worker {slot.index} died: {cause}")
+            return self._failed(items, PlaceholderReason.FINALIZER_UNAVAILABLE,
+                                f"finalizer worker {slot.index} died: {cause}")
         finally:
             self._release(slot)
-        wait_ms = max(0.0, (reply.started_at_s - submitted_at_s) * 1000.0)
-        return FinalizeOutcome(result=reply.result, queue_wait_ms=wait_ms)
+        if len(replies) != len(items):
+            raise FinalizerBugError(f"finalizer worker {slot.index} answered {len(replies)} verdicts for {what}")
+        return [FinalizeOutcome(result=reply.result, queue_wait_ms=max(0.0, (reply.started_at_s - submitted_at_s) * 1000.0))
+                for reply in replies]
 
     @staticmethod
-    def _failed(item: RolloutEvidence, reason: PlaceholderReason, detail: str) -> FinalizeOutcome:
-        return FinalizeOutcome(result=evidence_placeholder(item, reason, detail), queue_wait_ms=None)
+    def _failed(items: Sequence[RolloutEvidence], reason: PlaceholderReason, detail: str) -> list[FinalizeOutcome]:
+        return [FinalizeOutcome(result=evidence_placeholder(item, reason, detail), queue_wait_ms=None) for item in items]
 
     async def finalize_group(self, items: Sequence[RolloutEvidence]) -> list[FinalizeOutcome]:
         """One outcome per item, in item order (see the module docstring)."""
         if self._closed:
             raise FinalizerPoolError("finalize_group called after shutdown(); build a new FinalizerPool")
-        return list(await asyncio.gather(*(self._finalize_one(item) for item in items)))
+        chunks = split_evenly(list(items), sum(1 for slot in self._workers if not slot.suspect) or 1)
+        answers = await asyncio.gather(*(self._finalize_chunk(chunk) for chunk in chunks))
+        return [outcome for answer in answers for outcome in answer]
 
     def shutdown(self) -> None:
         """Kill this pool's actors (idempotent)."""

@@ -17,8 +17,9 @@ Contract:
   key fails) and the little-endian bytes of each array, length-prefixed, in a fixed order.
 - `store_rows(client, partition, kept, timeout_s, carry_prompt_ids)`: ONE `put_many` for all rows
   of a kept rollout, then the same `KeptRollout` with `RowRef` rows (prompt ids kept only with
-  `carry_prompt_ids`). A data-plane failure raises `DataPlaneError` (the finalizer makes it the
-  rollout's `data_plane_error` verdict).
+  `carry_prompt_ids`). `store_many_rows` does the same for several kept rollouts (a finalizer's
+  share of a group) in ONE `put_many`. A data-plane failure raises `DataPlaneError` (the finalizer
+  makes it the `data_plane_error` verdict of every rollout of that put).
 - `TrainPlan`: partition, keys (unique), digests (sha256 hex) and one finite advantage per key.
 - `read_train_batch(client, plan)`: ONE `get` of every key; each payload's digest is recomputed and
   must equal the plan's, else `TrainRowDigestError` naming the key and both digests (nothing is
@@ -101,17 +102,27 @@ def store_rows(
     client: DataPlaneClient, partition: str, kept: KeptRollout, timeout_s: float, carry_prompt_ids: bool
 ) -> KeptRollout:
     """Write the rollout's rows in one put; the rollout with `RowRef` rows (see the module contract)."""
+    return store_many_rows(client, partition, [kept], timeout_s, carry_prompt_ids)[0]
+
+
+def store_many_rows(
+    client: DataPlaneClient, partition: str, kept: Sequence[KeptRollout], timeout_s: float, carry_prompt_ids: bool
+) -> list[KeptRollout]:
+    """Write the rows of several kept rollouts in ONE put; each rollout with `RowRef` rows, in order."""
     keys, payloads, refs = [], [], []
-    for row in kept.rows:
-        if not isinstance(row, TrainRow):
-            raise TypeError(f"rollout {kept.rollout_id}: store_rows takes TrainRows, got {type(row).__name__}")
-        key = train_key(row.rollout_id, row.chain_index)
-        payload = row_payload(key, row)
-        keys.append(key)
-        payloads.append(payload)
-        refs.append(RowRef.of(row, key, payload_digest(payload), carry_prompt_ids))
-    client.put_many(partition, keys, payloads, timeout_s=timeout_s)
-    return dataclasses.replace(kept, rows=tuple(refs))
+    for rollout in kept:
+        refs.append([])
+        for row in rollout.rows:
+            if not isinstance(row, TrainRow):
+                raise TypeError(f"rollout {rollout.rollout_id}: store_rows takes TrainRows, got {type(row).__name__}")
+            key = train_key(row.rollout_id, row.chain_index)
+            payload = row_payload(key, row)
+            keys.append(key)
+            payloads.append(payload)
+            refs[-1].append(RowRef.of(row, key, payload_digest(payload), carry_prompt_ids))
+    if keys:
+        client.put_many(partition, keys, payloads, timeout_s=timeout_s)
+    return [dataclasses.replace(rollout, rows=tuple(r)) for rollout, r in zip(kept, refs)]
 
 
 @dataclass(frozen=True)

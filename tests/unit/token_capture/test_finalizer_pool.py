@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import sys
 import time
@@ -22,6 +23,7 @@ from nemo_rl.token_capture.finalizer_pool import (
     TQSourceFactory,
     evidence_placeholder,
     judge_from_source,
+    split_evenly,
 )
 from nemo_rl.token_capture.judge import RolloutEvidence, RunFailure
 from nemo_rl.token_capture.rows import KeptRollout, Placeholder, PlaceholderReason
@@ -107,6 +109,38 @@ def test_worker_fetches_in_manifest_order_and_verifies(chains):
     assert [row.token_ids for row in reply.result.rows] == [chain.full_sequence]
     assert source.fetched == [["r-a/call0", "r-a/call1"]]
     assert reply.started_at_s <= time.time()
+
+
+def test_a_chunk_is_one_staging_read_and_one_train_write_with_each_rollouts_own_verdict(chains):
+    built = [_item(chains, f"r-{k}", k) for k in range(3)]
+    snapshots = _by_key(*(chain for chain, _ in built))
+    del snapshots[built[1][0].snapshots[1].staging_key]  # r-1's terminal call never landed
+    failed = dataclasses.replace(_item(chains, "r-f", 3)[1], run_result=None,
+                                 run_failure=RunFailure(PlaceholderReason.RUN_FAILED, "agent crashed"))
+    source = FakeSource(snapshots)
+    writes: list[list[str]] = []
+
+    def rows(kept):
+        writes.append([k.rollout_id for k in kept])
+        return list(kept)
+
+    replies = FinalizerWorker(lambda: source, CFG, lambda: rows).finalize_many([item for _, item in built] + [failed])
+    # One read for the whole chunk (the failed run's keys are not asked for); the fetch's own retry
+    # without the missing key is the second.
+    assert source.fetched == [["r-0/call0", "r-0/call1", "r-1/call0", "r-1/call1", "r-2/call0", "r-2/call1"],
+                              ["r-0/call0", "r-0/call1", "r-1/call0", "r-2/call0", "r-2/call1"]]
+    assert writes == [["r-0", "r-2"]]
+    results = [reply.result for reply in replies]
+    assert [type(r) for r in results] == [KeptRollout, Placeholder, KeptRollout, Placeholder]
+    assert (results[1].reason, results[3].reason) == (PlaceholderReason.STAGED_RECORD_MISSING, PlaceholderReason.RUN_FAILED)
+    assert len({reply.started_at_s for reply in replies}) == 1
+
+
+def test_split_evenly_cuts_contiguous_chunks_that_differ_by_at_most_one():
+    assert split_evenly(list("abcdefg"), 3) == [list("abc"), list("de"), list("fg")]
+    assert split_evenly(list("ab"), 4) == [["a"], ["b"]]
+    assert split_evenly(list("abc"), 1) == [list("abc")]
+    assert split_evenly([], 2) == []
 
 
 def test_absent_key_is_staged_record_missing(chains):

@@ -50,6 +50,7 @@ from nemo_rl.token_capture.train_rows import (
     payload_digest,
     read_train_batch,
     row_payload,
+    store_many_rows,
     store_rows,
     train_key,
 )
@@ -235,6 +236,17 @@ def test_cleaner_clears_and_counts():
     assert cleaner.remaining() == ["r-1#0"]
 
 
+def test_store_many_rows_is_one_put_for_several_rollouts_with_the_same_refs():
+    rollouts = [_kept(_row("r-0", 0, reward=1.0), _row("r-0", 0, chain=1, reward=1.0, call="c1")),
+                _kept(_row("r-1", 1, reward=0.0, ids=(5, 6, 9, 10)))]
+    one_by_one, together = MemoryPlane(), MemoryPlane()
+    singly = [store_rows(one_by_one, "train", k, 1.0, False) for k in rollouts]
+    assert store_many_rows(together, "train", rollouts, 1.0, False) == singly
+    # The refs carry each payload's digest, so equal refs mean equal stored payloads.
+    assert together.puts == [["r-0#0", "r-0#1", "r-1#0"]] and sorted(together.rows) == sorted(one_by_one.rows)
+    assert store_many_rows(together, "train", [], 1.0, False) == [] and len(together.puts) == 1  # nothing: no put
+
+
 def test_a_failed_store_is_a_data_plane_placeholder(chains):
     chain = chains.build("r-s")
     item = RolloutEvidence("r-s", 0, 0, chains.run_result(1.0, chain.terminal.response_id), None, chain.manifest(),
@@ -245,11 +257,11 @@ def test_a_failed_store_is_a_data_plane_placeholder(chains):
             return [{s.staging_key: s for s in chain.snapshots}[k] for k in keys]
 
     plane = MemoryPlane(fail=DataPlaneError("store down"))
-    result = judge_from_source(Source(), item, CFG, lambda kept: store_rows(plane, "train", kept, 1.0, False))
+    result = judge_from_source(Source(), item, CFG, lambda kept: store_many_rows(plane, "train", kept, 1.0, False))
     assert isinstance(result, Placeholder)
     assert (result.reason, result.detail, result.reward) == (
         PlaceholderReason.DATA_PLANE_ERROR, "train_partition: DataPlaneError: store down", 1.0)
-    kept = FinalizerWorker(lambda: Source(), CFG, lambda: (lambda k: store_rows(MemoryPlane(), "t", k, 1.0, False)))
+    kept = FinalizerWorker(lambda: Source(), CFG, lambda: (lambda k: store_many_rows(MemoryPlane(), "t", k, 1.0, False)))
     (ref,) = kept.finalize(item).result.rows
     assert isinstance(ref, RowRef) and ref.key == train_key("r-s", 0)
 
