@@ -18,7 +18,13 @@ Checks of one leg (`leg`), from `<log_dir>/metrics.jsonl` and `<log_dir>/run_inf
   weight_version/max`) and advances by exactly one from each step to the next (each trained step
   refits the workers to a new version, and the next step's rows carry it);
 - legacy leg: `weight_version/min == weight_version/max == -1` (Gym's token echo carries no
-  weight version, so the legacy rows have none: the advance is checkable on the capture leg only);
+  weight version and its schema has no field for one, so legacy rows cannot carry it without
+  changing the flag-off wire, which the flag-off path must not do);
+- both legs, what the engine itself measured after each trained step's refit (the evidence that
+  the next step's rows were sampled from new weights, and on the legacy leg the only one):
+  `refit/engine_logprob_change > 0` (the engine's logprobs of a fixed probe moved) and
+  `refit/engine_trainer_max_abs_diff <= MAX_ENGINE_TRAINER_DIFF` (the engine serves what the
+  trainer trained);
 - venv (`generation/venv` in run_info.json): every worker reports running in the folder named by
   the spec the driver used, whose marker holds that spec's hash, and that hash equals the one this
   module computes now from the committed spec files (`venvs.spec_hash(venvs.vllm_spec(flavor))`).
@@ -56,6 +62,8 @@ from nemo_rl.utils.venvs import spec_hash, venv_folder_name, vllm_spec
 MIN_TOKEN_IN_RATE = 0.99
 VENV_KEY = "generation/venv"
 NO_WEIGHT_VERSION = -1.0
+# Engine vs trainer logprobs of the refit probe; measured ~6e-6 on the CPU engine (fp32).
+MAX_ENGINE_TRAINER_DIFF = 1e-3
 
 
 class L1DataError(ValueError):
@@ -118,6 +126,14 @@ def check_metrics_lines(lines: Sequence[Mapping[str, Any]], *, capture: bool, st
                                 f"placeholders={placeholders} (always-N broke)")
             if rows < kept:
                 problems.append(f"step {step}: finalize/rows={rows} < kept_rollouts={kept}")
+        change = _get(line, "refit/engine_logprob_change", problems)
+        if change is not None and not change > 0:
+            problems.append(f"step {step}: refit/engine_logprob_change={change}, expected > 0 (the engine's logprobs "
+                            "did not move: the next step samples from the same weights)")
+        diff = _get(line, "refit/engine_trainer_max_abs_diff", problems)
+        if diff is not None and not diff <= MAX_ENGINE_TRAINER_DIFF:
+            problems.append(f"step {step}: refit/engine_trainer_max_abs_diff={diff} > {MAX_ENGINE_TRAINER_DIFF} (the "
+                            "engine does not serve the weights the trainer trained)")
         low, high = _get(line, "weight_version/min", problems), _get(line, "weight_version/max", problems)
         if capture:
             rate = _get(line, "finalize/token_in_rate", problems)

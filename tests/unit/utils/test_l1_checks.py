@@ -29,6 +29,7 @@ def _line(step: int, *, capture: bool, **changes) -> dict:
         "finalize/capture_poisoned_rollouts": 0.0,
         "weight_version/min": float(step - 1) if capture else -1.0,
         "weight_version/max": float(step - 1) if capture else -1.0,
+        "refit/engine_logprob_change": 0.5, "refit/engine_trainer_max_abs_diff": 6e-6,
     }
     line.update(changes)
     return {k: v for k, v in line.items() if v is not None}
@@ -71,6 +72,18 @@ def test_weight_version_must_be_one_per_step_and_advance_by_one():
     legacy = [_line(1, capture=False), _line(2, capture=False, **{"weight_version/min": 1.0, "weight_version/max": 1.0})]
     assert check_metrics_lines(legacy, capture=False, steps=2) == [
         "step 2: legacy rows carry weight versions 1.0..1.0, expected none (-1)"]
+
+
+@pytest.mark.parametrize("capture", [True, False])
+def test_the_engine_must_show_new_weights_after_every_refit(capture):
+    lines = [_line(1, capture=capture, **{"refit/engine_logprob_change": 0.0}),
+             _line(2, capture=capture, **{"refit/engine_trainer_max_abs_diff": 0.01})]
+    assert check_metrics_lines(lines, capture=capture, steps=2) == [
+        "step 1: refit/engine_logprob_change=0.0, expected > 0 (the engine's logprobs did not move: the next step "
+        "samples from the same weights)",
+        "step 2: refit/engine_trainer_max_abs_diff=0.01 > 0.001 (the engine does not serve the weights the trainer "
+        "trained)",
+    ]
 
 
 def test_logged_steps_must_be_exactly_one_to_n():
