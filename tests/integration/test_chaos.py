@@ -187,10 +187,11 @@ def test_continue_dead_storage_unit_masks_steps_then_the_run_stops_loudly(contin
         m = by_step[step]
         reasons = {k.rsplit("/", 1)[-1]: v for k, v in m.items() if k.startswith("finalize/placeholders/")}
         # Every rollout is a placeholder: in flight when the watch saw the death -> component_failed;
-        # a rollout whose replies already left (staging behind the reply) finds its rows never
-        # landed -> staged_record_missing. Nothing of the step trains either way.
+        # a rollout whose replies already left (staging behind the reply; measured: 3 of 16 in one
+        # run, all 16 in another) finds its rows never landed -> staged_record_missing. Nothing of
+        # the step trains either way, and the step's warning names the dead unit (asserted below).
         assert m["finalize/placeholders"] == sum(reasons.values()) == m["rollouts/dispatched"] == 16.0, reasons
-        assert set(reasons) <= {"component_failed", "staged_record_missing"} and reasons.get("component_failed", 0) > 0, reasons
+        assert set(reasons) <= {"component_failed", "staged_record_missing"}, reasons
         assert m["finalize/kept_rollouts"] == 0.0 and "train/num_samples" not in m
         assert m["component/down"] == 1.0 and m["steps/masked_consecutive"] == float(step - 3)
         assert "retention/staged_keys_remaining" not in m  # a dead data plane cannot list its keys
