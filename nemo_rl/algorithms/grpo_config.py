@@ -39,6 +39,16 @@ class GRPOConfig(BaseModel):
     refit_probe_tokens: int = Field(
         32, ge=2, description="Length of the fixed probe sequence scored by engine and trainer after each refit."
     )
+    refit_dir: str | None = Field(
+        None,
+        min_length=1,
+        description=(
+            "Folder the policy exports each refit's weights to and every vLLM worker reads them from; null "
+            "means <logger.log_dir>/weights (`refit_root`). On a multi-node cluster it must be on a filesystem "
+            "every node mounts at the same path: set-up proves it (a worker or the policy that cannot read the "
+            "driver's marker there fails, naming this knob)."
+        ),
+    )
 
 
 class ModelConfig(BaseModel):
@@ -97,6 +107,15 @@ _SECTIONS: dict[str, type[BaseModel]] = {
     "cluster": ClusterConfig,
     "checkpointing": CheckpointingConfig,
 }
+
+
+REFIT_DIR_KNOB = "grpo.refit_dir"
+
+
+def refit_root(cfg: MasterConfig) -> Path:
+    """The refit weights folder, absolute (actors on other nodes resolve no relative path alike)."""
+    folder = Path(cfg.grpo.refit_dir) if cfg.grpo.refit_dir is not None else Path(cfg.logger.log_dir) / "weights"
+    return folder.resolve()
 
 
 def validate_master(raw: dict) -> MasterConfig:

@@ -27,7 +27,12 @@ Contract of one step (`run_grpo`):
    `logger.dump_first_call_prompt_ids`, also append the step's first-call prompt records
    (`first_call_prompt_records`) to `<log_dir>/first_call_prompt_ids.jsonl`.
 At set-up, `<log_dir>/run_info.json` records `generation/venv` (`venv_record`): the spec hash
-and folder the driver expects for the worker venv, and what each worker reports running in.
+and folder the driver expects for the worker venv, and what each worker reports running in; and
+`placement` (`placement_record`): the cluster's node count and, per vLLM worker, the node the
+plan chose, the node it runs on (measured in the actor) and its base URL. Before the first step
+the refit folder (`grpo.refit_dir`, `refit_root`) is proven shared: the driver writes a marker
+there and the policy and every worker must read it (`nemo_rl.distributed.shared_fs`), so a
+multi-node run whose nodes do not share it stops at set-up, naming the knob.
 Every step also appends one record per dispatched group (step, group, prompt digest) to
 `<log_dir>/dispatched_prompts.jsonl`: the prompt sequence of the run, across resumes.
 Invariant checked every step: `rollouts/dispatched == finalize/kept_rollouts + finalize/placeholders`.
@@ -81,7 +86,7 @@ from nemo_rl.algorithms.grpo_checkpoint import (
     prompt_records,
     write_trainer_state,
 )
-from nemo_rl.algorithms.grpo_config import MasterConfig, policy_config
+from nemo_rl.algorithms.grpo_config import REFIT_DIR_KNOB, MasterConfig, policy_config, refit_root
 from nemo_rl.algorithms.grpo_health import (
     build_watch,
     check_abort,
@@ -93,6 +98,7 @@ from nemo_rl.algorithms.grpo_health import (
     untrainable,
 )
 from nemo_rl.distributed.component_watch import ComponentWatch
+from nemo_rl.distributed.shared_fs import remove_probe, write_probe
 from nemo_rl.distributed.stack import Stack, start_stack
 from nemo_rl.environments.datasets import PromptSource, make_prompt_source
 from nemo_rl.environments.nemo_gym import RowSampling
@@ -301,7 +307,8 @@ async def setup(
     """Model, prompt source, stack, policy, finalizer pool, rollout manager; with `resume`, the
     checkpoint restored (`restore_from_checkpoint`). Stops what it started on failure."""
     log_dir = Path(cfg.logger.log_dir)
-    model_dir = Path(cfg.model.path) if cfg.model.path else ensure_tiny_model(cfg.model.tiny, progress=progress)
+    # Absolute: actors (on any node) resolve a relative path against their own working dir.
+    model_dir = (Path(cfg.model.path) if cfg.model.path else ensure_tiny_model(cfg.model.tiny, progress=progress)).resolve()
     pcfg = policy_config(cfg.policy, str(model_dir))
     # Before Ray or any venv: a GPU recipe on a host without enough GPUs fails here, by name.
     flavor = resolve_flavor(cfg.generation, extra_gpus=int(pcfg.device == "cuda"))
@@ -329,6 +336,8 @@ async def setup(
         capture = cfg.token_capture
         train_partition = capture.train_partition if capture.enabled else None
         policy = RayPolicyClient.spawn(pcfg, data_plane=cfg.data_plane if train_partition is not None else None)
+        weights_root = refit_root(cfg)
+        check_refit_dir_shared(stack, policy, weights_root)
         finalizer = cleaner = watch = train_cleaner = rows_factory = None
         if train_partition is not None:
             rows_factory = TQTrainRowsFactory(cfg.data_plane, train_partition, capture.stage_timeout_s,
@@ -358,7 +367,8 @@ async def setup(
 
         eos = AutoTokenizer.from_pretrained(str(model_dir)).eos_token_id
         probe = probe_sequence(eos, cfg.grpo.refit_probe_tokens, cfg.grpo.seed)
-        run_info: dict = {"generation/venv": venv_record(flavor, stack.workers.venv_info())}
+        run_info: dict = {"generation/venv": venv_record(flavor, stack.workers.venv_info()),
+                          "placement": placement_record(stack)}
         if watch is not None:
             run_info["components"] = component_pids(stack, pool, cfg.generation.vllm.call_timeout_s)
         initial_versions = set(stack.workers.weight_versions())
@@ -366,7 +376,7 @@ async def setup(
             raise StaleWeightsError(f"the generation workers start from different weight versions {sorted(initial_versions)}")
         run = GRPORun(
             cfg=cfg, stack=stack, policy=policy, manager=manager, prompts=prompts, logger=MetricsLogger(cfg.logger),
-            progress=progress, weights_root=log_dir / "weights", probe=probe, pool=pool, finalizer=finalizer,
+            progress=progress, weights_root=weights_root, probe=probe, pool=pool, finalizer=finalizer,
             cleaner=cleaner, watch=watch, train_cleaner=train_cleaner,
             previous_engine_probe=stack.workers.prompt_logprobs(probe)[0], served_version=initial_versions.pop(),
             worker_calls=stack.workers.served_calls(),
@@ -385,6 +395,31 @@ async def setup(
                 pool.shutdown()
             stack.stop()
         raise
+
+
+def check_refit_dir_shared(stack: Stack, policy: RayPolicyClient, weights_root: Path) -> None:
+    """The policy (writer) and every worker (readers) see the driver's marker in the refit folder."""
+    assert stack.workers is not None
+    probe = write_probe(weights_root)
+    try:
+        policy.check_shared_dir(probe, REFIT_DIR_KNOB)
+        stack.workers.check_shared_dir(probe, REFIT_DIR_KNOB)
+    finally:
+        remove_probe(probe)
+
+
+def placement_record(stack: Stack) -> dict:
+    """Where the vLLM workers run: planned node, measured node and base URL per worker."""
+    assert stack.workers is not None
+    workers = stack.workers
+    measured = workers.node_ids()
+    return {
+        "nodes": stack.nodes,
+        "workers": [
+            {"worker": i, "planned_node": planned, "node": node, "base_url": url}
+            for i, (planned, node, url) in enumerate(zip(workers.planned_nodes, measured, workers.base_urls))
+        ],
+    }
 
 
 def max_abs_diff(a: Sequence[float], b: Sequence[float]) -> float:
@@ -408,8 +443,10 @@ def restore_from_checkpoint(run: GRPORun, resume: ResumePoint) -> dict:
             f"optimizer fingerprints {saved} (fix: the policy/ folder belongs to another checkpoint; delete {resume.folder})"
         )
     initial_probe = run.previous_engine_probe
-    if run.weights_root.exists():
-        shutil.rmtree(run.weights_root)  # refit scratch of the killed run, never a checkpoint
+    # The killed run's refit scratch (never a checkpoint); only our step_* folders, since
+    # grpo.refit_dir may name a folder that holds other things too.
+    for stale in sorted(run.weights_root.glob("step_*")):
+        shutil.rmtree(stale)
     out_dir = run.policy.export_weights(run.weights_root / f"step_{state.step}")
     versions = run.stack.workers.update_weights(out_dir, state.weight_version)
     if set(versions) != {state.weight_version}:

@@ -19,9 +19,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-DataPlaneBind = Literal["loopback", "node_ip"]
-
 from pydantic import BaseModel, ConfigDict, Field
+
+from nemo_rl.distributed.topology import Bind as DataPlaneBind
 
 
 class DataPlaneConfig(BaseModel):

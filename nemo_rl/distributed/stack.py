@@ -3,9 +3,15 @@
 Contract:
 - `start_stack` first brings up Ray: a private local cluster of `num_cpus` CPUs or, when
   `RAY_ADDRESS` names one (`ultra_launch.sh` sets it inside a Slurm job), that existing cluster,
-  which must offer at least `num_cpus` CPUs and be a single node (the workers' and Gym servers'
-  HTTP endpoints bind to 127.0.0.1, so every actor must share the driver's host); stopping a
-  joined stack only disconnects. Then it starts the vLLM generation workers in their
+  which must offer at least `num_cpus` CPUs; stopping a joined stack only disconnects. A joined
+  cluster of several nodes is accepted only when every endpoint another node must reach binds
+  the node's IP (`generation.vllm.bind=node_ip`, and `data_plane.bind=node_ip` when token
+  capture runs the data plane); otherwise `MultiNodeBindError` names the knobs and the fix
+  (`nemo_rl.distributed.topology.check_cluster_binds`) and the driver disconnects. What runs
+  where: the driver and the Gym servers (loopback, only the driver and they call them) on the
+  driver's node; the vLLM workers as `generation.vllm.placement` plans them
+  (`nemo_rl.distributed.placement`); TransferQueue's actors wherever Ray has room. Then it
+  starts the vLLM generation workers in their
   flavored venv (ports open at once, answering 503; engines loading). While the engines load
   it starts the TransferQueue data plane (only when token capture is enabled: the staging
   partition lives there) and the Gym servers pointed at the first worker. Last, the workers
@@ -25,7 +31,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from nemo_rl.data_plane import DataPlane, DataPlaneClient, DataPlaneConfig, start_data_plane
-from nemo_rl.distributed.ray_cluster import RayClusterHandle, ray_address_from_env, start_or_join_ray
+from nemo_rl.distributed.ray_cluster import (
+    RayClusterHandle,
+    alive_node_count,
+    ray_address_from_env,
+    start_or_join_ray,
+)
+from nemo_rl.distributed.topology import check_cluster_binds
 from nemo_rl.environments.nemo_gym import NemoGymConfig, NemoGymEnvironment
 from nemo_rl.models.generation.vllm.config import GenerationConfig
 from nemo_rl.models.generation.vllm.launcher import WorkerGroup, await_workers, spawn_workers
@@ -40,6 +52,7 @@ class Stack:
     workers: WorkerGroup | None
     env: NemoGymEnvironment | None
     timings_s: dict[str, float] = field(default_factory=dict)
+    nodes: int = 1  # alive nodes of the cluster when the stack started
     _stopped: bool = False
 
     def stop(self) -> None:
@@ -55,6 +68,35 @@ class Stack:
         if self.data_plane is not None:
             self.data_plane.shutdown()
         self.ray.shutdown()
+
+
+def start_ray_for_stack(
+    num_cpus: int,
+    ray_address: str | None,
+    *,
+    generation: GenerationConfig,
+    data_plane: DataPlaneConfig,
+    token_capture: TokenCaptureConfig,
+) -> tuple[RayClusterHandle, int]:
+    """Start or join Ray (see `start_or_join_ray`) and accept its node count for these binds.
+
+    Returns the handle and the alive node count. A cluster of several nodes with a loopback bind
+    raises `MultiNodeBindError` after disconnecting (`check_cluster_binds`).
+    """
+    handle = start_or_join_ray(num_cpus, ray_address)
+    try:
+        nodes = alive_node_count()
+        check_cluster_binds(
+            nodes,
+            vllm_bind=generation.vllm.bind,
+            data_plane_bind=data_plane.bind,
+            data_plane_used=token_capture.enabled,
+            address=handle.gcs_address,
+        )
+    except BaseException:
+        handle.shutdown()
+        raise
+    return handle, nodes
 
 
 async def start_stack(
@@ -77,11 +119,15 @@ async def start_stack(
 
     t0 = time.monotonic()
     ray_address = ray_address_from_env(os.environ)
-    # Single node: the stack's HTTP endpoints are loopback-only (see the module contract).
-    ray_handle = start_or_join_ray(num_cpus, ray_address, max_nodes=1)
-    stack = Stack(ray=ray_handle, data_plane=None, client=None, workers=None, env=None, timings_s=timings)
+    ray_handle, nodes = start_ray_for_stack(
+        num_cpus, ray_address, generation=generation, data_plane=data_plane, token_capture=token_capture
+    )
+    stack = Stack(ray=ray_handle, data_plane=None, client=None, workers=None, env=None, timings_s=timings, nodes=nodes)
     if ray_address is not None:
-        progress(f"[stack] joined the Ray cluster at {ray_address} (RAY_ADDRESS); stopping only disconnects")
+        progress(
+            f"[stack] joined the Ray cluster at {ray_address} (RAY_ADDRESS); stopping only disconnects; "
+            f"{nodes} alive node(s)"
+        )
     step("ray", t0)
     try:
         t0 = time.monotonic()

@@ -17,6 +17,10 @@
 - Checkpoints: `save_state(dir)` / `load_state(dir)` (PolicyCore's, returning a
   `PolicyStateInfo`) and `optimizer_fingerprint()`, under the same deadline. The folder is a path
   the actor's process writes or reads: on a multi-node cluster it must be on a shared filesystem.
+  The same holds for `export_weights(dir)` (the refit folder, `grpo.refit_dir`, which the vLLM
+  workers read): `check_shared_dir(probe, knob)` reads a driver-written marker there
+  (`nemo_rl.distributed.shared_fs`) and fails as a `PolicyWorkerError` naming the knob when this
+  actor's node does not share the folder.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from ray.actor import ActorHandle
 from ray.exceptions import GetTimeoutError, RayActorError
 
 from nemo_rl.data_plane import DataPlaneClient, DataPlaneConfig
+from nemo_rl.distributed.shared_fs import SharedDirProbe, check_probe
 from nemo_rl.models.policy.batch import TrainBatch
 from nemo_rl.models.policy.config import PolicyConfig
 from nemo_rl.models.policy.core import PolicyCore, PolicyStateInfo
@@ -90,6 +95,12 @@ class PolicyWorker:
     def state_fingerprint(self) -> str:
         return _guard("state_fingerprint", self._core.state_fingerprint)
 
+    def check_shared_dir(self, probe: SharedDirProbe, knob: str) -> None:
+        import ray.util
+
+        where = f"the policy worker on node {ray.util.get_node_ip_address()}"
+        _guard("check_shared_dir", check_probe, probe, knob, where)
+
     def optimizer_fingerprint(self) -> str:
         return _guard("optimizer_fingerprint", self._core.optimizer_fingerprint)
 
@@ -143,6 +154,10 @@ class RayPolicyClient:
 
     def state_fingerprint(self) -> str:
         return self._get("state_fingerprint", self._actor.state_fingerprint.remote())
+
+    def check_shared_dir(self, probe: SharedDirProbe, knob: str) -> None:
+        """The actor reads the driver's marker in `probe.folder`, or `PolicyWorkerError` names the knob."""
+        self._get("check_shared_dir", self._actor.check_shared_dir.remote(probe, knob))
 
     def optimizer_fingerprint(self) -> str:
         return self._get("optimizer_fingerprint", self._actor.optimizer_fingerprint.remote())

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from nemo_rl.algorithms.grpo_config import load_master_config
+from nemo_rl.algorithms.grpo_config import load_master_config, refit_root
 from nemo_rl.algorithms.grpo_single_controller import build_train_batch
 from nemo_rl.token_capture.rows import GroupResult, KeptRollout, Placeholder, PlaceholderReason, RowOrigin, TrainRow
 from nemo_rl.utils.config import ConfigError
@@ -48,6 +48,29 @@ def test_bad_values_name_the_key():
         load_master_config(recipe, ["policy.learning_rate=-1"])
     with pytest.raises(ConfigError, match="grpo.no_such_key"):
         load_master_config(recipe, ["grpo.no_such_key=1"])
+
+
+def test_multinode_knobs_default_to_one_node_and_are_checked():
+    recipe = CONFIGS[0].parent / "grpo_capture_tiny_cpu.yaml"
+    cfg = load_master_config(recipe)
+    assert (cfg.generation.vllm.bind, cfg.generation.vllm.placement, cfg.data_plane.bind) == ("loopback", "spread", "loopback")
+    multi = load_master_config(recipe, ["generation.vllm.bind=node_ip", "data_plane.bind=node_ip",
+                                        "generation.vllm.placement=ray"])
+    assert (multi.generation.vllm.bind, multi.generation.vllm.placement, multi.data_plane.bind) == ("node_ip", "ray", "node_ip")
+    with pytest.raises(ConfigError, match=r"generation\.vllm\.bind"):
+        load_master_config(recipe, ["generation.vllm.bind=0.0.0.0"])
+    with pytest.raises(ConfigError, match=r"generation\.vllm\.placement"):
+        load_master_config(recipe, ["generation.vllm.placement=pack"])
+
+
+def test_the_refit_folder_is_absolute_and_defaults_under_the_log_dir(tmp_path, monkeypatch):
+    recipe = CONFIGS[0].parent / "grpo_capture_tiny_cpu.yaml"
+    monkeypatch.chdir(tmp_path)
+    assert refit_root(load_master_config(recipe, ["logger.log_dir=runs/a"])) == tmp_path / "runs" / "a" / "weights"
+    assert refit_root(load_master_config(recipe, ["grpo.refit_dir=/shared/refit"])) == Path("/shared/refit")
+    assert refit_root(load_master_config(recipe, ["grpo.refit_dir=scratch"])) == tmp_path / "scratch"
+    with pytest.raises(ConfigError, match=r"grpo\.refit_dir"):
+        load_master_config(recipe, ["grpo.refit_dir="])
 
 
 def _train_row(group: int, index: int, reward: float, chain: int = 0, call: str = "c") -> TrainRow:

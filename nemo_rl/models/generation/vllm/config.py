@@ -11,6 +11,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from nemo_rl.distributed.placement import Placement
+from nemo_rl.distributed.topology import Bind
 from nemo_rl.models.generation.vllm.chat import ToolCallParserName
 
 
@@ -34,6 +36,19 @@ class VllmConfig(BaseModel):
         "worker's own refit deadlines, so the driver always receives the worker's verdict.",
     )
     max_records: int = Field(20000, gt=0, description="Engine sample records kept for audits (bounded).")
+
+    # --- where the workers run and listen (nemo_rl/distributed/topology.py, placement.py) ---
+    bind: Bind = Field(
+        "loopback",
+        description="The address the worker's HTTP endpoint listens on and advertises to the Gym gate: loopback "
+        "(127.0.0.1; single node, the default) or node_ip (the IP Ray reports for the worker's node; needed on a "
+        "multi-node cluster, trusted network only: the generation routes have no authentication).",
+    )
+    placement: Placement = Field(
+        "spread",
+        description="Where the workers run: spread (pinned round-robin over the alive nodes, the driver's node "
+        "first; GPU workers only where their GPUs fit) or ray (Ray's scheduler decides, nothing pinned).",
+    )
 
     # --- deadlines inside the worker (docs/design-docs/token-capture-reliability.md) ---
     generate_timeout_s: float = Field(

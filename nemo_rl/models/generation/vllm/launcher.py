@@ -8,6 +8,14 @@ components meanwhile); `await_workers` waits for the engines within
 Every actor call made through `WorkerGroup` has a deadline; an actor
 that dies or hangs surfaces as `WorkerError` naming the worker and the operation.
 Worker `i` (0-based, the order of `handles`/`base_urls`) is constructed with `worker_index=i`.
+Placement: `spawn_workers` plans where each worker runs (`nemo_rl.distributed.placement`,
+`generation.vllm.placement`; spread = pinned round-robin over the alive nodes, the driver's node
+first) before creating any actor, so a plan that cannot fit fails (`PlacementError`) before an
+engine starts; `WorkerGroup.planned_nodes` keeps the plan and `node_ids()` measures where the
+actors run. Each worker's base URL names the address it listens on (`generation.vllm.bind`).
+`check_shared_dir(probe, knob)` has every worker read a driver-written marker (a folder shared
+by every node, `nemo_rl.distributed.shared_fs`); a worker that cannot raises `WorkerError` naming
+the knob.
 One control bearer per run (`secrets.token_urlsafe`) opens the workers' control routes; it lives
 on `WorkerGroup.control_token` (kept out of its repr) and is never printed or logged.
 `take_served_async` pops what every worker served for the given rollouts and
@@ -38,6 +46,8 @@ from typing import Any
 import ray
 
 from nemo_rl.distributed.component_watch import Probe, Role, ray_actor_probe
+from nemo_rl.distributed.placement import actor_node_ids, alive_nodes, node_affinity, plan_worker_placement
+from nemo_rl.distributed.shared_fs import SharedDirProbe
 from nemo_rl.models.generation.vllm.config import GenerationConfig
 from nemo_rl.models.generation.vllm.engine import cpu_engine_env
 from nemo_rl.models.generation.vllm.worker import VllmGenerationWorker, WorkerError
@@ -181,6 +191,7 @@ class WorkerGroup:
     base_urls: list[str]
     call_timeout_s: float
     control_token: str = field(default="", repr=False)  # the run's bearer for the workers' control routes
+    planned_nodes: list[str | None] = field(default_factory=list)  # node id per worker (None: Ray decides)
 
     def _get(self, refs: list[Any], op: str) -> list[Any]:
         try:
@@ -192,6 +203,19 @@ class WorkerGroup:
 
     def update_weights(self, weights_dir: Path, version: int) -> list[int]:
         return self._get([h.update_weights.remote(str(weights_dir), version) for h in self.handles], "update_weights")
+
+    def check_shared_dir(self, probe: SharedDirProbe, knob: str) -> None:
+        """Every worker reads the driver's marker in `probe.folder`, or `WorkerError` names the knob."""
+        self._get([h.check_shared_dir.remote(probe, knob) for h in self.handles], "check_shared_dir")
+
+    def node_ids(self) -> list[str]:
+        """The node id each worker runs on (worker order), measured inside the actors."""
+        try:
+            return actor_node_ids(self.handles, self.call_timeout_s)
+        except ray.exceptions.GetTimeoutError as e:
+            raise WorkerError(f"vLLM worker node_ids exceeded its {self.call_timeout_s:.0f}s deadline") from e
+        except ray.exceptions.RayActorError as e:
+            raise WorkerError(f"vLLM worker died during node_ids: {e}") from e
 
     def weight_versions(self) -> list[int]:
         """The weight version each worker serves, in worker order (measured from the workers)."""
@@ -291,6 +315,9 @@ def spawn_workers(
     start-up deadline (it prints its own progress and is bounded by its installer); the rest is.
     """
     flavor = resolve_flavor(gen)  # NoGPUError here, before the venv build and the engines
+    nodes = alive_nodes(ray.get_runtime_context().get_node_id())
+    # PlacementError here, before the venv build and the engines.
+    plan = plan_worker_placement(gen.num_workers, nodes, gen.vllm.placement, worker_num_gpus(gen, flavor))
     venv = ensure_venv(vllm_spec(flavor), progress=progress)
     deadline = time.monotonic() + gen.vllm.startup_timeout_s
     actor_cls = ray.remote(num_cpus=0)(VllmGenerationWorker)
@@ -301,12 +328,17 @@ def spawn_workers(
             max_concurrency=1000,
             num_gpus=worker_num_gpus(gen, flavor),
             runtime_env={"py_executable": str(venv_python(venv)), "env_vars": worker_env(gen, flavor)},
+            **node_affinity(plan[i]),
         ).remote(str(model_dir), worker_cfg, token_capture_cfg, data_plane_cfg, worker_index=i)
         for i in range(gen.num_workers)
     ]
-    progress(f"[generation] starting {len(handles)} vLLM worker(s) ({flavor}) from {model_dir}")
+    ips = {n.node_id: n.ip for n in nodes}
+    where = ", ".join(f"{i}->{ips[n]}" if n is not None else f"{i}->ray" for i, n in enumerate(plan))
+    progress(f"[generation] starting {len(handles)} vLLM worker(s) ({flavor}) from {model_dir}; "
+             f"placement={gen.vllm.placement} ({where}), bind={gen.vllm.bind}")
     control_token = secrets.token_urlsafe(32)
-    group = WorkerGroup(handles=handles, base_urls=[], call_timeout_s=gen.vllm.call_timeout_s, control_token=control_token)
+    group = WorkerGroup(handles=handles, base_urls=[], call_timeout_s=gen.vllm.call_timeout_s,
+                        control_token=control_token, planned_nodes=list(plan))
     # bind first: the ports must exist (answering 503) before anyone is pointed at them.
     base_urls = _startup_get(
         group, [h.bind.remote(control_token) for h in handles], deadline, gen.vllm.startup_timeout_s, "open their ports"

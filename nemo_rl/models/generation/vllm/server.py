@@ -1,4 +1,5 @@
-"""OpenAI-compatible HTTP transport over `ChatService` (aiohttp, bound to 127.0.0.1).
+"""OpenAI-compatible HTTP transport over `ChatService` (aiohttp, bound to the host the worker picks:
+127.0.0.1 unless `generation.vllm.bind=node_ip`).
 
 Routes: POST /v1/chat/completions, POST /tokenize (and /v1/tokenize), GET /v1/models,
 GET /health (and /v1/health); control: GET /control/state (bearer).

@@ -23,7 +23,14 @@ Contract:
   `token_capture.stage_write=behind_reply` it also starts the worker's `StageWriter` (staged rows
   written behind the reply, batched) and installs it as the service's served-report barrier;
   `shutdown` writes what is queued before closing the data-plane client.
-- `update_weights(dir, version)` refits the engine; every later sample carries `version`.
+- `update_weights(dir, version)` refits the engine; every later sample carries `version`. A `dir`
+  this worker cannot see raises `WorkerError` naming `grpo.refit_dir` (on several nodes it must
+  be on a shared filesystem) before the engine is touched; `check_shared_dir(probe)` proves the
+  folder is shared at start-up (`nemo_rl.distributed.shared_fs`). A model folder the worker
+  cannot see fails `start_engine` naming `model.path` the same way.
+- Where it listens: `bind` opens the endpoint on `listen_host(generation.vllm.bind, node IP)`
+  (`nemo_rl.distributed.topology`): 127.0.0.1 by default, the IP Ray reports for this worker's
+  node with `node_ip`; the base URL it returns names that same address.
 - `worker_index` (given by the launcher, 0..num_workers-1) stamps every `ServedCall` this worker
   records; `take_served(rollout_ids)` pops them as wire dicts (`ServedCall.to_wire`).
 - `venv_info()` reports the venv this actor's interpreter runs in (`running_venv_info`: its
@@ -44,6 +51,8 @@ import time
 from pathlib import Path
 
 from nemo_rl.data_plane import DataPlaneClient, DataPlaneConfig
+from nemo_rl.distributed.shared_fs import SharedDirError, SharedDirProbe, check_probe, require_dir
+from nemo_rl.distributed.topology import http_base_url, listen_host
 from nemo_rl.models.generation.vllm.config import GenerationConfig
 from nemo_rl.models.generation.vllm.server import Endpoint
 from nemo_rl.token_capture.config import TokenCaptureConfig
@@ -94,6 +103,10 @@ class VllmGenerationWorker:
 
         t0 = time.monotonic()
         try:
+            require_dir(self._model_dir, "model.path", self._where())
+        except SharedDirError as e:
+            raise WorkerError(str(e)) from e
+        try:
             tokenizer = AutoTokenizer.from_pretrained(str(self._model_dir))
             # Built off the event loop (vLLM starts its loop tasks lazily then), so the open port keeps
             # answering 503 worker_starting at once instead of hanging while vLLM loads (~60 s on CPU).
@@ -122,14 +135,25 @@ class VllmGenerationWorker:
         }
         LOGGER.warning("vLLM engine for %s up after %.1fs", self._model_dir.name, time.monotonic() - t0)
 
+    def _node_ip(self) -> str:
+        import ray.util
+
+        return ray.util.get_node_ip_address()  # in an actor: the IP of the node Ray runs it on
+
+    def _where(self) -> str:
+        return f"vLLM worker {self._worker_index} on node {self._node_ip()}"
+
     async def bind(self, control_token: str) -> str:
-        """Open the HTTP endpoint (503 until `serve`); returns `http://127.0.0.1:<port>/v1`.
+        """Open the HTTP endpoint (503 until `serve`); returns `http://<host>:<port>/v1`, where host
+        is 127.0.0.1 (`generation.vllm.bind=loopback`) or this node's IP (`node_ip`).
 
         `control_token` is the run's bearer for the control routes (minted by the launcher)."""
         from nemo_rl.models.generation.vllm.server import build_app, serve
 
         if self.base_url is not None:
             return self.base_url
+        bind = self._gen.vllm.bind
+        host = listen_host(bind, self._node_ip() if bind == "node_ip" else "")
         app = build_app(
             self._endpoint,
             model_name=self._gen.model_name,
@@ -138,11 +162,21 @@ class VllmGenerationWorker:
             control_token=control_token,
         )
         try:
-            self._runner, port = await serve(app)
+            self._runner, port = await serve(app, host)
         except OSError as e:
-            raise WorkerError(f"vLLM worker could not open its HTTP port on 127.0.0.1: {e}") from e
-        self.base_url = f"http://127.0.0.1:{port}/v1"
+            raise WorkerError(
+                f"vLLM worker {self._worker_index} could not open its HTTP port on {host} "
+                f"(generation.vllm.bind={bind}): {e}"
+            ) from e
+        self.base_url = http_base_url(host, port)
         return self.base_url
+
+    def check_shared_dir(self, probe: SharedDirProbe, knob: str) -> None:
+        """Raise `WorkerError` unless this worker reads the driver's probe (the folder is shared)."""
+        try:
+            check_probe(probe, knob, self._where())
+        except SharedDirError as e:
+            raise WorkerError(str(e)) from e
 
     async def serve(self) -> str:
         """Install token capture (when enabled; the data plane must be up), then let requests
@@ -207,6 +241,12 @@ class VllmGenerationWorker:
         if self._engine is None:
             raise WorkerError("update_weights called before start")
         self._require_healthy("update_weights")
+        try:
+            # Before the engine drains: a folder this node cannot see is a deployment error, not a
+            # failed reload, so the worker keeps serving its current weights.
+            require_dir(Path(weights_dir), "grpo.refit_dir", self._where())
+        except SharedDirError as e:
+            raise WorkerError(str(e)) from e
         try:
             await self._engine.reload_weights(Path(weights_dir), version)
         except RefitAbortedError as e:

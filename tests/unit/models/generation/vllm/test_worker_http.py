@@ -402,6 +402,68 @@ async def test_a_failed_refit_fails_the_worker_and_every_later_driver_call(token
         assert str(e.value) == expected.format(op=op)
 
 
+async def test_a_refit_folder_the_worker_cannot_see_names_the_knob_and_keeps_it_serving(tokenizer, tmp_path: Path,
+                                                                                        monkeypatch) -> None:
+    engine = VllmEngine(_HungLLM(), 2, 64, 10, EngineDeadlines(5.0, 0.05, 0.05), params_cls=dict)
+    svc, _, _ = _service(tokenizer)
+    worker = _worker_with(engine, svc)
+    monkeypatch.setattr(worker, "_node_ip", lambda: "10.0.0.2")
+    with pytest.raises(WorkerError) as e:
+        await worker.update_weights(str(tmp_path / "not-shared"), 1)
+    assert str(e.value) == (
+        f"vLLM worker 2 on node 10.0.0.2 cannot see the folder grpo.refit_dir={tmp_path / 'not-shared'} (fix: on a "
+        "multi-node cluster set grpo.refit_dir to a folder on a filesystem every node mounts at the same path, e.g. "
+        "NFS or Lustre; on one node, check that the folder exists)"
+    )
+    # The engine was never touched: same version, not failed.
+    assert worker.weight_version() == 0 and worker._endpoint.failure() is None
+
+
+def test_check_shared_dir_reads_the_drivers_marker_or_fails_by_name(tokenizer, tmp_path: Path, monkeypatch) -> None:
+    from nemo_rl.distributed.shared_fs import remove_probe, write_probe
+
+    engine = VllmEngine(_HungLLM(), 2, 64, 10, EngineDeadlines(5.0, 0.05, 0.05), params_cls=dict)
+    svc, _, _ = _service(tokenizer)
+    worker = _worker_with(engine, svc)
+    monkeypatch.setattr(worker, "_node_ip", lambda: "10.0.0.2")
+    probe = write_probe(tmp_path / "refit")
+    assert worker.check_shared_dir(probe, "grpo.refit_dir") is None
+    remove_probe(probe)
+    with pytest.raises(WorkerError, match=r"^vLLM worker 2 on node 10.0.0.2 cannot see .*, which the driver wrote in "
+                                          r"grpo.refit_dir=.*: that folder is not shared with this node \(fix: "):
+        worker.check_shared_dir(probe, "grpo.refit_dir")
+
+
+async def test_a_model_folder_the_worker_cannot_see_fails_start_engine_by_name(monkeypatch) -> None:
+    worker = VllmGenerationWorker("/nonexistent/model", GenerationConfig().model_dump(), {}, None, worker_index=1)
+    monkeypatch.setattr(worker, "_node_ip", lambda: "10.0.0.3")
+    with pytest.raises(WorkerError, match=r"^vLLM worker 1 on node 10.0.0.3 cannot see the folder "
+                                          r"model.path=/nonexistent/model \(fix: on a multi-node cluster set model.path "):
+        await worker.start_engine()
+
+
+@pytest.mark.parametrize(("bind", "node_ip", "host"), [("loopback", "127.0.0.2", "127.0.0.1"),
+                                                       ("node_ip", "127.0.0.2", "127.0.0.2")])
+async def test_bind_listens_on_and_advertises_the_chosen_address(monkeypatch, bind: str, node_ip: str,
+                                                                  host: str) -> None:
+    """127.0.0.2 stands in for a node IP: any 127/8 address is this host's loopback on Linux."""
+    import aiohttp
+
+    gen = GenerationConfig.model_validate({"vllm": {"bind": bind}})
+    worker = VllmGenerationWorker("/nonexistent", gen.model_dump(), {}, None, worker_index=0)
+    monkeypatch.setattr(worker, "_node_ip", lambda: node_ip)
+    url = await worker.bind(TOKEN)
+    try:
+        assert url.startswith(f"http://{host}:") and url.endswith("/v1")
+        port = int(url.split(":")[2].split("/")[0])
+        assert worker._runner is not None
+        assert [s.getsockname()[:2] for site in worker._runner.sites for s in site._server.sockets] == [(host, port)]
+        async with aiohttp.ClientSession() as session, session.get(f"{url}/models") as resp:
+            assert resp.status == 503 and (await resp.json())["error"]["type"] == "worker_starting"
+    finally:
+        await worker.shutdown()
+
+
 def _sampling():
     from nemo_rl.models.generation.vllm.chat import SamplingRequest
 

@@ -1,0 +1,122 @@
+"""Where the vLLM generation workers run: a placement plan over the cluster's alive nodes.
+
+Contract:
+- `plan_worker_placement(num_workers, nodes, placement, gpus_per_worker)` is pure. With
+  `placement="spread"` worker i goes to the i-th node of `nodes` round-robin (`nodes` come
+  ordered by `order_nodes`: the driver's node first, then the others by IP and node id, so the
+  plan is the same on every run of the same cluster), skipping nodes that have no room: a
+  worker that reserves `gpus_per_worker` > 0 GPUs fits `GPU // gpus_per_worker` times on a node;
+  a CPU worker (0 GPUs) reserves nothing and fits anywhere. Not enough room raises
+  `PlacementError` naming the knobs. With `placement="ray"` every entry is None: Ray's own
+  scheduler decides (no pinning).
+- `node_affinity(node_id)` turns one plan entry into the actor `.options(...)` that pin it there
+  (a hard `NodeAffinitySchedulingStrategy`: an actor whose node dies is not silently moved), or
+  `{}` for None.
+- `alive_nodes(driver_node_id)` reads the cluster's alive nodes (one GCS call) in that order;
+  `actor_node_ids(handles, timeout_s)` measures where actors actually run (one bounded call).
+- What runs where (docs/guides/launching.md, "Multi-node"): the driver and its Gym servers on the
+  node the driver was started on (ultra_launch.sh: the head); the vLLM workers by this plan; the
+  policy, the finalizers and the TransferQueue actors wherever Ray has room (they reach each
+  other through Ray and TQ only, so any node works with `data_plane.bind=node_ip`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+Placement = Literal["spread", "ray"]
+
+
+class PlacementError(RuntimeError):
+    """The cluster cannot host the requested generation workers under the placement knob."""
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    node_id: str
+    ip: str
+    gpus: float  # the node's total GPU resource as Ray reports it
+
+
+def order_nodes(nodes: Sequence[NodeInfo], driver_node_id: str) -> list[NodeInfo]:
+    """The driver's node first (it hosts the Gym gate), then the rest by (IP, node id)."""
+    return sorted(nodes, key=lambda n: (n.node_id != driver_node_id, n.ip, n.node_id))
+
+
+def _capacity(node: NodeInfo, gpus_per_worker: int) -> int | None:
+    """Workers a node can host; None = unbounded (a CPU worker reserves no Ray resource)."""
+    if gpus_per_worker == 0:
+        return None
+    return int(node.gpus // gpus_per_worker)
+
+
+def plan_worker_placement(
+    num_workers: int, nodes: Sequence[NodeInfo], placement: Placement, gpus_per_worker: int
+) -> list[str | None]:
+    """The node id each worker is pinned to (worker order), or None entries for placement=ray."""
+    if num_workers < 1:
+        raise ValueError(f"num_workers must be >= 1, got {num_workers}")
+    if placement == "ray":
+        return [None] * num_workers
+    if placement != "spread":
+        raise ValueError(f"placement={placement!r} is not one of ('spread', 'ray')")
+    if not nodes:
+        raise PlacementError("the Ray cluster reports no alive node to place the vLLM workers on")
+    room = {n.node_id: _capacity(n, gpus_per_worker) for n in nodes}
+    plan: list[str | None] = []
+    cursor = 0  # the next node in round-robin order; full nodes are skipped
+    for _ in range(num_workers):
+        for _ in range(len(nodes)):
+            node = nodes[cursor % len(nodes)]
+            cursor += 1
+            if room[node.node_id] is None or room[node.node_id] > 0:
+                break
+        else:
+            total = sum(_capacity(n, gpus_per_worker) or 0 for n in nodes)
+            raise PlacementError(
+                f"generation.num_workers={num_workers} workers of {gpus_per_worker} GPU(s) each "
+                f"(generation.vllm.tensor_parallel_size) do not fit the cluster: its {len(nodes)} alive node(s) "
+                f"have room for {total} (GPUs per node: {', '.join(f'{n.ip}={n.gpus:g}' for n in nodes)}) "
+                "(fix: lower generation.num_workers, add nodes with GPUs, or set generation.vllm.placement=ray "
+                "to let Ray queue them)"
+            )
+        plan.append(node.node_id)
+        if room[node.node_id] is not None:
+            room[node.node_id] -= 1
+    return plan
+
+
+def node_affinity(node_id: str | None) -> dict[str, Any]:
+    """Actor options pinning it to `node_id` (hard affinity), or none for None."""
+    if node_id is None:
+        return {}
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    return {"scheduling_strategy": NodeAffinitySchedulingStrategy(node_id=node_id, soft=False)}
+
+
+def alive_nodes(driver_node_id: str) -> list[NodeInfo]:
+    """The connected cluster's alive nodes, in `order_nodes` order."""
+    import ray
+
+    nodes = [
+        NodeInfo(node_id=n["NodeID"], ip=n["NodeManagerAddress"], gpus=float(n.get("Resources", {}).get("GPU", 0.0)))
+        for n in ray.nodes()
+        if n["Alive"]
+    ]
+    return order_nodes(nodes, driver_node_id)
+
+
+def _own_node_id(_actor: object) -> str:
+    import ray
+
+    return ray.get_runtime_context().get_node_id()
+
+
+def actor_node_ids(handles: Sequence[Any], timeout_s: float) -> list[str]:
+    """The node id each actor runs on, measured inside the actor (one call each, bounded)."""
+    import ray
+
+    return list(ray.get([h.__ray_call__.remote(_own_node_id) for h in handles], timeout=timeout_s))

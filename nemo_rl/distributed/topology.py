@@ -1,0 +1,79 @@
+"""Which addresses the stack's endpoints listen on, and whether a cluster fits those choices.
+
+Contract:
+- Two knobs decide what other nodes can reach: `generation.vllm.bind` (the vLLM worker's HTTP
+  endpoint, which the Gym gate on the driver's node calls) and `data_plane.bind` (TransferQueue's
+  sockets, which workers, finalizers and the policy on every node use). Both are `Bind`:
+  `loopback` (127.0.0.1, the default: nothing leaves the host) or `node_ip` (the IP Ray reports
+  for the node the process runs on; multi-node clusters on a trusted network only, since neither
+  the worker's generation routes nor TQ have authentication).
+- `listen_host(bind, node_ip)` is the host a server binds AND advertises: one address, so the
+  URL handed to a caller is exactly where the socket listens (never 0.0.0.0, never a guess).
+  `http_base_url(host, port)` formats it (IPv6 in brackets).
+- `check_cluster_binds(alive_nodes, ...)` accepts any single-node cluster, and a cluster of more
+  nodes only when every endpoint another node must reach binds `node_ip`; otherwise it raises
+  `MultiNodeBindError` naming each knob at fault, its value and the fix. `data_plane.bind`
+  matters only when the data plane runs (`data_plane_used`: token capture on).
+- Pure and Ray-free (config modules import `Bind` from here).
+- What stays on loopback whatever the knobs: the Gym servers (gate, resources, agent). They are
+  subprocesses of the driver and only the driver and they themselves call them.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+Bind = Literal["loopback", "node_ip"]
+LOOPBACK_IP = "127.0.0.1"
+BIND_CHOICES: tuple[str, ...] = ("loopback", "node_ip")
+
+
+class MultiNodeBindError(RuntimeError):
+    """A cluster of several nodes met an endpoint bound to loopback, which other nodes cannot reach."""
+
+
+def listen_host(bind: Bind, node_ip: str) -> str:
+    """The address to listen on and advertise: 127.0.0.1 for `loopback`, `node_ip` for `node_ip`."""
+    if bind == "loopback":
+        return LOOPBACK_IP
+    if bind == "node_ip":
+        if not node_ip:
+            raise ValueError("bind=node_ip needs the node's IP as Ray reports it, got an empty string")
+        return node_ip
+    raise ValueError(f"bind={bind!r} is not one of {BIND_CHOICES}")
+
+
+def http_base_url(host: str, port: int, path: str = "/v1") -> str:
+    """`http://host:port<path>`, with an IPv6 host in brackets."""
+    shown = f"[{host}]" if ":" in host else host
+    return f"http://{shown}:{port}{path}"
+
+
+def check_cluster_binds(
+    alive_nodes: int, *, vllm_bind: Bind, data_plane_bind: Bind, data_plane_used: bool, address: str
+) -> None:
+    """Accept the cluster at `address` with `alive_nodes` nodes, or raise `MultiNodeBindError`."""
+    if alive_nodes <= 1:
+        return
+    wrong = []
+    if vllm_bind != "node_ip":
+        wrong.append(
+            f"generation.vllm.bind={vllm_bind} (a vLLM worker on another node would listen on that node's "
+            "127.0.0.1, which the Gym gate on the driver's node cannot reach)"
+        )
+    if data_plane_used and data_plane_bind != "node_ip":
+        wrong.append(
+            f"data_plane.bind={data_plane_bind} (a TransferQueue actor on another node would listen on that "
+            "node's 127.0.0.1, which workers, finalizers and the policy elsewhere cannot reach)"
+        )
+    if not wrong:
+        return
+    fix = " ".join(
+        knob for knob, needed in (("generation.vllm.bind=node_ip", True), ("data_plane.bind=node_ip", data_plane_used))
+        if needed
+    )
+    raise MultiNodeBindError(
+        f"the Ray cluster at {address} has {alive_nodes} alive nodes, but {'; and '.join(wrong)} "
+        f"(fix: override {fix} on a trusted network, since neither the worker's generation routes nor "
+        "TransferQueue have authentication; or launch with --nodes 1)"
+    )
