@@ -34,7 +34,9 @@ the others), waits until every node has joined, then runs the driver against tha
     python $NRL_ENTRYPOINT --config <recipe> <overrides...>
 
 Options:
-  --nodes N             nodes to allocate (default 1)
+  --nodes N             nodes to allocate (default 1); N > 1 needs the overrides
+                        generation.vllm.bind=node_ip data_plane.bind=node_ip and a shared
+                        grpo.refit_dir (docs/guides/launching.md, "Multi-node")
   --partition NAME      Slurm partition (default: none, the cluster's default partition)
   --account NAME        Slurm account (default: none)
   --gpus-per-node G     GPUs per node (default: none, no --gpus-per-node line)
