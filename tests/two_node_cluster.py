@@ -1,6 +1,6 @@
 """A real two-node Ray cluster on this one host, for multi-node tests.
 
-`two_node_cluster(cpus_per_node)` starts, in this process, a Ray head (node IP 127.0.0.1) and a
+`two_node_cluster(head_cpus, second_cpus)` starts, in this process, a Ray head (node IP 127.0.0.1) and a
 second node whose node IP is 127.0.0.2 (`ray.cluster_utils.Cluster`: each node its own raylet,
 object store and workers; one GCS). On Linux every 127/8 address is this host's loopback, so the
 second node has its own IP, as a real second machine would, while nothing needs a routable
@@ -46,7 +46,9 @@ class TwoNodes:
 
 
 @contextmanager
-def two_node_cluster(cpus_per_node: int = 2) -> Iterator[TwoNodes]:
+def two_node_cluster(head_cpus: int = 1, second_cpus: int = 1) -> Iterator[TwoNodes]:
+    """Logical CPUs per node decide where Ray may put actors that need one (e.g. head_cpus=0 keeps
+    every CPU-reserving actor off the driver's node)."""
     import ray._private.ray_constants as ray_constants
 
     if ray_constants.ENABLE_RAY_CLUSTER:
@@ -63,9 +65,9 @@ def two_node_cluster(cpus_per_node: int = 2) -> Iterator[TwoNodes]:
     os.environ["RAY_TMPDIR"] = temp_dir
     cluster = None
     try:
-        common = {"num_cpus": cpus_per_node, "temp_dir": temp_dir, "object_store_memory": OBJECT_STORE_BYTES}
-        cluster = Cluster(initialize_head=True, head_node_args={**common, "include_dashboard": False})
-        second = cluster.add_node(**common, node_ip_address=SECOND_NODE_IP)
+        common = {"temp_dir": temp_dir, "object_store_memory": OBJECT_STORE_BYTES}
+        cluster = Cluster(initialize_head=True, head_node_args={**common, "num_cpus": head_cpus, "include_dashboard": False})
+        second = cluster.add_node(**common, num_cpus=second_cpus, node_ip_address=SECOND_NODE_IP)
         yield TwoNodes(
             address=cluster.address,
             head_node_id=cluster.head_node.node_id,

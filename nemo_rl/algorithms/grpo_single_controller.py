@@ -29,7 +29,8 @@ Contract of one step (`run_grpo`):
 At set-up, `<log_dir>/run_info.json` records `generation/venv` (`venv_record`): the spec hash
 and folder the driver expects for the worker venv, and what each worker reports running in; and
 `placement` (`placement_record`): the cluster's node count and, per vLLM worker, the node the
-plan chose, the node it runs on (measured in the actor) and its base URL. Before the first step
+plan chose, the node it runs on (measured in the actor) and its base URL, and the node each
+other actor (policy, TransferQueue, finalizers) runs on. Before the first step
 the refit folder (`grpo.refit_dir`, `refit_root`) is proven shared: the driver writes a marker
 there and the policy and every worker must read it (`nemo_rl.distributed.shared_fs`), so a
 multi-node run whose nodes do not share it stops at set-up, naming the knob.
@@ -73,6 +74,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import ray
+
 from nemo_rl.algorithms.grpo import ClippedPGLossFn, compute_group_advantages
 from nemo_rl.algorithms.grpo_checkpoint import (
     DISPATCHED_PROMPTS_FILE,
@@ -98,6 +101,7 @@ from nemo_rl.algorithms.grpo_health import (
     untrainable,
 )
 from nemo_rl.distributed.component_watch import ComponentWatch
+from nemo_rl.distributed.placement import actor_node_ids
 from nemo_rl.distributed.shared_fs import remove_probe, write_probe
 from nemo_rl.distributed.stack import Stack, start_stack
 from nemo_rl.environments.datasets import PromptSource, make_prompt_source
@@ -368,7 +372,7 @@ async def setup(
         eos = AutoTokenizer.from_pretrained(str(model_dir)).eos_token_id
         probe = probe_sequence(eos, cfg.grpo.refit_probe_tokens, cfg.grpo.seed)
         run_info: dict = {"generation/venv": venv_record(flavor, stack.workers.venv_info()),
-                          "placement": placement_record(stack)}
+                          "placement": placement_record(stack, policy, pool, cfg.generation.vllm.call_timeout_s)}
         if watch is not None:
             run_info["components"] = component_pids(stack, pool, cfg.generation.vllm.call_timeout_s)
         initial_versions = set(stack.workers.weight_versions())
@@ -408,17 +412,27 @@ def check_refit_dir_shared(stack: Stack, policy: RayPolicyClient, weights_root: 
         remove_probe(probe)
 
 
-def placement_record(stack: Stack) -> dict:
-    """Where the vLLM workers run: planned node, measured node and base URL per worker."""
+def placement_record(stack: Stack, policy: RayPolicyClient, pool: FinalizerPool | None, timeout_s: float) -> dict:
+    """Where things run: per vLLM worker the planned node, the measured node and its base URL; the
+    measured node of the policy, the TransferQueue actors and the finalizers (Ray placed them)."""
     assert stack.workers is not None
     workers = stack.workers
     measured = workers.node_ids()
+    others = dict(stack.data_plane.actors()) if stack.data_plane is not None else {}
+    if pool is not None:
+        others.update(pool.actors())
+    try:
+        measured_others = actor_node_ids(list(others.values()), timeout_s)
+    except (ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError) as e:
+        raise GRPOError(f"asking {sorted(others)} which node they run on failed within {timeout_s:g}s: {e}") from e
+    actors = {"policy": policy.node_id(), **dict(zip(others, measured_others))}
     return {
         "nodes": stack.nodes,
         "workers": [
             {"worker": i, "planned_node": planned, "node": node, "base_url": url}
             for i, (planned, node, url) in enumerate(zip(workers.planned_nodes, measured, workers.base_urls))
         ],
+        "actors": actors,
     }
 
 

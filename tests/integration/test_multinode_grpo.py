@@ -5,7 +5,8 @@ the multi-node knobs: `generation.vllm.bind=node_ip`, `data_plane.bind=node_ip`,
 workers spread one per node, and `grpo.refit_dir` outside the log dir. Two capture steps must
 pass the usual contract (always-N, token-in, nothing poisoned, exact logprobs, refit to version
 1), both workers must serve calls, and `run_info.json` must show worker 0 on the head (driver's
-node, 127.0.0.1) and worker 1 on the second node (listening on 127.0.0.2), as planned.
+node, 127.0.0.1) and worker 1 on the second node (listening on 127.0.0.2), as planned, and the
+policy on the second node (the head offers no CPU), so refit weights and train rows cross nodes.
 """
 
 from __future__ import annotations
@@ -33,7 +34,9 @@ DRIVER_TIMEOUT_S = 1500  # a cold vLLM venv build plus the run; a warm run takes
 def test_grpo_capture_runs_on_two_nodes(tmp_path: Path) -> None:
     log_dir = tmp_path / "run"
     refit_dir = tmp_path / "refit"
-    with two_node_cluster(cpus_per_node=2) as cluster:
+    # No CPU on the head: the policy (1 CPU) must run on the second node, so the refit folder is
+    # written on one node and read on both, and its rows cross nodes through TransferQueue.
+    with two_node_cluster(head_cpus=0, second_cpus=2) as cluster:
         t0 = time.monotonic()
         proc = subprocess.run(
             [sys.executable, "examples/run_grpo_single_controller.py", "--config",
@@ -53,6 +56,11 @@ def test_grpo_capture_runs_on_two_nodes(tmp_path: Path) -> None:
     assert placement["nodes"] == 2
     workers = placement["workers"]
     assert [(w["worker"], w["planned_node"], w["node"]) for w in workers] == [(0, head, head), (1, second, second)]
+    actors = placement["actors"]
+    print(f"[multinode test] actor nodes: { {k: 'head' if v == head else 'second' for k, v in actors.items()} }")
+    assert actors["policy"] == second
+    assert set(actors) >= {"policy", "tq_controller", "tq_storage_unit_0", "finalizer_0"}
+    assert set(actors.values()) <= {head, second}
     hosts = [re.fullmatch(r"http://([0-9.]+):\d+/v1", w["base_url"]).group(1) for w in workers]
     assert hosts == ["127.0.0.1", SECOND_NODE_IP]
 

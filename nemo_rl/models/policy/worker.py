@@ -49,6 +49,10 @@ from nemo_rl.token_capture.train_rows import TrainPlan, read_train_batch
 T = TypeVar("T")
 
 
+def _own_node_id(_actor: object) -> str:
+    return ray.get_runtime_context().get_node_id()
+
+
 def _guard(method: str, fn: Callable[..., T], *args: Any) -> T:
     try:
         return fn(*args)
@@ -154,6 +158,10 @@ class RayPolicyClient:
 
     def state_fingerprint(self) -> str:
         return self._get("state_fingerprint", self._actor.state_fingerprint.remote())
+
+    def node_id(self) -> str:
+        """The Ray node the actor runs on, measured inside it."""
+        return self._get("node_id", self._actor.__ray_call__.remote(_own_node_id))
 
     def check_shared_dir(self, probe: SharedDirProbe, knob: str) -> None:
         """The actor reads the driver's marker in `probe.folder`, or `PolicyWorkerError` names the knob."""

@@ -35,7 +35,7 @@ NODE_IP = GenerationConfig.model_validate({"vllm": {"bind": "node_ip"}})
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[TwoNodes]:
-    with two_node_cluster(cpus_per_node=1) as nodes:
+    with two_node_cluster(head_cpus=1, second_cpus=1) as nodes:
         yield nodes
 
 
