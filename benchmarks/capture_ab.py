@@ -97,8 +97,9 @@ LINKS = ("agent_gate", "gate_worker", "driver_agent", "driver_gate_control", "ag
 HEADLINE_LINKS = ("agent_gate", "gate_worker")
 STAGE_WRITER_COUNTERS = ("stage_write_rows", "stage_write_batches", "stage_write_s", "stage_flushes",
                          "stage_flush_wait_s")
-CALL_COST_PARTS = ("begin_call_s", "prefix_fetch_s", "commit_s", "stage_s", "prefix_seed_s")
-ADDED_PARTS = ("begin_call_s", "prefix_fetch_s", "commit_s", "prefix_seed_s")  # stage_s is inside commit_s
+CALL_COST_PARTS = ("begin_call_s", "parent_wait_s", "prefix_fetch_s", "commit_s", "stage_s", "prefix_seed_s")
+# stage_s is inside commit_s; parent_wait_s is a child's wait for its parents' rows (write-behind staging).
+ADDED_PARTS = ("begin_call_s", "parent_wait_s", "prefix_fetch_s", "commit_s", "prefix_seed_s")
 # results.json top level: step_s median capture/legacy; headline HTTP bytes per trained token
 # capture/legacy; added worker time per call / the rest of the call, p50 (capture arms);
 # token_mult_prob_error per path; capture rows whose ids differ from their re-tokenized text;
@@ -247,8 +248,9 @@ def route_times_ms(files: Sequence[Mapping[str, Any]], gate_role: str = GATE_ROL
 def call_costs(samples: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """Capture's added time per successful worker chat call, absolute and as a fraction of the rest.
 
-    added = begin_call_s + prefix_fetch_s + commit_s + prefix_seed_s (commit includes the staging write,
-    stage_s; the seed enters the staged delta into the worker's prefix cache);
+    added = begin_call_s + parent_wait_s + prefix_fetch_s + commit_s + prefix_seed_s (commit includes
+    the staging write or its queueing, stage_s; a token-in call waits for its parents' rows under
+    write-behind staging; the seed enters the staged delta into the worker's prefix cache);
     the rest of the call (total_s - added) is generation plus rendering and parsing.
     """
     ok = [s for s in samples if int(s.get("status", 0)) == 200]
@@ -937,7 +939,8 @@ def write_report(path: Path, results: Mapping[str, Any]) -> None:
             "", f"Ratio capture/legacy: headline {_fmt(ab['http']['headline_ratio'])}, all links "
             f"{_fmt(ab['http']['all_links_ratio'])}.", "",
             "## Per-call latency added by capture at the worker", "",
-            "added = `begin_call` + prefix fetch from TQ + commit (digests + staging write) + prefix cache seed; "
+            "added = `begin_call` + wait for parents' rows + prefix fetch from TQ + commit (digests + staging "
+            "write or its queueing) + prefix cache seed; "
             "fraction = added / (call time - added). A token-in call whose parents this worker staged "
             "resolves them from its prefix cache and fetches nothing.", "",
             "| | p50 | p99 |", "|---|---|---|"]
@@ -946,6 +949,8 @@ def write_report(path: Path, results: Mapping[str, Any]) -> None:
             f"| added (ms) | {_fmt(cc['added_ms_p50'])} | {_fmt(cc['added_ms_p99'])} |",
             f"| fraction of the call | {_fmt(cc['fraction_p50'])} | {_fmt(cc['fraction_p99'])} |",
             f"| begin_call (ms) | {_fmt(cc['begin_call_ms_p50'])} | {_fmt(cc['begin_call_ms_p99'])} |",
+            f"| token-in call waiting for its parents' rows, calls: {cc['parent_wait_calls']} (ms) | "
+            f"{_fmt(cc['parent_wait_ms_p50'])} | {_fmt(cc['parent_wait_ms_p99'])} |",
             f"| prefix fetch, calls that fetched: {cc['prefix_fetch_calls']} (ms) | "
             f"{_fmt(cc['prefix_fetch_ms_p50'])} | {_fmt(cc['prefix_fetch_ms_p99'])} |",
             f"| commit incl. stage (ms) | {_fmt(cc['commit_ms_p50'])} | {_fmt(cc['commit_ms_p99'])} |",

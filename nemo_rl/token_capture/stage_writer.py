@@ -5,7 +5,10 @@ Contract:
   background thread drains the queue and writes whatever has queued up (at most `max_batch`
   rows) in ONE data-plane `put_many` under the `timeout_s` deadline. With several calls in flight
   their rows share a write, so a call costs at most one write and often a fraction of one.
-- `flush(rollout_ids, timeout_s)` is the barrier: it blocks until no row of those rollouts is
+- `wait_keys(keys, timeout_s)` is the parent barrier: it blocks until none of `keys` is queued or
+  in flight here (or the deadline passes) and returns `{key: why}` for those of them this writer
+  failed to write or is still writing; keys it never queued are ignored.
+- `flush(rollout_ids, timeout_s)` is the report barrier: it blocks until no row of those rollouts is
   queued or in flight (or the deadline passes) and returns `{staging_key: why}` for every row of
   theirs that is not known to be written: its write failed (the data-plane error, named), or it
   was still pending at the deadline. It forgets what it returned. A rollout with nothing
@@ -20,7 +23,9 @@ Contract:
 - `close(timeout_s)` stops taking rows, lets the thread write what is queued and joins it.
 
 Why a response may leave before its row is written (the safety argument; the design doc has it
-in full): every reader of a staged row either runs after the flush barrier or verifies and waits:
+in full): a call's row is durable before anything uses the call as a parent or reads its row:
+- a child of the call served by this worker is generated only after `wait_keys` saw its parents'
+  rows written (the worker answers 503 `staging_unavailable` otherwise);
 - the finalizer reads a rollout's rows only after the driver took the workers' served-call report
   for it, and a worker answers that report only after `flush` (rows that failed are reported
   `staged=False` with the reason, so the judge and the yield metric see them);
@@ -130,6 +135,32 @@ class StageWriter:
         wire_metrics.add_counter("stage_flushes", 1)
         wire_metrics.add_counter("stage_flush_wait_s", waited)
         return failures
+
+    def wait_keys(self, keys: Sequence[str], timeout_s: float) -> dict[str, str]:
+        """Wait until none of `keys` is queued or in flight here; {key: why} for those not written.
+
+        Keys this writer never queued are not its to answer for (another worker's, or written long
+        ago): they are neither waited for nor reported. Failures are reported, not forgotten (the
+        served report still names them).
+        """
+        wanted = set(keys)
+        started = time.monotonic()
+        deadline = started + timeout_s
+        with self._cv:
+            while wanted & self._pending_keys():
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                self._cv.wait(remaining)
+            lost = {key: why for failed in self._failed.values() for key, why in failed.items() if key in wanted}
+            for key in wanted & self._pending_keys():
+                lost[key] = f"staging write not finished within token_capture.stage_timeout_s={timeout_s}s"
+            self.stats["parent_waits"] += 1
+            self.stats["parent_wait_s"] += time.monotonic() - started
+            return lost
+
+    def _pending_keys(self) -> set[str]:
+        return {key for keys in self._pending.values() for key in keys}
 
     def pending_rows(self) -> int:
         with self._cv:

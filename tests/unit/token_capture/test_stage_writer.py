@@ -158,3 +158,26 @@ def test_bad_arguments_are_named() -> None:
         StageWriter(GatedStore(), "p", timeout_s=0)
     with pytest.raises(ValueError, match="max_batch=0, max_rollouts=1: both must be >= 1"):
         StageWriter(GatedStore(), "p", timeout_s=1.0, max_batch=0, max_rollouts=1)
+
+
+def test_wait_keys_waits_for_this_writers_keys_only_and_names_the_lost_ones() -> None:
+    store = GatedStore()
+    store.gate.clear()
+    writer = _writer(store)
+    writer.submit("r1", "r1/a", {})
+    assert store.entered.wait(5)
+    started = time.monotonic()
+    assert writer.wait_keys(["other/x"], 5.0) == {}  # never queued here: not waited for
+    assert time.monotonic() - started < 1.0
+    assert writer.wait_keys(["r1/a"], 0.1) == {
+        "r1/a": "staging write not finished within token_capture.stage_timeout_s=0.1s"}
+    threading.Timer(0.2, store.gate.set).start()
+    assert writer.wait_keys(["r1/a", "other/x"], 5.0) == {}
+    error = DataPlaneTimeoutError("put", "p", 5.0)
+    store.fail_next.append(error)
+    writer.submit("r1", "r1/b", {})
+    lost = {"r1/b": f"staging write failed: DataPlaneTimeoutError: {error}"}
+    assert writer.wait_keys(["r1/a", "r1/b"], 5.0) == lost
+    assert writer.flush(["r1"], 5.0) == lost  # still reported by the served-report barrier
+    assert writer.stats["parent_waits"] == 4
+    writer.close(5.0)

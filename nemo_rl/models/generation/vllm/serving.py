@@ -55,7 +55,12 @@ Contract (the transport, `server.py`, is a thin shell over `ChatService`):
   (generated-token count, parent, staged or why not, this worker's index) in a bounded per-rollout
   registry; `take_served(rollout_ids)` pops them. Under write-behind staging (a `StageBarrier`
   installed) it first waits for the rollouts' queued rows and marks a call whose row did not land
-  as not staged (`stats["capture_failed"]`, `capture_failures`, an error log line). Plain calls and calls that produced no
+  as not staged (`stats["capture_failed"]`, `capture_failures`, an error log line).
+- Parents are durable before children (write-behind): a `staging_chain` admission first waits
+  (bounded by the barrier's deadline) until every parent row this worker queued is written; a
+  parent row that failed or is still in flight at the deadline answers 503 `staging_unavailable`
+  naming the keys, and nothing is generated. Parents staged by another worker are waited for by
+  the prefix source (a missing key is re-read until it appears, bounded). Plain calls and calls that produced no
   completion (rejected, or the engine raised) leave none. Past `max_served_rollouts` rollouts the
   least recently written one is dropped and counted in `stats["served_evicted_rollouts"]`.
 """
@@ -182,9 +187,11 @@ class Generator(Protocol):
 
 
 class StageBarrier(Protocol):
-    """Write-behind staging's barrier (`StageWriter` implements it)."""
+    """Write-behind staging's barriers (`StageWriter` implements them)."""
 
     def flush(self, rollout_ids: list[str], timeout_s: float) -> dict[str, str]: ...
+
+    def wait_keys(self, keys: list[str], timeout_s: float) -> dict[str, str]: ...
 
 
 @dataclass(frozen=True)
@@ -516,6 +523,7 @@ class ChatService:
                     503, "staging_unavailable", "no staging source is configured to resolve staging_chain",
                     param="ng_capture.staging_chain",
                 )
+            await self._wait_for_parents(list(admission.staging_chain), where)
             try:
                 # Bounded: every staging read carries token_capture.stage_timeout_s (the source's deadline).
                 return await asyncio.to_thread(
@@ -537,6 +545,21 @@ class ChatService:
                 param="required_prefix_token_ids",
             )
         return inline
+
+    async def _wait_for_parents(self, chain: list[str], where: str) -> None:
+        """Write-behind: no child is generated before its parents' rows, written by this worker, are durable."""
+        if self._stage_barrier is None:
+            return
+        started = time.perf_counter()
+        lost = await asyncio.to_thread(self._stage_barrier.wait_keys, chain, self._stage_flush_timeout_s)
+        wire_metrics.add_call_cost("parent_wait_s", time.perf_counter() - started)
+        if lost:
+            raise HttpError(
+                503, "staging_unavailable",
+                f"{where}: parent row(s) this worker staged are not durable, so no child is generated from them: "
+                + "; ".join(f"{key}: {why}" for key, why in sorted(lost.items())),
+                param="ng_capture.staging_chain",
+            )
 
     async def _serve_admitted(self, plan: _Plan, result: GenerationResultLike) -> dict:
         assert self.capture is not None

@@ -565,13 +565,19 @@ async def test_staging_failure_is_served_but_not_staged(tokenizer):
 class ScriptedBarrier:
     """A write-behind barrier that reports the given rows as not written, and records its flushes."""
 
-    def __init__(self, failures: dict[str, str]) -> None:
+    def __init__(self, failures: dict[str, str], parent_failures: dict[str, str] | None = None) -> None:
         self.failures = failures
+        self.parent_failures = parent_failures or {}
         self.flushes: list[tuple[list[str], float]] = []
+        self.waits: list[tuple[list[str], float]] = []
 
     def flush(self, rollout_ids, timeout_s):
         self.flushes.append((list(rollout_ids), timeout_s))
         return {k: v for k, v in self.failures.items() if k.split("/")[0] in rollout_ids}
+
+    def wait_keys(self, keys, timeout_s):
+        self.waits.append((list(keys), timeout_s))
+        return {k: v for k, v in self.parent_failures.items() if k in keys}
 
 
 async def test_a_row_lost_behind_the_reply_turns_its_call_unstaged_in_the_served_report(tokenizer):
@@ -582,6 +588,7 @@ async def test_a_row_lost_behind_the_reply_turns_its_call_unstaged_in_the_served
     _, r2 = await _root_then_token_in(svc, engine)
     assert r2["ng_commit_coords"]["disposition"] == "staged"  # the reply left before the write
     root, child = svc.take_served(["r1"])
+    assert barrier.waits == [(["r1/c1"], 7.5)]  # the child waited for its parent's row
     assert barrier.flushes == [(["r1"], 7.5)]  # the report waited for the rollout's rows first
     assert (root.staged, root.failure) == (True, None)
     assert (child.staged, child.failure) == (False, "staging write failed: DataPlaneTimeoutError: put past its deadline")
@@ -589,6 +596,24 @@ async def test_a_row_lost_behind_the_reply_turns_its_call_unstaged_in_the_served
     assert list(svc.capture_failures) == [
         {"rollout_id": "r1", "model_call_id": "c2", "reason": "staging write failed: DataPlaneTimeoutError: put past its deadline"}
     ]
+
+
+async def test_a_child_of_a_parent_row_that_did_not_land_is_refused_before_generation(tokenizer):
+    gen1 = _gen(tokenizer, CALL_TEXT)
+    svc, engine, _ = _service(tokenizer, [gen1, _gen(tokenizer, "never generated")])
+    barrier = ScriptedBarrier({}, {"r1/c1": "staging write failed: DataPlaneTimeoutError: put past its deadline"})
+    svc.install_stage_barrier(barrier, 7.5)
+    r1 = await svc.chat_completions({"messages": MESSAGES, "tools": TOOLS, "ng_capture": _admission("text", "c1")})
+    c1 = r1["ng_commit_coords"]
+    adm = _admission("token_in", "c2", parent="c1", prev_len=c1["cum_len"], chain=[c1["staging_key"]],
+                     parent_hash=c1["chain_hash"])
+    with pytest.raises(HttpError) as e:
+        await svc.chat_completions({"messages": _second_turn_messages(r1), "tools": TOOLS, "ng_capture": adm})
+    assert (e.value.status, e.value.err_type, e.value.param) == (503, "staging_unavailable", "ng_capture.staging_chain")
+    assert e.value.message == (
+        "staging_chain of call c2: parent row(s) this worker staged are not durable, so no child is generated from "
+        "them: r1/c1: staging write failed: DataPlaneTimeoutError: put past its deadline")
+    assert len(engine.prompts) == 1  # the child was never generated
 
 
 async def test_tail_render_failure_is_served_with_its_reason(tokenizer):
