@@ -7,7 +7,8 @@ Contract:
   their rows share a write, so a call costs at most one write and often a fraction of one.
 - `wait_keys(keys, timeout_s)` is the parent barrier: it blocks until none of `keys` is queued or
   in flight here (or the deadline passes) and returns `{key: why}` for those of them this writer
-  failed to write or is still writing; keys it never queued are ignored.
+  failed to write or is still writing; keys it never queued are ignored. A zero deadline
+  never blocks (the worker checks that way first, off-thread waits only when a parent is pending).
 - `flush(rollout_ids, timeout_s)` is the report barrier: it blocks until no row of those rollouts is
   queued or in flight (or the deadline passes) and returns `{staging_key: why}` for every row of
   theirs that is not known to be written: its write failed (the data-plane error, named), or it

@@ -551,7 +551,11 @@ class ChatService:
         if self._stage_barrier is None:
             return
         started = time.perf_counter()
-        lost = await asyncio.to_thread(self._stage_barrier.wait_keys, chain, self._stage_flush_timeout_s)
+        # Non-blocking first (a zero deadline never waits): the parents' writes have usually landed
+        # during the agent's tool round trip, and a thread hop would cost more than the check.
+        lost = self._stage_barrier.wait_keys(chain, 0.0)
+        if lost:
+            lost = await asyncio.to_thread(self._stage_barrier.wait_keys, chain, self._stage_flush_timeout_s)
         wire_metrics.add_call_cost("parent_wait_s", time.perf_counter() - started)
         if lost:
             raise HttpError(
