@@ -1,6 +1,15 @@
-"""Session-wide test settings (applied before any test module imports Ray)."""
+"""Session-wide test settings (applied before any test module imports Ray).
+
+Hypothesis profile `ci` (`.ci/run` passes `--hypothesis-profile=ci`): `derandomize=True`, so
+every run draws the same examples and a red CI run is red again on the same commit, anywhere
+(`python3 -m uv run pytest --hypothesis-profile=ci <test id>`); no example database, so a run
+never depends on one a previous run left behind; the failing example's reproduction blob is
+printed. Without the flag, Hypothesis's own default profile explores randomly (a developer's run).
+"""
 
 import os
+
+from hypothesis import settings
 
 os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -9,3 +18,5 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # a test module may import ray before nemo_rl. With it, clusters the tests start bind 127.0.0.1.
 if not os.environ.get("RAY_ADDRESS"):
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+
+settings.register_profile("ci", derandomize=True, database=None, print_blob=True)
