@@ -455,23 +455,19 @@ def gate_requests(draw) -> tuple[str, bytes]:
     return path, json.dumps(body).encode()
 
 
-@pytest.fixture(scope="module")
-def fuzz_gate(tokenizer, tmp_path_factory):
+@pytest.fixture
+def fuzz_gate(tokenizer, tmp_path_factory, monkeypatch):
+    monkeypatch.setenv(BEARER_ENV, BEARER)
     loop = asyncio.new_event_loop()
-    patch = pytest.MonkeyPatch()
-    patch.setenv(BEARER_ENV, BEARER)
     built, worker, _ = loop.run_until_complete(_stack(tokenizer, tmp_path_factory.mktemp("fuzz")))
-    statuses: list[int] = []
-    yield loop, built, statuses
+    yield loop, built
     loop.run_until_complete(_close(built, worker))
     loop.close()
-    patch.undo()
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(request=gate_requests())
-def test_fuzzed_requests_never_get_a_5xx_from_the_gate(fuzz_gate, request: tuple[str, bytes]) -> None:
-    loop, built, statuses = fuzz_gate
+def _fuzzed_request_is_never_a_5xx(loop, built, statuses: list[int], request: tuple[str, bytes]) -> None:
     path, raw = request
     resp = loop.run_until_complete(built.gate.post(path, content=raw, headers={"Content-Type": "application/json"}))
     statuses.append(resp.status_code)
@@ -487,6 +483,9 @@ def test_fuzzed_requests_never_get_a_5xx_from_the_gate(fuzz_gate, request: tuple
             assert all(row.get("failure_reason") is None for row in rows), rows
 
 
-def test_the_gate_fuzzing_reached_served_and_refused_requests(fuzz_gate) -> None:
-    *_, statuses = fuzz_gate
+def test_fuzzed_requests_never_get_a_5xx_from_the_gate_and_reach_served_and_refused(fuzz_gate) -> None:
+    loop, built = fuzz_gate
+    statuses: list[int] = []
+    _fuzzed_request_is_never_a_5xx(loop, built, statuses)
+    # The examples covered both outcomes, so "no 5xx" was not shown on refusals alone.
     assert 200 in statuses and 400 in statuses, sorted(set(statuses))

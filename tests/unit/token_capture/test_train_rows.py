@@ -138,28 +138,66 @@ def test_rowref_invariants():
 
 _ids = st.lists(st.integers(0, 2**40), min_size=2, max_size=6)
 _lp = st.floats(max_value=0.0, allow_nan=False, allow_infinity=False).filter(lambda x: x != 0.0)
+_ARRAY_DTYPES = {"token_ids": "<i8", "token_mask": "<f8", "generation_logprobs": "<f8"}
+_ELEMENTS = {"token_ids": st.integers(-(2**63), 2**63 - 1), "token_mask": st.floats(allow_nan=False),
+             "generation_logprobs": st.floats(allow_nan=False)}
 
 
-@settings(max_examples=60, deadline=None)
-@given(tail=_ids, lps=st.tuples(_lp, _lp), flip=st.integers(0, 3), with_routes=st.booleans())
-def test_digest_is_stable_through_a_copy_and_moves_with_any_change(tail, lps, flip, with_routes):
+def _content(payload) -> tuple[bytes, ...]:
+    """What each field holds, as bytes, field by field: two payloads are the same row iff these are equal."""
+    return (payload["meta"].encode(), *(np.asarray(payload[f].numpy(), dtype=d).tobytes()
+                                        for f, d in _ARRAY_DTYPES.items()), bytes(payload["routed_experts"]))
+
+
+def _mutate(data: st.DataObject, payload: dict) -> dict:
+    """One arbitrary edit of one field: replace, insert or delete an element/byte/character at a
+    drawn position, or move the last element of one float array to the front of the next (the
+    arrays' concatenated bytes stay the same; only the field boundaries move)."""
+    changed = dict(payload)
+    field = data.draw(st.sampled_from(sorted(FIELDS) + ["shift"]), label="field")
+    if field == "shift":
+        mask, lps = payload["token_mask"].tolist(), payload["generation_logprobs"].tolist()
+        changed["token_mask"] = torch.tensor(mask[:-1], dtype=torch.float64)
+        changed["generation_logprobs"] = torch.tensor(mask[-1:] + lps, dtype=torch.float64)
+        return changed
+    if field in _ARRAY_DTYPES:
+        items: list = payload[field].tolist()
+        element = _ELEMENTS[field]
+    elif field == "routed_experts":
+        items, element = list(payload[field]), st.integers(0, 255)
+    else:
+        items, element = list(payload[field]), st.characters(codec="utf-8")
+    kind = data.draw(st.sampled_from(["replace", "insert", "delete"] if items else ["insert"]), label="kind")
+    at = data.draw(st.integers(0, len(items) - (kind != "insert")), label="at")
+    if kind == "delete":
+        del items[at]
+    elif kind == "insert":
+        items.insert(at, data.draw(element, label="value"))
+    else:
+        old = np.asarray([items[at]], dtype=_ARRAY_DTYPES.get(field, object)).tobytes() if field in _ARRAY_DTYPES else None
+        items[at] = data.draw(element.filter(
+            lambda v: (np.asarray([v], dtype=_ARRAY_DTYPES[field]).tobytes() != old) if old is not None else v != items[at]),
+            label="value")
+    if field in _ARRAY_DTYPES:
+        changed[field] = torch.tensor(items, dtype=payload[field].dtype)
+    elif field == "routed_experts":
+        changed[field] = bytes(items)
+    else:
+        changed[field] = "".join(items)
+    return changed
+
+
+@settings(max_examples=150, deadline=None)
+@given(tail=_ids, lps=st.tuples(_lp, _lp), with_routes=st.booleans(), data=st.data())
+def test_digest_is_stable_through_a_copy_and_moves_with_any_change(tail, lps, with_routes, data):
     ids = (5, 6, *tail[:2])
     routes = np.arange(8, dtype=np.int16).reshape(4, 1, 2) if with_routes else None
     row = _row(ids=ids, lps=lps, routes=routes)
     payload = row_payload("r-0#0", row)
     copy = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in payload.items()}
     assert payload_digest(copy) == payload_digest(payload)
-    changed = dict(copy)
-    if flip == 0:
-        changed["token_ids"] = copy["token_ids"].clone()
-        changed["token_ids"][3] += 1
-    elif flip == 1:
-        changed["generation_logprobs"] = copy["generation_logprobs"].clone()
-        changed["generation_logprobs"][3] = np.nextafter(float(lps[1]), 0.0)
-    elif flip == 2:
-        changed["meta"] = copy["meta"].replace("r-0#0", "r-0#1")
-    else:
-        changed["routed_experts"] = copy["routed_experts"] + b"\x00\x00"
+    changed = _mutate(data, copy)
+    assert _content(changed) != _content(payload)  # the edit changed the row (so the digest must move)
     assert payload_digest(changed) != payload_digest(payload)
 
 

@@ -35,25 +35,3 @@ async def test_a_failure_cancels_siblings_after_their_cleanup_and_keeps_its_type
     with pytest.raises(KeyError, match="group 2 broke"):
         await gather_cancelling([slow("a"), failing(), slow("b")])
     assert sorted(events) == ["a cleaned up", "b cleaned up"]  # both finished before the raise
-
-
-async def test_plain_gather_would_have_left_the_siblings_running() -> None:
-    # The behaviour gather_cancelling exists to fix, pinned so the test above cannot pass vacuously.
-    started = asyncio.Event()
-    sibling_done: list[bool] = []
-
-    async def sibling() -> None:
-        started.set()
-        await asyncio.sleep(0.05)
-        sibling_done.append(True)
-
-    async def failing() -> None:
-        await started.wait()
-        raise RuntimeError("x")
-
-    task = asyncio.ensure_future(sibling())
-    with pytest.raises(RuntimeError):
-        await asyncio.gather(task, failing())
-    assert not task.done()
-    await task
-    assert sibling_done == [True]
