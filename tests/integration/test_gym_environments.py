@@ -1,16 +1,16 @@
 """Gym's shipped environments through the main loop on the real stack (capture on, tiny CPU model).
 
 Each recipe names a Gym resources server by package (`env.gym.resources_server`) and reads the
-package's own `data/example.jsonl` at run time. The tiny model does not solve these tasks; the
-contract checked here is the pipeline's: every dispatched rollout is accounted for (kept or
-placeholder), some rollouts are kept as verified rows, and the reward is Gym's verifier's.
-Kept small for CI: 1 prompt x 2 generations per step.
+package's own `data/example.jsonl` at run time. The tiny model does not solve these tasks (its
+rewards are 0), so no reward is asserted here: a range check on all-zero rewards proves nothing.
+The contract checked is the pipeline's: every dispatched rollout is accounted for (kept or
+placeholder), some rollouts are kept as verified rows, the prompts are the package's and the
+Gym server started is the package's. Kept small for CI: 1 prompt x 2 generations per step.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import os
 import subprocess
 import sys
@@ -48,7 +48,6 @@ def test_gym_environment_runs_through_the_loop(tmp_path: Path, recipe: str, serv
     for m in lines:
         assert m["rollouts/dispatched"] == GENERATIONS
         assert m["rollouts/dispatched"] == m["finalize/kept_rollouts"] + m["finalize/placeholders"]
-        assert math.isfinite(m["reward/mean"]) and 0.0 <= m["reward/mean"] <= 1.0
     assert sum(m["finalize/kept_rollouts"] for m in lines) >= 1
     assert sum(m["finalize/rows"] for m in lines) >= 1
     # The prompts came from the installed package's example rows, and Gym's server was the one started.

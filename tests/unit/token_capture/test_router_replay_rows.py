@@ -266,7 +266,7 @@ def test_chain_without_extras_keeps_none_and_makes_no_extras_fetch(clients) -> N
     assert [row.routed_experts for row in verdict.rows] == [None]
     assert source.extras_calls == []
     # A source without fetch_extras is fine when no route is needed...
-    assert isinstance(judge_from_source(BaseOnlySource(tq), ev, CAPTURE), KeptRollout)
+    assert judge_from_source(BaseOnlySource(tq), ev, CAPTURE) == verdict
     tq.clear([r.staging_key for r in records])
 
 
