@@ -7,7 +7,7 @@ Contract:
   they cannot disagree.
 - `health_findings(lines, capture=..., thresholds=THRESHOLDS) -> list[Finding]` is pure over
   the parsed step lines (one dict per step, as `MetricsLogger` writes them); an empty list means
-  healthy. Each `Finding` names the metric, the value, the threshold, where (steps) and what to
+  healthy (no line at all is a finding, not health). Each `Finding` names the metric, the value, the threshold, where (steps) and what to
   look at; `Finding.describe()` is its one-line text.
 - What is judged (run totals are sums over every line; rates over the run's dispatched rollouts):
   1. a line lacking a metric of `judged_metrics(capture)` -> one finding per line naming the
@@ -342,8 +342,11 @@ def health_findings(
     lines: Sequence[Mapping[str, Any]], *, capture: bool, thresholds: CaptureHealthThresholds = THRESHOLDS
 ) -> list[Finding]:
     """Every violated health expectation of one run (see the module docstring for the rules)."""
+    if not lines:
+        return [Finding("metrics.jsonl", "no step line", "at least one step", "in the run",
+                        "a run without a finished step has nothing to judge", "the run's driver log")]
     missing = _missing(lines, capture)
-    if missing or not lines:
+    if missing:
         return missing
     dispatched = sum(line["rollouts/dispatched"] for line in lines)
     placeholders = sum(line["finalize/placeholders"] for line in lines)

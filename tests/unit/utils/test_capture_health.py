@@ -56,3 +56,9 @@ def test_the_legacy_leg_is_not_judged_on_token_in() -> None:
 def test_a_finding_needs_every_part() -> None:
     with pytest.raises(ValueError, match="Finding.look_at must be a non-empty str, got ''"):
         Finding("m", "1", "<= 0", "at step 1", "meaning", "")
+
+
+def test_no_line_is_a_finding_not_health() -> None:
+    assert [f.describe() for f in health_findings([], capture=True)] == [
+        "metrics.jsonl=no step line (at least one step) in the run: a run without a finished step has nothing to "
+        "judge; look at the run's driver log"]
