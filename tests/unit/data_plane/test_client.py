@@ -238,3 +238,40 @@ def test_second_data_plane_in_one_cluster_is_refused(plane: DataPlane, cfg: Data
     with pytest.raises(DataPlaneError, match="already runs in this Ray cluster"):
         start_data_plane(cfg)
     assert not plane.stopped
+
+
+def _raised(make: Callable[[], None]) -> BaseException:
+    try:
+        make()
+    except BaseException as e:  # the test inspects what was raised
+        return e
+    raise AssertionError("nothing was raised")
+
+
+def _tq_wraps(cause: BaseException) -> None:
+    """What TQ's client does with a failure inside a call: its own RuntimeError from the cause."""
+    try:
+        raise cause
+    except Exception as e:
+        raise RuntimeError(f"[client] Failed in async_kv_retrieve_meta: {e}") from e
+
+
+def _bug_while_handling(cause: BaseException) -> None:
+    try:
+        raise cause
+    except Exception:
+        raise TypeError("a bug in the handler")  # noqa: B904 (implicit context on purpose)
+
+
+def test_only_the_explicit_cause_chain_makes_a_failure_transport(cfg: DataPlaneConfig) -> None:
+    tq_backend.prepare_process(cfg)  # imports TQ with this module's knobs; no Ray needed
+    from transfer_queue.storage.managers.simple_storage_manager import StorageUnitTimeout
+
+    again = zmq.Again()
+    wrapped = _raised(lambda: _tq_wraps(again))
+    assert tq_backend.transport_failure(wrapped) is again
+    unit_timeout = StorageUnitTimeout("no answer in 30s during get from storage unit su0")
+    assert tq_backend.transport_failure(_raised(lambda: _tq_wraps(unit_timeout))) is unit_timeout
+    assert tq_backend.transport_failure(_raised(lambda: _tq_wraps(TypeError("bad")))) is None
+    assert tq_backend.transport_failure(_raised(lambda: _bug_while_handling(zmq.Again()))) is None
+    assert tq_backend.transport_failure(KeyError("tag")) is None
