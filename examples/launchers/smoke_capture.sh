@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
 # Interactive smoke test of token capture: a few GRPO steps of the tiny CPU capture recipe, run
 # here (inside a Slurm allocation, as one step on it; otherwise on this machine), ending with a
-# one-line verdict read from the run's metrics.jsonl (nemo_rl/utils/verdict.py).
+# verdict read from the run's metrics.jsonl (nemo_rl/utils/verdict.py: a headline, then one line
+# per further health finding; thresholds in nemo_rl/utils/capture_health.py).
 #
 #   bash examples/launchers/smoke_capture.sh [--steps N] [--log-dir DIR] [-- overrides]
 #
 # --steps      GRPO steps (default 2)
 # --log-dir    where metrics.jsonl and driver.log go (default logs/smoke-capture-<time>)
 # NRL_ENV_FILE a site env file sourced first; the capture block below is set after it and wins.
-# Exit status: the driver's when it failed, else the verdict's (0 engaged, 1 degraded or not
-# engaged, 2 unreadable metrics).
+# Exit status: the driver's when it failed, else the verdict's (0 engaged, 1 degraded, unjudged
+# or not engaged, 2 unreadable metrics).
 set -euo pipefail
 
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
@@ -23,7 +24,7 @@ while (( $# )); do
              steps=$2; shift 2 ;;
     --log-dir) (( $# >= 2 )) || { echo "$prog: error: --log-dir needs a value (fix: --log-dir logs/smoke)" >&2; exit 2; }
                log_dir=$2; shift 2 ;;
-    -h|--help) sed -n '2,12p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,13p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
     --) shift; break ;;
     *) echo "$prog: error: unknown argument '$1' (fix: see --help; recipe overrides go after --)" >&2; exit 2 ;;
   esac

@@ -16,6 +16,8 @@ tensors (exact for every Python float, so logprobs round-trip bit for bit), meta
 (JSON) or `bytes` non-tensor field. TQ carries tensors as jagged nested tensors, one row per key.
 
 What TQ does not give and this package adds: a deadline on every call (`DataPlaneTimeoutError`),
+a split of failures into weather (`DataPlaneError`: deadlines, transport, dead components,
+missing keys) and bugs (never a `DataPlaneError`; see `errors`),
 reads that fail by name when a key is absent (`MissingKeysError`; TQ silently drops it),
 `num_cpus=0` actors (TQ's defaults hang a 2-CPU cluster), per-client close that never kills
 the shared controller, and TQ knobs taken from `DataPlaneConfig` only.
@@ -26,9 +28,12 @@ from nemo_rl.data_plane.config import DataPlaneConfig
 from nemo_rl.data_plane.errors import (
     DataPlaneClosedError,
     DataPlaneConfigError,
+    DataPlaneDecodeError,
     DataPlaneError,
     DataPlaneTimeoutError,
+    DataPlaneTransportError,
     DataPlaneUnavailableError,
+    DataPlaneUsageError,
     FieldEncodingError,
     MissingKeysError,
 )
@@ -41,9 +46,12 @@ __all__ = [
     "DataPlaneClosedError",
     "DataPlaneConfig",
     "DataPlaneConfigError",
+    "DataPlaneDecodeError",
     "DataPlaneError",
     "DataPlaneTimeoutError",
+    "DataPlaneTransportError",
     "DataPlaneUnavailableError",
+    "DataPlaneUsageError",
     "FieldEncodingError",
     "FieldValue",
     "MissingKeysError",

@@ -9,6 +9,18 @@ Contract:
   thread, and the calling thread additionally waits on the result with the same deadline plus
   a short grace, so even a loop blocked inside TQ cannot hang the caller. A missed deadline
   raises `DataPlaneTimeoutError` naming the operation, partition and deadline.
+- Weather vs bugs: only a failure the data plane's transport can cause is a `DataPlaneError`
+  (recoverable; callers turn it into a placeholder or retry): the deadline above, a closed
+  client, an unreadable key (`MissingKeysError`), and a TQ transport failure
+  (`DataPlaneTransportError`, chained from the ZeroMQ error or TQ's storage-unit timeout found
+  by `tq_backend.transport_failure`). Every other exception raised inside a TQ call (a
+  `TypeError` or `KeyError` from TQ or from decoding its answer, a controller's or storage
+  unit's error reply, which TQ raises as `RuntimeError`) propagates UNCHANGED, with a note
+  naming the operation and partition, so it fails the step with its own type and traceback. It
+  is propagated rather than wrapped because a wrapper of a new type would still have to be
+  told apart by every caller, while an unchanged exception cannot be mistaken for weather by
+  any `except DataPlaneError` and keeps the frame where it was raised at the top of the
+  report. Bad arguments are `DataPlaneUsageError`s (`ValueError`), raised before any call.
 - Methods are thread-safe (calls from many threads run concurrently on the one loop).
 - `get` returns exactly one row per requested key, in request order (repeated keys repeat the
   row); any key that is not readable raises `MissingKeysError` naming partition and keys.
@@ -29,7 +41,13 @@ from typing import Any, TypeVar
 
 from nemo_rl.data_plane import tq_backend
 from nemo_rl.data_plane.config import DataPlaneConfig
-from nemo_rl.data_plane.errors import DataPlaneClosedError, DataPlaneError, DataPlaneTimeoutError
+from nemo_rl.data_plane.errors import (
+    DataPlaneClosedError,
+    DataPlaneError,
+    DataPlaneTimeoutError,
+    DataPlaneTransportError,
+    DataPlaneUsageError,
+)
 from nemo_rl.data_plane.fields import Row, batch_schema, check_fields, check_keys, unique_in_order
 
 T = TypeVar("T")
@@ -126,14 +144,22 @@ class DataPlaneClient:
             raise DataPlaneTimeoutError("attach", None, deadline, "storage-manager handshake with the controller") from e
         except Exception as e:
             loop.stop()
-            raise DataPlaneError(f"attaching a TransferQueue client failed: {type(e).__name__}: {e}") from e
+            cause = tq_backend.transport_failure(e)
+            if cause is None:
+                e.add_note("raised while attaching a TransferQueue client: not a transport failure, so not retried")
+                raise
+            raise DataPlaneTransportError(
+                f"attaching a TransferQueue client failed in transport: {type(cause).__name__}: {cause}"
+            ) from e
         return cls(cfg, loop, tq_client)
 
     def _call(self, operation: str, partition: str, make_coro: Callable[[], Awaitable[T]], timeout_s: float | None) -> T:
         if self._closed:
             raise DataPlaneClosedError(f"data plane {operation} on partition {partition!r}: this client is closed")
         if not isinstance(partition, str) or not partition:
-            raise DataPlaneError(f"data plane {operation}: partition must be a non-empty str, got {partition!r}")
+            raise DataPlaneUsageError(
+                f"data plane {operation}: partition must be a non-empty str, got {partition!r} (fix the caller)"
+            )
         deadline = self.cfg.call_timeout_s if timeout_s is None else timeout_s
         try:
             return self._loop.run(make_coro, deadline)
@@ -146,8 +172,14 @@ class DataPlaneClient:
         except DataPlaneError:
             raise
         except Exception as e:
-            raise DataPlaneError(
-                f"data plane {operation} on partition {partition!r} failed in TransferQueue: {type(e).__name__}: {e}"
+            cause = tq_backend.transport_failure(e)
+            if cause is None:
+                e.add_note(f"raised inside data plane {operation} on partition {partition!r}: not a TransferQueue "
+                           "transport failure, so it is not data-plane weather (a bug, or a component's refusal)")
+                raise
+            raise DataPlaneTransportError(
+                f"data plane {operation} on partition {partition!r} failed in TransferQueue's transport: "
+                f"{type(cause).__name__}: {cause}"
             ) from e
 
     def put(self, partition: str, key: str, fields: Mapping[str, Any], *, timeout_s: float | None = None) -> None:

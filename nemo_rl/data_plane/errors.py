@@ -1,7 +1,17 @@
-"""Named data-plane errors; every TransferQueue failure surfaces as one of these.
+"""Named data-plane errors, split into weather (recoverable) and bugs (never recoverable).
 
-Contract: each error names the operation, the partition and (where it applies) the keys, the
-deadline or the field, plus what to do about it. TQ exceptions are chained (`raise ... from e`).
+Contract:
+- `DataPlaneError` and its subclasses are data-plane WEATHER: a missed deadline, a TransferQueue
+  transport failure (`DataPlaneTransportError`: a ZeroMQ error, TQ's own storage-unit timeout),
+  a dead or absent component, an unreadable key (`MissingKeysError`), a closed client; and, at
+  attach time only, a config the process cannot honour (`DataPlaneConfigError`). Callers may turn these into placeholders or retry the batch.
+- A bug is never a `DataPlaneError`, so no caller can mask it as weather: a bad argument or row
+  from the caller is a `DataPlaneUsageError` (a `ValueError`; `FieldEncodingError` is one); an
+  answer from TQ that breaks this package's decode contract is a `DataPlaneDecodeError`; any
+  other exception raised inside a TQ call (a `TypeError`, `KeyError`, a component's error
+  reply, ...) propagates unchanged (see `nemo_rl.data_plane.client`).
+- Each error names the operation, the partition and (where it applies) the keys, the deadline
+  or the field, plus what to do about it. TQ exceptions are chained (`raise ... from e`).
 """
 
 from __future__ import annotations
@@ -21,7 +31,19 @@ def format_keys(keys: Sequence[str]) -> str:
 
 
 class DataPlaneError(RuntimeError):
-    """Base class of every data-plane failure."""
+    """Base class of every recoverable data-plane failure (weather, never a bug)."""
+
+
+class DataPlaneTransportError(DataPlaneError):
+    """A TransferQueue call failed in transport: a ZeroMQ error or TQ's own storage-unit timeout."""
+
+
+class DataPlaneUsageError(ValueError):
+    """The caller passed an argument or row the data plane does not accept: a bug in the caller."""
+
+
+class DataPlaneDecodeError(RuntimeError):
+    """TQ answered with data that breaks this package's decode contract: a bug here or in TQ."""
 
 
 class DataPlaneConfigError(DataPlaneError):
@@ -36,7 +58,7 @@ class DataPlaneClosedError(DataPlaneError):
     """The client was closed; attach a new one."""
 
 
-class FieldEncodingError(DataPlaneError):
+class FieldEncodingError(DataPlaneUsageError):
     """A row has a field value the data plane does not store (see the package docstring)."""
 
 

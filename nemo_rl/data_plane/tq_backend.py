@@ -14,6 +14,15 @@ Contract:
   every requested key and field came back (TQ's kv_batch_get silently drops missing keys).
 - Deadlines are NOT applied here; `nemo_rl.data_plane.client` runs these coroutines under
   `asyncio.wait_for` on its own event-loop thread.
+- Failure classes (see `nemo_rl.data_plane.errors`): `transport_failure(e)` finds the transport
+  failure behind an exception a TQ call raised (ZeroMQ's `ZMQError`, `zmq.Again` included; TQ's
+  `StorageUnitTimeout`; a builtin `TimeoutError`), walking only the explicit `raise ... from`
+  chain TQ builds when it wraps a cause in its own `RuntimeError`, so a bug raised while
+  handling a transport error is still a bug. TQ's documented clear-vs-read race
+  (`StorageKeyNotFoundError`: a key cleared between its metadata and its data read) becomes
+  `MissingKeysError` for the keys now absent. An answer this module cannot decode as its
+  contract says (a column with the wrong number of values, fewer keys registered than asked)
+  is a `DataPlaneDecodeError`, never weather.
 - Encoding on the wire: tensor fields travel as jagged nested tensors (one row per key, dtype
   kept), str/bytes fields as TQ non-tensor stacks (pickled by TQ).
 """
@@ -35,6 +44,7 @@ from nemo_rl.data_plane.bind import loopback_actor
 from nemo_rl.data_plane.config import DataPlaneConfig
 from nemo_rl.data_plane.errors import (
     DataPlaneConfigError,
+    DataPlaneDecodeError,
     DataPlaneError,
     DataPlaneTimeoutError,
     DataPlaneUnavailableError,
@@ -199,6 +209,32 @@ def start_actors(cfg: DataPlaneConfig) -> StartedActors:
 # ---------------------------------------------------------------- client side (any process)
 
 
+def _transport_types() -> tuple[type[BaseException], ...]:
+    import zmq
+    from transfer_queue.storage.managers.simple_storage_manager import StorageUnitTimeout
+
+    return (zmq.ZMQError, StorageUnitTimeout, TimeoutError)
+
+
+def transport_failure(error: BaseException) -> BaseException | None:
+    """The transport failure in `error`'s explicit cause chain (itself included), or None.
+
+    TQ wraps what fails inside a call in its own `RuntimeError(...) from cause`, so the class of
+    the outer exception says nothing; the cause chain does. Implicit context (an exception raised
+    while another was handled) is not followed: that is a bug in the handler, not weather.
+    """
+    _tq_modules()  # TQ (and its knobs) must be in place before its exception types are imported
+    transport = _transport_types()
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        if isinstance(current, transport):
+            return current
+        seen.add(id(current))
+        current = current.__cause__
+    return None
+
+
 def fetch_published_conf(timeout_s: float) -> Any:
     """The config the owner published on the controller (polls until published or deadline)."""
     if not ray.is_initialized():
@@ -270,7 +306,8 @@ def _column(data: Any, name: str, count: int) -> list[Any]:
     else:
         items = list(value)
     if len(items) != count:
-        raise DataPlaneError(f"TransferQueue returned {len(items)} values for field {name!r}, expected {count}")
+        raise DataPlaneDecodeError(f"TransferQueue returned {len(items)} values for field {name!r}, expected {count} "
+                                   "(one per key): the answer does not decode as one row per key")
     return items
 
 
@@ -278,7 +315,8 @@ async def put_rows(client: Any, partition: str, keys: list[str], rows: list[Row]
     """Write rows under keys (overwriting existing keys); returns once the controller has ACKed."""
     meta = await client.async_kv_retrieve_meta(keys=keys, partition_id=partition, create=True)
     if meta.size != len(keys):
-        raise DataPlaneError(f"put on partition {partition!r}: controller registered {meta.size} of {len(keys)} keys")
+        raise DataPlaneDecodeError(f"put on partition {partition!r}: the controller registered {meta.size} of "
+                                   f"{len(keys)} keys asked with create=True")
     await client.async_put(rows_to_tensordict(rows, schema), meta)
 
 
@@ -318,7 +356,17 @@ async def get_rows(client: Any, partition: str, keys: list[str], fields: list[st
                 f"on its own; a concurrent write or clear raced this read, retry it"
             )
         raise MissingKeysError(partition, missing, fields)
-    data = await client.async_get_data(meta)
+    try:
+        data = await client.async_get_data(meta)
+    except _tq_modules()[3].StorageKeyNotFoundError as e:
+        # TQ's documented race: a concurrent clear removed a key between its metadata and its data.
+        missing = await _keys_lacking(client, partition, keys, fields)
+        if not missing:
+            raise DataPlaneError(
+                f"get on partition {partition!r}: a storage unit lost a key the controller still lists ({e}); "
+                "a concurrent clear raced this read, retry it"
+            ) from e
+        raise MissingKeysError(partition, missing, fields) from e
     columns = {name: _column(data, name, len(keys)) for name in fields}
     return [{name: columns[name][i] for name in fields} for i in range(len(keys))]
 

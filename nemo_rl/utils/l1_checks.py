@@ -13,8 +13,13 @@ Checks of one leg (`leg`), from `<log_dir>/metrics.jsonl` and `<log_dir>/run_inf
 - always-N: `rollouts/dispatched > 0` and `rollouts/dispatched == finalize/kept_rollouts +
   finalize/placeholders`, and `finalize/rows >= finalize/kept_rollouts` (a kept rollout trains
   one row per verified chain, so rows equal kept rollouts only on an unbranched tool loop);
-- capture leg: `finalize/token_in_rate >= 0.99` and `finalize/capture_poisoned_rollouts == 0`;
-  the weight version read from the rows is one version per step (`weight_version/min ==
+- capture health, both legs: every finding of `nemo_rl.utils.capture_health.health_findings`
+  (the same judgement and the same `THRESHOLDS` as the smoke script's verdict: every
+  placeholder reason against its class's threshold, an unclassified reason included,
+  `invalid_row_rate`, the kept generated-token fraction, `token_mult_prob_error`, and on the
+  capture leg `token_in_rate` on steps with continuation calls and `unresolved_continuations`);
+  a line lacking a judged metric is a failure naming it;
+- capture leg: the weight version read from the rows is one version per step (`weight_version/min ==
   weight_version/max`) and advances by exactly one from each step to the next (each trained step
   refits the workers to a new version, and the next step's rows carry it);
 - legacy leg: `weight_version/min == weight_version/max == -1` (Gym's token echo carries no
@@ -56,10 +61,10 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
+from nemo_rl.utils.capture_health import health_findings
 from nemo_rl.utils.logger import FIRST_CALL_PROMPTS_FILE, METRICS_FILE, RUN_INFO_FILE, read_jsonl_objects
 from nemo_rl.utils.venvs import spec_hash, venv_folder_name, vllm_spec
 
-MIN_TOKEN_IN_RATE = 0.99
 VENV_KEY = "generation/venv"
 NO_WEIGHT_VERSION = -1.0
 # Engine vs trainer logprobs of the refit probe; measured ~6e-6 on the CPU engine (fp32).
@@ -136,16 +141,11 @@ def check_metrics_lines(lines: Sequence[Mapping[str, Any]], *, capture: bool, st
                             "engine does not serve the weights the trainer trained)")
         low, high = _get(line, "weight_version/min", problems), _get(line, "weight_version/max", problems)
         if capture:
-            rate = _get(line, "finalize/token_in_rate", problems)
-            if rate is not None and rate < MIN_TOKEN_IN_RATE:
-                problems.append(f"step {step}: finalize/token_in_rate={rate} < {MIN_TOKEN_IN_RATE}")
-            poisoned = _get(line, "finalize/capture_poisoned_rollouts", problems)
-            if poisoned is not None and poisoned != 0:
-                problems.append(f"step {step}: finalize/capture_poisoned_rollouts={poisoned}, expected 0")
             if None not in (low, high) and (low != high or low < 0):
                 problems.append(f"step {step}: rows carry weight versions {low}..{high}, expected one version >= 0")
         elif None not in (low, high) and (low, high) != (NO_WEIGHT_VERSION, NO_WEIGHT_VERSION):
             problems.append(f"step {step}: legacy rows carry weight versions {low}..{high}, expected none (-1)")
+    problems += [f"capture health: {finding.describe()}" for finding in health_findings(lines, capture=capture)]
     if capture:
         versions = [(line.get("step"), line.get("weight_version/min")) for line in lines]
         for (step_a, a), (step_b, b) in zip(versions, versions[1:]):

@@ -1,28 +1,35 @@
-"""A one-line verdict on a run's `metrics.jsonl`: is token capture engaged, exact, and if not, why.
+"""A verdict on a run's `metrics.jsonl`: is token capture engaged, healthy, and if not, why.
 
 Contract:
 - `capture_verdict(lines)` is pure over the parsed step lines (one dict per step, as
   `MetricsLogger` writes them) and returns a `Verdict` whose `status` is one of:
-  `ENGAGED` (rows were trained from captured tokens and nothing says they are inexact),
-  `DEGRADED` (capture ran, but something the guide's "Confirm capture is engaged" table flags
-  happened), `NOT_ENGAGED` (no captured row was trained). `Verdict.line()` is the one line.
+  `ENGAGED` (rows were trained from captured tokens and every health signal is within its
+  threshold), `DEGRADED` (capture ran, but a health signal is out of bounds), `UNJUDGED`
+  (capture ran, but the metrics lack a signal the judgement needs: never a pass),
+  `NOT_ENGAGED` (no captured row was trained). `Verdict.line()` is the headline;
+  `Verdict.findings` the violated expectations (`nemo_rl.utils.capture_health.Finding`), each
+  naming the metric, the value, the threshold and what to look at.
 - The rules, first match wins:
   1. no step line -> NOT_ENGAGED (the run finished no step);
   2. a line lacks one of `REQUIRED_KEYS` -> NOT_ENGAGED (not a GRPO capture loop's metrics);
   3. no trained row over all steps -> NOT_ENGAGED, naming the placeholder reasons;
   4. no call served through capture (`text_root_calls` and `token_in_calls` are 0 on every step)
      -> NOT_ENGAGED: the legacy path ran (`token_capture.enabled=false`);
-  5. a poisoned rollout on any step -> DEGRADED;
-  6. a step with continuation calls whose `token_in_rate` is below `TOKEN_IN_RATE_MIN` (some
-     continuation was re-rendered from text) -> DEGRADED; a step has continuation calls when
-     `token_in_calls > 0` or it has more text roots than rows;
-  7. `token_mult_prob_error` above `PROB_ERROR_MAX` on any step -> DEGRADED;
-  8. otherwise ENGAGED; when no step had a continuation call the line says token-in was not
-     exercised (single-turn rollouts), since `token_in_rate` is 0.0 by definition then.
+  5. a line lacks a metric `capture_health` judges (`judged_metrics(capture=True)`, e.g.
+     `finalize/continuation_calls` from a build before it was logged) -> UNJUDGED, naming them;
+  6. any `capture_health.health_findings(lines, capture=True)` -> DEGRADED: every placeholder
+     reason against its class's threshold (an unknown reason included), `invalid_row_rate`, the
+     kept generated-token fraction, `token_in_rate` on steps with continuation calls,
+     `unresolved_continuations`, `token_mult_prob_error`. The thresholds live only in
+     `capture_health.THRESHOLDS` (shared with the L1 checks);
+  7. otherwise ENGAGED; when no step had a continuation call the line says token-in was not
+     exercised (single-turn rollouts). The informational figures (branches per rollout,
+     abandoned retries) are appended, or named as not logged.
 - `read_metrics(log_dir)` parses `<log_dir>/metrics.jsonl`; a missing file is an empty list
   (rule 1 names it), an unparsable line is a `VerdictError` naming the file and line number.
-- CLI: `python -m nemo_rl.utils.verdict LOG_DIR` prints the line; exit 0 for ENGAGED, 1 for
-  DEGRADED or NOT_ENGAGED, 2 when the file cannot be read.
+- CLI: `python -m nemo_rl.utils.verdict LOG_DIR` prints the headline (with the first finding),
+  then one `  - ` line per further finding; exit 0 for ENGAGED, 1 for DEGRADED, UNJUDGED or NOT_ENGAGED, 2 when the file cannot
+  be read.
 """
 
 from __future__ import annotations
@@ -34,14 +41,20 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from nemo_rl.utils.capture_health import (
+    PLACEHOLDER_REASON_PREFIX,
+    Finding,
+    health_findings,
+    informational_summary,
+    judged_metrics,
+)
 from nemo_rl.utils.logger import METRICS_FILE, read_jsonl_objects
 
 ENGAGED = "ENGAGED"
 DEGRADED = "DEGRADED"
+UNJUDGED = "UNJUDGED"
 NOT_ENGAGED = "NOT_ENGAGED"
-# Thresholds of docs/guides/token-capture.md ("Confirm capture is engaged").
-TOKEN_IN_RATE_MIN = 0.99
-PROB_ERROR_MAX = 1.01
+# What makes a line a GRPO capture loop's (rule 2); the health metrics are rule 5's.
 REQUIRED_KEYS = (
     "step",
     "rollouts/dispatched",
@@ -49,11 +62,7 @@ REQUIRED_KEYS = (
     "finalize/placeholders",
     "finalize/text_root_calls",
     "finalize/token_in_calls",
-    "finalize/token_in_rate",
-    "finalize/capture_poisoned_rollouts",
-    "token_mult_prob_error",
 )
-_PLACEHOLDER_REASON_PREFIX = "finalize/placeholders/"
 
 
 class VerdictError(ValueError):
@@ -64,6 +73,7 @@ class VerdictError(ValueError):
 class Verdict:
     status: str
     reason: str
+    findings: tuple[Finding, ...] = ()
 
     @property
     def engaged(self) -> bool:
@@ -71,6 +81,10 @@ class Verdict:
 
     def line(self) -> str:
         return f"capture {self.status.replace('_', ' ')}: {self.reason}"
+
+    def report(self) -> str:
+        """The headline (which carries the first finding), then one line per further finding."""
+        return "\n".join([self.line()] + [f"  - {finding.describe()}" for finding in self.findings[1:]])
 
 
 def read_metrics(log_dir: str | Path) -> list[dict]:
@@ -84,13 +98,9 @@ def _placeholder_reasons(lines: Sequence[Mapping]) -> str:
     reasons: Counter[str] = Counter()
     for line in lines:
         for key, value in line.items():
-            if key.startswith(_PLACEHOLDER_REASON_PREFIX):
-                reasons[key[len(_PLACEHOLDER_REASON_PREFIX):]] += int(value)
+            if key.startswith(PLACEHOLDER_REASON_PREFIX) and value:
+                reasons[key[len(PLACEHOLDER_REASON_PREFIX):]] += int(value)
     return ", ".join(f"{reason}={count}" for reason, count in reasons.most_common()) or "none recorded"
-
-
-def _has_continuations(line: Mapping) -> bool:
-    return line["finalize/token_in_calls"] > 0 or line["finalize/text_root_calls"] > line["finalize/rows"]
 
 
 def capture_verdict(lines: Sequence[Mapping], source: str = METRICS_FILE) -> Verdict:
@@ -120,36 +130,38 @@ def capture_verdict(lines: Sequence[Mapping], source: str = METRICS_FILE) -> Ver
             f"{rows} rows trained but no call was served through capture (text_root_calls=0, "
             "token_in_calls=0 on every step): the legacy path ran; set token_capture.enabled=true",
         )
-    poisoned = int(sum(line["finalize/capture_poisoned_rollouts"] for line in lines))
-    if poisoned:
+    absent = sorted({key for line in lines for key in judged_metrics(capture=True) if key not in line})
+    if absent:
+        steps_lacking = [line["step"] for line in lines if any(key not in line for key in absent)]
         return Verdict(
-            DEGRADED,
-            f"{poisoned} of {dispatched} rollouts were poisoned (placeholders: {_placeholder_reasons(lines)})",
+            UNJUDGED,
+            f"steps {steps_lacking} lack {absent}: capture ran, but its health cannot be judged without them "
+            "(a build that predates them wrote this file; re-run with a current build)",
         )
-    for line in lines:
-        rate = line["finalize/token_in_rate"]
-        if _has_continuations(line) and rate < TOKEN_IN_RATE_MIN:
-            return Verdict(
-                DEGRADED,
-                f"step {line['step']}: token_in_rate={rate:.3f} < {TOKEN_IN_RATE_MIN}: some continuation "
-                "calls were re-rendered from text instead of served from the parent's exact ids",
-            )
-    worst = max(lines, key=lambda line: line["token_mult_prob_error"])
-    if worst["token_mult_prob_error"] > PROB_ERROR_MAX:
-        return Verdict(
-            DEGRADED,
-            f"step {worst['step']}: token_mult_prob_error={worst['token_mult_prob_error']:.4f} > "
-            f"{PROB_ERROR_MAX}: trainer logprobs differ from the generation logprobs",
-        )
+    findings = tuple(health_findings(lines, capture=True))
+    if findings:
+        more = f" (+{len(findings) - 1} more below)" if len(findings) > 1 else ""
+        return Verdict(DEGRADED, f"{findings[0].describe()}{more}", findings)
+    worst = max(line["token_mult_prob_error"] for line in lines)
     summary = (
-        f"{steps} step(s), {rows} rows from {dispatched} rollouts, {placeholders} placeholders, 0 poisoned, "
-        f"token_mult_prob_error max {worst['token_mult_prob_error']:.4f}"
+        f"{steps} step(s), {rows} rows from {dispatched} rollouts, {placeholders} placeholders"
+        + (f" ({_placeholder_reasons(lines)})" if placeholders else "")
+        + f", token_mult_prob_error max {worst:.4f}"
     )
-    continuation_lines = [line for line in lines if _has_continuations(line)]
+    served = sum(line["finalize/served_generated_tokens"] for line in lines)
+    if served > 0:
+        kept = sum(line["finalize/kept_generated_token_fraction"] * line["finalize/served_generated_tokens"]
+                   for line in lines)
+        summary += f", kept generated-token fraction {kept / served:.3f}"
+    continuation_lines = [line for line in lines if line["finalize/continuation_calls"] > 0]
     if not continuation_lines:
-        return Verdict(ENGAGED, f"{summary}; token-in not exercised (no continuation call: single-turn rollouts)")
-    min_rate = min(line["finalize/token_in_rate"] for line in continuation_lines)
-    return Verdict(ENGAGED, f"{summary}, token_in_rate min {min_rate:.3f}")
+        summary += "; token-in not exercised (no continuation call: single-turn rollouts)"
+    else:
+        min_rate = min(line["finalize/token_in_rate"] for line in continuation_lines)
+        calls = int(sum(line["finalize/continuation_calls"] for line in continuation_lines))
+        summary += f", token_in_rate min {min_rate:.3f} over {calls} continuation calls, 0 unresolved"
+    extra = informational_summary(lines)
+    return Verdict(ENGAGED, f"{summary}; {extra}" if extra else summary)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -162,7 +174,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"verdict error: {e}", file=sys.stderr)
         return 2
     verdict = capture_verdict(lines, source=str(Path(args.log_dir) / METRICS_FILE))
-    print(verdict.line(), flush=True)
+    print(verdict.report(), flush=True)
     return 0 if verdict.engaged else 1
 
 

@@ -3,20 +3,27 @@
 from __future__ import annotations
 
 import struct
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import ray
 import torch
+import zmq
 
 from nemo_rl.data_plane import (
     DataPlane,
     DataPlaneClient,
     DataPlaneClosedError,
     DataPlaneConfig,
+    DataPlaneDecodeError,
     DataPlaneError,
+    DataPlaneTransportError,
+    DataPlaneUsageError,
     FieldEncodingError,
     MissingKeysError,
     start_data_plane,
+    tq_backend,
 )
 
 # Values whose float64 bits a lossy path would change: subnormals, -0.0, non-terminating fractions.
@@ -91,8 +98,103 @@ def test_list_and_clear(client: DataPlaneClient) -> None:
 def test_invalid_rows_fail_before_any_call(client: DataPlaneClient) -> None:
     with pytest.raises(FieldEncodingError, match="key 'bad' field 'ids': tensor dtype torch.int32"):
         client.put("p", "bad", {"ids": torch.tensor([1], dtype=torch.int32)})
-    with pytest.raises(DataPlaneError, match="partition must be a non-empty str"):
+    with pytest.raises(DataPlaneUsageError, match="partition must be a non-empty str, got '' \\(fix the caller\\)"):
         client.put("", "k", {"tag": "x"})
+
+
+def test_a_bad_argument_is_a_caller_bug_not_weather(client: DataPlaneClient) -> None:
+    # A caller that turns DataPlaneError into a placeholder must not swallow its own encoding bug.
+    for call in (lambda: client.put("p", "bad", {"ids": [1, 2]}), lambda: client.get("p", [3], ["tag"]),
+                 lambda: client.clear(None, ["k"])):  # type: ignore[arg-type]
+        with pytest.raises(DataPlaneUsageError) as info:
+            try:
+                call()
+            except DataPlaneError as e:
+                pytest.fail(f"a caller bug was raised as data-plane weather: {e!r}")
+        assert isinstance(info.value, ValueError)
+
+
+class _AnswerEditingTQ:
+    """The real TQ client, with what its `async_get_data` answered passed through `edit` first."""
+
+    def __init__(self, real: Any, edit: Callable[[Any, Any], Any]) -> None:
+        self._real, self._edit = real, edit
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+    async def async_get_data(self, meta: Any) -> Any:
+        return await self._edit(self._real, meta)
+
+
+def test_a_type_error_inside_a_tq_call_surfaces_as_itself(client: DataPlaneClient) -> None:
+    # TQ's own argument check raises TypeError for a non-str key (a bug of the layer above it).
+    with pytest.raises(TypeError) as info:
+        client._call("get", "bugs", lambda: tq_backend.get_rows(client._tq, "bugs", [7], ["tag"]), None)
+    assert type(info.value) is TypeError
+    assert str(info.value) == "Not all elements in `keys` are strings."
+    assert info.value.__notes__ == [
+        "raised inside data plane get on partition 'bugs': not a TransferQueue transport failure, so it is not "
+        "data-plane weather (a bug, or a component's refusal)"]
+
+
+def test_a_decode_bug_on_a_real_answer_surfaces_as_itself(client: DataPlaneClient, monkeypatch) -> None:
+    client.put_many("decode", ["d/1", "d/2"], [{"tag": "1", "ids": torch.tensor([1])}, {"tag": "2", "ids": torch.tensor([2])}])
+
+    async def drop_tag(real: Any, meta: Any) -> Any:
+        data = await real.async_get_data(meta)
+        del data["tag"]  # a malformed answer: a field the metadata promised is not in it
+        return data
+
+    monkeypatch.setattr(client, "_tq", _AnswerEditingTQ(client._tq, drop_tag))
+    with pytest.raises(KeyError) as info:
+        client.get("decode", ["d/1", "d/2"], ["ids", "tag"])
+    assert type(info.value) is KeyError and not isinstance(info.value, DataPlaneError)
+    assert info.value.__notes__[0].startswith("raised inside data plane get on partition 'decode'")
+
+    async def first_row_only(real: Any, meta: Any) -> Any:
+        return (await real.async_get_data(meta))[:1]
+
+    monkeypatch.setattr(client, "_tq", _AnswerEditingTQ(client._tq._real, first_row_only))
+    with pytest.raises(DataPlaneDecodeError) as short:
+        client.get("decode", ["d/1", "d/2"], ["ids", "tag"])
+    assert not isinstance(short.value, DataPlaneError)
+    assert str(short.value) == ("TransferQueue returned 1 values for field 'ids', expected 2 (one per key): the "
+                                "answer does not decode as one row per key")
+
+
+def test_tqs_clear_vs_read_race_is_a_missing_key(client: DataPlaneClient, monkeypatch) -> None:
+    client.put_many("race", ["r/1", "r/2"], [{"tag": "1"}, {"tag": "2"}])
+
+    async def cleared_before_read(real: Any, meta: Any) -> Any:
+        await real.async_clear_samples(meta)  # retention clears the keys between metadata and data
+        return await real.async_get_data(meta)
+
+    monkeypatch.setattr(client, "_tq", _AnswerEditingTQ(client._tq, cleared_before_read))
+    with pytest.raises(MissingKeysError) as info:
+        client.get("race", ["r/1", "r/2"], ["tag"])
+    assert info.value.missing_keys == ["r/1", "r/2"]
+    assert type(info.value.__cause__).__name__ == "StorageKeyNotFoundError"
+
+
+def test_a_real_zmq_failure_is_transport_weather(cfg: DataPlaneConfig, client: DataPlaneClient) -> None:
+    client.put("transport", "t", {"tag": "t"})
+    broken = DataPlaneClient.attach(cfg)
+    broken._tq.zmq_context.destroy(linger=0)  # every socket of this client fails from here on
+    try:
+        with pytest.raises(DataPlaneTransportError) as info:
+            broken.get("transport", ["t"], ["tag"])
+    finally:
+        broken.close()
+    causes = []
+    error: BaseException | None = info.value
+    while error is not None:
+        causes.append(error)
+        error = error.__cause__
+    assert any(isinstance(c, zmq.ZMQError) for c in causes[1:])
+    assert str(info.value).startswith("data plane get on partition 'transport' failed in TransferQueue's transport: "
+                                      "ZMQError: ")
+    assert client.get("transport", ["t"], ["tag"]) == [{"tag": "t"}]
 
 
 def test_close_of_one_client_leaves_others_working(client: DataPlaneClient, cfg: DataPlaneConfig) -> None:
@@ -136,3 +238,40 @@ def test_second_data_plane_in_one_cluster_is_refused(plane: DataPlane, cfg: Data
     with pytest.raises(DataPlaneError, match="already runs in this Ray cluster"):
         start_data_plane(cfg)
     assert not plane.stopped
+
+
+def _raised(make: Callable[[], None]) -> BaseException:
+    try:
+        make()
+    except BaseException as e:  # the test inspects what was raised
+        return e
+    raise AssertionError("nothing was raised")
+
+
+def _tq_wraps(cause: BaseException) -> None:
+    """What TQ's client does with a failure inside a call: its own RuntimeError from the cause."""
+    try:
+        raise cause
+    except Exception as e:
+        raise RuntimeError(f"[client] Failed in async_kv_retrieve_meta: {e}") from e
+
+
+def _bug_while_handling(cause: BaseException) -> None:
+    try:
+        raise cause
+    except Exception:
+        raise TypeError("a bug in the handler")  # noqa: B904 (implicit context on purpose)
+
+
+def test_only_the_explicit_cause_chain_makes_a_failure_transport(cfg: DataPlaneConfig) -> None:
+    tq_backend.prepare_process(cfg)  # imports TQ with this module's knobs; no Ray needed
+    from transfer_queue.storage.managers.simple_storage_manager import StorageUnitTimeout
+
+    again = zmq.Again()
+    wrapped = _raised(lambda: _tq_wraps(again))
+    assert tq_backend.transport_failure(wrapped) is again
+    unit_timeout = StorageUnitTimeout("no answer in 30s during get from storage unit su0")
+    assert tq_backend.transport_failure(_raised(lambda: _tq_wraps(unit_timeout))) is unit_timeout
+    assert tq_backend.transport_failure(_raised(lambda: _tq_wraps(TypeError("bad")))) is None
+    assert tq_backend.transport_failure(_raised(lambda: _bug_while_handling(zmq.Again()))) is None
+    assert tq_backend.transport_failure(KeyError("tag")) is None

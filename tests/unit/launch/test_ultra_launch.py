@@ -387,7 +387,7 @@ def test_smoke_script_runs_the_driver_with_capture_last_and_prints_the_verdict(t
         if [[ $1 == python && $2 == -m ]]; then exec {shlex.quote(sys.executable)} "${{@:2}}"; fi
         echo "driver RAY_ADDRESS=${{RAY_ADDRESS:-}} RAY_ENABLE_UV_RUN_RUNTIME_ENV=$RAY_ENABLE_UV_RUN_RUNTIME_ENV TOKENIZERS_PARALLELISM=$TOKENIZERS_PARALLELISM args: ${{*:2}}"
         for arg in "$@"; do [[ $arg == logger.log_dir=* ]] && dir=${{arg#logger.log_dir=}}; done
-        printf '%s\\n' '{{"step": 1, "rollouts/dispatched": 8, "finalize/rows": 8, "finalize/placeholders": 0, "finalize/text_root_calls": 8, "finalize/token_in_calls": 8, "finalize/token_in_rate": 1.0, "finalize/capture_poisoned_rollouts": 0, "token_mult_prob_error": 1.0}}' > "$dir/metrics.jsonl"
+        printf '%s\\n' '{{"step": 1, "rollouts/dispatched": 8, "finalize/rows": 8, "finalize/placeholders": 0, "finalize/text_root_calls": 8, "finalize/token_in_calls": 8, "finalize/token_in_rate": 1.0, "finalize/continuation_calls": 8, "finalize/unresolved_continuations": 0, "finalize/invalid_row_rate": 0.0, "finalize/served_generated_tokens": 240, "finalize/kept_generated_token_fraction": 1.0, "finalize/capture_poisoned_rollouts": 0, "token_mult_prob_error": 1.0}}' > "$dir/metrics.jsonl"
     """))
     (fake / "uv").chmod(0o755)
     env_file = tmp_path / "site.env"
@@ -408,8 +408,9 @@ def test_smoke_script_runs_the_driver_with_capture_last_and_prints_the_verdict(t
         f"logger.log_dir={log_dir} token_capture.enabled=false token_capture.enabled=true"
     )
     assert out[-1] == (
-        "capture ENGAGED: 1 step(s), 8 rows from 8 rollouts, 0 placeholders, 0 poisoned, token_mult_prob_error max 1.0000, "
-        "token_in_rate min 1.000"
+        "capture ENGAGED: 1 step(s), 8 rows from 8 rollouts, 0 placeholders, token_mult_prob_error max 1.0000, "
+        "kept generated-token fraction 1.000, token_in_rate min 1.000 over 8 continuation calls, 0 unresolved; "
+        "not logged: branches_per_rollout, abandoned_retry_calls, abandoned_retry_tokens"
     )
     assert (log_dir / "driver.log").read_text().splitlines() == [out[1]]
 

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from nemo_rl.utils import l1_checks
+from nemo_rl.utils.capture_health import health_findings
 from nemo_rl.utils.l1_checks import (
     L1DataError,
     check_metrics_lines,
@@ -17,20 +18,18 @@ from nemo_rl.utils.l1_checks import (
     first_difference,
 )
 from nemo_rl.utils.venvs import spec_hash, vllm_spec
+from nemo_rl.utils.verdict import capture_verdict
+from tests.metrics_lines import healthy_line
 
 CPU_HASH = spec_hash(vllm_spec("cpu"))
 CPU_FOLDER = f"vllm-cpu-{CPU_HASH[:16]}"
 
 
 def _line(step: int, *, capture: bool, **changes) -> dict:
-    line = {
-        "step": step, "train/loss": 0.25, "rollouts/dispatched": 8.0, "finalize/kept_rollouts": 7.0,
-        "finalize/placeholders": 1.0, "finalize/rows": 7.0, "finalize/token_in_rate": 1.0 if capture else 0.0,
-        "finalize/capture_poisoned_rollouts": 0.0,
-        "weight_version/min": float(step - 1) if capture else -1.0,
-        "weight_version/max": float(step - 1) if capture else -1.0,
-        "refit/engine_logprob_change": 0.5, "refit/engine_trainer_max_abs_diff": 6e-6,
-    }
+    """A healthy step line of one leg (8 rollouts, all kept) with changes."""
+    leg = {} if capture else {"finalize/token_in_rate": 0.0, "finalize/token_in_calls": 0.0,
+                              "finalize/text_root_calls": 0.0, "weight_version/min": -1.0, "weight_version/max": -1.0}
+    line = healthy_line(step, **leg)
     line.update(changes)
     return {k: v for k, v in line.items() if v is not None}
 
@@ -45,16 +44,60 @@ def test_good_legs_have_no_problem():
                            "finalize/placeholders/* in that line)"),
     ({"train/loss": float("nan")}, "step 2: train/loss=nan, expected a finite loss (the step trained nothing? see "
                                    "finalize/placeholders/* in that line)"),
-    ({"finalize/placeholders": 0.0}, "step 2: rollouts/dispatched=8.0 but kept_rollouts=7.0 + placeholders=0.0 "
-                                     "(always-N broke)"),
-    ({"finalize/rows": 6.0}, "step 2: finalize/rows=6.0 < kept_rollouts=7.0"),
-    ({"finalize/token_in_rate": 0.98}, "step 2: finalize/token_in_rate=0.98 < 0.99"),
-    ({"finalize/capture_poisoned_rollouts": 1.0}, "step 2: finalize/capture_poisoned_rollouts=1.0, expected 0"),
+    ({"finalize/kept_rollouts": 7.0}, "step 2: rollouts/dispatched=8.0 but kept_rollouts=7.0 + placeholders=0.0 "
+                                      "(always-N broke)"),
+    ({"finalize/rows": 6.0}, "step 2: finalize/rows=6.0 < kept_rollouts=8.0"),
     ({"finalize/rows": None}, "step 2: metric finalize/rows is missing from metrics.jsonl"),
 ])
 def test_each_capture_violation_is_named(changes, problem):
     lines = [_line(1, capture=True), _line(2, capture=True, **changes)]
     assert check_metrics_lines(lines, capture=True, steps=2) == [problem]
+
+
+# Each health failure the smoke verdict flags fails the L1 leg with the same words (one judgement,
+# one set of thresholds: nemo_rl.utils.capture_health).
+HEALTH_TRIPS = {
+    "transport placeholder": {"finalize/placeholders/staged_record_missing": 1.0, "finalize/placeholders": 1.0,
+                              "finalize/kept_rollouts": 7.0, "finalize/rows": 7.0, "finalize/invalid_row_rate": 0.125},
+    "broken-contract placeholder": {"finalize/placeholders/verification_failed": 1.0, "finalize/placeholders": 1.0,
+                                    "finalize/kept_rollouts": 7.0, "finalize/rows": 7.0},
+    "unknown placeholder reason": {"finalize/placeholders/brand_new_reason": 1.0, "finalize/placeholders": 1.0,
+                                   "finalize/kept_rollouts": 7.0, "finalize/rows": 7.0},
+    "kept fraction": {"finalize/kept_generated_token_fraction": 0.2},
+    "token-in rate": {"finalize/token_in_rate": 0.98},
+    "unresolved continuation": {"finalize/unresolved_continuations": 1.0},
+    "logprob mismatch": {"token_mult_prob_error": 1.5},
+    "health metric absent": {"finalize/continuation_calls": None},
+}
+
+
+@pytest.mark.parametrize("name", sorted(HEALTH_TRIPS))
+def test_each_health_failure_fails_the_capture_leg_as_the_verdict_words_it(name):
+    lines = [_line(1, capture=True), _line(2, capture=True, **HEALTH_TRIPS[name])]
+    problems = check_metrics_lines(lines, capture=True, steps=2)
+    findings = health_findings(lines, capture=True)
+    assert findings, name
+    assert problems == [f"capture health: {finding.describe()}" for finding in findings]
+    verdict = capture_verdict(lines)
+    if name == "health metric absent":
+        assert verdict.status == "UNJUDGED"
+        assert problems == ["capture health: finalize/continuation_calls=absent (required to judge capture health) at "
+                            "step 2: this run's metrics do not carry the health signals, so its health cannot be "
+                            "judged; look at the build that wrote the file (a current build logs them: "
+                            "nemo_rl/token_capture/metrics.py)"]
+    else:
+        assert verdict.findings == tuple(findings)
+
+
+def test_the_legacy_leg_is_judged_on_placeholders_but_not_on_token_in():
+    lines = [_line(1, capture=False), _line(2, capture=False, **{"finalize/continuation_calls": 8.0})]
+    assert check_metrics_lines(lines, capture=False, steps=2) == []
+    poisoned = _line(2, capture=False, **{"finalize/placeholders/legacy_invalid_echo": 1.0, "finalize/placeholders": 1.0,
+                                          "finalize/kept_rollouts": 7.0, "finalize/rows": 7.0})
+    assert check_metrics_lines([_line(1, capture=False), poisoned], capture=False, steps=2) == [
+        "capture health: finalize/placeholders/legacy_invalid_echo=1 (must be 0) in step 2: a broken contract "
+        "(capture, verification, terminal or harness), not weather; look at the placeholders' details (reason "
+        "'legacy_invalid_echo') in the driver log and finalize/placeholders/legacy_invalid_echo per step"]
 
 
 def test_weight_version_must_be_one_per_step_and_advance_by_one():

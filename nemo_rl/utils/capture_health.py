@@ -1,0 +1,385 @@
+"""Capture-health judgement over a run's `metrics.jsonl` lines, with the thresholds in one place.
+
+Contract:
+- `THRESHOLDS` (a frozen, validated `CaptureHealthThresholds`) is the only copy of every health
+  threshold; `nemo_rl.utils.verdict` (the smoke script's one-line verdict) and
+  `nemo_rl.utils.l1_checks` (the L1 functional test) both judge through `health_findings`, so
+  they cannot disagree.
+- `health_findings(lines, capture=..., thresholds=THRESHOLDS) -> list[Finding]` is pure over
+  the parsed step lines (one dict per step, as `MetricsLogger` writes them); an empty list means
+  healthy (no line at all is a finding, not health). Each `Finding` names the metric, the value, the threshold, where (steps) and what to
+  look at; `Finding.describe()` is its one-line text.
+- What is judged (run totals are sums over every line; rates over the run's dispatched rollouts):
+  1. a line lacking a metric of `judged_metrics(capture)` -> one finding per line naming the
+     missing metrics (a run from a build that does not log them is UNJUDGED, never a pass and
+     never a crash); nothing else is judged then;
+  2. every `finalize/placeholders/<reason>` key: a reason in `zero_reasons` fails at any count;
+     a reason in `transport_reasons` / `environment_reasons` fails above that class's rate; a
+     reason in `derived_reasons` is bounded only through `finalize/invalid_row_rate`; a reason
+     in none of them fails as unclassified (a new reason cannot pass silently);
+  3. `finalize/placeholders` must equal the sum of its per-reason keys on every line;
+  4. run `invalid_row_rate` (placeholders / dispatched) above `max_invalid_row_rate`;
+  5. run kept generated-token fraction (sum of kept / sum of served tokens, from each line's
+     `finalize/kept_generated_token_fraction` x `finalize/served_generated_tokens`) below
+     `min_kept_generated_token_fraction`, judged only when some tokens were served;
+  6. capture only: `finalize/token_in_rate` below `min_token_in_rate` on a step whose
+     `finalize/continuation_calls` > 0 (0.0 by definition otherwise); any step whose
+     `finalize/unresolved_continuations` exceeds `max_unresolved_continuations`;
+  7. `token_mult_prob_error` above `max_token_mult_prob_error` on any step.
+- Informational, never a finding: `finalize/branches_per_rollout`, `finalize/abandoned_retry_calls`,
+  `finalize/abandoned_retry_tokens` (a masked, discarded retry is the harness's choice, not a
+  capture loss); `informational_summary` renders them, or says which were not logged.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from nemo_rl.token_capture.rows import PlaceholderReason
+
+PLACEHOLDER_REASON_PREFIX = "finalize/placeholders/"
+UNVERIFIABLE_PREFIX = "finalize/unverifiable_generated_tokens/"
+INFORMATIONAL_METRICS = (
+    "finalize/branches_per_rollout",
+    "finalize/abandoned_retry_calls",
+    "finalize/abandoned_retry_tokens",
+)
+_BASE_METRICS = (
+    "rollouts/dispatched",
+    "finalize/placeholders",
+    "finalize/invalid_row_rate",
+    "finalize/served_generated_tokens",
+    "finalize/kept_generated_token_fraction",
+    "token_mult_prob_error",
+)
+_TOKEN_IN_METRICS = (
+    "finalize/token_in_rate",
+    "finalize/continuation_calls",
+    "finalize/unresolved_continuations",
+)
+
+
+def judged_metrics(capture: bool) -> tuple[str, ...]:
+    """The metrics every line must carry to be judged (the token-in ones on capture runs only)."""
+    return _BASE_METRICS + (_TOKEN_IN_METRICS if capture else ())
+
+
+class CaptureHealthThresholds(BaseModel):
+    """Every capture-health threshold, with why it sits where it does.
+
+    Placeholder reasons fall in four classes (every `PlaceholderReason` must be in exactly one;
+    names of reasons not yet in the enum may be listed ahead of it):
+
+    - `zero_reasons`: any count fails. Each is a broken contract, not bad luck: capture integrity
+      (`capture_poisoned`), a staged record that does not verify (`verification_failed`), a
+      harness or gate that names a terminal the evidence contradicts or cannot back
+      (`terminal_declared_unmatched`, `declared_terminal_uncaptured`,
+      `terminal_witness_disagreement`, `terminal_selection_failed`), a rollout with no committed
+      call (`empty_manifest`: the harness bypassed the gate), a chain across a refit in a
+      synchronous loop (`mixed_weight_version`), and Gym's legacy token echo being absent or
+      malformed (`legacy_*`: a configuration defect, never transient). A healthy stack produces
+      none of them, so one is a defect to chase, whatever the run's size.
+    - `transport_reasons`: data-plane and component weather of our own stack (a staging write
+      or read, a finalizer, the gate's manifest or served report, a component death). Each is a
+      row the stack lost; since item 6 of issue 16 a bug inside a data-plane call fails the step
+      instead of landing here, so what remains is transport. Tolerated at
+      `max_transport_rate` = 1% of dispatched rollouts per reason: a healthy run has none
+      (the reference runs on this 2-core machine have none), an occasional slow finalizer on a
+      loaded host is weather, and above 1% a component is failing, not merely slow. On a smoke
+      run (16 rollouts) this tolerates none.
+    - `environment_reasons`: outcomes of the harness, the environment or the model itself (a
+      run that failed or timed out, no reward, an empty generation), not of capture. Tolerated
+      at `max_environment_rate` = 10% per reason: agentic environments fail some runs as a
+      matter of course, but above 10% of rollouts the environment is broken enough that the
+      run's learning signal is suspect. A capture fault that fails runs (a 409 from the gate)
+      shows up here too, which is why the bound is not looser.
+    - `derived_reasons`: masked because of other rollouts (`group_below_min_valid_fraction`:
+      the group had too few valid rollouts). Its cause is counted under its own reason; it is
+      bounded through `max_invalid_row_rate` only.
+
+    Rates:
+    - `max_invalid_row_rate` = 0.10: all placeholders over dispatched rollouts for the run.
+      Matches the environment budget: a run may lose a tenth of its rollouts to tolerated
+      reasons and still train on a representative batch; beyond that the loss itself biases it.
+    - `min_kept_generated_token_fraction` = 0.90: generated tokens in the loss over tokens the
+      workers served. A placeholder loses all its served tokens, so a run at the invalid-row
+      limit keeps about 0.90; below it, tokens are lost beyond what tolerated placeholders
+      explain (inside kept rollouts: see `finalize/unverifiable_generated_tokens/<reason>`).
+    - `min_token_in_rate` = 0.99: the share of continuation calls served from the parent's
+      exact ids. A continuation that is re-rendered from text trains a new text root instead of
+      the exact continuation; 1% allows one re-render per hundred continuations (a harness that
+      occasionally edits a message) without hiding a harness that re-renders systematically.
+    - `max_unresolved_continuations` = 0: a call whose history held assistant turns but
+      resolved to no captured parent is exactly a re-render; each one is named, so any is
+      flagged (the rate above bounds how much they cost, this says that they happened).
+    - `max_token_mult_prob_error` = 1.01: the trainer's logprobs of the trained tokens match
+      the generation logprobs to 1% in probability; exact capture measures ~1.00001 on the CPU
+      engine, a token or numerics mismatch is far above.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    zero_reasons: frozenset[str] = Field(default=frozenset({
+        "capture_poisoned", "verification_failed", "terminal_declared_unmatched", "declared_terminal_uncaptured",
+        "terminal_witness_disagreement", "terminal_selection_failed", "empty_manifest", "mixed_weight_version",
+        "legacy_token_echo_missing", "legacy_invalid_echo", "legacy_noncontiguous",
+    }))
+    transport_reasons: frozenset[str] = Field(default=frozenset({
+        "staged_record_missing", "data_plane_error", "finalize_timeout", "finalizer_unavailable",
+        "manifest_unavailable", "served_not_staged", "served_report_unavailable", "component_failed",
+    }))
+    environment_reasons: frozenset[str] = Field(default=frozenset({
+        "run_failed", "run_timeout", "reward_missing", "empty_generation",
+    }))
+    derived_reasons: frozenset[str] = Field(default=frozenset({"group_below_min_valid_fraction"}))
+    max_transport_rate: float = Field(default=0.01, ge=0.0, le=1.0)
+    max_environment_rate: float = Field(default=0.10, ge=0.0, le=1.0)
+    max_invalid_row_rate: float = Field(default=0.10, ge=0.0, le=1.0)
+    min_kept_generated_token_fraction: float = Field(default=0.90, ge=0.0, le=1.0)
+    min_token_in_rate: float = Field(default=0.99, ge=0.0, le=1.0)
+    max_unresolved_continuations: int = Field(default=0, ge=0)
+    max_token_mult_prob_error: float = Field(default=1.01, ge=1.0)
+
+    @model_validator(mode="after")
+    def _every_reason_in_exactly_one_class(self) -> CaptureHealthThresholds:
+        classes = {"zero_reasons": self.zero_reasons, "transport_reasons": self.transport_reasons,
+                   "environment_reasons": self.environment_reasons, "derived_reasons": self.derived_reasons}
+        seen: Counter[str] = Counter(reason for reasons in classes.values() for reason in reasons)
+        repeated = sorted(reason for reason, count in seen.items() if count > 1)
+        if repeated:
+            raise ValueError(f"placeholder reasons {repeated} are in more than one class; put each in exactly one")
+        unclassified = sorted(reason.value for reason in PlaceholderReason if reason.value not in seen)
+        if unclassified:
+            raise ValueError(f"PlaceholderReason values {unclassified} are in no class of CaptureHealthThresholds "
+                             "(fix: add each to zero_reasons, transport_reasons, environment_reasons or "
+                             "derived_reasons, with the reason why in the class docstring)")
+        return self
+
+    def reason_limit(self, reason: str) -> tuple[str, float | None]:
+        """(class name, max rate of dispatched rollouts) for one reason; the rate is None when no
+        per-reason bound applies (derived) and the class is "unclassified" for an unknown reason."""
+        if reason in self.zero_reasons:
+            return "zero", 0.0
+        if reason in self.transport_reasons:
+            return "transport", self.max_transport_rate
+        if reason in self.environment_reasons:
+            return "environment", self.max_environment_rate
+        if reason in self.derived_reasons:
+            return "derived", None
+        return "unclassified", 0.0
+
+
+THRESHOLDS = CaptureHealthThresholds()
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One violated health expectation: the metric, its value, the threshold, where and what to read."""
+
+    metric: str
+    value: str
+    threshold: str
+    where: str
+    meaning: str
+    look_at: str
+
+    def __post_init__(self) -> None:
+        for name in ("metric", "value", "threshold", "where", "meaning", "look_at"):
+            if not isinstance(getattr(self, name), str) or not getattr(self, name):
+                raise ValueError(f"Finding.{name} must be a non-empty str, got {getattr(self, name)!r}")
+
+    def describe(self) -> str:
+        return f"{self.metric}={self.value} ({self.threshold}) {self.where}: {self.meaning}; look at {self.look_at}"
+
+
+def _steps(lines: Sequence[Mapping[str, Any]]) -> str:
+    label = "step" if len(lines) == 1 else "steps"
+    return f"{label} " + ",".join(str(line.get("step", "?")) for line in lines)
+
+
+def _worst_of(worst: Mapping[str, Any], lines: Sequence[Mapping[str, Any]]) -> str:
+    where = f"at step {worst.get('step', '?')}"
+    return where if len(lines) == 1 else f"{where}, worst of {_steps(lines)}"
+
+
+def _fmt(value: float) -> str:
+    return f"{value:.4g}"
+
+
+def _missing(lines: Sequence[Mapping[str, Any]], capture: bool) -> list[Finding]:
+    findings = []
+    for line in lines:
+        absent = [key for key in judged_metrics(capture) if key not in line]
+        if absent:
+            findings.append(Finding(
+                ", ".join(absent), "absent", "required to judge capture health", f"at step {line.get('step', '?')}",
+                "this run's metrics do not carry the health signals, so its health cannot be judged",
+                "the build that wrote the file (a current build logs them: nemo_rl/token_capture/metrics.py)",
+            ))
+    return findings
+
+
+def _reason_counts(lines: Sequence[Mapping[str, Any]]) -> tuple[Counter[str], dict[str, list[Mapping[str, Any]]]]:
+    counts: Counter[str] = Counter()
+    where: dict[str, list[Mapping[str, Any]]] = {}
+    for line in lines:
+        for key, value in line.items():
+            if key.startswith(PLACEHOLDER_REASON_PREFIX) and value:
+                reason = key[len(PLACEHOLDER_REASON_PREFIX):]
+                counts[reason] += int(value)
+                where.setdefault(reason, []).append(line)
+    return counts, where
+
+
+def _placeholder_findings(lines: Sequence[Mapping[str, Any]], dispatched: float,
+                          thresholds: CaptureHealthThresholds) -> list[Finding]:
+    findings = []
+    counts, where = _reason_counts(lines)
+    for reason in sorted(counts):
+        count = counts[reason]
+        klass, limit = thresholds.reason_limit(reason)
+        metric = f"{PLACEHOLDER_REASON_PREFIX}{reason}"
+        rate = count / dispatched if dispatched else 1.0
+        look = f"the placeholders' details (reason {reason!r}) in the driver log and {metric} per step"
+        if klass == "unclassified":
+            findings.append(Finding(
+                metric, str(count), "unclassified reason: no tolerance", f"in {_steps(where[reason])}",
+                "a placeholder reason the health thresholds do not know; it is never passed silently",
+                "nemo_rl/utils/capture_health.py CaptureHealthThresholds: classify the reason",
+            ))
+        elif klass == "zero" and count > 0:
+            findings.append(Finding(
+                metric, str(count), "must be 0", f"in {_steps(where[reason])}",
+                "a broken contract (capture, verification, terminal or harness), not weather", look,
+            ))
+        elif limit is not None and rate > limit:
+            findings.append(Finding(
+                metric, f"{count} of {int(dispatched)} rollouts ({_fmt(rate)})",
+                f"{klass} weather, tolerated <= {_fmt(limit)} of dispatched", f"in {_steps(where[reason])}",
+                f"more {klass} failures than weather explains", look,
+            ))
+    for line in lines:
+        total = sum(v for k, v in line.items() if k.startswith(PLACEHOLDER_REASON_PREFIX))
+        if total != line["finalize/placeholders"]:
+            findings.append(Finding(
+                "finalize/placeholders", _fmt(line["finalize/placeholders"]),
+                f"must equal the sum of finalize/placeholders/<reason> ({_fmt(total)})",
+                f"at step {line.get('step', '?')}", "some placeholders carry no reason, so they cannot be judged",
+                "nemo_rl/token_capture/metrics.py finalize_metrics",
+            ))
+    return findings
+
+
+def _kept_fraction_finding(lines: Sequence[Mapping[str, Any]], thresholds: CaptureHealthThresholds) -> list[Finding]:
+    served = sum(line["finalize/served_generated_tokens"] for line in lines)
+    if served <= 0:
+        return []
+    kept = sum(line["finalize/kept_generated_token_fraction"] * line["finalize/served_generated_tokens"] for line in lines)
+    fraction = kept / served
+    if fraction >= thresholds.min_kept_generated_token_fraction:
+        return []
+    lost: Counter[str] = Counter()
+    for line in lines:
+        for key, value in line.items():
+            if key.startswith(UNVERIFIABLE_PREFIX):
+                lost[key[len(UNVERIFIABLE_PREFIX):]] += int(value)
+    by_reason = ", ".join(f"{reason}={tokens}" for reason, tokens in lost.most_common()) or "none logged"
+    worst = min((line for line in lines if line["finalize/served_generated_tokens"] > 0),
+                key=lambda line: line["finalize/kept_generated_token_fraction"])
+    return [Finding(
+        "finalize/kept_generated_token_fraction", f"{_fmt(fraction)} over the run ({int(round(kept))} of {int(served)} "
+        "served tokens)", f">= {_fmt(thresholds.min_kept_generated_token_fraction)}",
+        f"worst at step {worst.get('step', '?')} ({_fmt(worst['finalize/kept_generated_token_fraction'])})",
+        "generated tokens were served but not trained",
+        f"{UNVERIFIABLE_PREFIX}<reason> (this run: {by_reason})",
+    )]
+
+
+def _token_in_findings(lines: Sequence[Mapping[str, Any]], thresholds: CaptureHealthThresholds) -> list[Finding]:
+    findings = []
+    low = [line for line in lines if line["finalize/continuation_calls"] > 0
+           and line["finalize/token_in_rate"] < thresholds.min_token_in_rate]
+    if low:
+        worst = min(low, key=lambda line: line["finalize/token_in_rate"])
+        findings.append(Finding(
+            "finalize/token_in_rate",
+            f"{_fmt(worst['finalize/token_in_rate'])} ({int(worst['finalize/continuation_calls'])} continuation calls)",
+            f">= {_fmt(thresholds.min_token_in_rate)} on steps with continuation calls", _worst_of(worst, low),
+            "continuation calls were re-rendered from text instead of served from the parent's exact ids",
+            "finalize/unresolved_continuations and the harness: does it edit what the model said before sending it back?",
+        ))
+    unresolved = [line for line in lines
+                  if line["finalize/unresolved_continuations"] > thresholds.max_unresolved_continuations]
+    if unresolved:
+        total = int(sum(line["finalize/unresolved_continuations"] for line in unresolved))
+        findings.append(Finding(
+            "finalize/unresolved_continuations", f"{total} over the run",
+            f"<= {thresholds.max_unresolved_continuations} per step", f"in {_steps(unresolved)}",
+            "calls whose history held assistant turns resolved to no captured parent (a re-render)",
+            "the gate's lineage decisions for those calls; the harness's history handling",
+        ))
+    return findings
+
+
+def _prob_error_finding(lines: Sequence[Mapping[str, Any]], thresholds: CaptureHealthThresholds) -> list[Finding]:
+    high = [line for line in lines if line["token_mult_prob_error"] > thresholds.max_token_mult_prob_error]
+    if not high:
+        return []
+    worst = max(high, key=lambda line: line["token_mult_prob_error"])
+    return [Finding(
+        "token_mult_prob_error", f"{worst['token_mult_prob_error']:.4f}",
+        f"<= {thresholds.max_token_mult_prob_error}", _worst_of(worst, high),
+        "trainer logprobs differ from the generation logprobs", "gen_kl_error and the rows' tokens vs the engine's",
+    )]
+
+
+def health_findings(
+    lines: Sequence[Mapping[str, Any]], *, capture: bool, thresholds: CaptureHealthThresholds = THRESHOLDS
+) -> list[Finding]:
+    """Every violated health expectation of one run (see the module docstring for the rules)."""
+    if not lines:
+        return [Finding("metrics.jsonl", "no step line", "at least one step", "in the run",
+                        "a run without a finished step has nothing to judge", "the run's driver log")]
+    missing = _missing(lines, capture)
+    if missing:
+        return missing
+    dispatched = sum(line["rollouts/dispatched"] for line in lines)
+    placeholders = sum(line["finalize/placeholders"] for line in lines)
+    findings = _placeholder_findings(lines, dispatched, thresholds)
+    rate = placeholders / dispatched if dispatched else 0.0
+    if rate > thresholds.max_invalid_row_rate:
+        worst = max(lines, key=lambda line: line["finalize/invalid_row_rate"])
+        findings.append(Finding(
+            "finalize/invalid_row_rate", f"{_fmt(rate)} over the run ({int(placeholders)} of {int(dispatched)})",
+            f"<= {_fmt(thresholds.max_invalid_row_rate)}",
+            f"worst at step {worst.get('step', '?')} ({_fmt(worst['finalize/invalid_row_rate'])})",
+            "too many rollouts became placeholders to train on a representative batch",
+            "finalize/placeholders/<reason> for which reasons dominate",
+        ))
+    findings += _kept_fraction_finding(lines, thresholds)
+    if capture:
+        findings += _token_in_findings(lines, thresholds)
+    findings += _prob_error_finding(lines, thresholds)
+    return findings
+
+
+def informational_summary(lines: Sequence[Mapping[str, Any]]) -> str:
+    """The informational figures (never judged), or which of them the run did not log."""
+    logged = [key for key in INFORMATIONAL_METRICS if all(key in line for line in lines)]
+    parts = []
+    if "finalize/branches_per_rollout" in logged:
+        parts.append(f"branches_per_rollout max {_fmt(max(line['finalize/branches_per_rollout'] for line in lines))}")
+    retry_keys = ("finalize/abandoned_retry_calls", "finalize/abandoned_retry_tokens")
+    if all(key in logged for key in retry_keys):
+        calls = int(sum(line["finalize/abandoned_retry_calls"] for line in lines))
+        tokens = int(sum(line["finalize/abandoned_retry_tokens"] for line in lines))
+        parts.append(f"{calls} abandoned retries masked ({tokens} tokens)")
+    absent = [key.removeprefix("finalize/") for key in INFORMATIONAL_METRICS if key not in logged]
+    if absent:
+        parts.append(f"not logged: {', '.join(absent)}")
+    return "; ".join(parts)
