@@ -21,6 +21,8 @@ Contract (the transport, `server.py`, is a thin shell over `ChatService`):
 - Prefix seeding: a staged ROOT or `staging_chain` continuation enters the `PrefixCache` as the
   entry a fetch of its key would give (`PrefixCache.seed` checks the delta against the staged
   chain hash), so the next turn of the rollout on this worker resolves its chain without a fetch.
+  It enters only once its row is durable (write-behind: `StageBarrier.when_written`, a lost row
+  never seeds; before-reply: at once), so the cache holds only durable rows.
 - Never a silently uncaptured success: if custody fails after generation (tail cannot be
   rendered exactly, staging fails or times out), the reply carries `capture_failed` coords and
   the reason is counted and kept in `capture_failures`.
@@ -32,11 +34,19 @@ Contract (the transport, `server.py`, is a thin shell over `ChatService`):
   invalid request (`request_rules.check_chat_request`, the chat template refusing the
   messages, sampling values the engine refuses) or admission (Gym's `CaptureAdmission`, inline
   prefix ids outside the vocabulary), 409 `prefix_mismatch` when staged records do not form the
-  chain the admission names, 409 `duplicate_model_call_id` when this worker already served
-  the same (rollout_id, model_call_id) (remembered LRU, `max_admitted_calls`; a call refused
-  or not generated is forgotten, so its retry is admitted; a call generated once, staged or
-  `capture_failed`, is never generated again). Generation never starts from an
-  unverified prefix.
+  chain the admission names, 409 `duplicate_model_call_id` when this worker already admitted
+  the same (rollout_id, model_call_id) under another request body (remembered LRU,
+  `max_admitted_calls`; a call refused or not generated is forgotten, so its retry is admitted; a
+  call generated once, staged or `capture_failed`, is never generated again). Generation never
+  starts from an unverified prefix.
+- Transport re-sends are idempotent: the registry keeps each admitted call's request digest
+  (`request_digest`: sha256 of the whole body's canonical JSON; a re-send is the same bytes, so no
+  field may differ) and, once answered, its reply. A re-send of a committed call with the same
+  digest gets that reply (same ids, same `ng_commit_coords`; nothing generated, staged or recorded;
+  `stats["replayed_calls"]`). A re-send of a call still in flight waits for it (bounded by
+  `duplicate_wait_s`, the worker's `duplicate_wait_bound_s`), then is replayed, or, if the first
+  was refused or not generated, admitted in its place; past the bound it is 409. A call generated
+  without a committed reply (a bug raised after generation) is 409, never replayed.
 - Expected failures of the components are 503s with a named type, and nothing else is: the
   staging source's named errors (`StagingFetchError`: missing key, store unavailable or past its
   deadline) and data-plane errors are `staging_unavailable` (a stored record that is not a valid
@@ -55,14 +65,19 @@ Contract (the transport, `server.py`, is a thin shell over `ChatService`):
   (generated-token count, parent, staged or why not, this worker's index) in a bounded per-rollout
   registry; `take_served(rollout_ids)` pops them. Under write-behind staging (a `StageBarrier`
   installed) it first waits for the rollouts' queued rows and marks a call whose row did not land
-  as not staged (`stats["capture_failed"]`, `capture_failures`, an error log line).
-- Parents are durable before children (write-behind): a `staging_chain` admission first waits
-  (bounded by the barrier's deadline) until every parent row this worker queued is written; a
-  parent row that failed or is still in flight at the deadline answers 503 `staging_unavailable`
-  naming the keys, and nothing is generated. Parents staged by another worker are waited for by
-  the prefix source (a missing key is re-read until it appears, bounded). Plain calls and calls that produced no
-  completion (rejected, or the engine raised) leave none. Past `max_served_rollouts` rollouts the
-  least recently written one is dropped and counted in `stats["served_evicted_rollouts"]`.
+  as not staged (`stats["capture_failed"]`, `capture_failures`, an error log line): a row the
+  writer withdrew or abandoned at the deadline is lost for good (`stage_writer.py`). Plain calls,
+  replayed re-sends and calls that produced no completion (rejected, or the engine raised) leave
+  none. Past `max_served_rollouts` rollouts the least recently written one is dropped and counted
+  in `stats["served_evicted_rollouts"]`.
+- The one parents' check (`_check_parents`), for every continuation, `staging_chain` or inline
+  prefix, under write-behind: parents this worker queued must be written (`StageWriter.wait_keys`,
+  bounded by the barrier's deadline; lost or still pending: 503 `staging_unavailable` naming the
+  keys, nothing generated); a parent it cannot vouch for is proven by the store (the chain's
+  resolve reads what the cache lacks, and the cache holds only durable rows; an inline parent is
+  read, `PrefixCache.staged_tip`, and must end at `prev_len` with `parent_chain_hash`, else 409
+  `prefix_mismatch`). Parents staged by another worker are waited for by the prefix source (a
+  missing key is re-read until it appears, bounded).
 """
 
 from __future__ import annotations

@@ -21,8 +21,11 @@ Contract:
   `RolloutTokenCapture` with the TransferQueue sink over the `ChatService`, and gives the
   service a bounded `PrefixCache` over the TQ source for `staging_chain` admissions. Under
   `token_capture.stage_write=behind_reply` it also starts the worker's `StageWriter` (staged rows
-  written behind the reply, batched) and installs it as the service's served-report barrier;
-  `shutdown` writes what is queued before closing the data-plane client.
+  written behind the reply, batched) and installs it as the service's barriers (served report,
+  parents' check, prefix seeding once durable); `wire_capture` is that wiring over any data-plane
+  client (the unit tests use it over an in-memory one). `shutdown` writes what is queued before
+  closing the data-plane client. A re-send waits for its call still in flight at most
+  `generate_timeout_s + 3 * stage_timeout_s` (`serving.duplicate_wait_bound_s`).
 - `update_weights(dir, version)` refits the engine; every later sample carries `version`. A `dir`
   this worker cannot see raises `WorkerError` naming `grpo.refit_dir` (on several nodes it must
   be on a shared filesystem) before the engine is touched; `check_shared_dir(probe)` proves the
@@ -40,7 +43,9 @@ Contract:
   the prefix cache read from TransferQueue, `prefix_cache_seeded_keys` the ones it took from
   this worker's own staging writes (a same-worker continuation fetches nothing),
   `prefix_fetch_missing_waits` the re-reads of a parent another worker was still writing, and
-  `stage_writer` the write-behind writer's counters (rows, batches, write_s, failed_rows, ...).
+  `stage_writer` the write-behind writer's counters (rows, batches, write_s, failed_rows,
+  withdrawn_rows, abandoned_rows, late_rows_landed, ...); `calls["replayed_calls"]` counts
+  re-sends answered with a committed reply.
 """
 
 from __future__ import annotations
