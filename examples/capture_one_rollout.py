@@ -8,7 +8,13 @@ Gym's `verify_and_linearize` per chain), and compares every row, call by call, w
 engine sampled. The last stdout line is one JSON object; the exit code is 0 only when the
 row verified and its generated ids equal the engine's.
 
-    uv run python examples/capture_one_rollout.py [--log-dir DIR] [--seed N] [--temperature T]
+`--drop-first-reply` puts a loopback HTTP forwarder (`DropOnceLink`) between Gym's gate and the
+worker that drops the gate's connection right after it has read the worker's reply to the
+rollout's first model call, so the gate's HTTP client sees a connection error and re-sends the
+same request; the worker replays the committed reply (the summary's `link` counts the drop and
+the worker's stats the replay).
+
+    uv run python examples/capture_one_rollout.py [--log-dir DIR] [--seed N] [--temperature T] [--drop-first-reply]
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import sys
 import time
 import uuid
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from nemo_rl.data_plane import DataPlaneConfig
 from nemo_rl.distributed.stack import start_stack
@@ -35,6 +42,73 @@ from nemo_rl.token_capture.rows import KeptRollout
 from nemo_rl.token_capture.staging import TQTokenSource
 
 
+class DropOnceLink:
+    """A loopback HTTP/1.1 forwarder to one upstream; once armed, it reads the upstream's 200 reply to
+    the next POST .../chat/completions and closes the client's connection without sending a byte."""
+
+    def __init__(self) -> None:
+        self.upstream: tuple[str, int] | None = None
+        self.armed = False
+        self.dropped = 0
+        self.forwarded = 0
+        self._server: asyncio.AbstractServer | None = None
+        self._open: set[asyncio.StreamWriter] = set()  # client connections (keep-alive), closed by stop()
+
+    async def start(self) -> int:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        return self._server.sockets[0].getsockname()[1]
+
+    def route(self, base_urls: list[str]) -> list[str]:
+        """`start_stack`'s `gym_worker_urls`: the gate calls this link, the link calls the first worker."""
+        upstream = urlsplit(base_urls[0])
+        self.upstream = (upstream.hostname, upstream.port)
+        port = self._server.sockets[0].getsockname()[1]
+        return [f"http://127.0.0.1:{port}{upstream.path}"]
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            for writer in list(self._open):
+                writer.close()
+            await asyncio.wait_for(self._server.wait_closed(), 10.0)
+
+    @staticmethod
+    async def _message(reader: asyncio.StreamReader) -> bytes:
+        head = await reader.readuntil(b"\r\n\r\n")
+        fields = dict(line.split(b":", 1) for line in head.split(b"\r\n")[1:] if b":" in line)
+        fields = {k.strip().lower(): v.strip() for k, v in fields.items()}
+        if b"transfer-encoding" in fields:
+            raise RuntimeError(f"DropOnceLink forwards Content-Length bodies only, got {fields[b'transfer-encoding']!r}")
+        return head + await reader.readexactly(int(fields.get(b"content-length", b"0")))
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._open.add(writer)
+        try:
+            while True:
+                try:
+                    request = await self._message(reader)
+                except (asyncio.IncompleteReadError, ConnectionError):
+                    return  # the client (or stop()) closed the keep-alive connection
+                assert self.upstream is not None, "route() names the upstream before the gate starts"
+                up_reader, up_writer = await asyncio.open_connection(*self.upstream)
+                up_writer.write(request)
+                await up_writer.drain()
+                reply = await self._message(up_reader)
+                up_writer.close()
+                first_line = request.split(b"\r\n", 1)[0]
+                if self.armed and first_line.startswith(b"POST ") and b"/chat/completions" in first_line \
+                        and reply.startswith(b"HTTP/1.1 200"):
+                    self.armed = False
+                    self.dropped += 1
+                    return  # the reply was read from the worker; the gate gets a closed connection
+                writer.write(reply)
+                await writer.drain()
+                self.forwarded += 1
+        finally:
+            self._open.discard(writer)
+            writer.close()
+
+
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--log-dir", type=Path, default=None, help="default: logs/capture_one_rollout/<timestamp>")
@@ -42,6 +116,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--max-output-tokens", type=int, default=64)
     p.add_argument("--model-dir", type=Path, default=None, help="a local HF model folder; default: build/reuse the tiny model")
+    p.add_argument("--drop-first-reply", action="store_true",
+                   help="drop the gate's connection after the worker's first reply (the gate re-sends; see above)")
     return p.parse_args()
 
 
@@ -54,6 +130,9 @@ async def main(args: argparse.Namespace) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     capture = TokenCaptureConfig(enabled=True)
     dp_cfg = DataPlaneConfig()
+    link = DropOnceLink() if args.drop_first_reply else None
+    if link is not None:
+        await link.start()
     stack = await start_stack(
         model_dir=model_dir,
         log_dir=log_dir,
@@ -62,6 +141,7 @@ async def main(args: argparse.Namespace) -> dict:
         data_plane=dp_cfg,
         nemo_gym=NemoGymConfig(),
         num_cpus=2,
+        gym_worker_urls=link.route if link is not None else None,
     )
     try:
         assert stack.env is not None and stack.workers is not None and stack.client is not None
@@ -69,6 +149,8 @@ async def main(args: argparse.Namespace) -> dict:
         rollout_id = f"one-{uuid.uuid4().hex[:12]}"
         row_body = build_row(problem, RowSampling(temperature=args.temperature, top_p=1.0, max_output_tokens=args.max_output_tokens))
         print(f"[rollout] {rollout_id}: {problem.expression} = ?", flush=True)
+        if link is not None:
+            link.armed = True
         t0 = time.monotonic()
         result = await stack.env.run(rollout_id, row_body)
         rollout_s = time.monotonic() - t0
@@ -87,6 +169,8 @@ async def main(args: argparse.Namespace) -> dict:
             "reward": result.get("reward"),
             "terminal_selection": verdict.terminal_selection,
             "served_generated_tokens": sum(call.generated_tokens for call in served),
+            "served_report_calls": len(served),
+            "link": None if link is None else {"dropped": link.dropped, "forwarded": link.forwarded},
         }
         if not isinstance(verdict, KeptRollout):
             summary.update(verified=False, verify_error=f"{verdict.reason.value}: {verdict.detail}", ids_match_engine=False)
@@ -112,6 +196,8 @@ async def main(args: argparse.Namespace) -> dict:
         return summary
     finally:
         stack.stop()
+        if link is not None:
+            await link.stop()
 
 
 if __name__ == "__main__":

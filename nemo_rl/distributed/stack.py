@@ -109,7 +109,10 @@ async def start_stack(
     nemo_gym: NemoGymConfig,
     num_cpus: int,
     progress: Callable[[str], None] = print,
+    gym_worker_urls: Callable[[list[str]], list[str]] | None = None,
 ) -> Stack:
+    """`gym_worker_urls` maps the workers' base URLs to the ones the Gym gate is given (None: the
+    same); a test puts a loopback proxy between the gate and the workers this way."""
     log_dir.mkdir(parents=True, exist_ok=True)
     timings: dict[str, float] = {}
 
@@ -147,7 +150,8 @@ async def start_stack(
             stack.client = DataPlaneClient.attach(data_plane)
             step("data_plane", t_dp)
         t_gym = time.monotonic()
-        stack.env = NemoGymEnvironment(nemo_gym, token_capture, worker_base_url=pending.base_urls, log_dir=log_dir)
+        gate_urls = pending.base_urls if gym_worker_urls is None else gym_worker_urls(list(pending.base_urls))
+        stack.env = NemoGymEnvironment(nemo_gym, token_capture, worker_base_url=gate_urls, log_dir=log_dir)
         await stack.env.start()
         step("gym_servers", t_gym)
         await_workers(pending, progress=progress)

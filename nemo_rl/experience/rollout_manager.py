@@ -9,9 +9,15 @@ Contract of `RolloutManager.run_group(step, group_index, row, n) -> GroupResult`
 - Capture mode: runs all N through `env.run` concurrently, each bounded by `run_timeout_s`;
   fetches every manifest (bounded by `manifest_timeout_s`; also after a failed run, so that its
   staged keys can be cleared); takes the workers' served-call report for the group's ids
-  (bounded; unavailable -> None, counted); and sends one `RolloutEvidence` per rollout to the
+  (bounded; unavailable -> counted); and sends one `RolloutEvidence` per rollout to the
   `GroupFinalizer` (the finalizer pool), whose actors run the one judge (`judge.judge_rollout`).
-  The manager decides nothing about a rollout's fate: it dispatches, collects and accounts.
+  The manager decides nothing about a rollout's fate (it dispatches, collects and accounts), with
+  one exception, the barrier: under `token_capture.stage_write=behind_reply` the served report is
+  what guarantees the group's staged rows are written before anything reads them, so when it is
+  unavailable nothing of the group is read: every rollout whose run succeeded becomes a
+  `served_report_unavailable` placeholder naming the report's error (a failed run keeps its own
+  reason), and the finalizer is not called. Under `before_reply` every row was durable before
+  its reply, so the judge runs without the report (`served=None`, failing closed where it needs it).
   `collect_group` runs the same path for rollouts an external harness drove itself.
 - `token_capture.min_valid_fraction_per_group`: a group with fewer kept rollouts than that
   fraction of N is dropped whole (every entry a `group_below_min_valid_fraction` placeholder,
@@ -57,7 +63,8 @@ from nemo_rl.models.generation.vllm.worker import WorkerError, WorkerFailedError
 from nemo_rl.token_capture.config import TokenCaptureConfig
 from nemo_rl.token_capture.finalizer import legacy_row_from_result
 from nemo_rl.token_capture.finalizer_pool import FinalizeOutcome
-from nemo_rl.token_capture.judge import RolloutEvidence, RunFailure
+from nemo_rl.token_capture.judge import RolloutEvidence, RunFailure, all_served_lost
+from nemo_rl.token_capture.receipt import reward_of
 from nemo_rl.token_capture.retention import reported_staged_keys
 from nemo_rl.token_capture.rows import GroupEntry, GroupResult, KeptRollout, Placeholder, PlaceholderReason
 from nemo_rl.token_capture.served import ServedCall
@@ -204,6 +211,19 @@ class _GroupState:
 
 def _describe(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"
+
+
+def _report_unavailable(ev: RolloutEvidence, why: str) -> Placeholder:
+    """The verdict of a rollout whose rows cannot be read (write-behind, no served report)."""
+    reward = None if ev.run_result is None else reward_of(ev.run_result)
+    if ev.run_failure is not None:
+        reason, detail = ev.run_failure.reason, ev.run_failure.detail
+    else:
+        reason = PlaceholderReason.SERVED_REPORT_UNAVAILABLE
+        detail = (f"the workers' served-call report is unavailable ({why}), so nothing proves this rollout's "
+                  "staged rows were written (token_capture.stage_write=behind_reply): none is read")
+    return Placeholder(ev.rollout_id, ev.group_index, ev.sample_index, reason, detail, reward,
+                       yield_=all_served_lost(ev, reason.value))
 
 
 class RolloutManager:
@@ -397,15 +417,16 @@ class RolloutManager:
             manifest, problem, None,
         )
 
-    async def _served_report(self, rollout_ids: list[str]) -> dict[str, tuple[ServedCall, ...]] | None:
+    async def _served_report(self, rollout_ids: list[str]) -> dict[str, tuple[ServedCall, ...]] | str:
+        """The served calls by rollout, or why the report is unavailable."""
         try:
             calls = await self._served.take_served_async(rollout_ids)
         except WorkerFailedError:
             raise  # the worker declared itself failed (a bug or a dead engine): abort the run loudly
-        except WorkerError as error:  # a worker timed out or died; the judge fails closed without it
+        except WorkerError as error:  # a worker timed out or died (see `_capture_group` for what follows)
             self._served_report_failures += 1
             LOGGER.error("served-call report for %s.. unavailable: %s", rollout_ids[0], _describe(error))
-            return None
+            return _describe(error)
         by_rollout: dict[str, list[ServedCall]] = {rollout_id: [] for rollout_id in rollout_ids}
         for call in calls:
             if call.rollout_id in by_rollout:
@@ -415,7 +436,12 @@ class RolloutManager:
     async def _capture_group(self, state: _GroupState, runs) -> None:
         evidence = await gather_cancelling(self._evidence(state, i, run) for i, run in enumerate(runs))
         served = await self._served_report(list(state.rollout_ids))
-        if served is not None:
+        if isinstance(served, str) and self._cfg.capture.stage_write == "behind_reply":
+            # Without the report nothing proves the group's rows were written: read none of them.
+            for ev in evidence:
+                state.outcomes[ev.sample_index] = _report_unavailable(ev, served)
+            return
+        if not isinstance(served, str):
             evidence = [dataclasses.replace(ev, served=served[ev.rollout_id]) for ev in evidence]
             state.reported_keys = reported_staged_keys(call for calls in served.values() for call in calls)
         outcomes = await self._finalizer.finalize_group(evidence)

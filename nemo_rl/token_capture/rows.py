@@ -80,6 +80,7 @@ class PlaceholderReason(str, Enum):
     MIXED_WEIGHT_VERSION = "mixed_weight_version"
     GROUP_BELOW_MIN_VALID_FRACTION = "group_below_min_valid_fraction"
     COMPONENT_FAILED = "component_failed"
+    SERVED_REPORT_UNAVAILABLE = "served_report_unavailable"
 
 
 def _check_slot(rollout_id: str, group_index: int, sample_index: int) -> None:

@@ -5,51 +5,73 @@ Contract:
   background thread drains the queue and writes whatever has queued up (at most `max_batch`
   rows) in ONE data-plane `put_many` under the `timeout_s` deadline. With several calls in flight
   their rows share a write, so a call costs at most one write and often a fraction of one.
-- `wait_keys(keys, timeout_s)` is the parent barrier: it blocks until none of `keys` is queued or
-  in flight here (or the deadline passes) and returns `{key: why}` for those of them this writer
-  failed to write or is still writing; keys it never queued are ignored. A zero deadline
-  never blocks (the worker checks that way first, off-thread waits only when a parent is pending).
-- `flush(rollout_ids, timeout_s)` is the report barrier: it blocks until no row of those rollouts is
-  queued or in flight (or the deadline passes) and returns `{staging_key: why}` for every row of
-  theirs that is not known to be written: its write failed (the data-plane error, named), or it
-  was still pending at the deadline. It forgets what it returned. A rollout with nothing
-  pending and nothing failed returns `{}` at once.
-- Failures are remembered per rollout for at most `max_rollouts` rollouts (least recently
-  failed dropped first, counted in `stats["failures_evicted_rollouts"]`), so a run that never
-  flushes cannot grow the worker without bound.
+- Every key this writer queued is in exactly one state: pending (queued, or in a write), written
+  (its write returned), or lost (its write failed, or the report barrier gave up on it, below).
+  Written keys are remembered for the last `max_written_keys` keys, lost ones per rollout for
+  the last `max_rollouts` rollouts that lost one (evictions counted in `stats`). A key the
+  writer never queued, or forgot, is "unvouched": this writer proves nothing about it, and the
+  caller must prove it durable by reading it from the store (`ParentRows.unvouched`).
+- `when_written(key, fn)` runs `fn()` once `key`'s row is written (at once if it already is) and
+  returns True; for a key that is lost or unvouched it returns False and `fn` never runs. A
+  pending key's `fn` runs on the writer thread, after the write returned and before any waiter
+  is woken, so a child that waited for its parent sees what `fn` did (the worker seeds its
+  prefix cache this way: only durable rows enter it). An exception from `fn` is a bug: the
+  writer stops as below.
+- `wait_keys(keys, timeout_s)` is the parent barrier: it blocks until none of `keys` is pending
+  (or the deadline passes) and returns `ParentRows(lost, unvouched)`: `lost` names every key that
+  is lost or still pending at the deadline, with why; `unvouched` lists the keys neither written
+  nor lost here. A zero deadline never blocks (the worker checks that way first, and waits
+  off-thread only when a parent is pending).
+- `flush(rollout_ids, timeout_s)` is the report barrier: it blocks until no row of those
+  rollouts is pending (or the deadline passes) and returns `{staging_key: why}` for every lost
+  row of theirs. It never returns with a row of theirs left pending: at the deadline, a row
+  still queued is withdrawn (taken off the queue, never written) and a row in a write is
+  abandoned (lost from then on: if that write lands late it is counted in
+  `stats["late_rows_landed"]` but never becomes written, so it is never used as a parent and
+  never seeds the cache). So after a flush each row of its rollouts is written or lost for good,
+  and the report says which. Lost rows are kept (not forgotten by the flush) until evicted.
 - A data-plane error (`DataPlaneError`: deadline, dead controller or storage unit) fails only its
   batch; the writer keeps serving. Any other exception is a bug: its batch is failed, the writer
   stops, and every later `submit` raises `StageWriterFailedError` naming the cause (Gym's capture
   core turns that into `capture_failed` coordinates: the call is served, never claimed staged).
 - `close(timeout_s)` stops taking rows, lets the thread write what is queued and joins it.
 
-Why a response may leave before its row is written (the safety argument; the design doc has it
-in full): a call's row is durable before anything uses the call as a parent or reads its row:
-- a child of the call served by this worker is generated only after `wait_keys` saw its parents'
-  rows written (the worker answers 503 `staging_unavailable` otherwise);
+The barrier (the design doc has the argument in full): a call's row is durable before anything
+uses the call as a parent or a finalizer reads its row:
+- a child is generated only after the one parents' check of the worker (`serving.py`): its
+  parents this writer queued are written (`wait_keys`: none lost, none pending), and every other
+  parent was read from the staging store, or is in the prefix cache, which holds only rows that
+  were read or written (`when_written`);
 - the finalizer reads a rollout's rows only after the driver took the workers' served-call report
-  for it, and a worker answers that report only after `flush` (rows that failed are reported
-  `staged=False` with the reason, so the judge and the yield metric see them);
-- another worker resolving the row as a `staging_chain` parent waits (bounded) for a missing key
-  (`TQTokenSource(missing_wait_s=...)`);
+  for it, and a worker answers that report only after `flush` (lost rows are reported
+  `staged=False` with the reason; a withdrawn row is never written, and an abandoned write that
+  lands late is digest-checked like any other row); when the
+  report cannot be taken, the driver reads nothing of the group under write-behind (its
+  rollouts become `served_report_unavailable` placeholders, `rollout_manager.py`);
 - every row that is read is checked against the digest the gate committed, so a row that never
   landed or landed different cannot train: its chain becomes a placeholder.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import Counter, OrderedDict, deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from nemo_rl.data_plane import DataPlaneError
 from nemo_rl.token_capture import wire_metrics  # opt-in counters (benchmarks/capture_ab.py)
 
+LOGGER = logging.getLogger(__name__)
+
 DEFAULT_MAX_BATCH = 64
 DEFAULT_MAX_ROLLOUTS = 16_384
+# Written keys remembered so a same-worker child needs no read to know its parent is durable
+# (about 0.1 KB each); a forgotten one is proven by a read instead, so the bound costs only speed.
+DEFAULT_MAX_WRITTEN_KEYS = 65_536
 
 
 class BatchStore(Protocol):
@@ -71,6 +93,18 @@ class _Queued:
     row: Mapping[str, Any]
 
 
+@dataclass(frozen=True, slots=True)
+class ParentRows:
+    """What the writer knows of a set of keys after `wait_keys` (see the module contract)."""
+
+    lost: Mapping[str, str]  # key -> why its row is not durable (lost, or still pending at the deadline)
+    unvouched: tuple[str, ...]  # keys neither written nor lost here: to be proven durable by a read
+
+
+def _not_finished(timeout_s: float) -> str:
+    return f"staging write not finished within token_capture.stage_timeout_s={timeout_s}s"
+
+
 class StageWriter:
     def __init__(
         self,
@@ -80,20 +114,30 @@ class StageWriter:
         timeout_s: float,
         max_batch: int = DEFAULT_MAX_BATCH,
         max_rollouts: int = DEFAULT_MAX_ROLLOUTS,
+        max_written_keys: int = DEFAULT_MAX_WRITTEN_KEYS,
     ) -> None:
         if timeout_s <= 0:
             raise ValueError(f"timeout_s={timeout_s}: must be > 0 (token_capture.stage_timeout_s)")
-        if max_batch < 1 or max_rollouts < 1:
-            raise ValueError(f"max_batch={max_batch}, max_rollouts={max_rollouts}: both must be >= 1")
+        if max_batch < 1 or max_rollouts < 1 or max_written_keys < 1:
+            raise ValueError(
+                f"max_batch={max_batch}, max_rollouts={max_rollouts}, max_written_keys={max_written_keys}: "
+                "all must be >= 1"
+            )
         self._store = store
         self._partition = partition
         self._timeout_s = timeout_s
         self._max_batch = max_batch
         self._max_rollouts = max_rollouts
+        self._max_written_keys = max_written_keys
         self._cv = threading.Condition()
         self._queue: deque[_Queued] = deque()
-        self._pending: dict[str, set[str]] = {}  # rollout_id -> keys queued or in flight
-        self._failed: OrderedDict[str, dict[str, str]] = OrderedDict()  # rollout_id -> key -> why
+        self._pending: dict[str, set[str]] = {}  # rollout_id -> keys queued or in a write
+        self._pending_keys: set[str] = set()
+        self._abandoned: set[str] = set()  # in a write the report barrier gave up on (lost already)
+        self._failed: OrderedDict[str, dict[str, str]] = OrderedDict()  # rollout_id -> key -> why (LRU)
+        self._lost: dict[str, str] = {}  # key -> why, the same entries as `_failed`, by key
+        self._written: OrderedDict[str, None] = OrderedDict()  # LRU of keys whose write returned
+        self._on_written: dict[str, list[Callable[[], object]]] = {}
         self._closed = False
         self._fatal: BaseException | None = None
         self.stats: Counter[str] = Counter()  # rows, batches, failed_rows, write_s, flush_wait_s, ...
@@ -112,10 +156,23 @@ class StageWriter:
                 raise StageWriterFailedError(f"the stage writer for {self._partition!r} is closed; {key!r} not queued")
             self._queue.append(_Queued(rollout_id, key, row))
             self._pending.setdefault(rollout_id, set()).add(key)
+            self._pending_keys.add(key)
             self._cv.notify_all()
 
+    def when_written(self, key: str, fn: Callable[[], object]) -> bool:
+        """Run `fn` once `key` is written (see the module contract); False if it never will be."""
+        with self._cv:
+            if key in self._pending_keys:
+                self._on_written.setdefault(key, []).append(fn)
+                return True
+            if key not in self._written:
+                return False  # lost, or unvouched
+            self._written.move_to_end(key)
+            fn()
+            return True
+
     def flush(self, rollout_ids: Sequence[str], timeout_s: float) -> dict[str, str]:
-        """Wait until the rollouts' rows are written; {staging_key: why} for those that are not."""
+        """Wait until the rollouts' rows are written; {staging_key: why} for those that are lost."""
         ids = list(rollout_ids)
         started = time.monotonic()
         deadline = started + timeout_s
@@ -123,13 +180,10 @@ class StageWriter:
             while any(r in self._pending for r in ids):
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
+                    self._give_up(set(ids), timeout_s)
                     break
                 self._cv.wait(remaining)
-            failures: dict[str, str] = {}
-            for rollout_id in ids:
-                failures.update(self._failed.pop(rollout_id, {}))
-                for key in sorted(self._pending.get(rollout_id, ())):
-                    failures[key] = f"staging write not finished within token_capture.stage_timeout_s={timeout_s}s"
+            failures = {key: why for rollout_id in ids for key, why in self._failed.get(rollout_id, {}).items()}
             waited = time.monotonic() - started
             self.stats["flushes"] += 1
             self.stats["flush_wait_s"] += waited
@@ -137,35 +191,54 @@ class StageWriter:
         wire_metrics.add_counter("stage_flush_wait_s", waited)
         return failures
 
-    def wait_keys(self, keys: Sequence[str], timeout_s: float) -> dict[str, str]:
-        """Wait until none of `keys` is queued or in flight here; {key: why} for those not written.
+    def _give_up(self, rollout_ids: set[str], timeout_s: float) -> None:
+        """The report deadline passed: withdraw the rollouts' queued rows, abandon their writes (lock held)."""
+        queued = [q for q in self._queue if q.rollout_id in rollout_ids]
+        self._queue = deque(q for q in self._queue if q.rollout_id not in rollout_ids)
+        withdrawn = {q.key for q in queued}
+        for rollout_id in sorted(rollout_ids & set(self._pending)):
+            for key in sorted(self._pending.pop(rollout_id)):
+                self._pending_keys.discard(key)
+                self._on_written.pop(key, None)
+                if key in withdrawn:
+                    why = f"{_not_finished(timeout_s)}: withdrawn from the queue, never written"
+                    self.stats["withdrawn_rows"] += 1
+                else:
+                    why = f"{_not_finished(timeout_s)}: abandoned in its write, a late landing is never used"
+                    self._abandoned.add(key)
+                    self.stats["abandoned_rows"] += 1
+                self._lose(rollout_id, key, why)
+        self._cv.notify_all()
 
-        Keys this writer never queued are not its to answer for (another worker's, or written long
-        ago): they are neither waited for nor reported. Failures are reported, not forgotten (the
-        served report still names them).
-        """
-        wanted = set(keys)
+    def wait_keys(self, keys: Sequence[str], timeout_s: float) -> ParentRows:
+        """Wait until none of `keys` is pending here; which are lost, and which this writer cannot vouch for."""
+        wanted = list(dict.fromkeys(keys))
         started = time.monotonic()
         deadline = started + timeout_s
         with self._cv:
-            while wanted & self._pending_keys():
+            while self._pending_keys.intersection(wanted):
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     break
                 self._cv.wait(remaining)
-            lost = {key: why for failed in self._failed.values() for key, why in failed.items() if key in wanted}
-            for key in wanted & self._pending_keys():
-                lost[key] = f"staging write not finished within token_capture.stage_timeout_s={timeout_s}s"
+            lost: dict[str, str] = {}
+            unvouched: list[str] = []
+            for key in wanted:
+                if key in self._pending_keys:
+                    lost[key] = _not_finished(timeout_s)
+                elif key in self._lost:
+                    lost[key] = self._lost[key]
+                elif key in self._written:
+                    self._written.move_to_end(key)
+                else:
+                    unvouched.append(key)
             self.stats["parent_waits"] += 1
             self.stats["parent_wait_s"] += time.monotonic() - started
-            return lost
-
-    def _pending_keys(self) -> set[str]:
-        return {key for keys in self._pending.values() for key in keys}
+            return ParentRows(lost, tuple(unvouched))
 
     def pending_rows(self) -> int:
         with self._cv:
-            return sum(len(keys) for keys in self._pending.values())
+            return len(self._pending_keys)
 
     def close(self, timeout_s: float) -> None:
         """Write what is queued, then stop the thread (bounded by `timeout_s`)."""
@@ -202,21 +275,51 @@ class StageWriter:
                 raise
             finally:
                 self._settle(batch, error, time.perf_counter() - started)
+            if self._fatal is not None:  # a `when_written` callback raised while settling: a bug
+                raise self._fatal
+
+    def _lose(self, rollout_id: str, key: str, why: str) -> None:
+        """Remember `key` as lost (lock held); the oldest rollouts' failures are evicted past the bound."""
+        self._failed.setdefault(rollout_id, {})[key] = why
+        self._failed.move_to_end(rollout_id)
+        self._lost[key] = why
+        while len(self._failed) > self._max_rollouts:
+            _, evicted = self._failed.popitem(last=False)
+            for old in evicted:
+                self._lost.pop(old, None)
+            self.stats["failures_evicted_rollouts"] += 1
 
     def _settle(self, batch: list[_Queued], error: str | None, elapsed_s: float) -> None:
         with self._cv:
             for item in batch:
+                if item.key in self._abandoned:  # the report already named it lost; its outcome changes nothing
+                    self._abandoned.discard(item.key)
+                    self.stats["late_rows_landed" if error is None else "late_rows_failed"] += 1
+                    continue
                 keys = self._pending.get(item.rollout_id)
                 if keys is not None:
                     keys.discard(item.key)
                     if not keys:
                         del self._pending[item.rollout_id]
+                self._pending_keys.discard(item.key)
+                callbacks = self._on_written.pop(item.key, ())
                 if error is not None:
-                    self._failed.setdefault(item.rollout_id, {})[item.key] = error
-                    self._failed.move_to_end(item.rollout_id)
-            while len(self._failed) > self._max_rollouts:
-                self._failed.popitem(last=False)
-                self.stats["failures_evicted_rollouts"] += 1
+                    self._lose(item.rollout_id, item.key, error)
+                    continue
+                self._written[item.key] = None
+                self._written.move_to_end(item.key)
+                while len(self._written) > self._max_written_keys:
+                    self._written.popitem(last=False)
+                for fn in callbacks:
+                    if self._fatal is None:
+                        self._call(fn, item.key)
+            if self._fatal is not None and self._queue:
+                for item in self._queue:  # a callback bug stops the writer: what is queued is lost
+                    self._pending_keys.discard(item.key)
+                    self._pending.get(item.rollout_id, set()).discard(item.key)
+                    self._lose(item.rollout_id, item.key, f"stage writer crashed: {type(self._fatal).__name__}: {self._fatal}")
+                self._pending = {r: keys for r, keys in self._pending.items() if keys}
+                self._queue.clear()
             self.stats["batches"] += 1
             self.stats["rows"] += len(batch)
             self.stats["write_s"] += elapsed_s
@@ -227,3 +330,10 @@ class StageWriter:
         wire_metrics.add_counter("stage_write_batches", 1)
         wire_metrics.add_counter("stage_write_rows", len(batch))
         wire_metrics.add_counter("stage_write_s", elapsed_s)
+
+    def _call(self, fn: Callable[[], object], key: str) -> None:
+        try:
+            fn()
+        except Exception as e:  # a bug in what the worker runs on a written row: stop loudly
+            LOGGER.exception("when_written callback for %s raised; the stage writer stops", key)
+            self._fatal = e

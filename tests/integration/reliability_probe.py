@@ -124,7 +124,9 @@ def worker_cases(worker: str, root_coords: dict) -> dict[str, tuple[str, str, by
         "five_mb_message": ("POST", chat, json.dumps({**CHAT, "messages": [{"role": "user", "content": FIVE_MB}]}).encode()),
         "oversized_body": ("POST", chat, json.dumps({**CHAT, "pad": "y" * (9 * 1024 * 1024)}).encode()),
         "invalid_admission": ("POST", chat, admitted("c9", prev_len="many")),
-        "duplicate_model_call_id": ("POST", chat, admitted("c1")),
+        # c1 again with another body (a re-send of the very same body would be replayed, not refused).
+        "duplicate_model_call_id": ("POST", chat, json.dumps({**CHAT, "max_tokens": 7, "ng_capture": json.loads(
+            admitted("c1"))["ng_capture"]}).encode()),
         "prefix_hash_disagrees": ("POST", chat, admitted("c2", **{**child, "parent_chain_hash": "0" * 64})),
         "prefix_len_disagrees": ("POST", chat, admitted("c3", **{**child, "prev_len": root_coords["cum_len"] + 1})),
         "inline_prefix_outside_vocab": ("POST", chat, admitted("c4", mode="token_in", parent_call_id="c1", prev_len=2,

@@ -2,6 +2,17 @@
 
 Real components only: private Ray, TransferQueue, the vLLM CPU engine in its flavored venv,
 Gym's gate and simple_agent plus our resources server as loopback subprocesses.
+
+The run also proves transport re-sends are idempotent: `--drop-first-reply` puts a loopback
+forwarder between the gate and the worker that closes the gate's connection right after it read
+the worker's reply to the rollout's first call. Gym re-sends then: its `server_utils.request`
+encodes the JSON body once (`kwargs["data"] = orjson.dumps(kwargs.pop("json"))`) and
+`_request_with_retries` loops on `client.request(...)`, catching `ServerDisconnectedError` and
+`ClientOSError` ("Retrying forever is wrong if the endpoint is expected to sometimes die and
+move": with `_max_connection_retries=None`, the gate's setting without an `endpoint_file`, it
+sleeps 0.5 s and re-sends the same bytes, forever). A connection closed before any response byte
+is exactly that case. The worker must replay the committed reply: the rollout is kept and exact,
+one generation per call, one replay.
 """
 
 from __future__ import annotations
@@ -20,7 +31,8 @@ REPO = Path(__file__).resolve().parents[2]
 @pytest.mark.integration
 def test_capture_one_rollout_verifies_and_matches_engine(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "examples/capture_one_rollout.py", "--log-dir", str(tmp_path / "logs"), "--seed", "3"],
+        [sys.executable, "examples/capture_one_rollout.py", "--log-dir", str(tmp_path / "logs"), "--seed", "3",
+         "--drop-first-reply"],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -49,3 +61,8 @@ def test_capture_one_rollout_verifies_and_matches_engine(tmp_path):
     # no continuation fetched its parent from TQ.
     assert stats["prefix_cache_fetched_keys"] == 0
     assert stats["prefix_cache_seeded_keys"] == summary["staged"]
+    # The dropped reply was re-sent by the gate and replayed by the worker: one generation per call.
+    assert summary["link"]["dropped"] == 1
+    assert stats["calls"]["replayed_calls"] == 1
+    assert stats["served_calls"] == summary["calls"] == summary["served_report_calls"]
+    assert stats["calls"].get("duplicate_model_call_id", 0) == 0

@@ -433,9 +433,36 @@ async def test_a_finalizer_that_loses_items_is_an_accounting_error():
 # --- served report, min valid fraction, external harnesses ------------------------------------------
 
 
-async def test_an_unavailable_served_report_is_counted_and_the_judge_runs_without_it():
+async def test_without_the_served_report_nothing_is_read_under_write_behind():
+    # The report is the write-behind barrier: without it the group's rows may still be queued on a
+    # worker, so no finalizer reads them; each rollout is a placeholder that names the report's error.
+    script = ["success", "poisoned", "run_error"]
+    served = ScriptedServed(script, error=WorkerError("vLLM worker take_served exceeded its 30s deadline"))
+    manager, _, finalizer, cleaner = _manager(script, served=served)
+    group = await manager.run_group(0, 0, {}, 3)
+
+    assert finalizer.items == []  # nothing was read
+    detail = ("the workers' served-call report is unavailable (WorkerError: vLLM worker take_served exceeded its 30s "
+              "deadline), so nothing proves this rollout's staged rows were written "
+              "(token_capture.stage_write=behind_reply): none is read")
+    assert [(e.reason, e.detail, e.reward) for e in group.entries[:2]] == [
+        (R.SERVED_REPORT_UNAVAILABLE, detail, 1.0), (R.SERVED_REPORT_UNAVAILABLE, detail, 1.0)]
+    assert group.entries[2].reason == R.RUN_FAILED  # a failed run keeps its own reason
+    assert group.entries[0].yield_ == RolloutYield(None, 0, (), 0)
+    assert served.asked == [["run7-s0-g0-i0-a0", "run7-s0-g0-i1-a0", "run7-s0-g0-i2-a0"]]
+    assert cleaner.reported == [None]  # retention still runs; the cleaner finds the orphans itself
+    assert manager.take_served_report_failures() == 1
+    assert manager.take_served_report_failures() == 0
+
+
+async def test_without_the_served_report_the_judge_runs_under_before_reply():
+    # Under before_reply every row was durable before its reply, so the judge reads and fails closed
+    # where it needs the report.
     served = ScriptedServed(["success", "poisoned"], error=WorkerError("vLLM worker died during take_served: gone"))
-    manager, _, finalizer, _ = _manager(["success", "poisoned"], served=served)
+    config = _config()
+    config = config.model_copy(update={"capture": config.capture.model_copy(update={"stage_write": "before_reply"})})
+    env, finalizer = ScriptedEnv(["success", "poisoned"]), ScriptedFinalizer(["success", "poisoned"], config.capture)
+    manager = RolloutManager(config, env, finalizer, RecordingCleaner(), served)
     group = await manager.run_group(0, 0, {}, 2)
 
     assert [item.served for item in finalizer.items] == [None, None]
@@ -443,9 +470,7 @@ async def test_an_unavailable_served_report_is_counted_and_the_judge_runs_withou
     assert group.entries[0].yield_ == RolloutYield(None, 2, (), 1)
     assert (group.entries[1].reason, group.entries[1].detail) == (
         R.CAPTURE_POISONED, "served_not_staged_unlocated: calls ['c1'] (['worker_capture_failed'])")
-    assert served.asked == [["run7-s0-g0-i0-a0", "run7-s0-g0-i1-a0"]]
     assert manager.take_served_report_failures() == 1
-    assert manager.take_served_report_failures() == 0
 
 
 async def test_a_group_below_the_min_valid_fraction_is_dropped_whole_and_counted():

@@ -8,7 +8,7 @@ Contract:
   (`snapshot.prev_len == len(prefix)`), and the running chain hash recomputed from the deltas
   must equal the snapshot's and, at the end, the admission's `parent_chain_hash`. Any mismatch
   raises `PrefixMismatchError`; the worker never generates from an unverified prefix.
-- `seed(key, ...)` enters a delta this worker has just staged, so the next turn of the same
+- `seed(key, ...)` enters a delta this worker has staged (once its row is durable), so the next turn of the same
   rollout on this worker fetches nothing. A seeded entry is exactly the entry a fetch of `key`
   in the chain `[..., parent_key, key]` would produce (`CacheEntry(parent_key, delta, cum_len,
   chain_hash)`), and it is admitted under the same checks a fetch passes: the delta is
@@ -17,6 +17,11 @@ Contract:
   fails them is not cached (`seed` returns False and counts it in `seed_rejected`); a key
   already cached is replaced by the seeded entry (the worker's write is what the store now
   holds). A key that is not cached is fetched and verified by a later resolve as before.
+- Only durable rows enter the cache: a fetched snapshot was read from the store, and the worker
+  seeds a delta only once its row is written (`serving.ChatService._seed_when_durable`), so a
+  cache hit proves its parent durable as a read would.
+- `staged_tip(key)` is the (cum_len, chain_hash) of one staged row, cached or read (not cached):
+  how the worker proves an inline prefix's parent durable.
 - The cache holds per-key deltas with a parent link (memory linear in tokens) and evicts least
   recently used keys beyond `max_tokens`; a single delta longer than `max_tokens` is never
   cached (it would evict everything else and then itself). Fetched and seeded entries share the
@@ -147,6 +152,21 @@ class PrefixCache:
             self._insert(key, CacheEntry(parent_key, ids, cum_len, chain_hash))
             self.seeded_keys += key in self._entries
             return True
+
+    def staged_tip(self, key: str) -> tuple[int, str]:
+        """(cum_len, chain_hash) of the staged row `key`: from the cache, else read from the source.
+
+        A read is not cached (a lone row names no chain position); the source's errors propagate.
+        """
+        with self._lock:
+            cached = self._entries.get(key)
+        if cached is not None:
+            return cached.cum_len, cached.chain_hash
+        snapshots = self._source.fetch([key])
+        if len(snapshots) != 1:
+            raise PrefixError(f"staging source returned {len(snapshots)} snapshots for 1 key")
+        self.fetched_keys += 1
+        return snapshots[0].cum_len, snapshots[0].chain_hash
 
     def entry(self, key: str) -> CacheEntry | None:
         """The cached entry of `key` (no LRU touch), or None."""

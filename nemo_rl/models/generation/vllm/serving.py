@@ -21,6 +21,8 @@ Contract (the transport, `server.py`, is a thin shell over `ChatService`):
 - Prefix seeding: a staged ROOT or `staging_chain` continuation enters the `PrefixCache` as the
   entry a fetch of its key would give (`PrefixCache.seed` checks the delta against the staged
   chain hash), so the next turn of the rollout on this worker resolves its chain without a fetch.
+  It enters only once its row is durable (write-behind: `StageBarrier.when_written`, a lost row
+  never seeds; before-reply: at once), so the cache holds only durable rows.
 - Never a silently uncaptured success: if custody fails after generation (tail cannot be
   rendered exactly, staging fails or times out), the reply carries `capture_failed` coords and
   the reason is counted and kept in `capture_failures`.
@@ -32,11 +34,19 @@ Contract (the transport, `server.py`, is a thin shell over `ChatService`):
   invalid request (`request_rules.check_chat_request`, the chat template refusing the
   messages, sampling values the engine refuses) or admission (Gym's `CaptureAdmission`, inline
   prefix ids outside the vocabulary), 409 `prefix_mismatch` when staged records do not form the
-  chain the admission names, 409 `duplicate_model_call_id` when this worker already served
-  the same (rollout_id, model_call_id) (remembered LRU, `max_admitted_calls`; a call refused
-  or not generated is forgotten, so its retry is admitted; a call generated once, staged or
-  `capture_failed`, is never generated again). Generation never starts from an
-  unverified prefix.
+  chain the admission names, 409 `duplicate_model_call_id` when this worker already admitted
+  the same (rollout_id, model_call_id) under another request body (remembered LRU,
+  `max_admitted_calls`; a call refused or not generated is forgotten, so its retry is admitted; a
+  call generated once, staged or `capture_failed`, is never generated again). Generation never
+  starts from an unverified prefix.
+- Transport re-sends are idempotent: the registry keeps each admitted call's request digest
+  (`request_digest`: sha256 of the whole body's canonical JSON; a re-send is the same bytes, so no
+  field may differ) and, once answered, its reply. A re-send of a committed call with the same
+  digest gets that reply (same ids, same `ng_commit_coords`; nothing generated, staged or recorded;
+  `stats["replayed_calls"]`). A re-send of a call still in flight waits for it (bounded by
+  `duplicate_wait_s`, the worker's `duplicate_wait_bound_s`), then is replayed, or, if the first
+  was refused or not generated, admitted in its place; past the bound it is 409. A call generated
+  without a committed reply (a bug raised after generation) is 409, never replayed.
 - Expected failures of the components are 503s with a named type, and nothing else is: the
   staging source's named errors (`StagingFetchError`: missing key, store unavailable or past its
   deadline) and data-plane errors are `staging_unavailable` (a stored record that is not a valid
@@ -55,24 +65,33 @@ Contract (the transport, `server.py`, is a thin shell over `ChatService`):
   (generated-token count, parent, staged or why not, this worker's index) in a bounded per-rollout
   registry; `take_served(rollout_ids)` pops them. Under write-behind staging (a `StageBarrier`
   installed) it first waits for the rollouts' queued rows and marks a call whose row did not land
-  as not staged (`stats["capture_failed"]`, `capture_failures`, an error log line).
-- Parents are durable before children (write-behind): a `staging_chain` admission first waits
-  (bounded by the barrier's deadline) until every parent row this worker queued is written; a
-  parent row that failed or is still in flight at the deadline answers 503 `staging_unavailable`
-  naming the keys, and nothing is generated. Parents staged by another worker are waited for by
-  the prefix source (a missing key is re-read until it appears, bounded). Plain calls and calls that produced no
-  completion (rejected, or the engine raised) leave none. Past `max_served_rollouts` rollouts the
-  least recently written one is dropped and counted in `stats["served_evicted_rollouts"]`.
+  as not staged (`stats["capture_failed"]`, `capture_failures`, an error log line): a row the
+  writer withdrew or abandoned at the deadline is lost for good (`stage_writer.py`). Plain calls,
+  replayed re-sends and calls that produced no completion (rejected, or the engine raised) leave
+  none. Past `max_served_rollouts` rollouts the least recently written one is dropped and counted
+  in `stats["served_evicted_rollouts"]`.
+- The one parents' check (`_check_parents`), for every continuation, `staging_chain` or inline
+  prefix, under write-behind: parents this worker queued must be written (`StageWriter.wait_keys`,
+  bounded by the barrier's deadline; lost or still pending: 503 `staging_unavailable` naming the
+  keys, nothing generated); a parent it cannot vouch for is proven by the store (the chain's
+  resolve reads what the cache lacks, and the cache holds only durable rows; an inline parent is
+  read, `PrefixCache.staged_tip`, and must end at `prev_len` with `parent_chain_hash`, else 409
+  `prefix_mismatch`). Parents staged by another worker are waited for by the prefix source (a
+  missing key is re-read until it appears, bounded).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
+import hashlib
+import json
 import logging
 import threading
 import time
 from collections import Counter, OrderedDict, deque
-from dataclasses import dataclass, replace
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from jinja2 import TemplateError
@@ -114,11 +133,21 @@ from nemo_rl.models.generation.vllm.prefix_cache import PrefixCache, PrefixError
 from nemo_rl.models.generation.vllm.request_rules import RequestFieldError, check_chat_request
 from nemo_rl.token_capture import wire_metrics  # opt-in per-call cost (benchmarks/capture_ab.py)
 from nemo_rl.token_capture.served import ServedCall
+from nemo_rl.token_capture.stage_writer import ParentRows
 from nemo_rl.token_capture.staging import StagedRecordInvalidError, StagingFetchError
 
 LOGGER = logging.getLogger(__name__)
 
 DEFAULT_MAX_SERVED_ROLLOUTS = 100_000
+# How long a re-send waits for the same call still in flight before it is refused (409). The worker
+# passes its own bound (`duplicate_wait_bound_s`); this is the default of a bare ChatService.
+DEFAULT_DUPLICATE_WAIT_S = 60.0
+
+
+def duplicate_wait_bound_s(generate_timeout_s: float, stage_timeout_s: float) -> float:
+    """The longest an admitted call can take here: the parents' wait, a prefix read (which may wait
+    for a missing key), the generation and a before-reply write, each under its own deadline."""
+    return generate_timeout_s + 3 * stage_timeout_s
 
 
 class HttpError(Exception):
@@ -141,30 +170,79 @@ def _admission_field(e: ValidationError) -> str:
     return ".".join(["ng_capture", *(str(part) for part in loc)])
 
 
+def request_digest(body: Mapping[str, Any]) -> str:
+    """sha256 of the request body's canonical JSON (sorted keys, no whitespace): what a re-send must match.
+
+    The whole body, every field: a transport re-send carries the very bytes of the original (Gym's
+    client re-sends the same encoded body after a connection error), so no field may differ. Any
+    difference (another message, other sampling values, another admission) is another request
+    under a used id, answered 409.
+    """
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+@dataclass(eq=False)
+class AdmittedCall:
+    """One admitted (rollout_id, model_call_id): its request digest and, once answered, its reply.
+
+    Mutable bookkeeping owned by `AdmittedCalls` (it flips under the registry's lock)."""
+
+    digest: str
+    settled: asyncio.Event = field(default_factory=asyncio.Event)  # set once committed, released or spoiled
+    reply_json: bytes | None = None  # the committed reply, compact JSON (replayed to a re-send)
+    spoiled: bool = False  # generated, but no reply was committed (a bug raised after generation)
+
+
 class AdmittedCalls:
-    """Bounded LRU set of admitted (rollout_id, model_call_id) pairs; thread-safe."""
+    """Bounded LRU of admitted (rollout_id, model_call_id) -> `AdmittedCall`; thread-safe.
+
+    Memory: per remembered call its key, a digest and the committed reply as compact JSON (the
+    reply carries no token echo: message, finish_reason, id and commit coordinates).
+    """
 
     def __init__(self, max_calls: int) -> None:
         if max_calls < 1:
             raise ValueError(f"max_calls={max_calls}: must be >= 1")
         self._max_calls = max_calls
-        self._calls: OrderedDict[tuple[str, str], None] = OrderedDict()
+        self._calls: OrderedDict[tuple[str, str], AdmittedCall] = OrderedDict()
         self._lock = threading.Lock()
 
-    def claim(self, key: tuple[str, str]) -> bool:
-        """Remember `key`; False when it is already remembered (a duplicate)."""
+    def claim(self, key: tuple[str, str], digest: str) -> AdmittedCall | None:
+        """Remember `key` as admitted with `digest` and return None; if it is remembered, its entry."""
         with self._lock:
-            if key in self._calls:
+            known = self._calls.get(key)
+            if known is not None:
                 self._calls.move_to_end(key)
-                return False
-            self._calls[key] = None
+                return known
+            self._calls[key] = AdmittedCall(digest)
             while len(self._calls) > self._max_calls:
                 self._calls.popitem(last=False)
-            return True
+            return None
+
+    def commit(self, key: tuple[str, str], reply: Mapping[str, Any]) -> None:
+        """The call was answered with `reply`: a re-send of the same request replays it."""
+        encoded = json.dumps(reply, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
+        with self._lock:
+            call = self._calls.get(key)
+            if call is not None:
+                call.reply_json = encoded
+                call.settled.set()
+
+    def spoil(self, key: tuple[str, str]) -> None:
+        """The call was generated but no reply was committed: never generated again, never replayed."""
+        with self._lock:
+            call = self._calls.get(key)
+            if call is not None:
+                call.spoiled = True
+                call.settled.set()
 
     def release(self, key: tuple[str, str]) -> None:
+        """Forget a call refused or not generated, so its retry is admitted afresh."""
         with self._lock:
-            self._calls.pop(key, None)
+            call = self._calls.pop(key, None)
+        if call is not None:
+            call.settled.set()
 
     def __len__(self) -> int:
         with self._lock:
@@ -191,7 +269,9 @@ class StageBarrier(Protocol):
 
     def flush(self, rollout_ids: list[str], timeout_s: float) -> dict[str, str]: ...
 
-    def wait_keys(self, keys: list[str], timeout_s: float) -> dict[str, str]: ...
+    def wait_keys(self, keys: list[str], timeout_s: float) -> ParentRows: ...
+
+    def when_written(self, key: str, fn) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -296,13 +376,17 @@ class ChatService:
         max_admitted_calls: int,
         worker_index: int = 0,
         max_served_rollouts: int = DEFAULT_MAX_SERVED_ROLLOUTS,
+        duplicate_wait_s: float = DEFAULT_DUPLICATE_WAIT_S,
     ) -> None:
         if max_model_len < 1:
             raise ValueError(f"max_model_len={max_model_len}: must be >= 1")
         if vocab_size < 1:
             raise ValueError(f"vocab_size={vocab_size}: must be >= 1")
         self._vocab_size = vocab_size
+        if duplicate_wait_s <= 0:
+            raise ValueError(f"duplicate_wait_s={duplicate_wait_s}: must be > 0")
         self._admitted = AdmittedCalls(max_admitted_calls)
+        self._duplicate_wait_s = duplicate_wait_s
         self._engine = engine
         self._tokenizer = tokenizer
         self._parse_tool_calls = get_tool_call_parser(tool_call_parser)
@@ -353,15 +437,9 @@ class ChatService:
             return await self._serve_plain(messages, tools, sampling)
         admission = self._validate_admission(raw_admission)
         key = (admission.rollout_id, admission.model_call_id)
-        if not self._admitted.claim(key):
-            self.stats["duplicate_model_call_id"] += 1
-            raise HttpError(
-                409,
-                "duplicate_model_call_id",
-                f"rollout {admission.rollout_id!r} call {admission.model_call_id!r} was already admitted by this "
-                "worker; a model_call_id is served once (fix: mint a fresh model_call_id per call)",
-                param="ng_capture.model_call_id",
-            )
+        replay = await self._claim_or_replay(key, request_digest(body), admission)
+        if replay is not None:
+            return replay
         try:
             plan = await self._plan_admitted(admission, body, messages, tools, sampling)
             result = await self._generate(plan.prompt_ids, plan.sampling)
@@ -370,7 +448,51 @@ class ChatService:
             # retry of the same call (Gym's client retries 5xx with the same body) may use it.
             self._admitted.release(key)
             raise
-        return await self._serve_admitted(plan, result)
+        try:
+            reply = await self._serve_admitted(plan, result)
+        except BaseException:
+            self._admitted.spoil(key)  # generated once: never again, and there is no reply to replay
+            raise
+        self._admitted.commit(key, reply)
+        return reply
+
+    async def _claim_or_replay(self, key: tuple[str, str], digest: str, admission: CaptureAdmission) -> dict | None:
+        """None once `key` is claimed for this request; the committed reply for a re-send of it.
+
+        A re-send (same id, same request digest) of a committed call gets the committed reply: same
+        ids, same commit coordinates, nothing generated, staged or recorded again. One still in flight
+        is waited for (bounded by `duplicate_wait_s`), then replayed; if the first was refused or not
+        generated it is forgotten and this one is admitted in its place. Anything else under a used id
+        (another body, a call generated without a reply, a wait past its bound) is 409.
+        """
+        started = time.monotonic()
+        while (known := self._admitted.claim(key, digest)) is not None:
+            if known.digest != digest:
+                raise self._duplicate(admission, "was already admitted by this worker with another request body")
+            if known.reply_json is not None:
+                self.stats["replayed_calls"] += 1
+                LOGGER.info("replayed the committed reply of rollout=%s call=%s to a re-send", *key)
+                return json.loads(known.reply_json)
+            if known.spoiled:
+                raise self._duplicate(admission, "was generated by this worker but never answered, so it is not replayed")
+            remaining = self._duplicate_wait_s - (time.monotonic() - started)
+            try:
+                await asyncio.wait_for(known.settled.wait(), max(remaining, 0.0))
+            except asyncio.TimeoutError:
+                raise self._duplicate(
+                    admission, f"is still in flight on this worker after {self._duplicate_wait_s:g}s"
+                ) from None
+        return None
+
+    def _duplicate(self, admission: CaptureAdmission, why: str) -> HttpError:
+        self.stats["duplicate_model_call_id"] += 1
+        return HttpError(
+            409,
+            "duplicate_model_call_id",
+            f"rollout {admission.rollout_id!r} call {admission.model_call_id!r} {why}; a model_call_id is served "
+            "once, and only a byte-identical re-send is replayed (fix: mint a fresh model_call_id per call)",
+            param="ng_capture.model_call_id",
+        )
 
     def take_served(self, rollout_ids: list[str]) -> list[ServedCall]:
         """Pop and return the served-call records of `rollout_ids` (unknown ids: nothing).
@@ -516,27 +638,22 @@ class ChatService:
         )
 
     async def _resolve_prefix(self, admission: CaptureAdmission, body: dict) -> list[int]:
+        """The parent's exact ids; every continuation passes the one parents' check first."""
         if admission.staging_chain:
-            where = f"staging_chain of call {admission.model_call_id}"
+            where, param = f"staging_chain of call {admission.model_call_id}", "ng_capture.staging_chain"
             if self.prefix_cache is None:
-                raise HttpError(
-                    503, "staging_unavailable", "no staging source is configured to resolve staging_chain",
-                    param="ng_capture.staging_chain",
-                )
-            await self._wait_for_parents(list(admission.staging_chain), where)
+                raise HttpError(503, "staging_unavailable", "no staging source is configured to resolve staging_chain",
+                                param=param)
+            await self._check_parents(admission, where, param)
             try:
                 # Bounded: every staging read carries token_capture.stage_timeout_s (the source's deadline).
                 return await asyncio.to_thread(
                     self.prefix_cache.resolve, list(admission.staging_chain), admission.prev_len, admission.parent_chain_hash
                 )
             except (PrefixMismatchError, StagedRecordInvalidError) as e:
-                raise HttpError(
-                    409, "prefix_mismatch", f"{where}: {type(e).__name__}: {e}", param="ng_capture.staging_chain"
-                ) from e
+                raise HttpError(409, "prefix_mismatch", f"{where}: {type(e).__name__}: {e}", param=param) from e
             except (PrefixError, StagingFetchError, DataPlaneError) as e:
-                raise HttpError(
-                    503, "staging_unavailable", f"{where}: {type(e).__name__}: {e}", param="ng_capture.staging_chain"
-                ) from e
+                raise HttpError(503, "staging_unavailable", f"{where}: {type(e).__name__}: {e}", param=param) from e
         inline = list(admission.required_prefix_token_ids)
         top = body.get("required_prefix_token_ids")
         if top not in (None, []) and list(top) != inline:
@@ -544,25 +661,60 @@ class ChatService:
                 400, "invalid_capture_admission", "top-level required_prefix_token_ids disagree with ng_capture",
                 param="required_prefix_token_ids",
             )
+        await self._check_parents(admission, f"inline prefix of call {admission.model_call_id}",
+                                  "ng_capture.required_prefix_token_ids")
         return inline
 
-    async def _wait_for_parents(self, chain: list[str], where: str) -> None:
-        """Write-behind: no child is generated before its parents' rows, written by this worker, are durable."""
+    async def _check_parents(self, admission: CaptureAdmission, where: str, param: str) -> None:
+        """The one parents' check: no continuation is generated from a parent whose row is not durable.
+
+        Under write-behind (a barrier installed) the parents are the `staging_chain` keys, or the
+        parent call's key for an inline prefix. Parents this worker queued must be written (a zero
+        deadline first, then a bounded off-thread wait); lost or still pending: 503, nothing generated.
+        A parent this writer cannot vouch for (another worker's, or forgotten) must be proven by the
+        store: a `staging_chain` resolve reads every key its cache lacks (and the cache holds only
+        rows written or read), an inline parent is read here (`_confirm_staged`). Under
+        `before_reply` every parent's reply left after its write, so there is nothing to wait for.
+        """
         if self._stage_barrier is None:
             return
+        parents = list(admission.staging_chain) or [staging_key(admission.rollout_id, admission.parent_call_id)]
         started = time.perf_counter()
         # Non-blocking first (a zero deadline never waits): the parents' writes have usually landed
         # during the agent's tool round trip, and a thread hop would cost more than the check.
-        lost = self._stage_barrier.wait_keys(chain, 0.0)
-        if lost:
-            lost = await asyncio.to_thread(self._stage_barrier.wait_keys, chain, self._stage_flush_timeout_s)
+        rows = self._stage_barrier.wait_keys(parents, 0.0)
+        if rows.lost:
+            rows = await asyncio.to_thread(self._stage_barrier.wait_keys, parents, self._stage_flush_timeout_s)
         wire_metrics.add_call_cost("parent_wait_s", time.perf_counter() - started)
-        if lost:
+        if rows.lost:
+            self.stats["parents_not_durable"] += 1
             raise HttpError(
                 503, "staging_unavailable",
                 f"{where}: parent row(s) this worker staged are not durable, so no child is generated from them: "
-                + "; ".join(f"{key}: {why}" for key, why in sorted(lost.items())),
-                param="ng_capture.staging_chain",
+                + "; ".join(f"{key}: {why}" for key, why in sorted(rows.lost.items())),
+                param=param,
+            )
+        if not admission.staging_chain:
+            for key in rows.unvouched:
+                await self._confirm_staged(key, admission, where, param)
+
+    async def _confirm_staged(self, key: str, admission: CaptureAdmission, where: str, param: str) -> None:
+        """An inline prefix's parent row, read from the store: it exists and ends where the admission says."""
+        if self.prefix_cache is None:
+            raise HttpError(503, "staging_unavailable",
+                            f"{where}: no staging source is configured to prove parent {key} durable", param=param)
+        try:
+            cum_len, chain_hash = await asyncio.to_thread(self.prefix_cache.staged_tip, key)
+        except StagedRecordInvalidError as e:
+            raise HttpError(409, "prefix_mismatch", f"{where}: {type(e).__name__}: {e}", param=param) from e
+        except (StagingFetchError, DataPlaneError, PrefixError) as e:
+            raise HttpError(503, "staging_unavailable", f"{where}: {type(e).__name__}: {e}", param=param) from e
+        if (cum_len, chain_hash) != (admission.prev_len, admission.parent_chain_hash):
+            raise HttpError(
+                409, "prefix_mismatch",
+                f"{where}: parent row {key} ends at {cum_len} ids with chain hash {chain_hash}, the admission says "
+                f"prev_len {admission.prev_len} and parent_chain_hash {admission.parent_chain_hash}",
+                param=param,
             )
 
     async def _serve_admitted(self, plan: _Plan, result: GenerationResultLike) -> dict:
@@ -576,7 +728,7 @@ class ChatService:
             coords = await asyncio.to_thread(self.capture.complete_call_from_response, call, _capture_payload(result))
             reason = None if coords.disposition == "staged" else "staging_failed (see worker log)"
         if reason is None:
-            self._seed_prefix_cache(admission, result, coords)
+            self._seed_when_durable(admission, result, coords)
         self.stats[f"{admission.mode}_calls"] += 1
         self.stats["served_calls"] += 1
         self._record_served(admission, generated_tokens=len(result.token_ids), failure=reason)
@@ -592,17 +744,31 @@ class ChatService:
         reply["ng_commit_coords"] = coords.model_dump(mode="json")
         return reply
 
-    def _seed_prefix_cache(self, admission: CaptureAdmission, result: GenerationResultLike, coords: CommitCoords) -> None:
-        """Cache the delta just staged, so this rollout's next turn here resolves it without a fetch.
+    def _seed_when_durable(self, admission: CaptureAdmission, result: GenerationResultLike, coords: CommitCoords) -> None:
+        """Seed the prefix cache with the delta just staged, once its row is durable.
 
+        The cache holds only durable rows (a cache hit skips the store read that would prove a
+        parent durable): under write-behind the seed runs when the writer has written the row
+        (`StageBarrier.when_written`; a row that is lost never seeds), under `before_reply` at once.
         Only chain members are seeded: a ROOT (`text`) or a `staging_chain` continuation, whose key
-        follows `staging_chain[-1]` in the chain Gym names for the next turn. The cache checks the
-        delta against the staged chain hash (`PrefixCache.seed`).
+        follows `staging_chain[-1]` in the chain Gym names for the next turn.
         """
         if self.prefix_cache is None or coords.staging_key is None:
             return
         if admission.mode == "token_in" and not admission.staging_chain:
             return  # an inline-prefix parent is not a staging_chain member
+        seed = functools.partial(self._seed_prefix_cache, admission, result, coords)
+        if self._stage_barrier is None:
+            seed()
+        elif not self._stage_barrier.when_written(coords.staging_key, seed):
+            self.stats["prefix_seed_skipped_lost"] += 1
+
+    def _seed_prefix_cache(self, admission: CaptureAdmission, result: GenerationResultLike, coords: CommitCoords) -> None:
+        """Cache a durable staged delta, so this rollout's next turn here resolves it without a fetch.
+
+        The cache checks the delta against the staged chain hash (`PrefixCache.seed`).
+        """
+        assert self.prefix_cache is not None and coords.staging_key is not None  # `_seed_when_durable` checked
         parent_key = admission.staging_chain[-1] if admission.mode == "token_in" else None
         started = time.perf_counter()
         delta = (list(result.prompt_token_ids) + list(result.token_ids))[admission.prev_len :]

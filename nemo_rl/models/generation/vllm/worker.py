@@ -21,8 +21,11 @@ Contract:
   `RolloutTokenCapture` with the TransferQueue sink over the `ChatService`, and gives the
   service a bounded `PrefixCache` over the TQ source for `staging_chain` admissions. Under
   `token_capture.stage_write=behind_reply` it also starts the worker's `StageWriter` (staged rows
-  written behind the reply, batched) and installs it as the service's served-report barrier;
-  `shutdown` writes what is queued before closing the data-plane client.
+  written behind the reply, batched) and installs it as the service's barriers (served report,
+  parents' check, prefix seeding once durable); `wire_capture` is that wiring over any data-plane
+  client (the unit tests use it over an in-memory one). `shutdown` writes what is queued before
+  closing the data-plane client. A re-send waits for its call still in flight at most
+  `generate_timeout_s + 3 * stage_timeout_s` (`serving.duplicate_wait_bound_s`).
 - `update_weights(dir, version)` refits the engine; every later sample carries `version`. A `dir`
   this worker cannot see raises `WorkerError` naming `grpo.refit_dir` (on several nodes it must
   be on a shared filesystem) before the engine is touched; `check_shared_dir(probe)` proves the
@@ -40,7 +43,9 @@ Contract:
   the prefix cache read from TransferQueue, `prefix_cache_seeded_keys` the ones it took from
   this worker's own staging writes (a same-worker continuation fetches nothing),
   `prefix_fetch_missing_waits` the re-reads of a parent another worker was still writing, and
-  `stage_writer` the write-behind writer's counters (rows, batches, write_s, failed_rows, ...).
+  `stage_writer` the write-behind writer's counters (rows, batches, write_s, failed_rows,
+  withdrawn_rows, abandoned_rows, late_rows_landed, ...); `calls["replayed_calls"]` counts
+  re-sends answered with a committed reply.
 """
 
 from __future__ import annotations
@@ -68,6 +73,37 @@ class WorkerError(RuntimeError):
 class WorkerFailedError(WorkerError):
     """The worker is in its terminal failed state (engine failed, or a bug hit a route): it serves
     nothing more, so the run must stop; the message carries the reason (a bug's traceback)."""
+
+
+def wire_capture(service, client, capture_cfg: TokenCaptureConfig, engine) -> tuple:
+    """Install Gym's capture (TQ sink), the TQ-backed prefix cache and, under `behind_reply`, the
+    stage writer and its barriers on `service`; returns (writer or None, prefix source).
+
+    `client` is the data plane (`DataPlaneClient`, or anything with its put/put_many/get/clear).
+    """
+    from nemo_gym.token_id_capture.adapters.vllm import VLLMCaptureAdapter
+    from nemo_gym.token_id_capture.staging import install_capture
+
+    from nemo_rl.models.generation.vllm.prefix_cache import PrefixCache
+    from nemo_rl.token_capture.stage_writer import StageWriter
+    from nemo_rl.token_capture.staging import TQTokenSink, TQTokenSource
+
+    partition = capture_cfg.staging_partition
+    timeout_s = capture_cfg.stage_timeout_s
+    behind = capture_cfg.stage_write == "behind_reply"
+    writer = StageWriter(client, partition, timeout_s=timeout_s) if behind else None
+    if writer is not None:
+        service.install_stage_barrier(writer, timeout_s)
+    install_capture(
+        service,
+        sink=TQTokenSink(client, partition, timeout_s=timeout_s, writer=writer),
+        weight_version_fn=lambda: engine.weight_version,
+        adapter=VLLMCaptureAdapter(),
+    )
+    # Under write-behind a parent staged by another worker may still be in its write.
+    source = TQTokenSource(client, partition, timeout_s=timeout_s, missing_wait_s=timeout_s if behind else 0.0)
+    service.install_prefix_cache(PrefixCache(source, capture_cfg.prefix_cache_max_tokens))
+    return writer, source
 
 
 class VllmGenerationWorker:
@@ -99,7 +135,7 @@ class VllmGenerationWorker:
         from transformers import AutoTokenizer
 
         from nemo_rl.models.generation.vllm.engine import VllmEngine, wait_ready
-        from nemo_rl.models.generation.vllm.serving import ChatService
+        from nemo_rl.models.generation.vllm.serving import ChatService, duplicate_wait_bound_s
 
         t0 = time.monotonic()
         try:
@@ -124,6 +160,7 @@ class VllmGenerationWorker:
             vocab_size=len(tokenizer),
             max_admitted_calls=self._gen.vllm.max_admitted_calls,
             worker_index=self._worker_index,
+            duplicate_wait_s=duplicate_wait_bound_s(self._gen.vllm.generate_timeout_s, self._capture_cfg.stage_timeout_s),
         )
         engine = self._engine
         self._endpoint.engine_failure = lambda: engine.failure
@@ -200,13 +237,7 @@ class VllmGenerationWorker:
 
     def install_token_capture(self, capture=None) -> None:
         """Host Gym's RolloutTokenCapture (TQ sink) and the TQ-backed prefix cache on the service."""
-        from nemo_gym.token_id_capture.adapters.vllm import VLLMCaptureAdapter
-        from nemo_gym.token_id_capture.staging import install_capture
-
-        from nemo_rl.models.generation.vllm.prefix_cache import PrefixCache
         from nemo_rl.token_capture import wire_metrics
-        from nemo_rl.token_capture.stage_writer import StageWriter
-        from nemo_rl.token_capture.staging import TQTokenSink, TQTokenSource
 
         if self._service is None or self._engine is None:
             raise WorkerError("install_token_capture called before the engine started")
@@ -216,24 +247,8 @@ class VllmGenerationWorker:
         if self._dp_cfg is None:
             raise WorkerError("token_capture.enabled=true needs a data plane config for the TQ staging sink")
         self._client = DataPlaneClient.attach(self._dp_cfg)
-        partition = self._capture_cfg.staging_partition
-        timeout_s = self._capture_cfg.stage_timeout_s
-        behind = self._capture_cfg.stage_write == "behind_reply"
-        if behind:
-            self._stage_writer = StageWriter(self._client, partition, timeout_s=timeout_s)
-            self._service.install_stage_barrier(self._stage_writer, timeout_s)
-        engine = self._engine
-        install_capture(
-            self._service,
-            sink=TQTokenSink(self._client, partition, timeout_s=timeout_s, writer=self._stage_writer),
-            weight_version_fn=lambda: engine.weight_version,
-            adapter=VLLMCaptureAdapter(),
-        )
+        self._stage_writer, self._prefix_source = wire_capture(self._service, self._client, self._capture_cfg, self._engine)
         wire_metrics.time_capture_calls(self._service)  # opt-in per-call capture timing (benchmarks/capture_ab.py)
-        # Under write-behind a staging_chain parent staged by another worker may still be in its write.
-        source = TQTokenSource(self._client, partition, timeout_s=timeout_s, missing_wait_s=timeout_s if behind else 0.0)
-        self._prefix_source = source
-        self._service.install_prefix_cache(PrefixCache(source, self._capture_cfg.prefix_cache_max_tokens))
 
     async def update_weights(self, weights_dir: str, version: int) -> int:
         from nemo_rl.models.generation.vllm.engine import RefitAbortedError

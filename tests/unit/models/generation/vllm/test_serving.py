@@ -7,6 +7,7 @@ verify_and_linearize, so what these tests accept the real gate and trainer accep
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 from dataclasses import dataclass
@@ -31,6 +32,10 @@ from nemo_rl.models.generation.vllm.serving import ChatService, HttpError, Serve
 from nemo_rl.models.tiny_model.chat_template import LLAMA3
 from nemo_rl.models.tiny_model.corpus import task_conversation
 from nemo_rl.models.tiny_model.tokenizer import train_tokenizer
+from nemo_rl.data_plane import MissingKeysError
+from nemo_rl.data_plane.errors import DataPlaneTimeoutError
+from nemo_rl.models.generation.vllm.worker import wire_capture
+from nemo_rl.token_capture.config import TokenCaptureConfig
 from nemo_rl.token_capture.served import ServedCall
 from nemo_rl.token_capture.staging import StagedKeysMissingError
 
@@ -562,59 +567,197 @@ async def test_staging_failure_is_served_but_not_staged(tokenizer):
     assert (served.staged, served.failure, served.generated_tokens) == (False, "staging_failed (see worker log)", len(gen1))
 
 
-class ScriptedBarrier:
-    """A write-behind barrier that reports the given rows as not written, and records its flushes."""
+class GatedPlane:
+    """An in-memory data plane (put / put_many / get / clear) whose batched writes can be held or failed.
 
-    def __init__(self, failures: dict[str, str], parent_failures: dict[str, str] | None = None) -> None:
-        self.failures = failures
-        self.parent_failures = parent_failures or {}
-        self.flushes: list[tuple[list[str], float]] = []
-        self.waits: list[tuple[list[str], float]] = []
+    Rows go through the real TQ row codec (`TQTokenSink` / `TQTokenSource`); only the transport is fake.
+    """
 
-    def flush(self, rollout_ids, timeout_s):
-        self.flushes.append((list(rollout_ids), timeout_s))
-        return {k: v for k, v in self.failures.items() if k.split("/")[0] in rollout_ids}
+    def __init__(self) -> None:
+        self.rows: dict[str, dict] = {}
+        self.batches: list[list[str]] = []
+        self.gets: list[list[str]] = []
+        self.gate = threading.Event()
+        self.gate.set()
+        self.fail_next: list[BaseException] = []
 
-    def wait_keys(self, keys, timeout_s):
-        self.waits.append((list(keys), timeout_s))
-        return {k: v for k, v in self.parent_failures.items() if k in keys}
+    def put_many(self, partition, keys, rows, *, timeout_s=None):
+        assert self.gate.wait(10), "test plane gate never opened"
+        self.batches.append(list(keys))
+        if self.fail_next:
+            raise self.fail_next.pop(0)
+        self.rows.update({k: dict(r) for k, r in zip(keys, rows)})
+
+    def put(self, partition, key, fields, *, timeout_s=None):
+        self.rows[key] = dict(fields)
+
+    def get(self, partition, keys, fields, *, timeout_s=None):
+        self.gets.append(list(keys))
+        missing = [k for k in keys if k not in self.rows]
+        if missing:
+            raise MissingKeysError(partition, missing)
+        return [{f: self.rows[k][f] for f in fields} for k in keys]
+
+    def clear(self, partition, keys, *, timeout_s=None):
+        for k in keys:
+            self.rows.pop(k, None)
+
+
+STAGE_TIMEOUT_S = 0.3
+
+
+def _behind(tokenizer, script, plane=None, **kw):
+    """A worker core wired as the worker wires it under write-behind staging (`wire_capture`)."""
+    svc, engine, _ = _service(tokenizer, script, capture=False, **kw)
+    plane = plane if plane is not None else GatedPlane()
+    cfg = TokenCaptureConfig(enabled=True, stage_timeout_s=STAGE_TIMEOUT_S, staging_partition="p")
+    writer, _ = wire_capture(svc, plane, cfg, engine)
+    return svc, engine, plane, writer
+
+
+def _child(r1, call_id="c2", *, inline=None):
+    c1 = r1["ng_commit_coords"]
+    if inline is not None:
+        adm = _admission("token_in", call_id, parent="c1", prev_len=c1["cum_len"], parent_hash=c1["chain_hash"],
+                         inline=inline)
+    else:
+        adm = _admission("token_in", call_id, parent="c1", prev_len=c1["cum_len"], chain=[c1["staging_key"]],
+                         parent_hash=c1["chain_hash"])
+    return {"messages": _second_turn_messages(r1), "tools": TOOLS, "ng_capture": adm}
+
+
+async def _root(svc):
+    return await svc.chat_completions({"messages": MESSAGES, "tools": TOOLS, "ng_capture": _admission("text", "c1")})
 
 
 async def test_a_row_lost_behind_the_reply_turns_its_call_unstaged_in_the_served_report(tokenizer):
     gen1, gen2 = _gen(tokenizer, CALL_TEXT), _gen(tokenizer, "The answer is 17.")
-    svc, engine, _ = _service(tokenizer, [gen1, gen2])
-    barrier = ScriptedBarrier({"r1/c2": "staging write failed: DataPlaneTimeoutError: put past its deadline"})
-    svc.install_stage_barrier(barrier, 7.5)
-    _, r2 = await _root_then_token_in(svc, engine)
+    svc, engine, plane, writer = _behind(tokenizer, [gen1, gen2])
+    error = DataPlaneTimeoutError("put", "p", STAGE_TIMEOUT_S)
+    r1 = await _root(svc)
+    assert writer.flush(["r1"], 5.0) == {}
+    plane.fail_next.append(error)
+    r2 = await svc.chat_completions(_child(r1))
     assert r2["ng_commit_coords"]["disposition"] == "staged"  # the reply left before the write
     root, child = svc.take_served(["r1"])
-    assert barrier.waits == [(["r1/c1"], 0.0)]  # the child checked its parent's row: written, no wait
-    assert barrier.flushes == [(["r1"], 7.5)]  # the report waited for the rollout's rows first
+    why = f"staging write failed: DataPlaneTimeoutError: {error}"
     assert (root.staged, root.failure) == (True, None)
-    assert (child.staged, child.failure) == (False, "staging write failed: DataPlaneTimeoutError: put past its deadline")
+    assert (child.staged, child.failure) == (False, why)
     assert svc.stats["capture_failed"] == 1
-    assert list(svc.capture_failures) == [
-        {"rollout_id": "r1", "model_call_id": "c2", "reason": "staging write failed: DataPlaneTimeoutError: put past its deadline"}
-    ]
+    assert list(svc.capture_failures) == [{"rollout_id": "r1", "model_call_id": "c2", "reason": why}]
 
 
-async def test_a_child_of_a_parent_row_that_did_not_land_is_refused_before_generation(tokenizer):
+async def test_a_parent_enters_the_prefix_cache_only_once_its_row_is_written(tokenizer):
+    gen1, gen2 = _gen(tokenizer, CALL_TEXT), _gen(tokenizer, "The answer is 17.")
+    svc, engine, plane, writer = _behind(tokenizer, [gen1, gen2])
+    plane.gate.clear()  # a slow write
+    r1 = await _root(svc)
+    assert r1["ng_commit_coords"]["disposition"] == "staged"
+    assert svc.prefix_cache.entry("r1/c1") is None  # queued, not durable: not a parent yet
+    plane.gate.set()
+    assert writer.flush(["r1"], 5.0) == {}
+    assert svc.prefix_cache.entry("r1/c1") is not None and svc.prefix_cache.seeded_keys == 1
+    r2 = await svc.chat_completions(_child(r1))
+    assert r2["ng_commit_coords"]["disposition"] == "staged"
+    assert plane.gets == []  # the same-worker child read nothing: its parent was seeded once durable
+    assert engine.prompts[1][: r1["ng_commit_coords"]["cum_len"]] == engine.prompts[0] + gen1
+
+
+@pytest.mark.parametrize("inline", [False, True], ids=["staging_chain", "inline_prefix"])
+async def test_a_child_waits_for_its_parents_slow_write_then_is_generated(tokenizer, inline):
+    gen1, gen2 = _gen(tokenizer, CALL_TEXT), _gen(tokenizer, "The answer is 17.")
+    svc, engine, plane, writer = _behind(tokenizer, [gen1, gen2])
+    plane.gate.clear()
+    r1 = await _root(svc)
+    threading.Timer(0.1, plane.gate.set).start()  # lands within the parents' wait
+    r2 = await svc.chat_completions(_child(r1, inline=engine.prompts[0] + gen1 if inline else None))
+    assert r2["ng_commit_coords"]["disposition"] == "staged"
+    assert plane.batches[0] == ["r1/c1"] and "r1/c1" in plane.rows
+    assert writer.stats["parent_waits"] == 2  # the quick check found it pending, the bounded wait saw it land
+
+
+@pytest.mark.parametrize("inline", [False, True], ids=["staging_chain", "inline_prefix"])
+@pytest.mark.parametrize("fault", ["slow", "failed"])
+async def test_a_child_of_a_parent_row_that_is_not_durable_is_refused_before_generation(tokenizer, inline, fault):
     gen1 = _gen(tokenizer, CALL_TEXT)
-    svc, engine, _ = _service(tokenizer, [gen1, _gen(tokenizer, "never generated")])
-    barrier = ScriptedBarrier({}, {"r1/c1": "staging write failed: DataPlaneTimeoutError: put past its deadline"})
-    svc.install_stage_barrier(barrier, 7.5)
-    r1 = await svc.chat_completions({"messages": MESSAGES, "tools": TOOLS, "ng_capture": _admission("text", "c1")})
-    c1 = r1["ng_commit_coords"]
-    adm = _admission("token_in", "c2", parent="c1", prev_len=c1["cum_len"], chain=[c1["staging_key"]],
-                     parent_hash=c1["chain_hash"])
+    svc, engine, plane, _ = _behind(tokenizer, [gen1, _gen(tokenizer, "never generated")])
+    error = DataPlaneTimeoutError("put", "p", STAGE_TIMEOUT_S)
+    if fault == "slow":
+        plane.gate.clear()
+    else:
+        plane.fail_next.append(error)
+    r1 = await _root(svc)
+    param = "ng_capture.required_prefix_token_ids" if inline else "ng_capture.staging_chain"
+    where = "inline prefix of call c2" if inline else "staging_chain of call c2"
+    why = (f"staging write not finished within token_capture.stage_timeout_s={STAGE_TIMEOUT_S}s" if fault == "slow"
+           else f"staging write failed: DataPlaneTimeoutError: {error}")
     with pytest.raises(HttpError) as e:
-        await svc.chat_completions({"messages": _second_turn_messages(r1), "tools": TOOLS, "ng_capture": adm})
-    assert (e.value.status, e.value.err_type, e.value.param) == (503, "staging_unavailable", "ng_capture.staging_chain")
+        await svc.chat_completions(_child(r1, inline=engine.prompts[0] + gen1 if inline else None))
+    plane.gate.set()
+    assert (e.value.status, e.value.err_type, e.value.param) == (503, "staging_unavailable", param)
     assert e.value.message == (
-        "staging_chain of call c2: parent row(s) this worker staged are not durable, so no child is generated from "
-        "them: r1/c1: staging write failed: DataPlaneTimeoutError: put past its deadline")
+        f"{where}: parent row(s) this worker staged are not durable, so no child is generated from them: r1/c1: {why}")
     assert len(engine.prompts) == 1  # the child was never generated
-    assert barrier.waits == [(["r1/c1"], 0.0), (["r1/c1"], 7.5)]  # a quick check, then the bounded wait
+    assert svc.stats["parents_not_durable"] == 1
+
+
+@pytest.mark.parametrize("inline", [False, True], ids=["staging_chain", "inline_prefix"])
+async def test_a_lost_parent_stays_refused_after_the_served_report_took_its_failure(tokenizer, inline):
+    gen1 = _gen(tokenizer, CALL_TEXT)
+    svc, engine, plane, _ = _behind(tokenizer, [gen1, _gen(tokenizer, "never generated")])
+    plane.fail_next.append(DataPlaneTimeoutError("put", "p", STAGE_TIMEOUT_S))
+    r1 = await _root(svc)
+    [root] = svc.take_served(["r1"])  # the report names the lost row ...
+    assert root.staged is False
+    with pytest.raises(HttpError) as e:  # ... and a straggling child of it is still refused
+        await svc.chat_completions(_child(r1, inline=engine.prompts[0] + gen1 if inline else None))
+    assert (e.value.status, e.value.err_type) == (503, "staging_unavailable")
+    assert "r1/c1: staging write failed" in e.value.message
+    assert len(engine.prompts) == 1 and svc.prefix_cache.entry("r1/c1") is None
+
+
+async def test_a_row_the_report_deadline_abandoned_is_never_a_parent_even_if_it_lands(tokenizer):
+    gen1 = _gen(tokenizer, CALL_TEXT)
+    svc, engine, plane, writer = _behind(tokenizer, [gen1, _gen(tokenizer, "never generated")])
+    plane.gate.clear()  # a write slower than the report's deadline
+    r1 = await _root(svc)
+    [root] = svc.take_served(["r1"])
+    assert root.staged is False and "abandoned in its write" in root.failure
+    plane.gate.set()
+    while writer.stats["late_rows_landed"] == 0:
+        await asyncio.sleep(0.01)
+    assert "r1/c1" in plane.rows  # it landed after all, after the report called it lost
+    with pytest.raises(HttpError) as e:
+        await svc.chat_completions(_child(r1))
+    assert (e.value.status, e.value.err_type) == (503, "staging_unavailable")
+    assert len(engine.prompts) == 1 and svc.prefix_cache.entry("r1/c1") is None
+
+
+async def test_an_inline_parent_staged_by_another_worker_is_read_before_the_child_is_generated(tokenizer):
+    gen1, gen2 = _gen(tokenizer, CALL_TEXT), _gen(tokenizer, "The answer is 17.")
+    plane = GatedPlane()
+    svc_a, engine_a, _, writer_a = _behind(tokenizer, [gen1], plane)
+    svc_b, engine_b, _, _ = _behind(tokenizer, [gen2, gen2], plane)
+    plane.gate.clear()
+    r1 = await _root(svc_a)
+    prefix = engine_a.prompts[0] + gen1
+    # Worker B cannot vouch for A's row: it reads it (re-reading a missing key, bounded), and the row is not there.
+    with pytest.raises(HttpError) as e:
+        await svc_b.chat_completions(_child(r1, inline=prefix))
+    assert (e.value.status, e.value.err_type, e.value.param) == (
+        503, "staging_unavailable", "ng_capture.required_prefix_token_ids")
+    assert "StagedKeysMissingError" in e.value.message and engine_b.prompts == []
+    plane.gate.set()
+    assert writer_a.flush(["r1"], 5.0) == {}
+    r2 = await svc_b.chat_completions(_child(r1, "c3", inline=prefix))
+    assert r2["ng_commit_coords"]["disposition"] == "staged" and engine_b.prompts[0][: len(prefix)] == prefix
+    # An inline admission whose prev_len disagrees with the staged parent is refused.
+    bad = _child(r1, "c4", inline=prefix[:-1])
+    bad["ng_capture"]["prev_len"] = len(prefix) - 1
+    with pytest.raises(HttpError) as e:
+        await svc_b.chat_completions(bad)
+    assert (e.value.status, e.value.err_type) == (409, "prefix_mismatch")
+    assert len(engine_b.prompts) == 1
 
 
 async def test_tail_render_failure_is_served_with_its_reason(tokenizer):

@@ -33,7 +33,7 @@ from nemo_rl.models.generation.vllm.engine import (
 )
 from nemo_rl.models.generation.vllm.prefix_cache import PrefixCache
 from nemo_rl.models.generation.vllm.server import Endpoint, build_app
-from nemo_rl.models.generation.vllm.serving import ChatService, HttpError
+from nemo_rl.models.generation.vllm.serving import AdmittedCalls, ChatService, HttpError, request_digest
 from nemo_rl.models.generation.vllm.worker import VllmGenerationWorker, WorkerError, WorkerFailedError
 from nemo_rl.models.tiny_model.corpus import task_conversation
 from nemo_rl.models.tiny_model.tokenizer import train_tokenizer
@@ -109,12 +109,12 @@ class Staging:
         return [StagedCallBaseSnapshot.model_validate(self.records[k].model_dump(exclude={"extras"})) for k in keys]
 
 
-def _service(tokenizer, engine=None, staging=None) -> tuple[ChatService, EchoEngine, Staging]:
+def _service(tokenizer, engine=None, staging=None, **kw) -> tuple[ChatService, EchoEngine, Staging]:
     engine = engine or EchoEngine(tokenizer)
     staging = staging or Staging()
     svc = ChatService(
         engine, tokenizer, model_name="tiny", default_max_tokens=16, max_model_len=MAX_MODEL_LEN,
-        tool_call_parser="hermes", vocab_size=len(tokenizer), max_admitted_calls=1000,
+        tool_call_parser="hermes", vocab_size=len(tokenizer), max_admitted_calls=1000, **kw,
     )
     install_capture(svc, sink=staging, weight_version_fn=lambda: engine.weight_version, adapter=VLLMCaptureAdapter())
     svc.install_prefix_cache(PrefixCache(staging, max_tokens=100_000))
@@ -136,18 +136,114 @@ async def _refused(svc: ChatService, body: dict) -> HttpError:
 # --- the request core -----------------------------------------------------------------------
 
 
-async def test_a_repeated_model_call_id_is_409_and_nothing_is_staged_twice(tokenizer) -> None:
+async def test_a_reused_model_call_id_with_another_body_is_409_and_nothing_is_staged_twice(tokenizer) -> None:
     svc, engine, staging = _service(tokenizer)
     first = await svc.chat_completions({"messages": MESSAGES, "ng_capture": _admission("c1")})
     assert first["ng_commit_coords"]["disposition"] == "staged"
     again = await _refused(svc, {"messages": MESSAGES + [{"role": "user", "content": "x"}], "ng_capture": _admission("c1")})
     assert (again.status, again.err_type, again.param) == (409, "duplicate_model_call_id", "ng_capture.model_call_id")
-    assert again.message == ("rollout 'r1' call 'c1' was already admitted by this worker; a model_call_id is served "
-                             "once (fix: mint a fresh model_call_id per call)")
+    assert again.message == ("rollout 'r1' call 'c1' was already admitted by this worker with another request body; "
+                             "a model_call_id is served once, and only a byte-identical re-send is replayed (fix: mint "
+                             "a fresh model_call_id per call)")
     assert (len(engine.prompts), list(staging.records)) == (1, ["r1/c1"])
     # Another rollout may use the same call id: the key is (rollout_id, model_call_id).
     await svc.chat_completions({"messages": MESSAGES, "ng_capture": _admission("c1", rollout="r2")})
     assert sorted(staging.records) == ["r1/c1", "r2/c1"]
+
+
+async def test_a_resend_of_a_committed_call_replays_its_reply_and_generates_nothing(tokenizer) -> None:
+    svc, engine, staging = _service(tokenizer)
+    body = {"messages": MESSAGES, "max_tokens": 8, "ng_capture": _admission("c1")}
+    first = await svc.chat_completions(body)
+    resent = await svc.chat_completions(json.loads(json.dumps(body)))  # the same request, decoded again
+    assert resent == first  # same id, same message, same commit coordinates
+    assert len(engine.prompts) == 1 and list(staging.records) == ["r1/c1"]
+    assert [(c.model_call_id, c.staged) for c in svc.take_served(["r1"])] == [("c1", True)]  # served once
+    assert (svc.stats["replayed_calls"], svc.stats["served_calls"], svc.stats["duplicate_model_call_id"]) == (1, 1, 0)
+
+
+def test_the_request_digest_covers_every_field_of_the_body_and_not_its_key_order() -> None:
+    body = {"messages": MESSAGES, "max_tokens": 8, "temperature": 1.0, "ng_capture": _admission("c1")}
+    reordered = json.loads(json.dumps(dict(reversed(list(body.items())))))
+    assert request_digest(reordered) == request_digest(body)
+    for change in ({"max_tokens": 9}, {"temperature": 0.5}, {"seed": 1}, {"messages": MESSAGES[:1]},
+                   {"ng_capture": _admission("c1", prev_len=0, parent_chain_hash=None, staging_chain=[], mode="text",
+                                             rollout="r2")}):
+        assert request_digest({**body, **change}) != request_digest(body), change
+
+
+class HeldEngine(EchoEngine):
+    """Generation waits for `release`; `fail_first` makes the first generation time out."""
+
+    def __init__(self, tokenizer, fail_first: bool = False) -> None:
+        super().__init__(tokenizer)
+        self.release = asyncio.Event()
+        self.started = asyncio.Event()
+        self.fail_first = fail_first
+
+    async def generate(self, prompt_ids, sampling, request_id):
+        self.started.set()
+        await self.release.wait()
+        if self.fail_first:
+            self.fail_first = False
+            raise GenerationTimeoutError("generation past generation.vllm.generate_timeout_s=1s")
+        return await super().generate(prompt_ids, sampling, request_id)
+
+
+async def test_a_resend_while_the_first_is_in_flight_waits_for_it_and_replays(tokenizer) -> None:
+    engine = HeldEngine(tokenizer)
+    svc, _, staging = _service(tokenizer, engine)
+    body = {"messages": MESSAGES, "ng_capture": _admission("c1")}
+    first = asyncio.ensure_future(svc.chat_completions(body))
+    await engine.started.wait()
+    resent = asyncio.ensure_future(svc.chat_completions(body))
+    await asyncio.sleep(0.05)
+    assert not resent.done()  # waiting for the first, not refused
+    engine.release.set()
+    assert await resent == await first
+    assert len(engine.prompts) == 1 and list(staging.records) == ["r1/c1"]
+    assert svc.stats["replayed_calls"] == 1
+
+
+async def test_a_resend_waiting_on_a_first_that_was_not_generated_is_served_in_its_place(tokenizer) -> None:
+    engine = HeldEngine(tokenizer, fail_first=True)
+    svc, _, staging = _service(tokenizer, engine)
+    body = {"messages": MESSAGES, "ng_capture": _admission("c1")}
+    first = asyncio.ensure_future(svc.chat_completions(body))
+    await engine.started.wait()
+    resent = asyncio.ensure_future(svc.chat_completions(body))
+    await asyncio.sleep(0.05)
+    engine.release.set()
+    with pytest.raises(HttpError) as e:
+        await first
+    assert (e.value.status, e.value.err_type) == (503, "generation_timeout")
+    reply = await resent
+    assert reply["ng_commit_coords"]["disposition"] == "staged"
+    assert len(engine.prompts) == 1 and list(staging.records) == ["r1/c1"]  # generated once, by the re-send
+    assert (svc.stats["replayed_calls"], svc.stats["served_calls"]) == (0, 1)
+
+
+async def test_a_resend_waits_for_the_first_only_within_its_bound(tokenizer) -> None:
+    engine = HeldEngine(tokenizer)
+    svc, _, _ = _service(tokenizer, engine, duplicate_wait_s=0.1)
+    body = {"messages": MESSAGES, "ng_capture": _admission("c1")}
+    first = asyncio.ensure_future(svc.chat_completions(body))
+    await engine.started.wait()
+    refused = await _refused(svc, body)
+    assert (refused.status, refused.err_type) == (409, "duplicate_model_call_id")
+    assert "is still in flight on this worker after 0.1s" in refused.message
+    engine.release.set()
+    assert (await first)["ng_commit_coords"]["disposition"] == "staged"
+
+
+def test_the_replay_memory_is_the_bounded_admission_lru() -> None:
+    calls = AdmittedCalls(2)
+    for call in ("a", "b", "c"):
+        assert calls.claim(("r", call), "d") is None
+        calls.commit(("r", call), {"id": call})
+    assert len(calls) == 2
+    assert calls.claim(("r", "a"), "d") is None  # forgotten: admitted afresh
+    assert calls.claim(("r", "c"), "d").reply_json == b'{"id":"c"}'
 
 
 async def test_a_call_refused_before_generation_may_be_retried_with_its_id(tokenizer) -> None:
