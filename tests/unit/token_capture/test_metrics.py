@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 from nemo_rl.token_capture.metrics import finalize_metrics
 from nemo_rl.token_capture.rows import (
     CallLineage,
