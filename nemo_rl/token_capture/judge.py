@@ -25,8 +25,8 @@ Rules, in order (each rejection is a placeholder with a typed reason and a detai
    has a sibling: another committed or served call with the same parent, or, for a text root,
    another committed root whose staged prompt ids are the same (a re-sent first call). The
    harness discarded its reply; it did not lead to the reward. Its own tokens are never in the
-   loss (counted as `abandoned_retry`, outside the yield's denominator), under either branch
-   policy. A root or leaf opened by rewriting history (compaction, a sub-agent, an edited
+   loss (counted in the yield's `abandoned_retry_*`, not as unverifiable, outside its
+   denominator), under either branch policy. A root or leaf opened by rewriting history (compaction, a sub-agent, an edited
    history) has a different prompt and no sibling, so it is not abandoned.
 5. Chains: the terminal chain (root -> terminal) and, with `branch_policy=all_chains`, in
    manifest order, every other leaf's chain (branches after a history rewrite), where an
@@ -42,8 +42,8 @@ Rules, in order (each rejection is a placeholder with a typed reason and a detai
    in the loss at most once. A row left with no loss token is not emitted.
 7. Yield: kept generated tokens (loss tokens) against the workers' served counts, with every
    served-but-untrained call's tokens listed under its reason, abandoned retries apart.
-8. Lineage (`call_lineage`, for every verdict, kept or placeholder, that has a served report
-   and this rollout's manifest): token-in calls, unresolved continuations (the workers'
+8. Lineage (`call_lineage`, on every verdict the judge makes, kept or placeholder, that has a
+   served report and this rollout's manifest; also on placeholders built by `all_served_lost`): token-in calls, unresolved continuations (the workers'
    `ServedCall.unresolved_continuation`, each call once, except the manifest's first record,
    which had no captured call to continue: e.g. a few-shot prompt) and branches (text roots in
    the manifest beyond the first).
@@ -85,7 +85,6 @@ CUT_BY_UNSTAGED_CHILD = "cut_by_unstaged_child"  # detail of a chain dropped as 
 SERVED_NOT_STAGED = "served_not_staged"
 STAGED_NOT_COMMITTED = "staged_not_committed"
 EXCLUDED_BY_BRANCH_POLICY = "excluded_by_branch_policy"
-ABANDONED_RETRY = "abandoned_retry"  # not a loss reason: a discarded retry, outside the yield's denominator
 
 
 @dataclass(frozen=True)
