@@ -26,8 +26,9 @@ Rules, in order (each rejection is a placeholder with a typed reason and a detai
    another committed root whose staged prompt ids are the same (a re-sent first call). The
    harness discarded its reply; it did not lead to the reward. Its own tokens are never in the
    loss (counted in the yield's `abandoned_retry_*`, not as unverifiable, outside its
-   denominator), under either branch policy. A root or leaf opened by rewriting history (compaction, a sub-agent, an edited
-   history) has a different prompt and no sibling, so it is not abandoned.
+   denominator), under either branch policy. A root opened by rewriting history (compaction,
+   a sub-agent, an edited history) has its own prompt, and the leaves of such chains have no
+   sibling, so they are not abandoned.
 5. Chains: the terminal chain (root -> terminal) and, with `branch_policy=all_chains`, in
    manifest order, every other leaf's chain (branches after a history rewrite), where an
    abandoned leaf's chain stops at its parent (the parent trains only if no other row owns it;
@@ -42,11 +43,11 @@ Rules, in order (each rejection is a placeholder with a typed reason and a detai
    in the loss at most once. A row left with no loss token is not emitted.
 7. Yield: kept generated tokens (loss tokens) against the workers' served counts, with every
    served-but-untrained call's tokens listed under its reason, abandoned retries apart.
-8. Lineage (`call_lineage`, on every verdict the judge makes, kept or placeholder, that has a
-   served report and this rollout's manifest; also on placeholders built by `all_served_lost`): token-in calls, unresolved continuations (the workers'
-   `ServedCall.unresolved_continuation`, each call once, except the manifest's first record,
-   which had no captured call to continue: e.g. a few-shot prompt) and branches (text roots in
-   the manifest beyond the first).
+8. Lineage (`call_lineage`), on every verdict built here or by `all_served_lost`, kept or
+   placeholder, that has a served report and this rollout's manifest: token-in calls,
+   unresolved continuations (the workers' `ServedCall.unresolved_continuation`, each call once,
+   except the manifest's first record, which had no captured call to continue: e.g. a
+   few-shot prompt) and branches (text roots in the manifest beyond the first).
 """
 
 from __future__ import annotations
