@@ -8,8 +8,14 @@ Contract:
   with distinct rollout ids, so `kept + placeholders == dispatched` holds by construction.
 - Within a kept rollout, a generated token is in the loss at most once: rows are distinct
   chains, and `KeptRollout` rejects two rows whose loss spans cover the same call.
+- A verdict's `RolloutYield` says where the rollout's served generated tokens went (kept,
+  unverifiable by reason, abandoned retries apart) and carries its `CallLineage` (token-in
+  calls, unresolved continuations, branches: the capture-health figures), for kept rollouts and
+  placeholders alike.
 
 Invariants checked at construction (a violation raises `RowInvariantError`):
+- RolloutYield / CallLineage: counts are non-negative ints; abandoned retry tokens are 0 without
+  a served report.
 - TrainRow: token_ids, token_mask and generation_logprobs have equal, non-zero lengths; token ids
   are non-negative ints; mask values are exactly 0.0 or 1.0 with at least one 1.0; logprobs are
   finite and exactly 0.0 wherever the mask is 0.0; the first `prompt_len` tokens are masked out;
