@@ -15,6 +15,11 @@ behaviour through `openai.AsyncOpenAI(base_url=<gate>/ng-rollout/<id>/training-t
 - rerendered       every assistant turn is re-serialised by the harness (a plain dict; tool-call
                    arguments JSON re-dumped with other spacing and sorted keys; `<think>` reasoning
                    stripped from content) instead of echoing the SDK object.
+- edited           the harness edits what the model said before sending it back (the first reply's
+                   text reworded, `<think>` reasoning stripped), then echoes later replies as is: the
+                   gate finds no captured parent although the history holds an assistant turn, and
+                   opens a new text chain. A degradation the capture-health figures must show
+                   (`token_in_rate` < 1, an unresolved continuation), while every row stays exact.
 - failed_final     the last request overflows the model's context (`max_model_len`): the worker
                    answers 400 and the client gets an error or Gym's synthetic empty completion;
                    the scored response stays the previous one.
@@ -27,15 +32,26 @@ behaviour through `openai.AsyncOpenAI(base_url=<gate>/ng-rollout/<id>/training-t
 
 Every line also names the workers that served the rollout's committed calls (`workers`, from
 each worker's own engine records) and counts `cross_worker_continuations` (token-in calls
-served by another worker than their parent).
+served by another worker than their parent), and carries the rollout's capture-health figures
+as the judge computed them (`judge.call_lineage`, the per-rollout terms of the finalize
+metrics): `continuation_calls`, `token_in_rate` (token-in / continuation calls; 0.0 without a
+continuation), `unresolved_continuations`, `branches`, and the retried replies the harness
+discarded (`abandoned_retry_calls`, `abandoned_retry_tokens`: masked, outside the kept-fraction
+denominator).
 
 Each scenario ends with a Gym-`/run`-like outcome `{"reward", "response": {"id", "output": []},
 "terminal_response_id"}` naming the completion the harness kept. The manifest and the engine's
 own records are read first; then the group is judged through the project's path
 (`RolloutManager.collect_group` with the FinalizerPool, TQStagingCleaner and the workers'
 served-call report), which also runs retention. One JSON line per scenario goes to stdout
-(progress to stderr); the exit code is 0 only when every scenario is kept, exact and keeps
->= 99% of the generated tokens the workers served.
+(progress to stderr); the exit code is 0 only when every scenario is kept, exact, keeps >= 99%
+of the generated tokens the workers served (abandoned retries apart) and shows the capture
+health its behaviour implies (`LINEAGE_EXPECTED`): no unresolved continuation and
+`token_in_rate` 1.0 where the harness echoes what the model said, at least one unresolved
+continuation and `token_in_rate` < 1 for `edited` (it passes when the degradation is detected
+and its rows are still exact), and for `rerendered` whichever its `rerender_changed_fingerprint`
+fact implies (whether Gym's canonical fingerprint absorbs the re-serialisation depends on what
+the model wrote).
 
     uv run python examples/harness_scenarios.py [--log-dir DIR] [--only plain,compaction] [--num-workers 2]
 """
@@ -56,6 +72,7 @@ from pathlib import Path
 from typing import Any
 
 import openai
+from nemo_gym.token_id_capture.fingerprint import assistant_fingerprint
 
 from nemo_rl.data_plane import DataPlaneConfig
 from nemo_rl.distributed.stack import start_stack
@@ -74,6 +91,11 @@ from nemo_rl.token_capture.retention import TQStagingCleaner
 from nemo_rl.token_capture.rows import KeptRollout, PlaceholderReason
 
 MIN_FRACTION = 0.99
+EDIT_PREFIX = "Let me restate my previous step. "
+# What each scenario's capture health must show (see the module docstring): "clean" = no
+# unresolved continuation and token_in_rate 1.0; "degraded" = >= 1 unresolved continuation and
+# token_in_rate < 1 (`rerendered`: decided by its `rerender_changed_fingerprint` fact).
+LINEAGE_EXPECTED = {"edited": "degraded"}
 SUBAGENT_SYSTEM = "You are a checking sub-agent. Recompute the expression with the calculator and report it."
 COMPACTION_SUMMARY = "Summary of the work so far: you were asked {question!r}; the calculator was used{result}. {next_q}"
 _THINK_RE = re.compile(r"<think>.*?</think>", re.DOTALL)
@@ -207,6 +229,11 @@ def rerender(message) -> dict:
     return out
 
 
+def fingerprint_changed(message, sent: dict) -> bool:
+    """Whether the turn the harness sends back has another Gym lineage fingerprint than the model's reply."""
+    return assistant_fingerprint([sent]) != assistant_fingerprint([message.model_dump(exclude_none=True)])
+
+
 def overflow_text(tokenizer, max_model_len: int, seed: int) -> tuple[str, int]:
     """A user message longer than the model's whole context window (measured with its tokenizer)."""
     rng = random.Random(seed)
@@ -301,12 +328,44 @@ async def scenario_rerendered(h: Harness, ctx: Context, run: ScenarioRun) -> Non
         a["function"]["arguments"] != b.function.arguments
         for a, b in zip(rewritten.get("tool_calls", []), original.tool_calls or [])
     )
+    changed = [fingerprint_changed(original, rewritten)]
     messages.append(rewritten)
     messages += next_turn(original, user_prompt(q))
     second = await h.call(messages, "rerendered#1")
-    messages.append(rerender(second.choices[0].message))  # the harness re-serialises every assistant turn
+    rewritten = rerender(second.choices[0].message)  # the harness re-serialises every assistant turn
+    changed.append(fingerprint_changed(second.choices[0].message, rewritten))
+    # Whether Gym's lineage fingerprint (what the gate matches) saw a different turn: then the gate
+    # finds no parent and the call is an unresolved continuation.
+    run.facts["rerender_changed_fingerprint"] = any(changed)
+    messages.append(rewritten)
     messages += next_turn(second.choices[0].message, user_prompt(p))
     run.kept = await h.call(messages, "rerendered#2")
+
+
+def edit_reply(message) -> dict:
+    """The harness's edit of an assistant turn: reasoning stripped, the text reworded; tool calls kept."""
+    content = _THINK_RE.sub("", message.content or "").strip()
+    out: dict[str, Any] = {"role": "assistant", "content": f"{EDIT_PREFIX}{content}" if content else EDIT_PREFIX.strip()}
+    if message.tool_calls:
+        out["tool_calls"] = [
+            {"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": c.function.arguments}}
+            for c in message.tool_calls
+        ]
+    return out
+
+
+async def scenario_edited(h: Harness, ctx: Context, run: ScenarioRun) -> None:
+    p, q = ctx.problems[6], ctx.problems[7]
+    messages: list = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": user_prompt(p)}]
+    first = await h.call(messages, "edited#0")
+    edited = edit_reply(first.choices[0].message)
+    run.facts["edited_content"] = edited["content"]
+    messages.append(edited)
+    messages += next_turn(first.choices[0].message, user_prompt(q))
+    second = await h.call(messages, "edited#1")  # continues an edited history: no captured parent
+    messages.append(second.choices[0].message)  # later replies are echoed as is
+    messages += next_turn(second.choices[0].message, user_prompt(p))
+    run.kept = await h.call(messages, "edited#2")
 
 
 async def scenario_failed_final(h: Harness, ctx: Context, run: ScenarioRun) -> None:
@@ -373,6 +432,7 @@ SCENARIOS: dict[str, Callable[[Harness, Context, ScenarioRun], Awaitable[None]]]
     "identical_retry": scenario_identical_retry,
     "compaction": scenario_compaction,
     "rerendered": scenario_rerendered,
+    "edited": scenario_edited,
     "failed_final": scenario_failed_final,
     "subagent": scenario_subagent,
     "cross_worker": scenario_cross_worker,
@@ -451,8 +511,17 @@ def summarize(name: str, rollout_id: str, run: ScenarioRun, outcome, entry, mani
         line["served_generated_tokens"] = y.served_generated_tokens
         line["kept_generated_tokens"] = y.kept_generated_tokens
         line["unverifiable"] = [list(u) for u in y.unverifiable]
-        if y.served_generated_tokens:
-            line["kept_generated_token_fraction"] = round(y.kept_generated_tokens / y.served_generated_tokens, 6)
+        line["abandoned_retry_calls"] = y.abandoned_retry_calls
+        line["abandoned_retry_tokens"] = y.abandoned_retry_tokens
+        trainable = (y.served_generated_tokens or 0) - y.abandoned_retry_tokens
+        if trainable > 0:
+            line["kept_generated_token_fraction"] = round(y.kept_generated_tokens / trainable, 6)
+        if y.lineage is not None:
+            line["continuation_calls"] = y.lineage.continuation_calls
+            line["unresolved_continuations"] = y.lineage.unresolved_continuations
+            line["branches"] = y.lineage.branches
+            continuations = y.lineage.continuation_calls
+            line["token_in_rate"] = round(y.lineage.token_in_calls / continuations, 6) if continuations else 0.0
     if isinstance(entry, KeptRollout):
         audits = [audit_train_row(row, records, engine) for row in entry.rows]
         problems = [
@@ -472,9 +541,23 @@ def summarize(name: str, rollout_id: str, run: ScenarioRun, outcome, entry, mani
     return line
 
 
+def lineage_as_expected(line: dict[str, Any]) -> bool:
+    """Whether the rollout's capture health is what its scenario implies (`LINEAGE_EXPECTED`)."""
+    expected = LINEAGE_EXPECTED.get(line["scenario"], "clean")
+    if line["scenario"] == "rerendered":
+        expected = "degraded" if line.get("rerender_changed_fingerprint") else "clean"
+    unresolved, rate = line.get("unresolved_continuations"), line.get("token_in_rate")
+    if unresolved is None:
+        return False  # no served report or manifest: the figures were not measured
+    if expected == "degraded":
+        return unresolved >= 1 and rate < 1.0
+    return unresolved == 0 and (rate == 1.0 or line["continuation_calls"] == 0)
+
+
 def passed(line: dict[str, Any]) -> bool:
     fraction = line.get("kept_generated_token_fraction")
-    return bool(line["kept"] and line["exact"] and fraction is not None and fraction >= MIN_FRACTION)
+    return bool(line["kept"] and line["exact"] and fraction is not None and fraction >= MIN_FRACTION
+                and lineage_as_expected(line))
 
 
 async def main(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -574,6 +657,6 @@ if __name__ == "__main__":
     for result in results:
         print(json.dumps(result, sort_keys=True), flush=True)
     failed = [r["scenario"] for r in results if not passed(r)]
-    log(f"[done] {len(results) - len(failed)}/{len(results)} scenarios kept, exact and >= {MIN_FRACTION} kept; "
-        f"failed: {failed}")
+    log(f"[done] {len(results) - len(failed)}/{len(results)} scenarios kept, exact, >= {MIN_FRACTION} kept and with "
+        f"the expected capture health; failed: {failed}")
     sys.exit(0 if not failed and results else 1)

@@ -16,21 +16,38 @@ Rules, in order (each rejection is a placeholder with a typed reason and a detai
      served report names its parent P; the chain that ends at P is cut (its continuation was
      lost) and is dropped, and only that chain. Without a report entry for it the call cannot
      be located and the rollout is poisoned (fail closed, Gym's default).
-3. The terminal call comes from `receipt.choose_terminal` (declared > witnesses > heuristic > mask).
+3. The terminal call comes from `receipt.choose_terminal` (declared > witnesses > heuristic > mask;
+   a declared terminal that was not captured masks, never falls back).
    The heuristic is refused when a served-not-staged call exists: the walk cannot see calls
    without a record, and the scored response may be one of them.
-4. Chains: the terminal chain (root -> terminal) and, with `branch_policy=all_chains`, every
-   other leaf's chain (branches after a history rewrite, retried siblings), in manifest order.
+4. Abandoned retries (`abandoned_retries`): a committed call off the terminal chain that no
+   later call continued (no committed record and no served call names it as parent) and that
+   has a sibling: another committed or served call with the same parent, or, for a text root,
+   another committed root whose staged prompt ids are the same (a re-sent first call). The
+   harness discarded its reply; it did not lead to the reward. Its own tokens are never in the
+   loss (counted in the yield's `abandoned_retry_*`, not as unverifiable, outside its
+   denominator), under either branch policy. A root opened by rewriting history (compaction,
+   a sub-agent, an edited history) has its own prompt, and the leaves of such chains have no
+   sibling, so they are not abandoned.
+5. Chains: the terminal chain (root -> terminal) and, with `branch_policy=all_chains`, in
+   manifest order, every other leaf's chain (branches after a history rewrite), where an
+   abandoned leaf's chain stops at its parent (the parent trains only if no other row owns it;
+   an abandoned root leaves nothing). A chain whose calls another row already owns is skipped.
    A chain with a missing/invalid staged record, a cut, a mixed weight version (policy
    `reject`) or a failed `verify_and_linearize` is dropped with that reason; if the terminal
    chain is dropped the rollout is a placeholder with the terminal chain's reason.
-5. Each surviving chain is verified and linearized by Gym's `verify_and_linearize` on a receipt
+6. Each surviving chain is verified and linearized by Gym's `verify_and_linearize` on a receipt
    holding exactly that chain's records and snapshots (so one corrupt chain cannot veto
    another). Loss ownership: the terminal chain owns its calls' generated tokens; a later row
    masks (mask 0, logprob 0.0) every call an earlier row already owns, so a generated token is
    in the loss at most once. A row left with no loss token is not emitted.
-6. Yield: kept generated tokens (loss tokens) against the workers' served counts, with every
-   served-but-untrained call's tokens listed under its reason.
+7. Yield: kept generated tokens (loss tokens) against the workers' served counts, with every
+   served-but-untrained call's tokens listed under its reason, abandoned retries apart.
+8. Lineage (`call_lineage`), on every verdict built here or by `all_served_lost`, kept or
+   placeholder, that has a served report and this rollout's manifest: token-in calls,
+   unresolved continuations (the workers' `ServedCall.unresolved_continuation`, each call once,
+   except the manifest's first record, which had no captured call to continue: e.g. a
+   few-shot prompt) and branches (text roots in the manifest beyond the first).
 """
 
 from __future__ import annotations
@@ -51,6 +68,7 @@ from nemo_gym.token_id_capture.staging.records import RolloutManifest
 from nemo_rl.token_capture.config import TokenCaptureConfig
 from nemo_rl.token_capture.receipt import TerminalChoice, choose_terminal, reward_of
 from nemo_rl.token_capture.rows import (
+    CallLineage,
     GroupEntry,
     KeptRollout,
     Placeholder,
@@ -121,12 +139,26 @@ def _placeholder(ev: RolloutEvidence, reason: PlaceholderReason, detail: str, re
     return Placeholder(ev.rollout_id, ev.group_index, ev.sample_index, reason, detail, reward, selection, served_yield)
 
 
+def call_lineage(ev: RolloutEvidence) -> CallLineage | None:
+    """The rollout's capture-health figures (rule 8); None without a served report or its manifest."""
+    if ev.served is None or ev.manifest is None or ev.manifest.rollout_id != ev.rollout_id:
+        return None
+    records = ev.manifest.records
+    first = records[0].model_call_id if records and records[0].parent_call_id is None else None
+    calls = {call.model_call_id: call for call in ev.served}  # a call is counted once
+    token_in = sum(1 for call in calls.values() if call.mode == "token_in")
+    unresolved = sum(1 for call in calls.values() if call.unresolved_continuation and call.model_call_id != first)
+    roots = sum(1 for record in records if record.parent_call_id is None)
+    return CallLineage(token_in, unresolved, max(roots - 1, 0))
+
+
 def all_served_lost(ev: RolloutEvidence, reason: str, chains: int = 0, disagreement: bool = False) -> RolloutYield:
     """The yield of a rollout that trains nothing: every served generated token lost to `reason`."""
+    lineage = call_lineage(ev)
     if ev.served is None:
-        return RolloutYield(None, 0, (), chains, disagreement)
+        return RolloutYield(None, 0, (), chains, disagreement, lineage=lineage)
     total = sum(call.generated_tokens for call in ev.served)
-    return RolloutYield(total, 0, ((reason, total),) if total else (), chains, disagreement)
+    return RolloutYield(total, 0, ((reason, total),) if total else (), chains, disagreement, lineage=lineage)
 
 
 def _chain_to(call_id: str, by_id: Mapping[str, CallRecord]) -> tuple[CallRecord, ...] | None:
@@ -144,12 +176,62 @@ def _chain_to(call_id: str, by_id: Mapping[str, CallRecord]) -> tuple[CallRecord
     return tuple(reversed(path))
 
 
-def _candidate_chains(records: Sequence[CallRecord], terminal: str, policy: str) -> list[str]:
-    """Leaf ids of the chains to train, terminal first, then other leaves in manifest order."""
+def _root_prompt(snapshot: StagedCallBaseSnapshot | None) -> tuple[int, ...] | None:
+    """A root's prompt ids: its staged delta before the first generated (mask 1.0) token."""
+    if snapshot is None:
+        return None
+    mask = snapshot.token_mask_delta
+    end = mask.index(1.0) if 1.0 in mask else len(mask)
+    return tuple(snapshot.token_ids_delta[:end])
+
+
+def abandoned_retries(records: Sequence[CallRecord], terminal_chain: Sequence[CallRecord],
+                      served: Sequence[ServedCall] | None,
+                      snapshots: Mapping[str, StagedCallBaseSnapshot]) -> frozenset[str]:
+    """Committed calls the harness discarded (rule 4): off the terminal chain, never continued, with a sibling."""
+    on_terminal = {record.model_call_id for record in terminal_chain}
+    continued = {r.parent_call_id for r in records if r.parent_call_id is not None}
+    continued |= {c.parent_call_id for c in served or () if c.parent_call_id is not None}
+    children: dict[str, set[str]] = {}
+    for call_id, parent in [(r.model_call_id, r.parent_call_id) for r in records] + [
+        (c.model_call_id, c.parent_call_id) for c in served or ()
+    ]:
+        if parent is not None:
+            children.setdefault(parent, set()).add(call_id)
+    root_prompts: dict[tuple[int, ...], set[str]] = {}
+    for record in records:
+        prompt = _root_prompt(snapshots.get(record.staging_key)) if record.parent_call_id is None else None
+        if prompt is not None:
+            root_prompts.setdefault(prompt, set()).add(record.model_call_id)
+    abandoned: set[str] = set()
+    for record in records:
+        call_id = record.model_call_id
+        if call_id in on_terminal or call_id in continued:
+            continue
+        if record.parent_call_id is not None:
+            siblings = children[record.parent_call_id] - {call_id}
+        else:
+            prompt = _root_prompt(snapshots.get(record.staging_key))
+            siblings = (root_prompts[prompt] - {call_id}) if prompt is not None else set()
+        if siblings:
+            abandoned.add(call_id)
+    return frozenset(abandoned)
+
+
+def _candidate_chains(records: Sequence[CallRecord], terminal: str, policy: str, abandoned: frozenset[str]) -> list[str]:
+    """Last call ids of the chains to train: the terminal first, then (all_chains) every other leaf in
+    manifest order, an abandoned leaf replaced by its parent (an abandoned root by nothing)."""
     if policy == "terminal_chain":
         return [terminal]
     parents = {r.parent_call_id for r in records if r.parent_call_id is not None}
-    return [terminal] + [r.model_call_id for r in records if r.model_call_id not in parents and r.model_call_id != terminal]
+    ends = [terminal]
+    for record in records:
+        if record.model_call_id in parents or record.model_call_id == terminal:
+            continue
+        end = record.parent_call_id if record.model_call_id in abandoned else record.model_call_id
+        if end is not None and end not in ends:
+            ends.append(end)
+    return ends
 
 
 def _linearize(ev: RolloutEvidence, chain: Sequence[CallRecord], snapshots: Mapping[str, StagedCallBaseSnapshot],
@@ -284,9 +366,12 @@ def judge_rollout(
     owned: set[str] = set()
     rows: list[TrainRow] = []
     lost: dict[str, str] = {}  # call id -> why its generated tokens are not in the loss
-    leaf_ids = _candidate_chains(records, terminal.call_id, cfg.branch_policy)
-    for position, leaf in enumerate(leaf_ids):
+    abandoned = abandoned_retries(records, _chain_to(terminal.call_id, by_id) or (), ev.served, snapshots)
+    ends = _candidate_chains(records, terminal.call_id, cfg.branch_policy, abandoned)
+    for position, leaf in enumerate(ends):
         chain = _chain_to(leaf, by_id)
+        if position > 0 and chain is not None and all(record.model_call_id in owned for record in chain):
+            continue  # every call is already in an earlier row's loss: nothing left to train
         problem = (PlaceholderReason.VERIFICATION_FAILED, f"lineage of {leaf} is orphaned or cyclic") if chain is None \
             else _chain_problem(chain, fetch_problems, cut_leaves, cfg)
         linear = None
@@ -312,18 +397,23 @@ def judge_rollout(
     kept_tokens = sum(row.num_generated_tokens for row in rows)
     return KeptRollout(
         ev.rollout_id, ev.group_index, ev.sample_index, tuple(rows), reward, terminal.selection,
-        _yield(ev, owned, lost, unstaged, kept_tokens, leaves),
+        _yield(ev, owned, abandoned, lost, unstaged, kept_tokens, leaves),
     )
 
 
-def _yield(ev: RolloutEvidence, owned: set[str], lost: Mapping[str, str], unstaged: Mapping[str, str],
-           kept_tokens: int, chains: int) -> RolloutYield:
+def _yield(ev: RolloutEvidence, owned: set[str], abandoned: frozenset[str], lost: Mapping[str, str],
+           unstaged: Mapping[str, str], kept_tokens: int, chains: int) -> RolloutYield:
+    lineage = call_lineage(ev)
     if ev.served is None:
-        return RolloutYield(None, kept_tokens, (), chains)
+        return RolloutYield(None, kept_tokens, (), chains, abandoned_retry_calls=len(abandoned), lineage=lineage)
     committed = {r.model_call_id for r in ev.manifest.records}
     by_reason: dict[str, int] = {}
+    abandoned_tokens = 0
     for call in ev.served:
         if call.model_call_id in owned:
+            continue
+        if call.model_call_id in abandoned:
+            abandoned_tokens += call.generated_tokens
             continue
         if call.model_call_id in lost:
             reason = lost[call.model_call_id]
@@ -335,4 +425,5 @@ def _yield(ev: RolloutEvidence, owned: set[str], lost: Mapping[str, str], unstag
             reason = EXCLUDED_BY_BRANCH_POLICY
         by_reason[reason] = by_reason.get(reason, 0) + call.generated_tokens
     served_total = sum(call.generated_tokens for call in ev.served)
-    return RolloutYield(served_total, kept_tokens, tuple(sorted((r, n) for r, n in by_reason.items() if n)), chains)
+    return RolloutYield(served_total, kept_tokens, tuple(sorted((r, n) for r, n in by_reason.items() if n)), chains,
+                        abandoned_retry_calls=len(abandoned), abandoned_retry_tokens=abandoned_tokens, lineage=lineage)

@@ -9,9 +9,21 @@ Definitions (dispatched = all entries of all groups = kept rollouts + placeholde
   contributes one row per verified chain); finalize/rows_per_rollout = rows / kept rollouts;
   finalize/chains_per_rollout: mean number of chains (leaves) in the manifests of kept rollouts.
 - finalize/placeholders/<reason>: placeholders with that `PlaceholderReason` value.
-- finalize/token_in_calls, finalize/text_root_calls: chain calls of trained rows by capture mode.
-  finalize/token_in_rate: among continuation calls (every call after a row's first), the share
-  served from exact parent ids. 1.0 means no continuation was re-rendered from text.
+- finalize/token_in_calls, finalize/text_root_calls: chain calls of trained rows by capture mode
+  (a call shared by several rows counts in each).
+- Capture health, per served call (each call once, not per row), over every rollout (kept or
+  placeholder) whose verdict carries a `CallLineage` (a served report and its manifest; see
+  `judge.call_lineage`): finalize/continuation_calls = calls whose history held assistant turns
+  (token-in calls + unresolved continuations); finalize/unresolved_continuations = those the
+  gate admitted as a new text root because it found no captured parent (the harness re-rendered
+  or edited what the model said); finalize/token_in_rate = token-in calls / continuation calls,
+  0.0 when there is no continuation call (single-call rollouts, capture off: read
+  finalize/continuation_calls first). A compaction or a sub-agent (no assistant turn in the new
+  history) is a root, not a continuation. finalize/branches_per_rollout = text roots beyond the
+  first in the manifests, per rollout with a lineage (0.0 when none).
+- finalize/abandoned_retry_calls, finalize/abandoned_retry_tokens: retried replies the harness
+  discarded (a sibling no later call continued, off the terminal chain), never in the loss;
+  tokens from the served report.
 - finalize/capture_poisoned_rollouts: placeholders with reason capture_poisoned.
 - finalize/invalid_row_rate = placeholders / dispatched.
 - finalize/terminal_selection/<method>: rollouts (kept or not) whose terminal was named by that
@@ -19,8 +31,9 @@ Definitions (dispatched = all entries of all groups = kept rollouts + placeholde
   finalize/terminal_witness_disagreements counts rollouts masked because witnesses disagreed.
 - finalize/served_generated_tokens: generated tokens the workers report having served for the
   step's rollouts (their own counters); finalize/kept_generated_token_fraction = generated tokens
-  in the loss / served, over rollouts with a report (0.0 when none);
-  finalize/unverifiable_generated_tokens/<reason>: served tokens not in the loss, by reason.
+  in the loss / (served - abandoned retry tokens), over rollouts with a report (0.0 when the
+  denominator is 0); finalize/unverifiable_generated_tokens/<reason>: served tokens not in the
+  loss that could have been, by reason (abandoned retries are not among them).
 - weight_version/min, weight_version/max: over every call of every trained row (measured from
   the rows, never from the step counter); -1.0 when no row carries a version (legacy).
 - finalize/calls_per_rollout: mean chain length over trained rows.
@@ -60,7 +73,7 @@ def _ratio(numerator: float, denominator: float) -> float:
 
 
 def _yield_metrics(entries: Sequence[KeptRollout | Placeholder]) -> dict[str, float]:
-    served = kept = 0
+    served = kept = abandoned = 0
     lost: Counter[str] = Counter()
     for entry in entries:
         report = entry.yield_
@@ -68,15 +81,30 @@ def _yield_metrics(entries: Sequence[KeptRollout | Placeholder]) -> dict[str, fl
             continue
         served += report.served_generated_tokens
         kept += report.kept_generated_tokens
+        abandoned += report.abandoned_retry_tokens
         for reason, tokens in report.unverifiable:
             lost[reason] += tokens
     metrics = {
         "finalize/served_generated_tokens": float(served),
-        "finalize/kept_generated_token_fraction": _ratio(kept, served),
+        "finalize/kept_generated_token_fraction": _ratio(kept, served - abandoned),
+        "finalize/abandoned_retry_tokens": float(abandoned),
+        "finalize/abandoned_retry_calls": float(sum(e.yield_.abandoned_retry_calls for e in entries if e.yield_ is not None)),
     }
     for reason, tokens in sorted(lost.items()):
         metrics[f"finalize/unverifiable_generated_tokens/{reason}"] = float(tokens)
     return metrics
+
+
+def _lineage_metrics(entries: Sequence[KeptRollout | Placeholder]) -> dict[str, float]:
+    lineages = [entry.yield_.lineage for entry in entries if entry.yield_ is not None and entry.yield_.lineage]
+    token_in = sum(lineage.token_in_calls for lineage in lineages)
+    continuations = sum(lineage.continuation_calls for lineage in lineages)
+    return {
+        "finalize/continuation_calls": float(continuations),
+        "finalize/unresolved_continuations": float(sum(lineage.unresolved_continuations for lineage in lineages)),
+        "finalize/token_in_rate": _ratio(token_in, continuations),
+        "finalize/branches_per_rollout": _ratio(sum(lineage.branches for lineage in lineages), len(lineages)),
+    }
 
 
 def _router_replay_metrics(rows: Sequence[TrainRow | RowRef]) -> dict[str, float]:
@@ -129,7 +157,6 @@ def finalize_metrics(groups: Sequence[GroupResult], queue_waits_ms: Sequence[flo
         "finalize/chains_per_rollout": _ratio(sum(k.yield_.chains for k in kept if k.yield_), len(kept)),
         "finalize/token_in_calls": float(token_in),
         "finalize/text_root_calls": float(text_root),
-        "finalize/token_in_rate": _ratio(token_in, token_in + text_root - sum(row.text_root_calls > 0 for row in rows)),
         "finalize/capture_poisoned_rollouts": float(reasons[PlaceholderReason.CAPTURE_POISONED]),
         "finalize/invalid_row_rate": _ratio(len(placeholders), len(entries)),
         "finalize/heuristic_terminal_fraction": _ratio(selected["heuristic"], sum(selected.values())),
@@ -142,6 +169,7 @@ def finalize_metrics(groups: Sequence[GroupResult], queue_waits_ms: Sequence[flo
         "reward/mean": _ratio(sum(rewards), len(rewards)),
     }
     metrics.update(_yield_metrics(entries))
+    metrics.update(_lineage_metrics(entries))
     metrics.update(_router_replay_metrics(rows))
     for method, count in sorted(selected.items()):
         metrics[f"finalize/terminal_selection/{method}"] = float(count)

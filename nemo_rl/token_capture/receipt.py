@@ -3,8 +3,12 @@
 Contract of `choose_terminal(records, run_result) -> TerminalChoice` (never raises for bad data):
 1. Declared: the `/run` result names the response it scored, `terminal_response_id` (Gym's
    `TERMINAL_RESPONSE_ID_KEY`) or the call itself (`_ng_terminal_model_call_id`, Gym's
-   `TERMINAL_CALL_KEY`). A declared response id that matches no committed row (or several
-   different ones) masks the rollout (`terminal_declared_unmatched`); it never falls back.
+   `TERMINAL_CALL_KEY`). A declared call id that names no committed row masks the rollout
+   (`declared_terminal_uncaptured`: the scored call was served without custody, or never
+   completed); a declared response id that matches no committed row (or several different
+   ones) masks it (`terminal_declared_unmatched`). A declaration never falls back to witnesses
+   or the heuristic. (Gym's `resolve_terminal` treats an uncaptured declared call id as an
+   abstention and goes on to the witnesses; we refuse that before asking it.)
 2. Witnesses: the scored `response` object's id against each row's `response_id`, and its
    content fingerprint against the rows' output/continuation fingerprints (Gym's
    `resolve_terminal`). Witnesses that name different token sequences mask the rollout
@@ -90,6 +94,11 @@ def choose_terminal(records: Sequence[CallRecord], run_result: dict[str, Any]) -
     """Declared > witnesses > heuristic > mask; see the module docstring."""
     declared_id = _declared(run_result, TERMINAL_RESPONSE_ID_KEY)
     explicit_call = _declared(run_result, TERMINAL_CALL_KEY)
+    if explicit_call is not None and all(record.model_call_id != explicit_call for record in records):
+        return TerminalChoice(
+            None, "declared", "explicit_terminal_not_captured", PlaceholderReason.DECLARED_TERMINAL_UNCAPTURED,
+            f"{TERMINAL_CALL_KEY}={explicit_call!r} names no committed call",
+        )
     response = run_result.get("response")
     attribution = resolve_terminal(
         list(records), response if isinstance(response, dict) else None, explicit_call,

@@ -8,8 +8,14 @@ Contract:
   with distinct rollout ids, so `kept + placeholders == dispatched` holds by construction.
 - Within a kept rollout, a generated token is in the loss at most once: rows are distinct
   chains, and `KeptRollout` rejects two rows whose loss spans cover the same call.
+- A verdict's `RolloutYield` says where the rollout's served generated tokens went (kept,
+  unverifiable by reason, abandoned retries apart) and carries its `CallLineage` (token-in
+  calls, unresolved continuations, branches: the capture-health figures), for kept rollouts and
+  placeholders alike.
 
 Invariants checked at construction (a violation raises `RowInvariantError`):
+- RolloutYield / CallLineage: counts are non-negative ints; abandoned retry tokens are 0 without
+  a served report.
 - TrainRow: token_ids, token_mask and generation_logprobs have equal, non-zero lengths; token ids
   are non-negative ints; mask values are exactly 0.0 or 1.0 with at least one 1.0; logprobs are
   finite and exactly 0.0 wherever the mask is 0.0; the first `prompt_len` tokens are masked out;
@@ -75,6 +81,7 @@ class PlaceholderReason(str, Enum):
     LEGACY_INVALID_ECHO = "legacy_invalid_echo"
     LEGACY_NONCONTIGUOUS = "legacy_noncontiguous"
     TERMINAL_DECLARED_UNMATCHED = "terminal_declared_unmatched"
+    DECLARED_TERMINAL_UNCAPTURED = "declared_terminal_uncaptured"
     TERMINAL_WITNESS_DISAGREEMENT = "terminal_witness_disagreement"
     SERVED_NOT_STAGED = "served_not_staged"
     MIXED_WEIGHT_VERSION = "mixed_weight_version"
@@ -391,13 +398,51 @@ class Placeholder:
             )
 
 
+def _check_counts(where: str, obj: Any, names: Sequence[str]) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if type(value) is not int or value < 0:
+            raise RowInvariantError(f"{where}: {name} must be a non-negative int, got {value!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class CallLineage:
+    """How the gate admitted one rollout's served calls: its capture-health figures.
+
+    From the workers' served report (each served call counted once) and the gate's manifest:
+    `token_in_calls` were served from a captured parent's exact ids; `unresolved_continuations`
+    were admitted as a new `text` root although their history held assistant turns (the gate
+    found no captured parent: the harness re-rendered or edited what the model said), except
+    the rollout's first committed call, which had nothing to continue; `branches` are the
+    manifest's text roots beyond the first (history rewrites, sub-agents, unresolved calls).
+    A continuation call is one of the first two kinds.
+    """
+
+    token_in_calls: int
+    unresolved_continuations: int
+    branches: int
+
+    def __post_init__(self) -> None:
+        _check_counts("CallLineage", self, ("token_in_calls", "unresolved_continuations", "branches"))
+
+    @property
+    def continuation_calls(self) -> int:
+        """Calls that continue a conversation with assistant turns: token-in or unresolved."""
+        return self.token_in_calls + self.unresolved_continuations
+
+
 @dataclass(frozen=True, slots=True)
 class RolloutYield:
     """Where one rollout's served generated tokens went (the workers' own counts as denominator).
 
     `served_generated_tokens` comes from the workers' served-call report (None when no report was
     available); `kept_generated_tokens` are loss tokens of the rollout's rows; `unverifiable`
-    lists (reason, generated tokens) for every served call whose tokens are not in the loss.
+    lists (reason, generated tokens) for every served call whose tokens are not in the loss and
+    should have been. `abandoned_retry_calls` / `abandoned_retry_tokens` are retried replies the
+    harness discarded (a sibling no later call continued, off the terminal chain): never in the
+    loss, not unverifiable, and outside the yield's denominator (tokens from the served report,
+    0 without one). `lineage` holds the capture-health figures (None without a served report or
+    a manifest of this rollout).
     """
 
     served_generated_tokens: int | None
@@ -405,18 +450,24 @@ class RolloutYield:
     unverifiable: tuple[tuple[str, int], ...] = ()
     chains: int = 0
     witness_disagreement: bool = False
+    abandoned_retry_calls: int = 0
+    abandoned_retry_tokens: int = 0
+    lineage: CallLineage | None = None
 
     def __post_init__(self) -> None:
-        for name in ("kept_generated_tokens", "chains"):
-            value = getattr(self, name)
-            if type(value) is not int or value < 0:
-                raise RowInvariantError(f"RolloutYield: {name} must be a non-negative int, got {value!r}")
+        _check_counts("RolloutYield", self, ("kept_generated_tokens", "chains", "abandoned_retry_calls",
+                                             "abandoned_retry_tokens"))
         if self.served_generated_tokens is not None and (
             type(self.served_generated_tokens) is not int or self.served_generated_tokens < 0
         ):
             raise RowInvariantError("RolloutYield: served_generated_tokens must be a non-negative int or None")
         if any(type(tokens) is not int or tokens < 0 for _, tokens in self.unverifiable):
             raise RowInvariantError("RolloutYield: unverifiable token counts must be non-negative ints")
+        if self.served_generated_tokens is None and self.abandoned_retry_tokens:
+            raise RowInvariantError("RolloutYield: abandoned_retry_tokens come from the served report; without "
+                                    "one they are 0")
+        if self.lineage is not None and not isinstance(self.lineage, CallLineage):
+            raise RowInvariantError(f"RolloutYield: lineage must be a CallLineage or None, got {self.lineage!r}")
 
 
 @dataclass(frozen=True, slots=True)

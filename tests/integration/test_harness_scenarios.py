@@ -3,8 +3,10 @@
 Runs `examples/harness_scenarios.py --num-workers 2` (real components only: private Ray,
 TransferQueue, two vLLM CPU engines behind our one capture gate on loopback) and checks each
 scenario's verdict: kept, exact against the engine's own records, and nearly every served
-generated token kept, plus the shape each behaviour guarantees, and that a continuation served
-by another worker than its parent is exact.
+generated token kept (retried replies the harness discarded are masked and outside that
+fraction), plus the shape each behaviour guarantees, the capture health each behaviour implies
+(`token_in_rate`, `unresolved_continuations`: an `edited` history must show the miss, an echoed
+one must not), and that a continuation served by another worker than its parent is exact.
 """
 
 from __future__ import annotations
@@ -19,8 +21,11 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 SCENARIOS = (
-    "plain", "distinct_retry", "identical_retry", "compaction", "rerendered", "failed_final", "subagent", "cross_worker",
+    "plain", "distinct_retry", "identical_retry", "compaction", "rerendered", "edited", "failed_final", "subagent",
+    "cross_worker",
 )
+# Scenarios whose harness echoes every assistant turn as the model wrote it: no continuation may miss its parent.
+ECHOED = ("plain", "distinct_retry", "identical_retry", "compaction", "failed_final", "subagent", "cross_worker")
 
 
 @pytest.fixture(scope="module")
@@ -74,13 +79,59 @@ def test_plain_tool_loop_is_one_token_in_chain(results):
 
 
 @pytest.mark.integration
+@pytest.mark.parametrize("name", ECHOED)
+def test_an_echoed_history_resolves_every_continuation(results, name):
+    line = results[name]
+    assert line["unresolved_continuations"] == 0, line
+    assert line["continuation_calls"] >= 1 and line["token_in_rate"] == 1.0, line
+
+
+@pytest.mark.integration
+def test_plain_capture_health_is_one_chain_without_a_miss(results):
+    line = results["plain"]
+    assert (line["token_in_rate"], line["unresolved_continuations"], line["branches"]) == (1.0, 0, 0), line
+    assert line["continuation_calls"] == line["calls"] - 1, line
+
+
+@pytest.mark.integration
+def test_an_edited_history_shows_the_unresolved_continuation_and_stays_exact(results):
+    line = results["edited"]
+    # edited#1 continues an edited reply: the gate found no parent and opened a text root; edited#2
+    # continues edited#1 as the model wrote it and resolves.
+    assert line["calls"] == 3 and line["manifest_records"] == 3, line
+    assert line["call_lineage"] == ["text", "text", "token_in<1"], line
+    assert line["unresolved_continuations"] == 1 and line["continuation_calls"] == 2, line
+    assert line["token_in_rate"] == 0.5 and line["branches"] == 1, line
+    assert line["kept"] is True and line["exact"] is True and line["rows"] == 2, line
+
+
+@pytest.mark.integration
+def test_a_rerendered_history_misses_a_parent_exactly_when_the_fingerprint_changed(results):
+    line = results["rerendered"]
+    assert (line["unresolved_continuations"] >= 1) == line["rerender_changed_fingerprint"], line
+    assert (line["token_in_rate"] < 1.0) == line["rerender_changed_fingerprint"], line
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("name", ["compaction", "subagent"])
+def test_a_history_rewrite_is_a_branch_not_a_miss(results, name):
+    line = results[name]
+    assert line["branches"] == 1 and line["unresolved_continuations"] == 0, line
+
+
+@pytest.mark.integration
 @pytest.mark.parametrize("name", ["distinct_retry", "identical_retry"])
-def test_retried_call_leaves_a_sibling_that_is_trained_once(results, name):
+def test_a_discarded_retry_is_masked_as_an_abandoned_sibling(results, name):
     line = results[name]
     assert line["sends_of_retried_call"] >= 2
-    # The retried call and its re-send are siblings: two leaves, each trained in its own row
-    # (branch_policy all_chains), no served token left out.
-    assert line["chains"] >= 2 and line["rows"] >= 2
+    # The retried call and its re-send are siblings; the harness continued one of them, the other
+    # reply did not lead to the reward: it is masked (abandoned_retry), in no row, and outside the
+    # kept fraction, which stays >= 0.99.
+    assert line["abandoned_retry_calls"] == line["sends_of_retried_call"] - 1, line
+    assert line["abandoned_retry_tokens"] >= 1, line
+    assert line["chains"] >= 2 and line["rows"] == 1, line
+    assert line["kept_generated_token_fraction"] >= 0.99, line
+    assert line["unverifiable"] == [], line
     assert line["manifest_records"] == line["calls"]
     assert line["manifest_failures"] == []
 
@@ -142,3 +193,5 @@ def test_a_continuation_served_by_another_worker_is_exact(results):
     assert line["workers"] == [0, 1], line
     assert line["cross_worker_continuations"] >= 1, line
     assert line["kept"] is True and line["exact"] is True, line
+    # Every send before the one another worker served is a retry sibling the harness discarded.
+    assert line["abandoned_retry_calls"] == line["continuation_sends"] - 1, line

@@ -37,6 +37,7 @@ from nemo_rl.token_capture.config import TokenCaptureConfig
 from nemo_rl.token_capture.finalizer_pool import FinalizeOutcome, judge_from_source
 from nemo_rl.token_capture.judge import RunFailure
 from nemo_rl.token_capture.rows import (
+    CallLineage,
     GroupResult,
     KeptRollout,
     Placeholder,
@@ -261,7 +262,8 @@ def test_always_n_for_any_mix_of_outcomes(script, step, group_index):
         () if kind in NO_RECORDS else (ServedCall(rid, "c0", None, "text", 2, True),) for rid, kind in zip(ids, script)]
     for entry, kind in zip(group.entries, script):
         if kind == "success":
-            assert entry.rows[0].token_ids == (1, 2, 3, 4) and entry.yield_ == RolloutYield(2, 2, (), 1)
+            assert entry.rows[0].token_ids == (1, 2, 3, 4)
+            assert entry.yield_ == RolloutYield(2, 2, (), 1, lineage=CallLineage(0, 0, 0))
     assert env.retired == [ids]
     assert cleaner.cleared == [[f"{rid}/c0" for rid, kind in zip(ids, script) if kind not in NO_RECORDS]]
     assert cleaner.reported == cleaner.cleared  # the served report names the same staged keys, not someone-else's
@@ -285,10 +287,11 @@ async def test_placeholders_carry_reason_detail_and_reward():
         (R.EMPTY_MANIFEST, "no committed call and no failure row", 1.0),
     ]
     assert [e.terminal_selection for e in group.entries] == [None] * 6
+    none = CallLineage(0, 0, 0)  # one text root per manifest; no lineage without the manifest
     assert [e.yield_ for e in group.entries] == [
-        RolloutYield(2, 0, (("run_failed", 2),)), RolloutYield(2, 0, (("run_timeout", 2),)),
-        RolloutYield(2, 0, (("run_timeout", 2),)), RolloutYield(0, 0, ()),
-        RolloutYield(2, 0, (("capture_poisoned", 2),), 1), RolloutYield(0, 0, ()),
+        RolloutYield(2, 0, (("run_failed", 2),), lineage=none), RolloutYield(2, 0, (("run_timeout", 2),), lineage=none),
+        RolloutYield(2, 0, (("run_timeout", 2),), lineage=none), RolloutYield(0, 0, ()),
+        RolloutYield(2, 0, (("capture_poisoned", 2),), 1, lineage=none), RolloutYield(0, 0, (), lineage=none),
     ]
 
 

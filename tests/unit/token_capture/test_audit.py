@@ -84,6 +84,7 @@ def test_audit_train_row_checks_every_chain_of_a_judged_rollout(trees):
     tree = trees.build(rid, [
         trees.Call("c0", None, trees.Turn((1, 2), (3, 4), (-0.5, -0.25))),
         trees.Call("a", "c0", trees.Turn((5,), (6,), (-1.0,))),
+        trees.Call("a2", "a", trees.Turn((11,), (12,), (-0.2,))),  # a fork the harness continued: trained
         trees.Call("b", "c0", trees.Turn((5,), (7, 8), (-0.1, -0.2))),
         trees.Call("c", "b", trees.Turn((9,), (10,), (-0.3,))),
     ])
@@ -99,7 +100,7 @@ def test_audit_train_row_checks_every_chain_of_a_judged_rollout(trees):
             "logprobs": list(call.turn.logprobs)}
 
     audits = [audit_train_row(row, tree.records, engine) for row in kept.rows]
-    assert [[c.model_call_id for c in audit.calls] for audit in audits] == [["c0", "b", "c"], ["c0", "a"]]
+    assert [[c.model_call_id for c in audit.calls] for audit in audits] == [["c0", "b", "c"], ["c0", "a", "a2"]]
     assert all(audit.ids_match and audit.max_abs_logprob_diff == 0.0 for audit in audits)
 
     drifted = {**engine, tree.by_id["a"].response_id: {**engine[tree.by_id["a"].response_id], "token_ids": [11]}}

@@ -14,7 +14,7 @@ from nemo_rl.token_capture.config import TokenCaptureConfig
 from nemo_rl.token_capture.finalizer import fetch_snapshots
 from nemo_rl.token_capture.finalizer_pool import judge_from_source
 from nemo_rl.token_capture.judge import FetchProblem, RolloutEvidence, RunFailure, judge_rollout
-from nemo_rl.token_capture.rows import KeptRollout, Placeholder, PlaceholderReason, RolloutYield, RowOrigin
+from nemo_rl.token_capture.rows import CallLineage, KeptRollout, Placeholder, PlaceholderReason, RolloutYield, RowOrigin
 from nemo_rl.token_capture.served import ServedCall
 from nemo_rl.token_capture.staging import (
     StagedKeysMissingError,
@@ -29,6 +29,7 @@ ROOT_TURN = ((11, 12, 13, 14), (21, 22, 23), (-0.5, -0.25, -0.125))
 CHILD_TURN = ((31, 32), (41, 42), (-1.0, -0.75))
 WRONG_COORDS = "worker_response_missing_commit_coordinates"
 NO_COORDS = "request_finished_without_staged_coordinates"
+PLAIN = CallLineage(1, 0, 0)  # the plain two-call chain's capture health: one token-in call, no miss, no branch
 
 
 class MemorySource:
@@ -123,7 +124,7 @@ def test_plain_chain_is_one_exact_row(trees):
     assert (row.weight_versions, row.token_in_calls, row.text_root_calls) == ((3, 3), 1, 1)
     assert (row.rollout_id, row.group_index, row.sample_index, row.terminal_selection) == (RID, 2, 3, "response_id")
     assert (result.reward, result.terminal_selection) == (1.0, "response_id")
-    assert result.yield_ == RolloutYield(5, 5, (), 1, False)
+    assert result.yield_ == RolloutYield(5, 5, (), 1, False, lineage=PLAIN)
 
 
 def test_plain_chain_without_a_served_report_has_no_denominator(trees):
@@ -146,48 +147,43 @@ def test_three_call_chain_counts_two_token_in_calls(trees):
     assert row.call_spans == ((0, 3), (3, 5), (5, 8))
 
 
-def test_distinct_retry_trains_both_chains_with_the_shared_parent_once(trees):
+def test_distinct_retry_trains_the_scored_chain_and_masks_the_abandoned_sibling(trees):
     tree = _retry(trees)
     result = _judge(_ev(tree, _scored(trees, tree, "c")), tree)
 
     assert isinstance(result, KeptRollout)
-    terminal, dead = result.rows
+    (terminal,) = result.rows
     assert terminal.model_call_ids == ("c0", "b", "c") and terminal.chain_index == 0
     assert terminal.token_ids == (11, 12, 13, 14, 21, 22, 23, 31, 32, 51, 52, 53, 61, 71) == tree.sequences["c"]
     assert terminal.token_mask == (0.0,) * 4 + (1.0,) * 3 + (0.0,) * 2 + (1.0,) * 3 + (0.0, 1.0)
     assert _loss(terminal) == [(21, -0.5), (22, -0.25), (23, -0.125), (51, -0.1), (52, -0.2), (53, -0.3), (71, -0.4)]
     assert terminal.call_spans == ((0, 7), (7, 12), (12, 14))
-    # The dead sibling's row: the shared parent is carried (mask 0, logprob 0.0), only its own tokens train.
-    assert dead.model_call_ids == ("c0", "a") and dead.chain_index == 1
-    assert dead.token_ids == (11, 12, 13, 14, 21, 22, 23, 31, 32, 41, 42) == tree.sequences["a"]
-    assert dead.token_mask == (0.0,) * 9 + (1.0, 1.0)
-    assert dead.generation_logprobs == (0.0,) * 9 + (-1.0, -0.75)
-    assert dead.call_spans == ((0, 7), (7, 11))
-    assert (dead.prompt_len, dead.reward, dead.terminal_selection) == (4, 1.0, "response_id")
-    assert (terminal.loss_call_ids(), dead.loss_call_ids()) == ({"c0", "b", "c"}, {"a"})
-    assert result.yield_ == RolloutYield(3 + 2 + 3 + 1, 9, (), 2, False)
+    assert terminal.loss_call_ids() == {"c0", "b", "c"}
+    # a is the reply the harness discarded (b, its sibling, was continued): no row, its 2 tokens
+    # counted as an abandoned retry, outside the denominator; nothing is unverifiable.
+    assert result.yield_ == RolloutYield(3 + 2 + 3 + 1, 7, (), 2, False, 1, 2, CallLineage(3, 0, 0))
 
 
 def test_distinct_retry_without_witness_follows_the_continued_sibling(trees):
     tree = _retry(trees)
     result = _judge(_ev(tree, trees.run_result(1.0)), tree)
 
-    assert [row.model_call_ids for row in result.rows] == [("c0", "b", "c"), ("c0", "a")]
+    assert [row.model_call_ids for row in result.rows] == [("c0", "b", "c")]
     assert result.terminal_selection == "heuristic"
+    assert (result.yield_.abandoned_retry_calls, result.yield_.abandoned_retry_tokens) == (1, 2)
 
 
-def test_identical_retry_trains_each_sample_once(trees):
+def test_identical_retry_trains_the_scored_sample_once(trees):
     tree = _retry(trees, identical=True)
     assert tree.by_id["a"].cumulative_hash == tree.by_id["b"].cumulative_hash
     result = _judge(_ev(tree, _scored(trees, tree, "b")), tree)
 
     assert isinstance(result, KeptRollout)
-    first, second = result.rows
-    assert (first.model_call_ids, second.model_call_ids) == (("c0", "b"), ("c0", "a"))
-    assert first.token_ids == second.token_ids == (11, 12, 13, 14, 21, 22, 23, 31, 32, 41, 42)
-    assert first.token_mask == (0.0,) * 4 + (1.0,) * 3 + (0.0,) * 2 + (1.0,) * 2
-    assert second.token_mask == (0.0,) * 9 + (1.0,) * 2
-    assert result.yield_ == RolloutYield(3 + 2 + 2, 7, (), 2, False)
+    (row,) = result.rows
+    assert row.model_call_ids == ("c0", "b")
+    assert row.token_ids == (11, 12, 13, 14, 21, 22, 23, 31, 32, 41, 42)
+    assert row.token_mask == (0.0,) * 4 + (1.0,) * 3 + (0.0,) * 2 + (1.0,) * 2
+    assert result.yield_ == RolloutYield(3 + 2 + 2, 5, (), 2, False, 1, 2, CallLineage(2, 0, 0))
 
 
 def test_identical_retry_without_witness_is_ambiguous(trees):
@@ -195,7 +191,8 @@ def test_identical_retry_without_witness_is_ambiguous(trees):
     result = _judge(_ev(tree, trees.run_result(1.0)), tree)
 
     assert result == Placeholder(RID, 2, 3, R.TERMINAL_SELECTION_FAILED, "terminal_selection_failed:ambiguous_terminal",
-                                 1.0, "heuristic", RolloutYield(7, 0, (("terminal_selection_failed", 7),), 2, False))
+                                 1.0, "heuristic", RolloutYield(7, 0, (("terminal_selection_failed", 7),), 2, False,
+                                                                lineage=CallLineage(2, 0, 0)))
 
 
 def test_compaction_second_root_is_the_terminal_chain_and_the_old_chain_is_row_two(trees):
@@ -211,17 +208,28 @@ def test_compaction_second_root_is_the_terminal_chain_and_the_old_chain_is_row_t
     assert old.token_mask == (0.0, 0.0, 1.0, 1.0, 0.0, 1.0)
     assert old.generation_logprobs == (0.0, 0.0, -0.1, -0.2, 0.0, -0.3)
     assert (new.prompt_len, old.prompt_len, new.chain_index, old.chain_index) == (2, 2, 0, 1)
-    assert result.yield_ == RolloutYield(6, 6, (), 2, False)
+    # The summary root is a branch, not a miss: its history has no assistant turn.
+    assert result.yield_ == RolloutYield(6, 6, (), 2, False, lineage=CallLineage(2, 0, 1))
 
 
 def test_terminal_chain_policy_keeps_one_row_and_counts_the_rest(trees):
+    tree = _compaction(trees)
+    cfg = TokenCaptureConfig(branch_policy="terminal_chain")
+    result = _judge(_ev(tree, _scored(trees, tree, "c2")), tree, cfg=cfg)
+
+    (row,) = result.rows
+    assert row.model_call_ids == ("r2", "c2")
+    assert result.yield_ == RolloutYield(6, 3, (("excluded_by_branch_policy", 3),), 2, False,
+                                         lineage=CallLineage(2, 0, 1))
+
+
+def test_an_abandoned_retry_is_not_excluded_by_the_terminal_chain_policy(trees):
     tree = _retry(trees)
     cfg = TokenCaptureConfig(branch_policy="terminal_chain")
     result = _judge(_ev(tree, _scored(trees, tree, "c")), tree, cfg=cfg)
 
-    (row,) = result.rows
-    assert row.model_call_ids == ("c0", "b", "c")
-    assert result.yield_ == RolloutYield(9, 7, (("excluded_by_branch_policy", 2),), 2, False)
+    assert [row.model_call_ids for row in result.rows] == [("c0", "b", "c")]
+    assert result.yield_ == RolloutYield(9, 7, (), 2, False, 1, 2, CallLineage(3, 0, 0))
 
 
 def test_off_chain_failure_does_not_poison(trees):
@@ -231,7 +239,7 @@ def test_off_chain_failure_does_not_poison(trees):
 
     assert isinstance(result, KeptRollout)
     assert result.rows[0].token_ids == tree.sequences["call1"]
-    assert result.yield_ == RolloutYield(5, 5, (), 1, False)
+    assert result.yield_ == RolloutYield(5, 5, (), 1, False, lineage=PLAIN)
 
 
 def test_served_not_staged_on_a_non_terminal_leaf_drops_only_that_chain(trees):
@@ -244,8 +252,9 @@ def test_served_not_staged_on_a_non_terminal_leaf_drops_only_that_chain(trees):
     assert isinstance(result, KeptRollout)
     (row,) = result.rows
     assert row.model_call_ids == ("c0", "b", "c")
-    # a (2 tokens, its chain cut) and z (4 tokens, never staged) are served but untrained.
-    assert result.yield_ == RolloutYield(13, 7, (("served_not_staged", 6),), 2, False)
+    # a (2 tokens, its chain cut) and z (4 tokens, never staged) are served but untrained; a is not an
+    # abandoned retry: z continued it.
+    assert result.yield_ == RolloutYield(13, 7, (("served_not_staged", 6),), 2, False, lineage=CallLineage(4, 0, 0))
 
 
 def test_unstaged_root_cuts_nothing_and_counts_as_served_not_staged(trees):
@@ -255,7 +264,7 @@ def test_unstaged_root_cuts_nothing_and_counts_as_served_not_staged(trees):
     result = _judge(_ev(tree, _scored(trees, tree, "call1"), failures=failures, served=served), tree)
 
     assert isinstance(result, KeptRollout)
-    assert result.yield_ == RolloutYield(11, 5, (("served_not_staged", 6),), 1, False)
+    assert result.yield_ == RolloutYield(11, 5, (("served_not_staged", 6),), 1, False, lineage=PLAIN)
 
 
 def test_yield_names_staged_but_uncommitted_and_unstaged_served_calls(trees):
@@ -265,7 +274,8 @@ def test_yield_names_staged_but_uncommitted_and_unstaged_served_calls(trees):
     result = _judge(_ev(tree, _scored(trees, tree, "call1"), served=served), tree)
 
     assert isinstance(result, KeptRollout)
-    assert result.yield_ == RolloutYield(10, 5, (("served_not_staged", 2), ("staged_not_committed", 3)), 1, False)
+    assert result.yield_ == RolloutYield(10, 5, (("served_not_staged", 2), ("staged_not_committed", 3)), 1, False,
+                                         lineage=CallLineage(3, 0, 0))
 
 
 def test_mixed_weight_versions_are_allowed_by_default(trees):
@@ -278,26 +288,26 @@ def test_mixed_weight_versions_are_allowed_by_default(trees):
 
 
 def test_a_corrupt_non_terminal_chain_is_dropped_alone(trees):
-    tree = _retry(trees)
+    tree = _compaction(trees)
     snapshots = tree.snapshots_by_key
-    key = tree.by_id["a"].staging_key
-    snapshots[key] = snapshots[key].model_copy(update={"token_ids_delta": [31, 32, 41, 99]})
-    result = _judge(_ev(tree, _scored(trees, tree, "c")), tree, snapshots=snapshots)
+    key = tree.by_id["c1"].staging_key
+    snapshots[key] = snapshots[key].model_copy(update={"token_ids_delta": [5, 99]})
+    result = _judge(_ev(tree, _scored(trees, tree, "c2")), tree, snapshots=snapshots)
 
-    assert [row.model_call_ids for row in result.rows] == [("c0", "b", "c")]
-    assert result.yield_ == RolloutYield(9, 7, (("verification_failed", 2),), 2, False)
+    assert [row.model_call_ids for row in result.rows] == [("r2", "c2")]
+    assert result.yield_ == RolloutYield(6, 3, (("verification_failed", 3),), 2, False, lineage=CallLineage(2, 0, 1))
 
 
 def test_a_missing_non_terminal_record_drops_that_chain_through_the_real_fetch(trees):
-    tree = _retry(trees)
+    tree = _compaction(trees)
     snapshots = tree.snapshots_by_key
-    del snapshots[tree.by_id["a"].staging_key]
+    del snapshots[tree.by_id["c1"].staging_key]
     source = MemorySource(snapshots)
-    result = judge_from_source(source, _ev(tree, _scored(trees, tree, "c")), CFG)
+    result = judge_from_source(source, _ev(tree, _scored(trees, tree, "c2")), CFG)
 
-    assert [row.model_call_ids for row in result.rows] == [("c0", "b", "c")]
-    assert result.yield_ == RolloutYield(9, 7, (("staged_record_missing", 2),), 2, False)
-    assert source.fetched == [[f"{RID}/c0", f"{RID}/a", f"{RID}/b", f"{RID}/c"], [f"{RID}/c0", f"{RID}/b", f"{RID}/c"]]
+    assert [row.model_call_ids for row in result.rows] == [("r2", "c2")]
+    assert result.yield_ == RolloutYield(6, 3, (("staged_record_missing", 3),), 2, False, lineage=CallLineage(2, 0, 1))
+    assert source.fetched == [[f"{RID}/r1", f"{RID}/c1", f"{RID}/r2", f"{RID}/c2"], [f"{RID}/r1", f"{RID}/r2", f"{RID}/c2"]]
 
 
 # --- every placeholder reason the judge produces ------------------------------------------------
@@ -309,7 +319,7 @@ def test_run_failures(trees, reason):
     result = _judge(_ev(tree, run_failure=RunFailure(reason, "RuntimeError: agent exploded")), tree)
 
     assert result == Placeholder(RID, 2, 3, reason, "RuntimeError: agent exploded", None, None,
-                                 RolloutYield(5, 0, ((reason.value, 5),), 0, False))
+                                 RolloutYield(5, 0, ((reason.value, 5),), 0, False, lineage=PLAIN))
 
 
 def test_manifest_unavailable(trees):
@@ -347,7 +357,8 @@ def test_served_not_staged_call_the_report_cannot_locate_poisons(trees, with_rep
     ev = _ev(tree, _scored(trees, tree, "call1"), failures=failures, served=() if with_report else None)
     result = _judge(ev, tree)
 
-    expected_yield = RolloutYield(5, 0, (("capture_poisoned", 5),), 1) if with_report else RolloutYield(None, 0, (), 1)
+    expected_yield = RolloutYield(5, 0, (("capture_poisoned", 5),), 1, lineage=PLAIN) if with_report \
+        else RolloutYield(None, 0, (), 1)
     assert result == Placeholder(
         RID, 2, 3, R.CAPTURE_POISONED, "served_not_staged_unlocated: calls ['z'] (['worker_capture_failed'])",
         1.0, None, expected_yield)
@@ -366,7 +377,7 @@ def test_reward_missing(trees):
     tree = _plain(trees)
     result = _judge(_ev(tree, _scored(trees, tree, "call1", reward=None)), tree)
     assert result == Placeholder(RID, 2, 3, R.REWARD_MISSING, "run result has no finite reward", None, None,
-                                 RolloutYield(5, 0, (("reward_missing", 5),), 0, False))
+                                 RolloutYield(5, 0, (("reward_missing", 5),), 0, False, lineage=PLAIN))
 
 
 def test_empty_manifest(trees):
@@ -378,7 +389,7 @@ def test_empty_manifest(trees):
     failed_result = _judge(_ev(tree, trees.run_result(0.5), manifest=with_failure, served=None), tree)
 
     assert bare_result == Placeholder(RID, 2, 3, R.EMPTY_MANIFEST, "no committed call and no failure row", 0.5, None,
-                                      RolloutYield(0, 0, (), 0, False))
+                                      RolloutYield(0, 0, (), 0, False, lineage=CallLineage(0, 0, 0)))
     assert failed_result == Placeholder(
         RID, 2, 3, R.EMPTY_MANIFEST, f"no committed call; failures: ['{WRONG_COORDS}']", 0.5, None,
         RolloutYield(None, 0, (), 0, False))
@@ -391,7 +402,7 @@ def test_terminal_declared_unmatched(trees):
 
     assert result == Placeholder(
         RID, 2, 3, R.TERMINAL_DECLARED_UNMATCHED, "terminal_response_id='chatcmpl-nope': declared_terminal_not_captured",
-        1.0, "declared", RolloutYield(5, 0, (("terminal_declared_unmatched", 5),), 1, False))
+        1.0, "declared", RolloutYield(5, 0, (("terminal_declared_unmatched", 5),), 1, False, lineage=PLAIN))
 
 
 def test_terminal_declared_matched_wins(trees):
@@ -410,7 +421,7 @@ def test_terminal_witness_disagreement(trees):
     assert result == Placeholder(
         RID, 2, 3, R.TERMINAL_WITNESS_DISAGREEMENT,
         "response_has_no_output,witness_disagreement[explicit=call1;response_id=call0]", 1.0, None,
-        RolloutYield(5, 0, (("terminal_witness_disagreement", 5),), 1, True))
+        RolloutYield(5, 0, (("terminal_witness_disagreement", 5),), 1, True, lineage=PLAIN))
 
 
 def test_terminal_selection_failed_over_ambiguous_roots(trees):
@@ -418,7 +429,8 @@ def test_terminal_selection_failed_over_ambiguous_roots(trees):
     result = _judge(_ev(tree, trees.run_result(1.0)), tree)
 
     assert result == Placeholder(RID, 2, 3, R.TERMINAL_SELECTION_FAILED, "terminal_selection_failed:ambiguous_roots",
-                                 1.0, "heuristic", RolloutYield(6, 0, (("terminal_selection_failed", 6),), 2, False))
+                                 1.0, "heuristic", RolloutYield(6, 0, (("terminal_selection_failed", 6),), 2, False,
+                                                                lineage=CallLineage(2, 0, 1)))
 
 
 def test_staged_record_missing_through_the_real_fetch(trees):
@@ -430,7 +442,7 @@ def test_staged_record_missing_through_the_real_fetch(trees):
 
     assert result == Placeholder(
         RID, 2, 3, R.STAGED_RECORD_MISSING, f"{key}: {StagedKeysMissingError('staging', [key])}", 1.0, "response_id",
-        RolloutYield(5, 0, (("staged_record_missing", 5),), 1, False))
+        RolloutYield(5, 0, (("staged_record_missing", 5),), 1, False, lineage=PLAIN))
 
 
 def test_corrupt_digest_is_a_verification_failure(trees):
@@ -441,7 +453,7 @@ def test_corrupt_digest_is_a_verification_failure(trees):
     result = judge_from_source(MemorySource(snapshots), _ev(tree, _scored(trees, tree, "call1")), CFG)
 
     assert result == Placeholder(RID, 2, 3, R.VERIFICATION_FAILED, "corrupt_digest", 1.0, "response_id",
-                                 RolloutYield(5, 0, (("verification_failed", 5),), 1, False))
+                                 RolloutYield(5, 0, (("verification_failed", 5),), 1, False, lineage=PLAIN))
 
 
 def test_tampered_snapshot_of_another_chain_is_a_verification_failure(trees):
@@ -471,7 +483,7 @@ def test_unavailable_store_is_a_data_plane_error(trees):
 
     assert result == Placeholder(
         RID, 2, 3, R.DATA_PLANE_ERROR, f"{RID}/call0: StagingStoreUnavailableError: get timed out after 10s", 1.0,
-        "response_id", RolloutYield(5, 0, (("data_plane_error", 5),), 1, False))
+        "response_id", RolloutYield(5, 0, (("data_plane_error", 5),), 1, False, lineage=PLAIN))
 
 
 def test_served_not_staged_on_the_terminal_chain_cuts_it(trees):
@@ -482,7 +494,7 @@ def test_served_not_staged_on_the_terminal_chain_cuts_it(trees):
 
     assert result == Placeholder(
         RID, 2, 3, R.SERVED_NOT_STAGED, "cut_by_unstaged_child: a child of call1 was served without custody", 1.0,
-        "response_id", RolloutYield(9, 0, (("served_not_staged", 9),), 1, False))
+        "response_id", RolloutYield(9, 0, (("served_not_staged", 9),), 1, False, lineage=CallLineage(2, 0, 0)))
 
 
 def test_heuristic_is_refused_when_a_served_call_has_no_record(trees):
@@ -495,7 +507,7 @@ def test_heuristic_is_refused_when_a_served_call_has_no_record(trees):
 
     assert result == Placeholder(
         RID, 2, 3, R.TERMINAL_SELECTION_FAILED, "terminal_selection_failed:heuristic_with_unstaged_calls ['z']", 1.0,
-        "heuristic", RolloutYield(9, 0, (("terminal_selection_failed", 9),), 1, False))
+        "heuristic", RolloutYield(9, 0, (("terminal_selection_failed", 9),), 1, False, lineage=CallLineage(2, 0, 0)))
 
 
 def test_mixed_weight_version_is_rejected_by_policy(trees):
@@ -504,19 +516,22 @@ def test_mixed_weight_version_is_rejected_by_policy(trees):
     result = _judge(_ev(tree, _scored(trees, tree, "call1")), tree, cfg=cfg)
 
     assert result == Placeholder(RID, 2, 3, R.MIXED_WEIGHT_VERSION, "chain served by weight versions [3, 4]", 1.0,
-                                 "response_id", RolloutYield(5, 0, (("mixed_weight_version", 5),), 1, False))
+                                 "response_id", RolloutYield(5, 0, (("mixed_weight_version", 5),), 1, False,
+                                                             lineage=PLAIN))
 
 
 def test_a_mixed_non_terminal_chain_is_dropped_alone_under_reject(trees):
+    # c0 forks: a (continued by a1, so not an abandoned retry) and b -> c (scored).
     tree = trees.build(RID, [trees.Call("c0", None, _turn(trees, ROOT_TURN), 3),
                              trees.Call("a", "c0", _turn(trees, CHILD_TURN), 4),
+                             trees.Call("a1", "a", trees.Turn((9,), (10,), (-0.5,)), 4),
                              trees.Call("b", "c0", trees.Turn((31,), (5, 6), (-0.1, -0.2)), 3),
                              trees.Call("c", "b", trees.Turn((7,), (8,), (-0.3,)), 3)])
     cfg = TokenCaptureConfig(mixed_weight_version_policy="reject")
     result = _judge(_ev(tree, _scored(trees, tree, "c")), tree, cfg=cfg)
 
     assert [row.model_call_ids for row in result.rows] == [("c0", "b", "c")]
-    assert result.yield_ == RolloutYield(8, 6, (("mixed_weight_version", 2),), 2, False)
+    assert result.yield_ == RolloutYield(9, 6, (("mixed_weight_version", 3),), 2, False, lineage=CallLineage(4, 0, 0))
 
 
 def test_the_judge_is_deterministic(trees):
@@ -655,4 +670,123 @@ def test_unstaged_abandoned_retry_beside_a_witnessed_terminal_keeps_the_rollout(
     result = _judge(_ev(tree, _scored(trees, tree, "c1"), failures=failures, served=served), tree)
 
     assert [row.model_call_ids for row in result.rows] == [("c0", "c1")]
-    assert result.yield_ == RolloutYield(9, 5, (("served_not_staged", 4),), 1, False)
+    assert result.yield_ == RolloutYield(9, 5, (("served_not_staged", 4),), 1, False, lineage=CallLineage(2, 0, 0))
+
+
+# --- credit only where it was earned: abandoned retries (issue 16 item 3) ------------------------
+
+
+def test_a_retried_first_call_is_an_abandoned_root(trees):
+    """r1 and r2 are the same first request sent twice (same prompt ids); the harness continued r2."""
+    tree = trees.build(RID, [trees.Call("r1", None, trees.Turn((1, 2), (3, 4), (-0.1, -0.2))),
+                             trees.Call("r2", None, trees.Turn((1, 2), (5,), (-0.3,))),
+                             trees.Call("c", "r2", trees.Turn((6,), (7, 8), (-0.4, -0.5)))])
+    result = _judge(_ev(tree, _scored(trees, tree, "c")), tree)
+
+    assert [row.model_call_ids for row in result.rows] == [("r2", "c")]
+    assert result.rows[0].token_mask == (0.0, 0.0, 1.0, 0.0, 1.0, 1.0)
+    assert result.yield_ == RolloutYield(5, 3, (), 2, False, 1, 2, CallLineage(1, 0, 1))
+
+
+def test_a_subagent_root_with_its_own_prompt_trains_in_its_own_row(trees):
+    """m0 -> m1 is the main conversation (scored); s0 -> s1 a sub-agent's: a different prompt, no sibling."""
+    tree = trees.build(RID, [trees.Call("m0", None, trees.Turn((1, 2), (3,), (-0.1,))),
+                             trees.Call("s0", None, trees.Turn((9, 2), (4,), (-0.2,))),
+                             trees.Call("s1", "s0", trees.Turn((5,), (6,), (-0.3,))),
+                             trees.Call("m1", "m0", trees.Turn((7,), (8,), (-0.4,)))])
+    result = _judge(_ev(tree, _scored(trees, tree, "m1")), tree)
+
+    assert [row.model_call_ids for row in result.rows] == [("m0", "m1"), ("s0", "s1")]
+    assert result.rows[1].token_mask == (0.0, 0.0, 1.0, 0.0, 1.0)
+    assert result.yield_ == RolloutYield(4, 4, (), 2, False, lineage=CallLineage(2, 0, 1))
+
+
+def test_when_every_reply_to_a_turn_was_abandoned_the_turn_itself_still_trains(trees):
+    """c0 -> {a, b}, neither continued; then the harness compacted into r -> t (scored).
+
+    a and b are masked as abandoned retries; c0's own reply led to the compaction, and no other
+    row owns it, so its chain (stopping at c0) trains.
+    """
+    tree = trees.build(RID, [trees.Call("c0", None, trees.Turn((1, 2), (3, 4), (-0.1, -0.2))),
+                             trees.Call("a", "c0", trees.Turn((5,), (6,), (-0.3,))),
+                             trees.Call("b", "c0", trees.Turn((5,), (7,), (-0.4,))),
+                             trees.Call("r", None, trees.Turn((1, 9), (10,), (-0.5,))),
+                             trees.Call("t", "r", trees.Turn((11,), (12,), (-0.6,)))])
+    result = _judge(_ev(tree, _scored(trees, tree, "t")), tree)
+
+    assert [row.model_call_ids for row in result.rows] == [("r", "t"), ("c0",)]
+    assert result.rows[1].token_ids == (1, 2, 3, 4) and result.rows[1].token_mask == (0.0, 0.0, 1.0, 1.0)
+    assert result.rows[1].generation_logprobs == (0.0, 0.0, -0.1, -0.2)
+    assert result.yield_ == RolloutYield(6, 4, (), 3, False, 2, 2, CallLineage(3, 0, 1))
+
+
+def test_a_served_not_staged_sibling_makes_a_staged_leaf_an_abandoned_retry(trees):
+    """c0 -> {a (staged, never continued), z (served without custody)}; the harness went on from c0's
+    compaction r -> t (scored). a has a sibling the workers served: the harness retried it."""
+    tree = trees.build(RID, [trees.Call("c0", None, trees.Turn((1, 2), (3,), (-0.1,))),
+                             trees.Call("a", "c0", trees.Turn((5,), (6,), (-0.3,))),
+                             trees.Call("r", None, trees.Turn((1, 9), (10,), (-0.5,))),
+                             trees.Call("t", "r", trees.Turn((11,), (12,), (-0.6,)))])
+    failures = [ManifestFailure(model_call_id="z", reason="worker_capture_failed")]
+    served = [*tree.served(), _served("z", "c0", 4)]
+    result = _judge(_ev(tree, _scored(trees, tree, "t"), failures=failures, served=served), tree)
+
+    # c0's chain is cut by z (its continuation was served without custody) and a is abandoned.
+    assert [row.model_call_ids for row in result.rows] == [("r", "t")]
+    assert result.yield_ == RolloutYield(8, 2, (("served_not_staged", 5),), 2, False, 1, 1, CallLineage(3, 0, 1))
+
+
+# --- capture health: what the gate decided for each served call (issue 16 item 1) ---------------
+
+
+def _rerooted(tree, call_id, **kw):
+    """The served report's entry for a text root whose request history held an assistant turn."""
+    call = tree.calls[call_id]
+    return ServedCall(RID, call_id, None, "text", len(call.turn.generated), True, unresolved_continuation=True, **kw)
+
+
+def test_a_continuation_the_gate_found_no_parent_for_is_counted_unresolved(trees):
+    """The harness edited r1's reply: r2's history holds it, but the gate opened a new root."""
+    tree = trees.build(RID, [trees.Call("r1", None, trees.Turn((1, 2), (3, 4), (-0.1, -0.2))),
+                             trees.Call("r2", None, trees.Turn((1, 2, 33, 4, 5), (6,), (-0.3,))),
+                             trees.Call("c", "r2", trees.Turn((7,), (8,), (-0.4,)))])
+    served = [call if call.model_call_id != "r2" else _rerooted(tree, "r2") for call in tree.served()]
+    result = _judge(_ev(tree, _scored(trees, tree, "c"), served=served), tree)
+
+    # Exact all the same: r2's row renders the edited history as prompt, r1 trains in its own row.
+    assert [row.model_call_ids for row in result.rows] == [("r2", "c"), ("r1",)]
+    assert result.yield_ == RolloutYield(4, 4, (), 2, False, lineage=CallLineage(1, 1, 1))
+    assert result.yield_.lineage.continuation_calls == 2
+
+
+def test_a_first_call_with_assistant_turns_in_its_prompt_is_not_a_miss(trees):
+    """A few-shot prompt: the rollout's first call has assistant turns but nothing captured to continue."""
+    tree = _plain(trees)
+    served = [call if call.model_call_id != "call0" else _rerooted(tree, "call0") for call in tree.served()]
+    result = _judge(_ev(tree, _scored(trees, tree, "call1"), served=served), tree)
+
+    assert result.yield_.lineage == PLAIN
+
+
+def test_lineage_counts_each_served_call_once_and_rides_on_placeholders(trees):
+    tree = _compaction(trees)
+    served = [*tree.served(), tree.served()[1]]  # a report entry repeated (two workers' answers merged)
+    failed = _judge(_ev(tree, run_failure=RunFailure(R.RUN_FAILED, "boom"), served=served), tree)
+
+    assert isinstance(failed, Placeholder)
+    assert failed.yield_.lineage == CallLineage(2, 0, 1)
+
+
+# --- a declared terminal that was not captured masks (issue 16 item 5) --------------------------
+
+
+def test_a_declared_terminal_call_that_was_not_captured_masks_without_falling_back(trees):
+    # The response id names call1 (a witness that would attribute it), but the run declared z, a
+    # call served without custody: the scored reply is not in the manifest.
+    tree = _plain(trees)
+    run_result = {**_scored(trees, tree, "call1"), "_ng_terminal_model_call_id": "z"}
+    result = _judge(_ev(tree, run_result), tree)
+
+    assert result == Placeholder(
+        RID, 2, 3, R.DECLARED_TERMINAL_UNCAPTURED, "_ng_terminal_model_call_id='z' names no committed call", 1.0,
+        "declared", RolloutYield(5, 0, (("declared_terminal_uncaptured", 5),), 1, False, lineage=PLAIN))

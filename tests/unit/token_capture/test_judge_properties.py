@@ -5,7 +5,14 @@ RolloutTokenCapture, adds calls that were served but not staged (with and withou
 entry), off-chain failures, staged-but-uncommitted calls, tampered or missing snapshots, a random
 terminal declaration and policy, and judges it. Invariants: one outcome in the right slot; only
 verified committed calls in the loss, each at most once, with the staged ids and logprobs; a chain
-cut by an unstaged child never trains; deterministic; the yield adds up to the served report.
+cut by an unstaged child never trains; a retry sibling no later call continued never trains;
+deterministic; the yield adds up to the served report.
+
+`test_credit_goes_only_where_it_was_earned` stages clean random call trees (retried turns,
+re-sent first calls with the same prompt, sub-agent and compaction roots with their own prompts)
+with a declared terminal, and checks against an oracle written from the definition: no token of
+a sibling that no later call continued is in the loss, every token of the terminal chain is, and
+every other call trains exactly once.
 """
 
 from __future__ import annotations
@@ -153,7 +160,8 @@ def test_judge_invariants_over_random_forests(trees, sc):
     if ev.served is not None:
         served_total = sum(call.generated_tokens for call in ev.served)
         assert result.yield_.served_generated_tokens == served_total
-        assert result.yield_.kept_generated_tokens + sum(n for _, n in result.yield_.unverifiable) == served_total
+        assert result.yield_.kept_generated_tokens + sum(n for _, n in result.yield_.unverifiable) \
+            + result.yield_.abandoned_retry_tokens == served_total
     else:
         assert result.yield_.served_generated_tokens is None and result.yield_.unverifiable == ()
 
@@ -191,7 +199,84 @@ def test_judge_invariants_over_random_forests(trees, sc):
                 assert logprobs == [0.0] * (end - start)
         assert row.token_ids == tree.sequences[row.model_call_ids[-1]]
     assert all(count == 1 for count in owners.values()), f"calls in the loss twice: {owners}"
+    # A token_in sibling off the terminal chain that no committed or served call continued is in no row.
+    terminal_chain = set(result.rows[0].model_call_ids)
+    continued = {r.parent_call_id for r in tree.records} | {c.parent_call_id for c in ev.served or ()}
+    retried = [r.model_call_id for r in tree.records if r.parent_call_id is not None
+               and sum(1 for o in tree.records if o.parent_call_id == r.parent_call_id) > 1]
+    for call_id in retried:
+        if call_id not in terminal_chain and call_id not in continued:
+            assert all(call_id not in row.model_call_ids for row in result.rows), f"abandoned {call_id} trains"
     # Every committed call that trains was judged on its own staged generation, exactly once.
     assert sum(tree.snapshot(c).token_mask_delta.count(1.0) for c in owners) == result.num_generated_tokens
     if sc.cfg.branch_policy == "terminal_chain":
         assert len(result.rows) == 1
+
+
+ROOT_PROMPTS = ((1, 2), (1, 2), (1, 9), (7,))  # repeats: a re-sent first call has its sibling's prompt
+
+
+@st.composite
+def call_trees(draw):
+    """(calls, terminal): a clean random forest and the call the harness scored."""
+    calls = []
+    for i in range(draw(st.integers(1, 7))):
+        parent = None if i == 0 else draw(st.one_of(st.none(), st.sampled_from([c[0] for c in calls])))
+        tail = draw(st.sampled_from(ROOT_PROMPTS)) if parent is None else tuple(
+            draw(st.lists(st.integers(0, 40), max_size=2)))
+        generated = tuple(draw(st.lists(st.integers(0, 40), min_size=1, max_size=3)))
+        calls.append((f"k{i}", parent, tail, generated, tuple(-0.5 for _ in generated)))
+    return calls, draw(st.sampled_from([c[0] for c in calls]))
+
+
+def _abandoned_oracle(calls, terminal):
+    """Straight from the definition: off the terminal chain, continued by no call, with a sibling
+    (the same parent; for a root, the same prompt)."""
+    parent_of = {cid: parent for cid, parent, *_ in calls}
+    on_terminal, cursor = set(), terminal
+    while cursor is not None:
+        on_terminal.add(cursor)
+        cursor = parent_of[cursor]
+    continued = {parent for _, parent, *_ in calls if parent is not None}
+    out = set()
+    for cid, parent, tail, *_ in calls:
+        if cid in on_terminal or cid in continued:
+            continue
+        if parent is not None:
+            siblings = [o for o, p, *_ in calls if p == parent and o != cid]
+        else:
+            siblings = [o for o, p, t, *_ in calls if p is None and t == tail and o != cid]
+        if siblings:
+            out.add(cid)
+    return out, on_terminal
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(tree_and_terminal=call_trees())
+def test_credit_goes_only_where_it_was_earned(trees, tree_and_terminal):
+    calls, terminal = tree_and_terminal
+    tree = trees.build(RID, [trees.Call(cid, parent, trees.Turn(tail, gen, lps)) for cid, parent, tail, gen, lps in calls])
+    run_result = {**trees.run_result(1.0), "terminal_response_id": tree.by_id[terminal].response_id}
+    ev = RolloutEvidence(RID, GROUP, SAMPLE, run_result, None, tree.manifest(), None, tuple(tree.served()))
+    result = judge_rollout(ev, tree.snapshots_by_key, {}, TokenCaptureConfig())
+
+    abandoned, on_terminal = _abandoned_oracle(calls, terminal)
+    event(f"abandoned={len(abandoned)}")
+    assert isinstance(result, KeptRollout)
+    in_loss: Counter[str] = Counter()
+    for row in result.rows:
+        for call_id, (start, end) in zip(row.model_call_ids, row.call_spans):
+            if 1.0 in row.token_mask[start:end]:
+                in_loss[call_id] += 1
+                assert list(row.token_mask[start:end]) == tree.snapshot(call_id).token_mask_delta
+    # No token of a sibling that no later call continued is ever in the loss ...
+    assert not abandoned & set(in_loss), f"abandoned retries {sorted(abandoned & set(in_loss))} are in the loss"
+    # ... every token of the terminal chain is, in the first row ...
+    assert set(result.rows[0].model_call_ids) == on_terminal and result.rows[0].loss_call_ids() == on_terminal
+    # ... and every other call trains exactly once.
+    assert in_loss == Counter({cid: 1 for cid, *_ in calls if cid not in abandoned})
+    generated = {cid: len(gen) for cid, _, _, gen, _ in calls}
+    assert result.yield_.abandoned_retry_calls == len(abandoned)
+    assert result.yield_.abandoned_retry_tokens == sum(generated[c] for c in abandoned)
+    assert result.yield_.unverifiable == ()
+    assert result.yield_.kept_generated_tokens + result.yield_.abandoned_retry_tokens == sum(generated.values())

@@ -86,6 +86,19 @@ def test_explicit_call_id_is_a_declaration(chains):
         "call0", "declared", "response_has_no_id,response_has_no_output")
 
 
+@pytest.mark.parametrize("witness", ["response_id", "heuristic"])
+def test_an_explicit_call_id_that_was_not_captured_masks_and_never_falls_back(chains, witness):
+    # Without the declaration, the response id (or the heuristic walk) would name call1.
+    chain = chains.build(RID)
+    scored = chain.terminal.response_id if witness == "response_id" else None
+    result = {**chains.run_result(1.0, scored), TERMINAL_CALL_KEY: "call-served-without-custody"}
+
+    assert choose_terminal(chain.records, chains.run_result(1.0, scored)).call_id == "call1"
+    assert choose_terminal(chain.records, result) == TerminalChoice(
+        None, "declared", "explicit_terminal_not_captured", R.DECLARED_TERMINAL_UNCAPTURED,
+        "_ng_terminal_model_call_id='call-served-without-custody' names no committed call")
+
+
 def test_witnesses_naming_different_sequences_mask_and_count(chains):
     chain = chains.build(RID)
     result = {**chains.run_result(1.0, chain.records[0].response_id), TERMINAL_CALL_KEY: "call1"}

@@ -171,11 +171,13 @@ BRANCH_C2_ROUTES = routes(40, 3)  # c2's whole delta (1 carry + 2 generated)
 
 
 def routed_branches(sink: TQTokenSink, rollout: str, sample_index: int = 0) -> tuple[RolloutEvidence, list[CallRecord]]:
-    """r -> c2 (terminal, scored) and r -> c3 (a sibling without extras): two rows sharing r."""
+    """r -> c2 (terminal, scored) and r -> c3 -> c4 (a fork the harness continued, without extras):
+    two rows sharing r. (A sibling no later call continued would be an abandoned retry: no row.)"""
     records = stage(sink, rollout, [
         Call("r", None, (1, 2, 3), (4, 5), {"routed_experts": BRANCH_ROOT_ROUTES}),
         Call("c2", "r", (6,), (7, 8), {"routed_experts": encode_routed_experts(BRANCH_C2_ROUTES, dtype="int32")}),
         Call("c3", "r", (9,), (10,)),
+        Call("c4", "c3", (11,), (12,)),
     ])
     return evidence(rollout, records, "c2", sample_index), records
 
@@ -236,17 +238,17 @@ def test_branch_rows_use_the_staged_generation_length_not_the_masked_row(clients
 
     assert isinstance(verdict, KeptRollout), verdict
     terminal_row, sibling_row = verdict.rows
-    assert terminal_row.model_call_ids == ("r", "c2") and sibling_row.model_call_ids == ("r", "c3")
+    assert terminal_row.model_call_ids == ("r", "c2") and sibling_row.model_call_ids == ("r", "c3", "c4")
     # r is owned by the terminal row, so it is masked in the sibling row; its gen-only routes
     # still line up with its generated tokens there (the staged delta's mask decides, not the row's).
-    assert sibling_row.token_mask == (0.0,) * 6 + (1.0,)
+    assert sibling_row.token_mask == (0.0,) * 6 + (1.0, 0.0, 1.0)
     np.testing.assert_array_equal(
         terminal_row.routed_experts, np.array(blank(3) + BRANCH_ROOT_ROUTES + BRANCH_C2_ROUTES, dtype=np.int16)
     )
     np.testing.assert_array_equal(
-        sibling_row.routed_experts, np.array(blank(3) + BRANCH_ROOT_ROUTES + blank(2), dtype=np.int16)
+        sibling_row.routed_experts, np.array(blank(3) + BRANCH_ROOT_ROUTES + blank(4), dtype=np.int16)
     )
-    # r is shared by both rows but fetched once; c3 staged no extras and is not fetched.
+    # r is shared by both rows but fetched once; c3 and c4 staged no extras and are not fetched.
     by_id = {r.model_call_id: r for r in records}
     assert source.extras_calls == [
         ([by_id["r"].staging_key, by_id["c2"].staging_key], [by_id["r"].extras_digest, by_id["c2"].extras_digest])
@@ -385,11 +387,11 @@ def test_step_metrics_count_route_coverage_exactly(clients) -> None:
 
     # chain: 3 loss tokens, all routed; carry 6, 7 are sentinel.
     # branch terminal row: 4 loss tokens routed; prompt 1, 2, 3 sentinel.
-    # branch sibling row: its 1 loss token (c3) has no route; 1, 2, 3, 9, 10 sentinel.
+    # branch sibling row: its 2 loss tokens (c3, c4) have no route; 1, 2, 3, 9, 10, 11, 12 sentinel.
     # plain chain: 3 loss tokens, 6 tokens, no routes. The placeholder contributes no row.
     assert {k: v for k, v in metrics.items() if k.startswith("router_replay/")} == {
-        "router_replay/coverage": 7 / 11,
-        "router_replay/sentinel_tokens": float(2 + 3 + 5 + 6),
+        "router_replay/coverage": 7 / 12,
+        "router_replay/sentinel_tokens": float(2 + 3 + 7 + 6),
         "router_replay/rows_with_routes": 3.0,
     }
     for records in (chain_records, branch_records, plain_records, bad_records):

@@ -9,6 +9,7 @@ import re
 import pytest
 
 from nemo_rl.token_capture.rows import (
+    CallLineage,
     GroupResult,
     KeptRollout,
     Placeholder,
@@ -151,6 +152,26 @@ def test_rollout_yield_counts_are_non_negative_ints():
         RolloutYield(-3, 1)
     with pytest.raises(RowInvariantError, match="unverifiable token counts must be non-negative ints"):
         RolloutYield(3, 1, (("served_not_staged", -2),))
+
+
+def test_abandoned_retries_and_lineage_are_checked():
+    assert RolloutYield(9, 7, (), 2, False, 1, 2, CallLineage(3, 0, 0)).abandoned_retry_tokens == 2
+    assert RolloutYield(None, 7, (), 2, False, 1).abandoned_retry_calls == 1  # calls known from the manifest alone
+    with pytest.raises(RowInvariantError, match="abandoned_retry_calls must be a non-negative int"):
+        RolloutYield(9, 7, (), 2, False, -1)
+    with pytest.raises(RowInvariantError, match="abandoned_retry_tokens come from the served report"):
+        RolloutYield(None, 7, (), 2, False, 1, 2)
+    with pytest.raises(RowInvariantError, match="lineage must be a CallLineage or None"):
+        RolloutYield(9, 7, lineage=(3, 0, 0))
+
+
+def test_call_lineage_counts_continuations_as_token_in_plus_unresolved():
+    lineage = CallLineage(token_in_calls=3, unresolved_continuations=1, branches=2)
+    assert lineage.continuation_calls == 4
+    with pytest.raises(RowInvariantError, match="unresolved_continuations must be a non-negative int"):
+        CallLineage(3, -1, 0)
+    with pytest.raises(RowInvariantError, match="branches must be a non-negative int"):
+        CallLineage(3, 0, 1.0)
 
 
 def test_a_placeholder_keeps_no_generated_token():

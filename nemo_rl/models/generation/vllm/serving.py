@@ -62,7 +62,8 @@ Contract (the transport, `server.py`, is a thin shell over `ChatService`):
   synthetic empty completion. Nothing is generated, staged or recorded for such a call. A request
   without `max_tokens` is clipped to the room left (vLLM's default), never rejected for it.
 - Served witness: every admitted call that produced a completion leaves one `ServedCall`
-  (generated-token count, parent, staged or why not, this worker's index) in a bounded per-rollout
+  (generated-token count, parent, staged or why not, this worker's index, and whether a `text`
+  admission's history held an assistant turn: an unresolved continuation) in a bounded per-rollout
   registry; `take_served(rollout_ids)` pops them. Under write-behind staging (a `StageBarrier`
   installed) it first waits for the rollouts' queued rows and marks a call whose row did not land
   as not staged (`stats["capture_failed"]`, `capture_failures`, an error log line): a row the
@@ -132,7 +133,7 @@ from nemo_rl.models.generation.vllm.engine import (
 from nemo_rl.models.generation.vllm.prefix_cache import PrefixCache, PrefixError, PrefixMismatchError
 from nemo_rl.models.generation.vllm.request_rules import RequestFieldError, check_chat_request
 from nemo_rl.token_capture import wire_metrics  # opt-in per-call cost (benchmarks/capture_ab.py)
-from nemo_rl.token_capture.served import ServedCall
+from nemo_rl.token_capture.served import ServedCall, has_assistant_turn
 from nemo_rl.token_capture.stage_writer import ParentRows
 from nemo_rl.token_capture.staging import StagedRecordInvalidError, StagingFetchError
 
@@ -282,6 +283,7 @@ class _Plan:
     prompt_ids: list[int]
     tail_error: str | None
     sampling: SamplingRequest
+    history_has_assistant_turn: bool  # with a text admission: a continuation the gate found no parent for
 
 
 def context_overflow_message(prompt_len: int, requested: int | None, max_model_len: int) -> str | None:
@@ -634,7 +636,8 @@ class ChatService:
         except CaptureError as e:
             raise HttpError(400, "invalid_capture_admission", str(e), param="ng_capture") from e
         return _Plan(
-            admission=admission, call=call, prefix=prefix, prompt_ids=prompt_ids, tail_error=tail_error, sampling=sampling
+            admission=admission, call=call, prefix=prefix, prompt_ids=prompt_ids, tail_error=tail_error, sampling=sampling,
+            history_has_assistant_turn=has_assistant_turn(messages),
         )
 
     async def _resolve_prefix(self, admission: CaptureAdmission, body: dict) -> list[int]:
@@ -731,7 +734,8 @@ class ChatService:
             self._seed_when_durable(admission, result, coords)
         self.stats[f"{admission.mode}_calls"] += 1
         self.stats["served_calls"] += 1
-        self._record_served(admission, generated_tokens=len(result.token_ids), failure=reason)
+        self._record_served(admission, generated_tokens=len(result.token_ids), failure=reason,
+                            history_has_assistant_turn=plan.history_has_assistant_turn)
         if reason is not None:
             self.stats["capture_failed"] += 1
             self.capture_failures.append(
@@ -789,7 +793,8 @@ class ChatService:
                 coords.staging_key,
             )
 
-    def _record_served(self, admission: CaptureAdmission, *, generated_tokens: int, failure: str | None) -> None:
+    def _record_served(self, admission: CaptureAdmission, *, generated_tokens: int, failure: str | None,
+                       history_has_assistant_turn: bool) -> None:
         served = ServedCall(
             rollout_id=admission.rollout_id,
             model_call_id=admission.model_call_id,
@@ -799,6 +804,7 @@ class ChatService:
             staged=failure is None,
             failure=failure,
             worker_index=self.worker_index,
+            unresolved_continuation=admission.mode == "text" and history_has_assistant_turn,
         )
         evicted = self._served.record(served)
         if evicted:

@@ -557,6 +557,20 @@ async def test_served_records_root_and_token_in_exactly(tokenizer):
     assert svc.stats["served_calls"] == 2
 
 
+async def test_a_text_admission_over_a_history_with_assistant_turns_is_an_unresolved_continuation(tokenizer):
+    # The gate found no parent for c3 (the harness edited c1's reply) and admitted it as a new root:
+    # the worker sees the assistant turn in the messages it renders and says so in its report.
+    gen1, gen2, gen3 = _gen(tokenizer, CALL_TEXT), _gen(tokenizer, "The answer is 17."), _gen(tokenizer, "17.")
+    svc, engine, _ = _service(tokenizer, [gen1, gen2, gen3])
+    r1, _ = await _root_then_token_in(svc, engine)
+    edited = _second_turn_messages(r1)
+    edited[2] = {**edited[2], "content": "I will use the calculator."}
+    await svc.chat_completions({"messages": edited, "tools": TOOLS, "ng_capture": _admission("text", "c3")})
+
+    assert [(c.model_call_id, c.mode, c.unresolved_continuation) for c in svc.take_served(["r1"])] == [
+        ("c1", "text", False), ("c2", "token_in", False), ("c3", "text", True)]
+
+
 async def test_staging_failure_is_served_but_not_staged(tokenizer):
     gen1 = _gen(tokenizer, CALL_TEXT)
     svc, _, staging = _service(tokenizer, [gen1], staging=RejectingStaging())
