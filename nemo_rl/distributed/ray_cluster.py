@@ -47,6 +47,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import psutil
 import ray
 
 # Ray appends "session_<date>_<time>_<usec>_<pid>/sockets/plasma_store" (~70 chars) to the
@@ -160,8 +161,33 @@ NODE_STARTUP_ATTEMPTS = 3
 _NODE_STARTUP_TIMEOUT = "timed out during startup"
 
 
+def _started_since(before: set[int]) -> list[psutil.Process]:
+    """This process's descendants that were not among `before` (the daemons one attempt started)."""
+    return [child for child in psutil.Process().children(recursive=True) if child.pid not in before]
+
+
+def _kill_attempt_leftovers(before: set[int]) -> int:
+    """SIGKILL the daemons a failed start attempt left running; the number killed.
+
+    A node that times out during start-up is never registered as Ray's global node, so
+    `ray.shutdown()` does not stop the GCS, dashboard and monitors it already spawned (the
+    monitors also ignore SIGTERM). Left running they load the machine exactly when start-up is
+    already slow, and the next attempt loses the same race. Only this process's own new
+    descendants are touched.
+    """
+    leftovers = _started_since(before)
+    for proc in leftovers:
+        try:
+            proc.kill()
+        except psutil.NoSuchProcess:
+            continue  # it exited on its own: nothing to stop
+    psutil.wait_procs(leftovers, timeout=10)
+    return len(leftovers)
+
+
 def _init_with_retry(num_cpus: int, temp_dir: str):
     for attempt in range(1, NODE_STARTUP_ATTEMPTS + 1):
+        before = {child.pid for child in psutil.Process().children(recursive=True)}
         try:
             return ray.init(
                 address="local",
@@ -171,10 +197,12 @@ def _init_with_retry(num_cpus: int, temp_dir: str):
                 runtime_env=job_runtime_env(repo_root(), os.environ.get("PYTHONPATH")),
             )
         except Exception as e:  # Ray raises a bare Exception for this race; anything else re-raises
+            ray.shutdown()
+            killed = _kill_attempt_leftovers(before)
             if _NODE_STARTUP_TIMEOUT not in str(e) or attempt == NODE_STARTUP_ATTEMPTS:
                 raise
-            print(f"[ray] node startup timed out (attempt {attempt}/{NODE_STARTUP_ATTEMPTS}); retrying", flush=True)
-            ray.shutdown()
+            print(f"[ray] node startup timed out (attempt {attempt}/{NODE_STARTUP_ATTEMPTS}); stopped the "
+                  f"{killed} daemon(s) it left; retrying", flush=True)
     raise AssertionError("unreachable")
 
 

@@ -20,6 +20,7 @@ import ray
 from nemo_rl.distributed.ray_cluster import (
     MAX_TEMP_DIR_CHARS,
     RayClusterError,
+    _kill_attempt_leftovers,
     _process_exited,
     check_temp_dir,
     connect_ray,
@@ -257,3 +258,30 @@ def test_join_refuses_a_cluster_too_small_and_disconnects(ray_head) -> None:
         connect_ray(address, min_cpus=4)
     assert not ray.is_initialized()
     assert head.poll() is None
+
+
+_IGNORES_SIGTERM = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); time.sleep(600)"
+
+
+def _child_ignoring_sigterm() -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-c", _IGNORES_SIGTERM], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "up"  # its SIGTERM handler is installed
+    return proc
+
+
+def test_a_failed_start_attempt_leaves_no_daemon_and_spares_what_ran_before() -> None:
+    # A timed-out node start leaves its GCS and monitors running (they ignore SIGTERM); the retry
+    # must stop exactly those, never a process this driver had started before the attempt.
+    import psutil
+
+    earlier = _child_ignoring_sigterm()
+    try:
+        before = {child.pid for child in psutil.Process().children(recursive=True)}
+        leftover = _child_ignoring_sigterm()
+        assert _kill_attempt_leftovers(before) == 1
+        assert not psutil.pid_exists(leftover.pid)  # killed and reaped, though it ignores SIGTERM
+        assert earlier.poll() is None
+        assert _kill_attempt_leftovers(before) == 0
+    finally:
+        earlier.kill()
+        earlier.wait(timeout=10)
