@@ -22,12 +22,24 @@ Contract:
   is a `TailRenderError` (then exact custody is impossible and the worker reports
   `capture_failed`, never a silently different prompt).
 - Tool calls: `TOOL_CALL_PARSERS` maps vLLM's parser names (`hermes`, `llama3_json`) to pure
-  `text -> ParsedAssistant` functions with vLLM's semantics; malformed calls stay plain text
-  (never guessed). `get_tool_call_parser(name)` raises `UnknownToolCallParser`.
+  `text -> ParsedAssistant` functions with vLLM's semantics, rule for rule (a reply with a
+  malformed call stays plain text, never guessed). `get_tool_call_parser(name)` raises
+  `UnknownToolCallParser`.
+- `normalize_messages` shapes messages as vLLM hands them to the template: text parts joined,
+  an assistant's tool-call `arguments` as JSON objects (malformed or empty: `{}`); `developer`
+  becomes `system` (deliberately unlike vLLM).
 - `generated_text` decodes the sampled ids without special tokens (vLLM's default), so stop and
-  control tokens never reach the parser or the reply's content.
+  control tokens never reach the reply's content; `assistant_reply` is vLLM's reply rule: tool
+  calls are parsed only when the request offers tools and `tool_choice` is not "none", and the
+  `hermes` parser sees the text with special tokens kept (vLLM's parser asks for it), minus the
+  stop token that ended the turn.
 - `build_chat_completion` makes the engine-native OpenAI response: one choice, a unique id, the
-  token echo (`prompt_token_ids`, choice `token_ids`, logprobs as `token_id:N`) when asked.
+  token echo (`prompt_token_ids`, choice `token_ids`, logprobs as `token_id:N`, or as the caller's
+  `logprob_tokens` names) when asked.
+- Flag-off identity with stock vLLM's OpenAI server (tests/integration/test_stock_vllm_identity.py,
+  docs/design-docs/vllm-worker-capture.md "Flag-off identity"): prompts, parsed replies
+  (`assistant_reply`, `parses_tool_calls`), token ids and logprobs equal vLLM's; what differs is
+  listed there (ids, `created`, keys vLLM adds, logprob `bytes`, `developer` rendered as `system`).
 """
 
 from __future__ import annotations
@@ -46,7 +58,8 @@ ToolCallParserName = Literal["hermes", "llama3_json"]
 
 # Sentinel assistant content of the end-of-turn probe (no whitespace: templates may trim).
 TURN_END_PROBE = "NRL-TURN-END-PROBE-7f3a"
-_HERMES_RE = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.DOTALL)
+_HERMES_START = "<tool_call>"
+_HERMES_RE = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)
 _LLAMA3_CALL_START_RE = re.compile(r"\{")
 _JSON_DECODER = json.JSONDecoder()
 
@@ -84,7 +97,12 @@ class ParsedAssistant:
 
 
 def normalize_messages(messages: Any) -> list[dict]:
-    """Validate chat messages and map `developer` to `system` (chat templates rarely render a developer role)."""
+    """Validate chat messages and shape them as vLLM hands them to the chat template.
+
+    Text parts are joined; an assistant's tool-call `arguments` become JSON objects (vLLM's rule:
+    `_template_arguments`). One deliberate difference from vLLM: `developer` is mapped to `system`
+    (chat templates rarely render a developer role; vLLM passes it through).
+    """
     if not isinstance(messages, list) or not messages:
         raise InvalidChatRequest(f"messages must be a non-empty list, got {type(messages).__name__}")
     out: list[dict] = []
@@ -97,8 +115,33 @@ def normalize_messages(messages: Any) -> list[dict]:
         content = m.get("content")
         if isinstance(content, list):
             m["content"] = "".join(part.get("text", "") for part in content if isinstance(part, dict))
+        if m["role"] == "assistant" and isinstance(m.get("tool_calls"), list):
+            if m["tool_calls"]:
+                m["tool_calls"] = [_template_tool_call(call) for call in m["tool_calls"]]
+            else:
+                del m["tool_calls"]  # an empty list keeps the template on the plain assistant path
         out.append(m)
     return out
+
+
+def _template_arguments(arguments: Any) -> dict:
+    """Tool-call arguments as the chat template sees them in vLLM: a JSON object (OpenAI clients send a
+    JSON string); empty, malformed or non-object arguments become {} so the history still renders."""
+    if not arguments:
+        return {}
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            return {}
+    return arguments if isinstance(arguments, dict) else {}
+
+
+def _template_tool_call(call: Any) -> Any:
+    if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
+        return call  # request_rules refused these already; nothing to convert
+    function = call["function"]
+    return {**call, "function": {**function, "arguments": _template_arguments(function.get("arguments"))}}
 
 
 def chat_tools(tools: Any) -> list[dict] | None:
@@ -185,23 +228,28 @@ def _function_call(name: str, arguments: str) -> dict:
 
 
 def parse_hermes(text: str) -> ParsedAssistant:
-    """`<tool_call>{"name", "arguments": {...}}</tool_call>` blocks; the rest (stripped) is content."""
+    """vLLM's `hermes` (`Hermes2ProToolParser.extract_tool_calls`), rule for rule.
+
+    No `<tool_call>` in the text: all of it is content. Otherwise every `<tool_call>...</tool_call>`
+    block, and a last block left open (a reply cut by max_tokens), must hold a JSON object with a
+    string `name` and an `arguments` value (any JSON; re-serialized with `ensure_ascii=False`);
+    if any block does not, the whole text stays content and nothing is called. The content of a
+    reply with calls is the text before the first `<tool_call>`, unstripped (None when empty);
+    text between or after the blocks is dropped.
+    """
+    if _HERMES_START not in text:
+        return ParsedAssistant(content=text, tool_calls=[])
     calls: list[dict] = []
-    spans: list[tuple[int, int]] = []
-    for m in _HERMES_RE.finditer(text):
+    for closed, left_open in _HERMES_RE.findall(text):
         try:
-            obj = json.loads(m.group(1))
+            obj = json.loads(closed or left_open)
         except json.JSONDecodeError:
-            continue
-        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not isinstance(obj.get("arguments"), dict):
-            continue
-        calls.append(_function_call(obj["name"], json.dumps(obj["arguments"])))
-        spans.append(m.span())
-    remaining = text
-    for start, end in reversed(spans):
-        remaining = remaining[:start] + remaining[end:]
-    remaining = remaining.strip()
-    return ParsedAssistant(content=remaining or (None if calls else ""), tool_calls=calls)
+            return ParsedAssistant(content=text, tool_calls=[])
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or "arguments" not in obj:
+            return ParsedAssistant(content=text, tool_calls=[])
+        calls.append(_function_call(obj["name"], json.dumps(obj["arguments"], ensure_ascii=False)))
+    content = text[: text.find(_HERMES_START)]
+    return ParsedAssistant(content=content or None, tool_calls=calls)
 
 
 def parse_llama3_json(text: str) -> ParsedAssistant:
@@ -252,6 +300,34 @@ def generated_text(tokenizer: ChatTemplateTokenizer, token_ids: list[int]) -> st
     return tokenizer.decode(token_ids, skip_special_tokens=True)
 
 
+# Parsers whose vLLM class turns `skip_special_tokens` off for requests with tools (tool tags are
+# special tokens in some models' vocabularies); the others decode with vLLM's default.
+_PARSERS_KEEPING_SPECIAL_TOKENS = frozenset({"hermes"})
+
+
+def parses_tool_calls(tools: list[dict] | None, tool_choice: Any) -> bool:
+    """vLLM's rule for a non-streamed reply: tool calls are parsed only when the request offers
+    tools and `tool_choice` is not "none"; otherwise the whole generated text is the content."""
+    return bool(tools) and tool_choice != "none"
+
+
+def assistant_reply(
+    tokenizer: ChatTemplateTokenizer, token_ids: list[int], *, parser: str, parse_tools: bool
+) -> ParsedAssistant:
+    """The assistant message vLLM's chat server builds from these sampled ids.
+
+    Without tool parsing: the ids decoded without special tokens, all content. With it: decoded
+    the way the parser's vLLM class asks (hermes keeps special tokens; the stop token that ended
+    the turn is never text, as vLLM's detokenizer drops it) and parsed by `parser`.
+    """
+    if not parse_tools:
+        return ParsedAssistant(content=generated_text(tokenizer, token_ids), tool_calls=[])
+    if parser not in _PARSERS_KEEPING_SPECIAL_TOKENS:
+        return parse_tool_calls(generated_text(tokenizer, token_ids), parser)
+    ids = token_ids[:-1] if token_ids and token_ids[-1] == tokenizer.eos_token_id else token_ids
+    return parse_tool_calls(tokenizer.decode(ids, skip_special_tokens=False), parser)
+
+
 @dataclass(frozen=True)
 class SamplingRequest:
     temperature: float
@@ -261,6 +337,8 @@ class SamplingRequest:
     logprobs: bool
     return_token_ids: bool
     max_tokens_explicit: bool = False  # the caller set max_tokens (else the server default, clipped to fit)
+    # vLLM's `return_tokens_as_token_ids`: logprob entries name tokens `token_id:N` (else their text).
+    return_tokens_as_token_ids: bool = False
 
 
 def sampling_from_body(body: dict, *, default_max_tokens: int) -> SamplingRequest:
@@ -289,6 +367,7 @@ def sampling_from_body(body: dict, *, default_max_tokens: int) -> SamplingReques
         logprobs=bool(body.get("logprobs")),
         return_token_ids=bool(body.get("return_token_ids")),
         max_tokens_explicit=bool(explicit),
+        return_tokens_as_token_ids=bool(body.get("return_tokens_as_token_ids")),
     )
 
 
@@ -303,6 +382,7 @@ def build_chat_completion(
     logprobs: list[float],
     include_logprobs: bool,
     include_token_ids: bool,
+    logprob_tokens: list[str] | None = None,
 ) -> dict:
     message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
     if parsed.tool_calls:
@@ -314,10 +394,10 @@ def build_chat_completion(
         "logprobs": None,
     }
     if include_logprobs:
+        names = logprob_tokens if logprob_tokens is not None else [f"token_id:{t}" for t in token_ids]
         choice["logprobs"] = {
             "content": [
-                {"token": f"token_id:{t}", "logprob": lp, "bytes": None, "top_logprobs": []}
-                for t, lp in zip(token_ids, logprobs)
+                {"token": name, "logprob": lp, "bytes": None, "top_logprobs": []} for name, lp in zip(names, logprobs)
             ]
         }
     response: dict[str, Any] = {

@@ -1,8 +1,11 @@
 """The worker's chat-completions core: honours `ng_capture` admissions over an exact-id engine.
 
 Contract (the transport, `server.py`, is a thin shell over `ChatService`):
-- No admission: render the whole conversation, generate, and echo tokens when asked
-  (`return_token_ids` -> `prompt_token_ids` + choice `token_ids`; `logprobs` -> `token_id:N`).
+- No admission (capture off: the legacy path): render the whole conversation, generate, and echo
+  tokens when asked (`return_token_ids` -> `prompt_token_ids` + choice `token_ids`; `logprobs` ->
+  entries named `token_id:N` under `return_tokens_as_token_ids`, else by the token's text), with
+  vLLM's reply rules (`chat.assistant_reply`): the reply equals stock vLLM's OpenAI server's in
+  every field the identity test compares (tests/integration/test_stock_vllm_identity.py).
 - ROOT (`mode="text"`): same prompt, plus custody: the delta `prompt + generated` is staged
   through Gym's `RolloutTokenCapture` before the response is returned with `ng_commit_coords`.
 - token-in: the prompt is the parent's exact ids (inline `required_prefix_token_ids`, or the
@@ -113,13 +116,14 @@ from nemo_rl.models.generation.vllm.chat import (
     SamplingRequest,
     TailRenderError,
     TemplateProbeError,
+    assistant_reply,
     build_chat_completion,
     chat_tools,
     derive_turn_end,
-    generated_text,
     get_tool_call_parser,
     new_request_id,
     normalize_messages,
+    parses_tool_calls,
     render_root_prompt,
     render_token_in_tail,
     sampled_turn_close,
@@ -391,7 +395,8 @@ class ChatService:
         self._duplicate_wait_s = duplicate_wait_s
         self._engine = engine
         self._tokenizer = tokenizer
-        self._parse_tool_calls = get_tool_call_parser(tool_call_parser)
+        get_tool_call_parser(tool_call_parser)  # an unknown name fails here, at construction
+        self._tool_call_parser = tool_call_parser
         # The template's end-of-turn text, probed once; if the template hides it, every token-in
         # call is capture_failed (plain and ROOT calls are unaffected).
         try:
@@ -436,7 +441,9 @@ class ChatService:
             raise HttpError(400, "invalid_request", str(e)) from e
         raw_admission = body.get("ng_capture")
         if raw_admission is None:
-            return await self._serve_plain(messages, tools, sampling)
+            return await self._serve_plain(
+                messages, tools, sampling, parse_tools=parses_tool_calls(tools, body.get("tool_choice"))
+            )
         admission = self._validate_admission(raw_admission)
         key = (admission.rollout_id, admission.model_call_id)
         replay = await self._claim_or_replay(key, request_digest(body), admission)
@@ -557,13 +564,21 @@ class ChatService:
                 400, "invalid_request", f"the model's chat template cannot render these messages: {e}", param="messages"
             ) from e
 
-    async def _serve_plain(self, messages: list[dict], tools: list[dict] | None, sampling: SamplingRequest) -> dict:
+    async def _serve_plain(
+        self, messages: list[dict], tools: list[dict] | None, sampling: SamplingRequest, *, parse_tools: bool
+    ) -> dict:
         prompt_ids = self._render_root(messages, tools)
         sampling = self._fit_context(prompt_ids, sampling)
         result = await self._generate(prompt_ids, sampling)
         self.stats["plain_calls"] += 1
         self.stats["served_calls"] += 1
-        return self._response(result, include_logprobs=sampling.logprobs, include_token_ids=sampling.return_token_ids)
+        return self._response(
+            result,
+            include_logprobs=sampling.logprobs,
+            include_token_ids=sampling.return_token_ids,
+            parse_tools=parse_tools,
+            tokens_as_ids=sampling.return_tokens_as_token_ids,
+        )
 
     def _validate_admission(self, raw: Any) -> CaptureAdmission:
         if self.capture is None:
@@ -824,8 +839,18 @@ class ChatService:
         except RefitGateTimeoutError as e:
             raise HttpError(503, "worker_refitting", str(e)) from e
 
-    def _response(self, result: GenerationResultLike, *, include_logprobs: bool, include_token_ids: bool) -> dict:
-        parsed = self._parse_tool_calls(generated_text(self._tokenizer, result.token_ids))
+    def _response(
+        self,
+        result: GenerationResultLike,
+        *,
+        include_logprobs: bool,
+        include_token_ids: bool,
+        parse_tools: bool = True,
+        tokens_as_ids: bool = True,
+    ) -> dict:
+        parsed = assistant_reply(
+            self._tokenizer, result.token_ids, parser=self._tool_call_parser, parse_tools=parse_tools
+        )
         return build_chat_completion(
             request_id=result.request_id,
             model=self._model_name,
@@ -836,4 +861,8 @@ class ChatService:
             logprobs=result.logprobs,
             include_logprobs=include_logprobs,
             include_token_ids=include_token_ids,
+            # vLLM names a logprob entry by the token's own text unless asked for `token_id:N`.
+            logprob_tokens=None if tokens_as_ids or not include_logprobs else [
+                self._tokenizer.decode([t], skip_special_tokens=False) for t in result.token_ids
+            ],
         )

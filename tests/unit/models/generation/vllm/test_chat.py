@@ -18,11 +18,14 @@ from nemo_rl.models.generation.vllm.chat import (
     TailRenderError,
     TemplateProbeError,
     UnknownToolCallParser,
+    assistant_reply,
     derive_turn_end,
     generated_text,
     get_tool_call_parser,
+    normalize_messages,
     parse_hermes,
     parse_llama3_json,
+    parses_tool_calls,
     render_root_prompt,
     render_text,
     render_token_in_tail,
@@ -138,15 +141,100 @@ def test_generated_text_drops_stop_tokens_and_keeps_tool_markup(family_tokenizer
     assert json.loads(parsed.tool_calls[0]["function"]["arguments"]) == {"expression": "1 + 2"}
 
 
-def test_hermes_parses_blocks_and_keeps_malformed_ones_as_text():
-    good = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "2 * 3"}}\n</tool_call>'
-    parsed = parse_hermes(f"Let me compute.\n{good}")
-    assert parsed.content == "Let me compute."
-    assert parsed.tool_calls[0]["function"] == {"name": "calculator", "arguments": '{"expression": "2 * 3"}'}
-    assert parse_hermes(good).content is None
-    bad = '<tool_call>\n{"name": "calculator", "arguments": "2 * 3"}\n</tool_call>'
-    assert parse_hermes(bad).tool_calls == [] and parse_hermes(bad).content == bad
-    assert parse_hermes("").content == ""
+HERMES_CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "2 * 3"}}\n</tool_call>'
+CALC = ("calculator", '{"expression": "2 * 3"}')
+
+
+# Expected values are what vLLM's own `Hermes2ProToolParser.extract_tool_calls` returns for each
+# text (checked against it in tests/integration/test_stock_vllm_identity.py).
+@pytest.mark.parametrize(
+    ("text", "content", "calls"),
+    [
+        ("The answer is 7.", "The answer is 7.", []),
+        ("", "", []),
+        (HERMES_CALL, None, [CALC]),
+        (f"Let me compute.\n{HERMES_CALL}", "Let me compute.\n", [CALC]),  # before the first tag, unstripped
+        (f"  {HERMES_CALL}", "  ", [CALC]),
+        (f"{HERMES_CALL}\ntrailing", None, [CALC]),  # text after the blocks is dropped
+        (HERMES_CALL + HERMES_CALL, None, [CALC, CALC]),
+        (HERMES_CALL.removesuffix("\n</tool_call>"), None, [CALC]),  # left open by max_tokens
+        ('<tool_call>\n{"name": "calculator", "arguments": "2 * 3"}\n</tool_call>', None, [("calculator", '"2 * 3"')]),
+        ('<tool_call>\n{"name": "c", "arguments": {"e": "\u00e9"}}\n</tool_call>', None, [("c", '{"e": "\u00e9"}')]),
+    ],
+)
+def test_hermes_follows_vllm(text, content, calls):
+    parsed = parse_hermes(text)
+    assert parsed.content == content
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in parsed.tool_calls] == calls
+    assert all(c["type"] == "function" and c["id"].startswith("call_") for c in parsed.tool_calls)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        HERMES_CALL + "<tool_call>{bad json</tool_call>",  # one bad block spoils the whole reply
+        '<tool_call>\n{"name": "calculator"}\n</tool_call>',  # no arguments
+        '<tool_call>\n{"name": 3, "arguments": {}}\n</tool_call>',
+        "<tool_call>[1, 2]</tool_call>",
+        "<tool_call></tool_call>",
+    ],
+)
+def test_hermes_keeps_a_reply_with_any_malformed_block_as_text(text):
+    parsed = parse_hermes(text)
+    assert parsed.tool_calls == [] and parsed.content == text
+
+
+def test_tool_calls_are_parsed_only_when_offered_and_not_refused():
+    # vLLM's rule: no tools, or tool_choice="none", means the whole text is content.
+    assert parses_tool_calls([arith_task.CALCULATOR_TOOL], None) is True
+    assert parses_tool_calls([arith_task.CALCULATOR_TOOL], "auto") is True
+    assert parses_tool_calls([arith_task.CALCULATOR_TOOL], "none") is False
+    assert parses_tool_calls(None, "auto") is False
+    assert parses_tool_calls([], None) is False
+
+
+def test_assistant_reply_decodes_like_vllms_parser_asks(family_tokenizer):
+    family, tokenizer = family_tokenizer
+    call = {
+        "chatml": HERMES_CALL,
+        "llama3": '{"name": "calculator", "parameters": {"expression": "2 * 3"}}',
+    }[family.name]
+    bos = tokenizer.convert_tokens_to_ids(family.special_tokens[0])  # a special token inside the reply
+    ids = [bos] + _ids(tokenizer, call) + [tokenizer.eos_token_id]
+    without_tools = assistant_reply(tokenizer, ids, parser=family.tool_call_parser, parse_tools=False)
+    assert without_tools.tool_calls == [] and without_tools.content == call  # special tokens dropped, nothing parsed
+    parsed = assistant_reply(tokenizer, ids, parser=family.tool_call_parser, parse_tools=True)
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in parsed.tool_calls] == [
+        ("calculator", {"expression": "2 * 3"})
+    ]
+    if family.tool_call_parser == "hermes":
+        # hermes keeps special tokens (vLLM turns skip_special_tokens off), but never the stop token.
+        assert parsed.content == family.special_tokens[0]
+        cut = assistant_reply(tokenizer, ids[:-1], parser="hermes", parse_tools=True)  # cut by max_tokens: no stop token
+        assert cut.content == family.special_tokens[0] and len(cut.tool_calls) == 1
+    else:
+        assert parsed.content is None
+
+
+def test_normalize_messages_hands_tool_call_arguments_to_the_template_as_objects():
+    def call(arguments):
+        return {"id": "c0", "type": "function", "function": {"name": "calculator", "arguments": arguments}}
+
+    messages = [
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+        {"role": "assistant", "content": None, "tool_calls": [call('{"expression":"1 + 2"}'), call({"x": 1})]},
+        {"role": "assistant", "content": None, "tool_calls": [call("not json"), call("[1]"), call(""), call(None)]},
+        {"role": "assistant", "content": "hi", "tool_calls": []},
+        {"role": "developer", "content": "be brief"},
+    ]
+    out = normalize_messages(messages)
+    assert out[0]["content"] == "ab"
+    assert [c["function"]["arguments"] for c in out[1]["tool_calls"]] == [{"expression": "1 + 2"}, {"x": 1}]
+    assert [c["function"]["arguments"] for c in out[2]["tool_calls"]] == [{}, {}, {}, {}]
+    assert out[1]["tool_calls"][0]["id"] == "c0" and out[1]["tool_calls"][0]["function"]["name"] == "calculator"
+    assert "tool_calls" not in out[3]
+    assert out[4]["role"] == "system"  # the one deliberate difference from vLLM (docs: vllm-worker-capture.md)
+    assert messages[1]["tool_calls"][0]["function"]["arguments"] == '{"expression":"1 + 2"}'  # input untouched
 
 
 def test_llama3_json_follows_vllm():

@@ -135,6 +135,8 @@ MESSAGES = [
     {"role": "user", "content": arith_task.user_prompt(PROBLEM)},
 ]
 TOOLS = [arith_task.CALCULATOR_TOOL]
+# What Gym's vllm_model server adds to a legacy (capture-off) request for its token echo.
+GYM_ECHO = {"logprobs": True, "top_logprobs": 0, "return_tokens_as_token_ids": True, "return_token_ids": True}
 CALL_TEXT = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "12 + 5"}}\n</tool_call>'
 
 
@@ -334,7 +336,7 @@ async def test_admitted_replies_carry_no_token_echo(tokenizer):
 async def test_plain_calls_on_a_capture_worker_still_echo(tokenizer):
     gen = _gen(tokenizer, "The answer is 17.")
     svc, engine, _ = _service(tokenizer, [gen])
-    r = await svc.chat_completions({"messages": MESSAGES, "logprobs": True, "top_logprobs": 0, "return_token_ids": True})
+    r = await svc.chat_completions({"messages": MESSAGES, **GYM_ECHO})
     assert r["prompt_token_ids"] == engine.prompts[0] and r["choices"][0]["token_ids"] == gen
     assert [c["token"] for c in r["choices"][0]["logprobs"]["content"]] == [f"token_id:{t}" for t in gen]
 
@@ -458,8 +460,8 @@ async def test_missing_staged_parent_is_503_and_bad_hash_is_409(tokenizer):
 
 async def test_capture_off_serves_legacy_token_echo(tokenizer):
     gen = _gen(tokenizer, "The answer is 17.")
-    svc, engine, _ = _service(tokenizer, [gen], capture=False)
-    r = await svc.chat_completions({"messages": MESSAGES, "logprobs": True, "top_logprobs": 0, "return_token_ids": True})
+    svc, engine, _ = _service(tokenizer, [gen, gen], capture=False)
+    r = await svc.chat_completions({"messages": MESSAGES, **GYM_ECHO})
     assert r["prompt_token_ids"] == engine.prompts[0]
     assert set(r) == {"id", "object", "created", "model", "choices", "usage", "prompt_token_ids"}
     choice = r["choices"][0]
@@ -468,6 +470,24 @@ async def test_capture_off_serves_legacy_token_echo(tokenizer):
     assert [c["token"] for c in choice["logprobs"]["content"]] == [f"token_id:{t}" for t in gen]
     assert choice["message"]["content"] == "The answer is 17."
     assert "ng_commit_coords" not in r
+    # Without return_tokens_as_token_ids vLLM names each logprob entry by its token's text.
+    named = await svc.chat_completions({"messages": MESSAGES, "logprobs": True, "top_logprobs": 0})
+    tokens = [c["token"] for c in named["choices"][0]["logprobs"]["content"]]
+    assert tokens == [tokenizer.decode([t], skip_special_tokens=False) for t in gen] and tokens[-1] == "<|im_end|>"
+    assert "".join(tokens[:-1]) == "The answer is 17."
+
+
+async def test_plain_calls_parse_tool_calls_only_when_tools_are_offered(tokenizer):
+    # vLLM's rule: without tools, or with tool_choice="none", a <tool_call> block is plain content.
+    gen = _gen(tokenizer, CALL_TEXT)
+    svc, _, _ = _service(tokenizer, [gen, gen, gen], capture=False)
+    offered = (await svc.chat_completions({"messages": MESSAGES, "tools": TOOLS}))["choices"][0]
+    assert offered["finish_reason"] == "tool_calls" and offered["message"]["content"] is None
+    assert [c["function"]["name"] for c in offered["message"]["tool_calls"]] == ["calculator"]
+    for body in ({"messages": MESSAGES}, {"messages": MESSAGES, "tools": TOOLS, "tool_choice": "none"}):
+        choice = (await svc.chat_completions(body))["choices"][0]
+        assert choice["finish_reason"] == "stop" and "tool_calls" not in choice["message"]
+        assert choice["message"]["content"] == CALL_TEXT
 
 
 async def test_tail_render_failure_is_capture_failed_not_silent(tokenizer):
