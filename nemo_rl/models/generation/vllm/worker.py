@@ -268,9 +268,14 @@ class VllmGenerationWorker:
         """This worker's vLLM engine-core processes (`ChildProcess.to_wire`), for the component watch.
 
         Answers in the failed state too: a dead engine core is what the watch must be able to name."""
+        from nemo_rl.models.generation.vllm.engine import EngineError
+
         if self._engine is None:
             raise WorkerError("engine_core_processes called before start_engine")
-        return [child.to_wire() for child in self._engine.core_processes()]
+        try:
+            return [child.to_wire() for child in self._engine.core_processes()]
+        except EngineError as e:  # converted before it crosses the Ray boundary
+            raise WorkerError(f"vLLM worker {self._worker_index}: {e}") from e
 
     def weight_version(self) -> int:
         if self._engine is None:
