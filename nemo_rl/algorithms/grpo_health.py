@@ -1,10 +1,14 @@
 """What the GRPO loop does when a component dies (`token_capture.on_component_failure`).
 
-Contract (capture mode; the legacy loop has no watch and is unchanged):
+Contract (both paths: capture on, and Gym's legacy token echo with `token_capture.enabled=false`;
+the knobs `on_component_failure`, `component_check_interval_s`, `component_probe_timeout_s` and
+`max_consecutive_masked_steps` live under `token_capture` and apply to both):
 - `build_watch(stack, pool, cfg, progress)` watches every component the run started: the Gym
-  servers (`gate`, agent, resources server), the vLLM workers, the TransferQueue controller and
-  storage units (all on the rollout path) and the finalizer actors (off the path). A death is
-  printed at once (`[health] ... died: ...`), once, with what happens next.
+  servers (`gate`, agent, resources server), the vLLM workers and each worker's engine-core
+  process (`vllm_worker_<i>/engine_core`), the TransferQueue controller and storage units (all
+  on the rollout path) and the finalizer actors (off the path). The legacy path has no
+  TransferQueue and no finalizers: its watch holds the Gym servers, the workers and their
+  engine cores. A death is printed at once (`[health] ... died: ...`), once, with what happens next.
 - During a step (`ComponentWatch.watching()`), the rollout manager ends every in-flight run at
   the first rollout-path death: each becomes a `component_failed` placeholder naming it, so the
   step is accounted (dispatched == kept + placeholders) and logged, never stalled.
@@ -14,13 +18,21 @@ Contract (capture mode; the legacy loop has no watch and is unchanged):
   `ComponentFailedError` naming every component that died in it, finalizers found dead by the
   pool included. Nothing of the step is trained.
 - `continue`: before each step `recover` restarts dead Gym servers on their ports and takes
-  dead finalizer actors out of rotation (the pool replaces them); a vLLM worker or a
-  TransferQueue actor cannot be restarted under a live run (weights, staged data). While one is
-  dead, `untrainable` masks the step: every kept rollout becomes a `component_failed`
-  placeholder (no train, no refit against a dead worker), so the masked-step streak ends the run
-  with `MaskedStepsError` after `token_capture.max_consecutive_masked_steps`.
+  dead finalizer actors out of rotation (the pool replaces them); a vLLM worker (or its engine
+  core) or a TransferQueue actor cannot be restarted under a live run (weights, staged data).
+  While one is dead, `untrainable` masks the step: every kept rollout becomes a
+  `component_failed` placeholder (no train, no refit against a dead worker), so the masked-step
+  streak ends the run with `MaskedStepsError` after `token_capture.max_consecutive_masked_steps`.
+  On the legacy path this is the same minus what it lacks: a dead Gym server is restarted (the
+  legacy gate keeps no state), a dead worker masks steps.
+- A refit that fails after the step's rollouts (a worker or its engine core died between the
+  rollouts and the refit, before any watch round saw it): `refit_deaths` runs a round at once;
+  when it finds rollout-path components dead, the failure is theirs, named, not a traceback:
+  `abort` raises `ComponentFailedError` (`refit_failure_error`, after the step's metrics line;
+  the step was trained, the engines were not refit), `continue` skips the refit and masks the
+  following steps as above. A refit failure with every component alive propagates unchanged.
 - `component_pids(stack, pool)`: the pid of every watched component by name (run_info.json
-  `components`), for operators and chaos tests.
+  `components`; engine cores as reported by their worker), for operators and chaos tests.
 - `component_metrics`: `component/deaths` (this step), `component/down` (rollout-path
   components dead at the step's end), `component/restarts` (Gym servers restarted before it),
   `finalize/replaced_workers` (finalizer actors replaced during it).
@@ -92,6 +104,8 @@ def component_pids(stack: Stack, pool: FinalizerPool | None, timeout_s: float) -
         actors.update(pool.actors())
     refs = [handle.__ray_call__.remote(_own_pid) for handle in actors.values()]
     pids.update(zip(actors, ray.get(refs, timeout=timeout_s)))
+    if stack.workers is not None:
+        pids.update(stack.workers.engine_core_pids())
     return pids
 
 
@@ -157,6 +171,22 @@ def component_metrics(deaths: dict[str, str], down: dict[str, str], restarts: in
         "component/restarts": float(restarts),
         "finalize/replaced_workers": float(replaced),
     }
+
+
+async def refit_deaths(watch: ComponentWatch | None) -> dict[str, str]:
+    """After a failed refit: one liveness round now; the rollout-path components dead (name -> how)."""
+    if watch is None:
+        return {}
+    await watch.poll()
+    return watch.down()
+
+
+def refit_failure_error(down: dict[str, str], step: int) -> ComponentFailedError:
+    """The named failure of a refit whose workers (or their engine cores) were found dead."""
+    return ComponentFailedError(
+        f"step {step}: refit failed: {component_failure_detail(down)}. The step was trained, the engines were "
+        "not refit; token_capture.on_component_failure=abort stops the run (resume from the last checkpoint)"
+    )
 
 
 def check_abort(policy: str, deaths: dict[str, str], step: int) -> None:

@@ -41,14 +41,17 @@ A step whose rollouts are all placeholders is logged loudly, counted (`steps/mas
 and skipped (no train, no refit); `token_capture.max_consecutive_masked_steps` such steps in a row
 raise `MaskedStepsError`.
 
-Component deaths (capture mode; `nemo_rl.algorithms.grpo_health`): a watch polls every component
-while a step runs; the first rollout-path death ends the in-flight rollouts as `component_failed`
-placeholders naming it. `token_capture.on_component_failure=abort` stops the run with
-`ComponentFailedError` after that step's metrics line; `continue` restarts dead Gym servers
-before the next step, replaces finalizer actors, and masks steps while a vLLM worker or a
-TransferQueue actor stays dead (the masked-step streak then ends the run). Every step logs
-`retention/staged_keys_remaining` and `retention/ledger_files_remaining` (0 when retention kept
-up) and `component/*`.
+Component deaths (both paths, capture on or off; `nemo_rl.algorithms.grpo_health`): a watch polls
+every component the run has while a step runs, and once more as the step's rollouts end; the
+first rollout-path death ends the in-flight rollouts as `component_failed` placeholders naming
+it. `token_capture.on_component_failure=abort` stops the run with `ComponentFailedError` after
+that step's metrics line; `continue` restarts dead Gym servers before the next step, replaces
+finalizer actors, and masks steps while a vLLM worker (or its engine core) or a TransferQueue
+actor stays dead (the masked-step streak then ends the run). A refit that fails because a worker
+or its engine core died after the rollouts is named the same way (`grpo_health.refit_deaths`):
+`abort` raises `ComponentFailedError` after the step's metrics line, `continue` skips the refit.
+Every step logs `component/*`; capture steps also `retention/staged_keys_remaining` and
+`retention/ledger_files_remaining` (0 when retention kept up).
 
 Checkpoint and resume (`checkpointing:`; what a checkpoint holds: `nemo_rl.algorithms.grpo_checkpoint`):
 after step k's metrics line, when `should_save(k, save_period, max_num_steps)`, `save_checkpoint`
@@ -96,6 +99,8 @@ from nemo_rl.algorithms.grpo_health import (
     component_metrics,
     component_pids,
     recover,
+    refit_deaths,
+    refit_failure_error,
     step_deaths,
     unrecoverable,
     untrainable,
@@ -108,6 +113,7 @@ from nemo_rl.environments.datasets import PromptSource, make_prompt_source
 from nemo_rl.environments.nemo_gym import RowSampling
 from nemo_rl.experience.rollout_manager import RolloutManager, RolloutManagerConfig, component_failure_detail
 from nemo_rl.models.generation.vllm.launcher import resolve_flavor
+from nemo_rl.models.generation.vllm.worker import WorkerError
 from nemo_rl.models.policy import TrainBatch
 from nemo_rl.models.policy.worker import RayPolicyClient
 from nemo_rl.models.tiny_model import ensure_tiny_model
@@ -353,7 +359,8 @@ async def setup(
             await pool.wait_ready(cfg.data_plane.startup_timeout_s)
             finalizer = TimedFinalizer(pool)
             cleaner = TQStagingCleaner(stack.client, cfg.token_capture.staging_partition, cfg.token_capture.stage_timeout_s)
-            watch = build_watch(stack, pool, cfg.token_capture, progress)
+        # Both paths: without it a dead worker or gate would cost a whole env.run_timeout_s per step.
+        watch = build_watch(stack, pool, cfg.token_capture, progress)
         manager = RolloutManager(
             RolloutManagerConfig(
                 # Fresh per process, resumed or not: Gym appends to the ledger of a reused rollout id.
@@ -372,9 +379,8 @@ async def setup(
         eos = AutoTokenizer.from_pretrained(str(model_dir)).eos_token_id
         probe = probe_sequence(eos, cfg.grpo.refit_probe_tokens, cfg.grpo.seed)
         run_info: dict = {"generation/venv": venv_record(flavor, stack.workers.venv_info()),
-                          "placement": placement_record(stack, policy, pool, cfg.generation.vllm.call_timeout_s)}
-        if watch is not None:
-            run_info["components"] = component_pids(stack, pool, cfg.generation.vllm.call_timeout_s)
+                          "placement": placement_record(stack, policy, pool, cfg.generation.vllm.call_timeout_s),
+                          "components": component_pids(stack, pool, cfg.generation.vllm.call_timeout_s)}
         initial_versions = set(stack.workers.weight_versions())
         if len(initial_versions) != 1:
             raise StaleWeightsError(f"the generation workers start from different weight versions {sorted(initial_versions)}")
@@ -549,6 +555,8 @@ async def rollout_step(run: GRPORun, step: int) -> tuple[list[GroupResult], dict
                 for g, row in enumerate(rows)
             )
     metrics["timing/finalize_s"] = run.finalizer.seconds if run.finalizer is not None else 0.0
+    if run.watch is not None:  # a death at the very end of the rollouts, before its round, is named too
+        await run.watch.poll()
     down = _down(run)
     if not any(name.startswith("vllm_worker_") for name in down):  # a dead worker has no counter to read
         calls_now = await asyncio.to_thread(run.stack.workers.served_calls)
@@ -627,6 +635,34 @@ def refit_step(run: GRPORun, step: int) -> dict[str, float]:
     return metrics
 
 
+async def refit_or_name_deaths(run: GRPORun, step: int, metrics: dict[str, float]) -> dict[str, float]:
+    """`refit_step`, or, when it fails because a component died after the rollouts, that death named.
+
+    `abort`: the step's metrics line is logged, then `ComponentFailedError` names the dead
+    components (never the refit's raw traceback). `continue`: the refit is skipped
+    (`refit/skipped` 1, the engines keep the previous version) and the following steps are masked
+    while the component stays dead. A refit failure with every component alive propagates.
+    """
+    try:
+        return await asyncio.to_thread(refit_step, run, step)
+    except WorkerError as error:
+        down = await refit_deaths(run.watch)
+        if not down:
+            raise
+        deaths = step_deaths(run.watch, run.pool, run.progress) if run.watch is not None else {}
+        metrics["component/deaths"] = metrics.get("component/deaths", 0.0) + float(len(deaths))
+        metrics["component/down"] = float(len(down))
+        if run.cfg.token_capture.on_component_failure == "abort":
+            run.logger.log(step, metrics)  # the step that stops the run keeps its line
+            raise refit_failure_error(down, step) from error
+        run.progress(
+            f"[step {step}] refit skipped: {component_failure_detail(down)}; the engines keep weight version "
+            f"{run.served_version} and the next steps are masked while it stays dead "
+            "(token_capture.on_component_failure=continue)"
+        )
+        return {"refit/skipped": 1.0}
+
+
 def _down(run: GRPORun) -> dict[str, str]:
     return run.watch.down() if run.watch is not None else {}
 
@@ -687,7 +723,7 @@ async def run_grpo(cfg: MasterConfig, progress=print) -> Path:
                 if run.train_cleaner is not None and not any(name.startswith("tq_") for name in _down(run)):
                     metrics.update(await asyncio.to_thread(clear_train_rows, run.train_cleaner, step_batch.plan))
                 if trainable:
-                    metrics.update(await asyncio.to_thread(refit_step, run, step))
+                    metrics.update(await refit_or_name_deaths(run, step, metrics))
             run.logger.log(step, metrics)
             # After the metrics line: a run killed in between redoes this step from the previous
             # checkpoint, and the resume cuts this line (resumable_logs) so no step is logged twice.

@@ -23,7 +23,11 @@ Contract:
 - `watching()` is an async context manager polling every `interval_s` in a background task
   while the body runs; the task is cancelled and awaited on exit.
 - Ray actors are probed with `ray_actor_probe` (`__ray_ready__`, bounded): `RayActorError`
-  means dead; processes we started with `process_probe` (`Popen.poll()`).
+  means dead; processes we started with `process_probe` (`Popen.poll()`); a process a Ray actor
+  started itself (vLLM's engine core under its worker actor) with `actor_children_probe`: the
+  actor reports its children (`ChildProcess`: name, pid, exit code, read by the parent, which
+  alone can reap it) and any child with an exit code is dead. When the actor itself is gone that
+  probe says nothing: the actor's own probe names that death, once.
 """
 
 from __future__ import annotations
@@ -78,6 +82,34 @@ def first_line(error: BaseException, limit: int = 300) -> str:
     return text.splitlines()[0][:limit] if text else type(error).__name__
 
 
+@dataclass(frozen=True)
+class ChildProcess:
+    """A process a component started itself, as that component sees it (it is the parent)."""
+
+    name: str
+    pid: int
+    exitcode: int | None  # None while it runs
+
+    def __post_init__(self) -> None:
+        if not self.name or self.pid <= 0:
+            raise ValueError(f"a child process needs a name and a pid > 0, got name={self.name!r} pid={self.pid}")
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"name": self.name, "pid": self.pid, "exitcode": self.exitcode}
+
+    @classmethod
+    def from_wire(cls, record: dict[str, Any]) -> "ChildProcess":
+        return cls(str(record["name"]), int(record["pid"]), None if record["exitcode"] is None else int(record["exitcode"]))
+
+
+def children_verdict(what: str, children: Sequence[ChildProcess]) -> str | None:
+    """None while every child runs, else one line naming each dead one and how it ended."""
+    dead = [c for c in children if c.exitcode is not None]
+    if not dead:
+        return None
+    return "; ".join(f"{what} {c.name} (pid {c.pid}) {exit_description(c.exitcode)}" for c in dead)
+
+
 def process_probe(name: str, role: Role, proc: subprocess.Popen, what: str) -> Probe:
     """A probe of a child process we started: dead once it has an exit code."""
 
@@ -98,6 +130,23 @@ def ray_actor_probe(name: str, role: Role, handle: Any, what: str) -> Probe:
         except ray.exceptions.RayActorError as e:
             return f"{what} (Ray actor) is gone: {first_line(e)}"
         return None
+
+    return Probe(name, role, check)
+
+
+def actor_children_probe(
+    name: str, role: Role, report: Callable[[], Awaitable[list[dict[str, Any]]]], what: str
+) -> Probe:
+    """A probe of processes a Ray actor started: `report()` is the actor's call returning its
+    children as `ChildProcess.to_wire` dicts. A gone actor is left to its own probe (None here)."""
+    import ray
+
+    async def check() -> str | None:
+        try:
+            records = await report()
+        except ray.exceptions.RayActorError:
+            return None  # the actor's own probe names its death; its children went with it
+        return children_verdict(what, [ChildProcess.from_wire(r) for r in records])
 
     return Probe(name, role, check)
 

@@ -22,7 +22,8 @@ Contract of `RolloutManager.run_group(step, group_index, row, n) -> GroupResult`
 - `token_capture.min_valid_fraction_per_group`: a group with fewer kept rollouts than that
   fraction of N is dropped whole (every entry a `group_below_min_valid_fraction` placeholder,
   counted by `take_dropped_groups()`).
-- Legacy mode (capture off): runs all N and builds rows from Gym's token echo.
+- Legacy mode (capture off): runs all N (each raced against the component watch, as below) and
+  builds rows from Gym's token echo.
 - Always-N: the result holds exactly N entries, one per reserved id, each a `TrainRow` or a
   `Placeholder` with its typed reason; an id that never reached an outcome (cancellation) is a
   `run_failed` placeholder with detail "aborted". Nothing is lost or counted twice.
@@ -33,13 +34,15 @@ Contract of `RolloutManager.run_group(step, group_index, row, n) -> GroupResult`
   orphan count is reported by `take_orphaned_staged_keys()`), each bounded by
   `token_capture.stage_timeout_s` (skipped when
   `retire_after_commit` is false); a failure raises `RetentionError` carrying the accounted group.
-- Component deaths (capture mode, `health` given: the component watch): a rollout whose run is
-  in flight when a rollout-path component (Gym server, vLLM worker, TransferQueue actor) is found
-  dead, or that starts while one is down, stops at once and becomes a `component_failed`
-  placeholder whose detail names the dead components (no wait for `run_timeout_s`). While one is
-  down, a retention failure is logged and counted (`take_retention_failures()`) instead of raised:
-  the dead component took those keys with it, and the run's policy (`on_component_failure`)
-  decides what happens next.
+- Component deaths (either mode, `health` given: the component watch): a rollout whose run is
+  in flight when a rollout-path component (Gym server, vLLM worker or its engine core,
+  TransferQueue actor) is found dead, or that starts while one is down, stops at once and becomes
+  a `component_failed` placeholder whose detail names the dead components (no wait for
+  `run_timeout_s`). While one is down, a retention failure is logged and counted
+  (`take_retention_failures()`) instead of raised: the dead component took those keys with it,
+  and the run's policy (`on_component_failure`) decides what happens next. A worker in its
+  failed state while the watch reports a vLLM worker (or its engine core) dead is that death,
+  not a bug: its served report is unavailable (counted), the run goes on to its accounting.
 - Cancellation mid-group: in-flight runs are cancelled, the accounted (aborted) group is kept
   for `take_aborted_groups()`, retention runs, and the `CancelledError` propagates.
 """
@@ -422,7 +425,12 @@ class RolloutManager:
         try:
             calls = await self._served.take_served_async(rollout_ids)
         except WorkerFailedError:
-            raise  # the worker declared itself failed (a bug or a dead engine): abort the run loudly
+            if not await self._worker_found_dead():
+                raise  # the worker declared itself failed (a bug, or a death no probe sees): abort loudly
+            self._served_report_failures += 1  # its engine core died: the watch names it, the run accounts
+            detail = component_failure_detail(self._health.down())
+            LOGGER.error("served-call report for %s.. unavailable: %s", rollout_ids[0], detail)
+            return detail
         except WorkerError as error:  # a worker timed out or died (see `_capture_group` for what follows)
             self._served_report_failures += 1
             LOGGER.error("served-call report for %s.. unavailable: %s", rollout_ids[0], _describe(error))
@@ -432,6 +440,13 @@ class RolloutManager:
             if call.rollout_id in by_rollout:
                 by_rollout[call.rollout_id].append(call)
         return {rollout_id: tuple(found) for rollout_id, found in by_rollout.items()}
+
+    async def _worker_found_dead(self) -> bool:
+        """A liveness round now: is a vLLM worker (or its engine core) among the dead?"""
+        if self._health is None:
+            return False
+        await self._health.poll()
+        return any(name.startswith("vllm_worker_") for name in self._health.down())
 
     async def _capture_group(self, state: _GroupState, runs) -> None:
         evidence = await gather_cancelling(self._evidence(state, i, run) for i, run in enumerate(runs))

@@ -1,7 +1,7 @@
 """Chaos through the real stack: SIGKILL a component mid-step, check the run's verdict and accounting.
 
-Two driver runs (two stack starts) cover the four components and both policies of
-`token_capture.on_component_failure`:
+Three driver runs (three stack starts) cover every watched component, both policies of
+`token_capture.on_component_failure` and both paths (capture on, and Gym's legacy echo):
 
 - `continue` (one run, three kills): the gate (Gym's model server) as step 2 is dispatched; the
   finalizer actor once step 3's first group is accounted (the other groups are finalizing or
@@ -11,8 +11,15 @@ Two driver runs (two stack starts) cover the four components and both policies o
   finalizer is replaced and nothing it held is lost; with the storage unit dead nothing can be
   verified, steps 4 and 5 are masked, and the run stops with `MaskedStepsError`
   (`max_consecutive_masked_steps=2`) naming the storage unit.
-- `abort`: the vLLM worker as step 2 is dispatched. The run stops with `ComponentFailedError`
-  naming `vllm_worker_0`, after step 2's accounting line, with nothing of step 2 trained.
+- `abort`: the vLLM worker's engine-core process (the child process vLLM's AsyncLLM runs under
+  the worker actor, which stays alive) as step 2 is dispatched. The run stops with
+  `ComponentFailedError` naming `vllm_worker_0/engine_core`, after step 2's accounting line
+  (every rollout `component_failed`), with nothing of step 2 trained, never as the next refit's
+  `EngineDeadError` traceback.
+- `legacy` (`token_capture.enabled=false`, abort): the vLLM worker actor as step 2 is
+  dispatched. The same watch (Gym servers, workers, engine cores; no TransferQueue, no
+  finalizers) names it within seconds, not after `env.run_timeout_s`: `ComponentFailedError`
+  naming `vllm_worker_0` after step 2's accounting line.
 
 Every step of both runs: dispatched == kept + placeholders, and the rows trained are exactly the
 rows finalized that step (nothing trained twice, nothing from a masked step). The kills are by
@@ -70,6 +77,7 @@ class ChaosRun:
     metrics: list[dict]
     kills: list[Kill]
     exited_at: float
+    log_dir: Path
     leftovers: dict[int, str] = field(default_factory=dict)
 
 
@@ -118,7 +126,7 @@ def _drive(tmp: Path, overrides: list[str], kills: list[Kill]) -> ChaosRun:
             shutil.rmtree(d, ignore_errors=True)
     assert not pending, f"triggers never seen: {[k.trigger for k in pending]}\n{out.read_text()[-6000:]}"
     return ChaosRun(proc.returncode, out.read_text(errors="replace"), _jsonl(log_dir / "metrics.jsonl"), kills,
-                    exited_at, leftovers)
+                    exited_at, log_dir, leftovers)
 
 
 def _check_every_step(run: ChaosRun) -> None:
@@ -147,7 +155,18 @@ def continue_run(tmp_path_factory) -> ChaosRun:
 @pytest.fixture(scope="module")
 def abort_run(tmp_path_factory) -> ChaosRun:
     overrides = ["token_capture.on_component_failure=abort", "grpo.max_num_steps=3"]
-    return _drive(tmp_path_factory.mktemp("chaos_abort"), overrides, [Kill(r"^\[step 2\] dispatching", "vllm_worker_0")])
+    kill = Kill(r"^\[step 2\] dispatching", "vllm_worker_0/engine_core")
+    return _drive(tmp_path_factory.mktemp("chaos_abort"), overrides, [kill])
+
+
+@pytest.fixture(scope="module")
+def legacy_run(tmp_path_factory) -> ChaosRun:
+    overrides = ["token_capture.enabled=false", "token_capture.on_component_failure=abort", "grpo.max_num_steps=3"]
+    return _drive(tmp_path_factory.mktemp("chaos_legacy"), overrides, [Kill(r"^\[step 2\] dispatching", "vllm_worker_0")])
+
+
+def _run_info(run: ChaosRun) -> dict:
+    return json.loads((run.log_dir / "run_info.json").read_text())
 
 
 @pytest.mark.integration
@@ -207,20 +226,50 @@ def test_continue_dead_storage_unit_masks_steps_then_the_run_stops_loudly(contin
 
 
 @pytest.mark.integration
-def test_abort_worker_death_stops_the_run_naming_it_after_the_step_is_accounted(abort_run: ChaosRun) -> None:
+def test_abort_engine_core_death_stops_the_run_naming_it_after_the_step_is_accounted(abort_run: ChaosRun) -> None:
     _check_every_step(abort_run)
+    kill = abort_run.kills[0]
     assert abort_run.returncode != 0
-    assert "ComponentFailedError: step 2: vllm_worker_0 died: vLLM worker 0 (Ray actor) is gone" in abort_run.output
+    core = f"vllm_worker_0/engine_core died: vLLM worker 0 engine core EngineCore (pid {kill.pid}) killed by SIGKILL"
+    assert f"[health] {core}" in abort_run.output
+    assert f"ComponentFailedError: step 2: {core}." in abort_run.output
+    # The driver's own lines (worker logs reach it prefixed, in colour, with their actor): no refit traceback.
+    driver_lines = [line for line in abort_run.output.splitlines()
+                    if not re.sub(r"\x1b\[[0-9;]*m", "", line).startswith(("(", " "))]
+    assert not [line for line in driver_lines if "EngineDeadError" in line or "RefitFailedError" in line]
+    assert "vllm_worker_0 died" not in abort_run.output  # the worker actor lived on; only its engine core died
     assert [m["step"] for m in abort_run.metrics] == [1, 2]
     step2 = abort_run.metrics[1]
-    assert step2["component/deaths"] >= 1.0
+    assert step2["component/deaths"] == 1.0 and step2["component/down"] == 1.0
     assert step2["finalize/placeholders/component_failed"] == step2["rollouts/dispatched"] == 8.0
+    assert step2["timing/generation_s"] < STEP_AFTER_DEATH_MAX_S
     assert "train/num_samples" not in step2
-    kill = abort_run.kills[0]
     assert abort_run.exited_at - kill.killed_at < STEP_AFTER_DEATH_MAX_S + 60.0  # + teardown
 
 
 @pytest.mark.integration
-def test_no_process_outlives_a_chaos_run(continue_run: ChaosRun, abort_run: ChaosRun) -> None:
+def test_legacy_path_worker_death_is_named_within_the_watch_deadline(legacy_run: ChaosRun) -> None:
+    _check_every_step(legacy_run)
+    components = _run_info(legacy_run)["components"]
+    # What the legacy path has (Gym servers, the worker, its engine core), and nothing it lacks.
+    assert {"gate", "vllm_worker_0", "vllm_worker_0/engine_core"} <= set(components)
+    assert not [name for name in components if name.startswith(("tq_", "finalizer_"))], components
+    assert legacy_run.returncode != 0
+    assert "[health] vllm_worker_0 died: vLLM worker 0 (Ray actor) is gone" in legacy_run.output
+    assert "ComponentFailedError: step 2: vllm_worker_0 died: vLLM worker 0 (Ray actor) is gone" in legacy_run.output
+    assert [m["step"] for m in legacy_run.metrics] == [1, 2]
+    step1, step2 = legacy_run.metrics
+    assert step1["component/deaths"] == 0.0 and step1["train/num_samples"] == step1["finalize/rows"] > 0
+    assert step2["component/deaths"] == 1.0
+    assert step2["finalize/placeholders/component_failed"] == step2["rollouts/dispatched"] == 8.0
+    assert step2["timing/generation_s"] < STEP_AFTER_DEATH_MAX_S  # not env.run_timeout_s (600 s)
+    assert "train/num_samples" not in step2
+    kill = legacy_run.kills[0]
+    assert legacy_run.exited_at - kill.killed_at < STEP_AFTER_DEATH_MAX_S + 60.0  # + teardown
+
+
+@pytest.mark.integration
+def test_no_process_outlives_a_chaos_run(continue_run: ChaosRun, abort_run: ChaosRun, legacy_run: ChaosRun) -> None:
     assert continue_run.leftovers == {}
     assert abort_run.leftovers == {}
+    assert legacy_run.leftovers == {}

@@ -3,19 +3,27 @@
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 import pytest
 
 from nemo_rl.algorithms.grpo_health import (
     ComponentFailedError,
+    build_watch,
     check_abort,
     component_metrics,
     recover,
+    refit_deaths,
+    refit_failure_error,
     step_deaths,
     unrecoverable,
     untrainable,
 )
-from nemo_rl.distributed.component_watch import ComponentWatch, Probe, Role
+from nemo_rl.algorithms.grpo_single_controller import refit_or_name_deaths
+from nemo_rl.distributed.component_watch import ChildProcess, ComponentWatch, Probe, Role
+from nemo_rl.models.generation.vllm.launcher import WorkerGroup
+from nemo_rl.models.generation.vllm.worker import WorkerError
+from nemo_rl.token_capture.config import TokenCaptureConfig
 from nemo_rl.token_capture.rows import GroupResult, KeptRollout, Placeholder, PlaceholderReason, RowOrigin, TrainRow
 
 R = PlaceholderReason
@@ -88,8 +96,10 @@ class FakeEnv:
 
 
 class FakeStack:
-    def __init__(self, env: FakeEnv) -> None:
+    def __init__(self, env: FakeEnv, workers: WorkerGroup | None = None) -> None:
         self.env = env
+        self.workers = workers
+        self.data_plane = None  # the legacy path has no TransferQueue
 
 
 class FakePool:
@@ -141,3 +151,129 @@ def test_step_deaths_merges_the_watch_and_the_pool() -> None:
     }
     # The gate was announced by the watch when found; the pool's find is announced here.
     assert said == ["[health] finalizer_0 died: finalizer worker 0 (Ray actor) died: boom; the finalizer pool replaced it"]
+
+
+# --- the legacy path's watch and the refit path (a worker's engine core that died) -------------
+
+CORE_DEATH = "vLLM worker 0 engine core EngineCore (pid 77) killed by SIGKILL"
+
+
+class FakeRemote:
+    def __init__(self, answer) -> None:
+        self.answer = answer
+
+    def remote(self):
+        async def call():
+            return self.answer()
+        return call()
+
+
+class FakeWorkerHandle:
+    """What `WorkerGroup.probes` calls on a worker actor: `__ray_ready__` and `engine_core_processes`."""
+
+    def __init__(self) -> None:
+        self.core_exitcode: int | None = None
+        self.__ray_ready__ = FakeRemote(lambda: True)
+        self.engine_core_processes = FakeRemote(lambda: [ChildProcess("EngineCore", 77, self.core_exitcode).to_wire()])
+
+
+def _group(handle: FakeWorkerHandle) -> WorkerGroup:
+    return WorkerGroup(handles=[handle], base_urls=["http://127.0.0.1:1/v1"], call_timeout_s=5.0)
+
+
+def test_the_legacy_watch_holds_the_gym_servers_the_worker_and_its_engine_core() -> None:
+    handle = FakeWorkerHandle()
+    said: list[str] = []
+    cfg = TokenCaptureConfig(enabled=False)
+
+    async def body():
+        watch = build_watch(FakeStack(FakeEnv(set()), _group(handle)), None, cfg, said.append)
+        names = [p.name for p in watch._probes()]
+        alive = await watch.poll()
+        handle.core_exitcode = -9
+        (death,) = await watch.poll()
+        return names, alive, death, watch.down()
+
+    names, alive, death, down = asyncio.run(body())
+    assert names == ["gate", "arith_agent", "vllm_worker_0", "vllm_worker_0/engine_core"]
+    assert alive == []
+    assert (death.name, death.role, death.detail) == ("vllm_worker_0/engine_core", Role.ROLLOUT_PATH, CORE_DEATH)
+    assert down == {"vllm_worker_0/engine_core": CORE_DEATH}
+    assert said == [f"[health] vllm_worker_0/engine_core died: {CORE_DEATH}; the run stops at the end of this step "
+                    "(token_capture.on_component_failure=abort)"]
+
+
+def test_refit_deaths_runs_a_round_now() -> None:
+    handle = FakeWorkerHandle()
+    handle.core_exitcode = -9
+
+    async def body():
+        watch = ComponentWatch(_group(handle).probes, interval_s=60.0, probe_timeout_s=1.0)
+        return await refit_deaths(watch), await refit_deaths(None)
+
+    assert asyncio.run(body()) == ({"vllm_worker_0/engine_core": CORE_DEATH}, {})
+
+
+def test_refit_failure_error_names_the_dead_and_says_the_step_was_trained() -> None:
+    error = refit_failure_error({"vllm_worker_0/engine_core": CORE_DEATH}, 3)
+    assert str(error) == (
+        f"step 3: refit failed: vllm_worker_0/engine_core died: {CORE_DEATH}. The step was trained, the engines were "
+        "not refit; token_capture.on_component_failure=abort stops the run (resume from the last checkpoint)")
+
+
+class FailingRefitWorkers:
+    def update_weights(self, weights_dir, version):
+        raise WorkerError(f"vLLM worker 0: refit to version {version} from {weights_dir} failed: RefitFailedError: "
+                          "the vLLM engine is failed: ... EngineDeadError: EngineCore encountered an issue")
+
+
+class FakeRun:
+    """The parts of `GRPORun` the refit path touches; the refit itself fails as a dead engine core's does."""
+
+    def __init__(self, tmp_path, policy: str, handle: FakeWorkerHandle) -> None:
+        self.cfg = SimpleNamespace(token_capture=TokenCaptureConfig(on_component_failure=policy))
+        self.stack = SimpleNamespace(workers=FailingRefitWorkers())
+        self.policy = SimpleNamespace(export_weights=lambda folder: folder)
+        self.weights_root = tmp_path
+        self.watch = ComponentWatch(_group(handle).probes, interval_s=60.0, probe_timeout_s=1.0)
+        self.pool = None
+        self.said: list[str] = []
+        self.progress = self.said.append
+        self.logged: list[tuple[int, dict]] = []
+        self.logger = SimpleNamespace(log=lambda step, metrics: self.logged.append((step, dict(metrics))))
+        self.served_version = 1
+
+
+def test_a_refit_failed_by_a_dead_engine_core_is_that_death_under_abort(tmp_path) -> None:
+    handle = FakeWorkerHandle()
+    handle.core_exitcode = -9
+    run = FakeRun(tmp_path, "abort", handle)
+    metrics = {"component/deaths": 0.0, "component/down": 0.0}
+    with pytest.raises(ComponentFailedError) as caught:
+        asyncio.run(refit_or_name_deaths(run, 2, metrics))
+
+    assert str(caught.value).startswith(f"step 2: refit failed: vllm_worker_0/engine_core died: {CORE_DEATH}.")
+    assert isinstance(caught.value.__cause__, WorkerError) and "EngineDeadError" in str(caught.value.__cause__)
+    # The step that stops the run keeps its metrics line, the death counted.
+    assert run.logged == [(2, {"component/deaths": 1.0, "component/down": 1.0})]
+
+
+def test_a_refit_failed_by_a_dead_engine_core_is_skipped_under_continue(tmp_path) -> None:
+    handle = FakeWorkerHandle()
+    handle.core_exitcode = -9
+    run = FakeRun(tmp_path, "continue", handle)
+    metrics = {"component/deaths": 0.0}
+    assert asyncio.run(refit_or_name_deaths(run, 2, metrics)) == {"refit/skipped": 1.0}
+
+    assert metrics == {"component/deaths": 1.0, "component/down": 1.0} and run.logged == []
+    assert run.said[-1] == (
+        f"[step 2] refit skipped: vllm_worker_0/engine_core died: {CORE_DEATH}; the engines keep weight version 1 "
+        "and the next steps are masked while it stays dead (token_capture.on_component_failure=continue)")
+    assert run.watch.down() == {"vllm_worker_0/engine_core": CORE_DEATH}  # the next step's rollouts end at once
+
+
+def test_a_refit_failure_with_every_component_alive_propagates_unchanged(tmp_path) -> None:
+    run = FakeRun(tmp_path, "abort", FakeWorkerHandle())
+    with pytest.raises(WorkerError, match="refit to version 2 .* failed: RefitFailedError"):
+        asyncio.run(refit_or_name_deaths(run, 2, {}))
+    assert run.logged == []

@@ -11,10 +11,13 @@ import time
 import pytest
 
 from nemo_rl.distributed.component_watch import (
+    ChildProcess,
     ComponentDeath,
     ComponentWatch,
     Probe,
     Role,
+    actor_children_probe,
+    children_verdict,
     exit_description,
     process_probe,
 )
@@ -151,3 +154,44 @@ async def test_process_probe_names_a_killed_child_process() -> None:
 
     assert alive is None
     assert dead == f"Gym server policy_model (pid {proc.pid}) killed by SIGKILL"
+
+
+# --- processes a component started itself (vLLM's engine core under its worker actor) ---------
+
+
+def test_children_verdict_names_every_dead_child_and_nothing_while_all_run() -> None:
+    running, killed, exited = ChildProcess("EngineCore", 41, None), ChildProcess("EngineCore_DP1", 42, -9), \
+        ChildProcess("EngineCore_DP2", 43, 0)
+
+    assert children_verdict("vLLM worker 0 engine core", [running]) is None
+    assert children_verdict("vLLM worker 0 engine core", []) is None
+    assert children_verdict("vLLM worker 0 engine core", [running, killed, exited]) == (
+        "vLLM worker 0 engine core EngineCore_DP1 (pid 42) killed by SIGKILL; "
+        "vLLM worker 0 engine core EngineCore_DP2 (pid 43) exited with code 0")
+
+
+def test_child_process_wire_round_trip_and_validation() -> None:
+    child = ChildProcess("EngineCore", 7, -9)
+    assert ChildProcess.from_wire(child.to_wire()) == child
+    assert ChildProcess.from_wire({"name": "EngineCore", "pid": 7, "exitcode": None}).exitcode is None
+    with pytest.raises(ValueError, match="a child process needs a name and a pid > 0, got name='' pid=7"):
+        ChildProcess("", 7, None)
+
+
+async def test_actor_children_probe_names_a_dead_child_and_leaves_a_gone_actor_to_its_own_probe() -> None:
+    import ray
+
+    answers: list = [[ChildProcess("EngineCore", 9, None).to_wire()], [ChildProcess("EngineCore", 9, -9).to_wire()],
+                     ray.exceptions.RayActorError()]
+
+    async def report():
+        answer = answers.pop(0)
+        if isinstance(answer, BaseException):
+            raise answer
+        return answer
+
+    probe = actor_children_probe("vllm_worker_0/engine_core", Role.ROLLOUT_PATH, report, "vLLM worker 0 engine core")
+    assert (probe.name, probe.role) == ("vllm_worker_0/engine_core", Role.ROLLOUT_PATH)
+    assert await probe.check() is None
+    assert await probe.check() == "vLLM worker 0 engine core EngineCore (pid 9) killed by SIGKILL"
+    assert await probe.check() is None  # the actor is gone: `vllm_worker_0`'s probe names that, once

@@ -672,3 +672,28 @@ async def test_retention_failure_while_a_component_is_down_is_counted_not_raised
 
     assert group.entries[0].reason is R.COMPONENT_FAILED
     assert (manager.take_retention_failures(), manager.take_retention_failures()) == (1, 0)
+
+
+
+ENGINE_CORE_DEATH = "vLLM worker 0 engine core EngineCore (pid 77) killed by SIGKILL"
+
+
+async def test_a_failed_worker_is_a_death_only_when_the_watch_finds_a_worker_or_its_engine_core_dead():
+    from nemo_rl.models.generation.vllm.worker import WorkerFailedError
+
+    # A dead gate does not explain a failed worker: still an abort.
+    served = ScriptedServed(["success"], error=WorkerFailedError("vLLM worker 0 is failed: a bug"))
+    manager, *_ = _manager(["success"], served=served, health=FakeHealth(found_on_poll={"gate": GATE_DEATH}))
+    with pytest.raises(WorkerFailedError, match="a bug"):
+        await manager.run_group(0, 0, {}, 1)
+    assert manager.take_served_report_failures() == 0
+
+    # Its engine core found dead: that death, the report unavailable (counted), the group accounted.
+    health = FakeHealth(found_on_poll={"vllm_worker_0/engine_core": ENGINE_CORE_DEATH})
+    served = ScriptedServed(["success"], error=WorkerFailedError("vLLM worker 0 is failed, take_served refused: dead"))
+    manager, _, finalizer, _ = _manager(["success"], served=served, health=health)
+    group = await manager.run_group(0, 0, {}, 1)
+
+    assert health.polls == 1  # the manager asked for a round before deciding
+    assert manager.take_served_report_failures() == 1
+    assert group.n == 1 and [item.served for item in finalizer.items] == [None]  # judged without the report

@@ -22,6 +22,12 @@ States and deadlines (`EngineDeadlines`, from `VllmConfig`; every wait here is b
 - `failed` (terminal, with a reason): a reload that timed out, raised or was cancelled (the
   weights are unknown), or an engine that died (`dead_errors`, vLLM's `EngineDeadError`). Every
   later call raises `EngineFailedError` naming the reason. Never wedged in `refitting`.
+
+Engine-core processes: vLLM v1's `AsyncLLM` runs its engine core in a child process of this
+one (always, CPU included). `core_processes()` reports each one (name, pid, exit code) as this
+process, its parent, sees it; the driver's component watch probes it through the worker actor
+(`vllm_worker_<i>/engine_core`), so an engine core killed under a live worker is named at once
+instead of surfacing later as an `EngineDeadError` from the next call.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from nemo_rl.distributed.component_watch import ChildProcess
 from nemo_rl.models.generation.vllm import worker_extension
 from nemo_rl.models.generation.vllm.chat import InvalidChatRequest, SamplingRequest
 from nemo_rl.models.generation.vllm.config import VllmConfig
@@ -146,6 +153,29 @@ def engine_args(model_dir: Path, cfg: VllmConfig) -> dict:
             "distributed_executor_backend": "mp" if tp > 1 else "uni",
         }
     return {**args, "kv_cache_memory_bytes": cfg.kv_cache_memory_bytes, "distributed_executor_backend": "uni"}
+
+
+def engine_core_processes(engine: Any) -> list[ChildProcess]:
+    """The engine-core processes an `AsyncLLM` started, as its parent process sees them.
+
+    vLLM v1 keeps them at `engine.engine_core.resources.engine_manager.processes`
+    (`multiprocessing` processes; `exitcode` reaps a dead one without blocking). No engine
+    manager means the engine core runs in this process: nothing separate to watch. An engine
+    without that structure (another vLLM version) raises `EngineError` naming the path.
+    """
+    try:
+        manager = engine.engine_core.resources.engine_manager
+    except AttributeError as e:
+        raise EngineError(
+            f"cannot find the vLLM engine-core processes (engine.engine_core.resources.engine_manager) on "
+            f"{type(engine).__name__}: {e}; this vLLM version keeps them elsewhere"
+        ) from e
+    if manager is None:
+        return []
+    processes = getattr(manager, "processes", None)
+    if processes is None:
+        raise EngineError(f"the vLLM engine manager {type(manager).__name__} lists no `processes`")
+    return [ChildProcess(p.name, p.pid, p.exitcode) for p in processes]
 
 
 class VllmEngine:
@@ -293,6 +323,10 @@ class VllmEngine:
         except self._dead_errors as e:
             await self._fail(f"the engine process died while aborting request {request_id}: {type(e).__name__}: {e}")
             raise EngineFailedError(f"the vLLM engine is failed: {self._failure}") from e
+
+    def core_processes(self) -> list[ChildProcess]:
+        """This engine's engine-core processes (see `engine_core_processes`)."""
+        return engine_core_processes(self._engine)
 
     # --- requests ----------------------------------------------------------------------------
     async def generate(self, prompt_ids: list[int], sampling: SamplingRequest, request_id: str) -> GenerationResult:

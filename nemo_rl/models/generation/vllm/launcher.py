@@ -21,6 +21,10 @@ on `WorkerGroup.control_token` (kept out of its repr) and is never printed or lo
 `take_served_async` pops what every worker served for the given rollouts and
 merge it (`merge_served`, worker order then call order); the async variant awaits the refs under
 `asyncio.wait_for(call_timeout_s)` so a driver coroutine never blocks its event loop in ray.get.
+Liveness (`probes()`): per worker, the actor (`vllm_worker_<i>`) and its vLLM engine-core child
+processes (`vllm_worker_<i>/engine_core`, reported by the worker, which is their parent), both
+on the rollout path; `engine_core_pids()` names those processes' pids by the same component
+names (`engine_core_name`) for run_info.json `components`.
 
 Flavor and GPUs: `resolve_flavor` turns `generation.vllm.flavor` (auto|cpu|gpu) into cpu or gpu
 and, for gpu, checks that enough CUDA devices are visible (`NoGPUError` / `NotEnoughGPUsError`,
@@ -45,7 +49,7 @@ from typing import Any
 
 import ray
 
-from nemo_rl.distributed.component_watch import Probe, Role, ray_actor_probe
+from nemo_rl.distributed.component_watch import ChildProcess, Probe, Role, actor_children_probe, ray_actor_probe
 from nemo_rl.distributed.placement import actor_node_ids, alive_nodes, node_affinity, plan_worker_placement
 from nemo_rl.distributed.shared_fs import SharedDirProbe
 from nemo_rl.models.generation.vllm.config import GenerationConfig
@@ -176,6 +180,11 @@ def worker_env(gen: GenerationConfig, flavor: str) -> dict[str, str]:
     return env
 
 
+def engine_core_name(worker: int, index: int = 0, count: int = 1) -> str:
+    """`vllm_worker_<i>/engine_core` (`..._<j>` when a worker runs several engine cores)."""
+    return f"vllm_worker_{worker}/engine_core" + (f"_{index}" if count > 1 else "")
+
+
 def merge_served(parts: list[list[dict]]) -> list[ServedCall]:
     """Every worker's `take_served` answer (wire dicts), in worker order, as `ServedCall`s.
 
@@ -260,9 +269,22 @@ class WorkerGroup:
         return merge_served(await self._get_async(refs, "take_served"))
 
     def probes(self) -> list[Probe]:
-        """A liveness probe per worker actor, `vllm_worker_<i>` (rollout path)."""
-        return [ray_actor_probe(f"vllm_worker_{i}", Role.ROLLOUT_PATH, h, f"vLLM worker {i}")
-                for i, h in enumerate(self.handles)]
+        """Per worker: the actor, `vllm_worker_<i>`, and its engine core, `vllm_worker_<i>/engine_core`
+        (both rollout path: a worker whose engine core died serves nothing)."""
+        probes = []
+        for i, h in enumerate(self.handles):
+            probes.append(ray_actor_probe(f"vllm_worker_{i}", Role.ROLLOUT_PATH, h, f"vLLM worker {i}"))
+            probes.append(actor_children_probe(engine_core_name(i), Role.ROLLOUT_PATH,
+                                               h.engine_core_processes.remote, f"vLLM worker {i} engine core"))
+        return probes
+
+    def engine_core_pids(self) -> dict[str, int]:
+        """Pid of every worker's engine-core process by component name (`engine_core_name`)."""
+        parts = self._get([h.engine_core_processes.remote() for h in self.handles], "engine_core_processes")
+        return {
+            engine_core_name(i, j, len(part)): ChildProcess.from_wire(record).pid
+            for i, part in enumerate(parts) for j, record in enumerate(part)
+        }
 
     def shutdown(self) -> None:
         refs = [h.shutdown.remote() for h in self.handles]

@@ -36,6 +36,8 @@ Contract:
   node with `node_ip`; the base URL it returns names that same address.
 - `worker_index` (given by the launcher, 0..num_workers-1) stamps every `ServedCall` this worker
   records; `take_served(rollout_ids)` pops them as wire dicts (`ServedCall.to_wire`).
+- `engine_core_processes()` reports the engine's engine-core child processes (name, pid, exit
+  code; `VllmEngine.core_processes`), in the failed state too, for the driver's component watch.
 - `venv_info()` reports the venv this actor's interpreter runs in (`running_venv_info`: its
   folder and the spec hash in its completion marker), so a run records what its workers ran.
 - `capture_stats()["served_calls"]` counts the completions this worker produced (plain and
@@ -276,6 +278,19 @@ class VllmGenerationWorker:
     def venv_info(self) -> dict:
         """The venv this actor runs in, measured in the actor: prefix, folder, marker spec hash."""
         return running_venv_info()
+
+    def engine_core_processes(self) -> list[dict]:
+        """This worker's vLLM engine-core processes (`ChildProcess.to_wire`), for the component watch.
+
+        Answers in the failed state too: a dead engine core is what the watch must be able to name."""
+        from nemo_rl.models.generation.vllm.engine import EngineError
+
+        if self._engine is None:
+            raise WorkerError("engine_core_processes called before start_engine")
+        try:
+            return [child.to_wire() for child in self._engine.core_processes()]
+        except EngineError as e:  # converted before it crosses the Ray boundary
+            raise WorkerError(f"vLLM worker {self._worker_index}: {e}") from e
 
     def weight_version(self) -> int:
         if self._engine is None:
