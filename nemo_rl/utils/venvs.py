@@ -50,8 +50,14 @@ How a build is made atomic (the safety argument):
    venv for non-editable installs. This is checked, not assumed: before the marker is written,
    `bin/*` and `pyvenv.cfg` are scanned for the build folder's path, and a hit fails the build
    (`VenvBuildError` naming the files) instead of publishing a venv that breaks once moved.
-   `BUILDER_VERSION` stays "1": relocatable venvs install the same packages, and a venv published
-   by the earlier in-place builder is valid at the path it was built for (it is never moved).
+   A venv published by the earlier in-place builder is valid at the path it was built for (it is
+   never moved).
+6. Bytecode is compiled at build time (`uv pip install --compile-bytecode`), so no process pays
+   for compiling vLLM and torch when it imports them: hosts that set `PYTHONDONTWRITEBYTECODE`
+   never cache bytecode otherwise, and a vLLM worker imports the stack twice (its actor and its
+   engine-core process; about 20 s each on a 2-core host). The `.pyc` files stay valid after a
+   move: the import system rewrites a loaded code object's file name to the source it sits
+   beside. `BUILDER_VERSION` "2" names this builder, so venvs built without bytecode are rebuilt.
 """
 
 from __future__ import annotations
@@ -71,7 +77,7 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SPECS_DIR = Path(__file__).resolve().parent / "venv_specs"
-BUILDER_VERSION = "1"
+BUILDER_VERSION = "2"
 MARKER = ".nrl_venv_complete"
 FORCE_ENV = "NRL_FORCE_REBUILD_VENVS_LIST"
 VENVS_DIR_ENV = "NRL_VENVS_DIR"
@@ -193,12 +199,15 @@ def uv_builder(spec: VenvSpec, target: Path, progress: Progress, timeout_s: floa
     py = str(venv_python(target))
     _run([uv, "venv", "--no-config", "--quiet", "--relocatable", "--python", spec.python, str(target)], progress, timeout_s)
     _run(
-        [uv, "pip", "install", "--no-config", "--python", py, "--no-deps", "-r", str(spec.requirements_file), *_find_links_args()],
+        [
+            *(uv, "pip", "install", "--no-config", "--python", py, "--no-deps", "--compile-bytecode"),
+            *("-r", str(spec.requirements_file), *_find_links_args()),
+        ],
         progress,
         timeout_s,
     )
     for pkg in spec.local_packages:
-        _run([uv, "pip", "install", "--no-config", "--python", py, "--no-deps", str(pkg)], progress, timeout_s)
+        _run([uv, "pip", "install", "--no-config", "--python", py, "--no-deps", "--compile-bytecode", str(pkg)], progress, timeout_s)
 
 
 def leftovers(venv_dir: Path) -> list[Path]:

@@ -696,4 +696,8 @@ async def test_a_failed_worker_is_a_death_only_when_the_watch_finds_a_worker_or_
 
     assert health.polls == 1  # the manager asked for a round before deciding
     assert manager.take_served_report_failures() == 1
-    assert group.n == 1 and [item.served for item in finalizer.items] == [None]  # judged without the report
+    # Under behind_reply (the default) nothing proves the rows were written: none is read, and the
+    # placeholder names the death the watch found.
+    assert finalizer.items == []
+    assert group.n == 1 and group.entries[0].reason is R.SERVED_REPORT_UNAVAILABLE
+    assert ENGINE_CORE_DEATH in group.entries[0].detail
