@@ -9,6 +9,8 @@
 # Environment:
 #   L1_OUT_DIR    where the legs write (<leg>/ log dirs, <leg>.log); default: a fresh temp folder
 #   NRL_VENVS_DIR the shared venv cache (default: .venvs in the repository)
+#   L1_OVERRIDES  extra recipe overrides for both legs, space-separated (default: none); the
+#                 integration suite passes grpo.num_prompts_per_step=4 and reads the legs' records
 # Prints progress and a final "[L1] PASS" or "[L1] FAIL" line; exits non-zero on any failure.
 set -euo pipefail
 
@@ -22,16 +24,18 @@ mkdir -p "$OUT"
 if [[ -n "${UV:-}" ]]; then UV_CMD=("$UV"); else UV_CMD=(python3 -m uv); fi
 PY=("${UV_CMD[@]}" run python)
 
+read -r -a EXTRA <<<"${L1_OVERRIDES:-}"
 failures=()
 start=$SECONDS
-echo "[L1] output in $OUT; venv cache ${NRL_VENVS_DIR:-$REPO/.venvs}"
+echo "[L1] output in $OUT; venv cache ${NRL_VENVS_DIR:-$REPO/.venvs}; extra overrides: ${EXTRA[*]:-none}"
 
 run_leg() {  # <name> <token_capture.enabled>
   local name=$1 capture=$2 t0=$SECONDS status=0
   echo "[L1] leg $name (token_capture.enabled=$capture): $STEPS steps, log in $OUT/$name.log"
   "${PY[@]}" examples/run_grpo_single_controller.py --config "$RECIPE" \
     "token_capture.enabled=$capture" "grpo.max_num_steps=$STEPS" \
-    "logger.log_dir=$OUT/$name" "logger.dump_first_call_prompt_ids=true" >"$OUT/$name.log" 2>&1 || status=$?
+    "logger.log_dir=$OUT/$name" "logger.dump_first_call_prompt_ids=true" ${EXTRA[@]+"${EXTRA[@]}"} \
+    >"$OUT/$name.log" 2>&1 || status=$?
   if ((status != 0)); then
     echo "[L1] leg $name exited with status $status after $((SECONDS - t0))s; last lines of its log:"
     tail -n 40 "$OUT/$name.log" | sed 's/^/[L1]   | /'

@@ -1,5 +1,8 @@
 """The main job on the real stack: 2 GRPO steps with capture on, 2 with capture off.
 
+The two legs are the L1 script's (the session's `l1_legs` fixture, 4 groups of 4 per step); the
+compacting agent gets a run of its own.
+
 Asserts the metrics contract (keys, always-N on every line), that capture is engaged and exact
 (token-in rate, no poisoned rollouts, token_mult_prob_error ~ 1), and that refit works: the
 engine's logprobs of a fixed probe change after each step and match the trainer's.
@@ -15,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.integration.conftest import L1_PROMPTS_PER_STEP
+
 REPO = Path(__file__).resolve().parents[2]
 REQUIRED_KEYS = {
     "step", "reward/mean", "rollouts/dispatched", "finalize/rows", "finalize/placeholders",
@@ -28,28 +33,38 @@ REQUIRED_KEYS = {
 }
 
 
-def _run(log_dir: Path, *overrides: str) -> list[dict]:
-    proc = subprocess.run(
-        [sys.executable, "examples/run_grpo_single_controller.py", "--config", "examples/configs/grpo_capture_tiny_cpu.yaml",
-         # 4 groups of 4: a group whose 4 rewards are all equal carries no gradient; with four
-         # groups per step the chance that every group is flat (and weights cannot move) is tiny.
-         "grpo.max_num_steps=2", "grpo.num_prompts_per_step=4", f"logger.log_dir={log_dir}", *overrides],
-        cwd=REPO, capture_output=True, text=True, timeout=1800, env={**os.environ, "PYTHONPATH": str(REPO)},
-    )
-    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-6000:]}"
-    lines = [json.loads(l) for l in (log_dir / "metrics.jsonl").read_text().splitlines()]
+def _check_lines(lines: list[dict]) -> list[dict]:
     assert [m["step"] for m in lines] == [1, 2]
     for m in lines:
         assert REQUIRED_KEYS <= set(m), REQUIRED_KEYS - set(m)
         assert m["rollouts/dispatched"] == m["finalize/kept_rollouts"] + m["finalize/placeholders"]
         assert m["finalize/rows"] >= m["finalize/kept_rollouts"]
-        assert m["rollouts/dispatched"] == 4 * 4
+        assert m["rollouts/dispatched"] == L1_PROMPTS_PER_STEP * 4
     return lines
 
 
+def _read(log_dir: Path) -> list[dict]:
+    return [json.loads(l) for l in (log_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _leg(l1_legs, name: str) -> list[dict]:
+    assert (l1_legs.out_dir / name / "metrics.jsonl").is_file(), l1_legs.describe()
+    return _check_lines(_read(l1_legs.out_dir / name))
+
+
+def _run(log_dir: Path, *overrides: str) -> list[dict]:
+    proc = subprocess.run(
+        [sys.executable, "examples/run_grpo_single_controller.py", "--config", "examples/configs/grpo_capture_tiny_cpu.yaml",
+         "grpo.max_num_steps=2", f"grpo.num_prompts_per_step={L1_PROMPTS_PER_STEP}", f"logger.log_dir={log_dir}", *overrides],
+        cwd=REPO, capture_output=True, text=True, timeout=1800, env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-6000:]}"
+    return _check_lines(_read(log_dir))
+
+
 @pytest.mark.integration
-def test_grpo_capture_on_is_engaged_exact_and_refits(tmp_path):
-    lines = _run(tmp_path / "capture")
+def test_grpo_capture_on_is_engaged_exact_and_refits(l1_legs):
+    lines = _leg(l1_legs, "capture")
     for m in lines:
         assert m["finalize/token_in_rate"] >= 0.99
         assert m["finalize/calls_per_rollout"] > 1.5  # multi-turn rollouts (tool call, then answer)
@@ -73,8 +88,8 @@ def test_grpo_capture_on_is_engaged_exact_and_refits(tmp_path):
 
 
 @pytest.mark.integration
-def test_grpo_capture_off_runs_the_legacy_path(tmp_path):
-    lines = _run(tmp_path / "legacy", "token_capture.enabled=false")
+def test_grpo_capture_off_runs_the_legacy_path(l1_legs):
+    lines = _leg(l1_legs, "legacy")
     for m in lines:
         assert m["finalize/token_in_calls"] == 0
         assert m["finalize/rows"] >= 1
