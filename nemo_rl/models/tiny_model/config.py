@@ -55,7 +55,9 @@ class TinyModelConfig(BaseModel):
     num_heads: int = Field(default=4, ge=1)
     num_kv_heads: int = Field(default=2, ge=1)
     intermediate_size: int = Field(default=704, ge=8)
-    max_position_embeddings: int = Field(default=2048, ge=256)
+    # 8192 covers Gym's example_multi_step prompts (~4.6k tokens): one tiny model (one build, one
+    # cache entry) serves every CPU recipe; generation.vllm.max_model_len bounds what is served.
+    max_position_embeddings: int = Field(default=8192, ge=256)
     rope_theta: float = 10000.0
     init_std: float = Field(default=0.02, gt=0.0)
 
