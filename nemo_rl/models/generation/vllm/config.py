@@ -82,7 +82,8 @@ class VllmConfig(BaseModel):
         200_000,
         gt=0,
         description="Admitted (rollout_id, model_call_id) pairs a worker remembers (LRU) to answer a repeated "
-        "admission with 409 duplicate_model_call_id before generating.",
+        "admission with 409 duplicate_model_call_id before generating, and a byte-identical re-send with the "
+        "committed reply (held only until the rollout's served report is taken).",
     )
 
     # --- GPU flavor knobs (examples/configs/grpo_capture_gpu.yaml; docs: "GPU configuration") ---

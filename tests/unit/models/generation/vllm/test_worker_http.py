@@ -160,6 +160,12 @@ async def test_a_resend_of_a_committed_call_replays_its_reply_and_generates_noth
     assert len(engine.prompts) == 1 and list(staging.records) == ["r1/c1"]
     assert [(c.model_call_id, c.staged) for c in svc.take_served(["r1"])] == [("c1", True)]  # served once
     assert (svc.stats["replayed_calls"], svc.stats["served_calls"], svc.stats["duplicate_model_call_id"]) == (1, 1, 0)
+    # Reported: the reply is dropped from the registry, and a late re-send is refused, not replayed.
+    assert svc._admitted.claim(("r1", "c1"), request_digest(body)).reply_json is None
+    late = await _refused(svc, body)
+    assert (late.status, late.err_type, late.param) == (409, "duplicate_model_call_id", "ng_capture.model_call_id")
+    assert "belongs to a rollout already reported to the trainer, so it is not replayed" in late.message
+    assert len(engine.prompts) == 1 and svc.stats["replayed_calls"] == 1
 
 
 def test_the_request_digest_covers_every_field_of_the_body_and_not_its_key_order() -> None:
@@ -190,14 +196,20 @@ class HeldEngine(EchoEngine):
         return await super().generate(prompt_ids, sampling, request_id)
 
 
-async def test_a_resend_while_the_first_is_in_flight_waits_for_it_and_replays(tokenizer) -> None:
-    engine = HeldEngine(tokenizer)
+async def _send_then_resend_while_held(tokenizer, *, fail_first: bool):
+    """The same call sent twice, the re-send while the first is held in generation."""
+    engine = HeldEngine(tokenizer, fail_first=fail_first)
     svc, _, staging = _service(tokenizer, engine)
     body = {"messages": MESSAGES, "ng_capture": _admission("c1")}
     first = asyncio.ensure_future(svc.chat_completions(body))
     await engine.started.wait()
     resent = asyncio.ensure_future(svc.chat_completions(body))
     await asyncio.sleep(0.05)
+    return engine, svc, staging, first, resent
+
+
+async def test_a_resend_while_the_first_is_in_flight_waits_for_it_and_replays(tokenizer) -> None:
+    engine, svc, staging, first, resent = await _send_then_resend_while_held(tokenizer, fail_first=False)
     assert not resent.done()  # waiting for the first, not refused
     engine.release.set()
     assert await resent == await first
@@ -206,13 +218,7 @@ async def test_a_resend_while_the_first_is_in_flight_waits_for_it_and_replays(to
 
 
 async def test_a_resend_waiting_on_a_first_that_was_not_generated_is_served_in_its_place(tokenizer) -> None:
-    engine = HeldEngine(tokenizer, fail_first=True)
-    svc, _, staging = _service(tokenizer, engine)
-    body = {"messages": MESSAGES, "ng_capture": _admission("c1")}
-    first = asyncio.ensure_future(svc.chat_completions(body))
-    await engine.started.wait()
-    resent = asyncio.ensure_future(svc.chat_completions(body))
-    await asyncio.sleep(0.05)
+    engine, svc, staging, first, resent = await _send_then_resend_while_held(tokenizer, fail_first=True)
     engine.release.set()
     with pytest.raises(HttpError) as e:
         await first
@@ -597,26 +603,7 @@ def chat_bodies(draw) -> bytes:
     return json.dumps(body).encode()
 
 
-@pytest.fixture(scope="module")
-def fuzz_target(tokenizer):
-    """The app on its own event loop (hypothesis drives it synchronously, one request per example)."""
-    loop = asyncio.new_event_loop()
-    svc, engine, staging = _service(tokenizer)
-    client, endpoint = loop.run_until_complete(_client(svc))
-    answers: list[tuple[int, dict]] = []
-    yield loop, client, endpoint, staging, answers
-    loop.run_until_complete(client.close())
-    loop.close()
-
-
-@settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
-@given(raw=chat_bodies())
-def test_fuzzed_bodies_never_get_a_5xx_and_name_the_field(fuzz_target, raw: bytes) -> None:
-    loop, client, endpoint, staging, answers = fuzz_target
-    status, answer, _ = loop.run_until_complete(
-        _answer(client, "POST", "/v1/chat/completions", data=raw, headers={"Content-Type": "application/json"}))
-    answers.append((status, answer))
-    assert endpoint.failure() is None, endpoint.failure()
+def _check_fuzz_answer(status: int, answer: dict, raw: bytes, staging, answers: list[tuple[int, dict]]) -> None:
     if status == 503:
         # The only 503 bad input can reach: a token-in chain naming keys that were never staged.
         assert answer["error"]["type"] == "staging_unavailable" and "not found in partition" in answer["error"]["message"]
@@ -632,9 +619,28 @@ def test_fuzzed_bodies_never_get_a_5xx_and_name_the_field(fuzz_target, raw: byte
     assert set(staging.records) == staged_reported
 
 
-def test_the_fuzzing_reached_served_staged_and_refused_requests(fuzz_target) -> None:
-    """Runs after the fuzz test (file order): the examples covered every outcome, not just 400s."""
-    *_, staging, answers = fuzz_target
+def test_fuzzed_bodies_never_get_a_5xx_name_the_field_and_reach_every_outcome(tokenizer) -> None:
+    """One app on its own event loop (hypothesis drives it synchronously, one request per example);
+    after the examples, the coverage check: they reached served, staged and refused requests."""
+    loop = asyncio.new_event_loop()
+    svc, engine, staging = _service(tokenizer)
+    client, endpoint = loop.run_until_complete(_client(svc))
+    answers: list[tuple[int, dict]] = []
+
+    @settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(raw=chat_bodies())
+    def one_request(raw: bytes) -> None:
+        status, answer, _ = loop.run_until_complete(
+            _answer(client, "POST", "/v1/chat/completions", data=raw, headers={"Content-Type": "application/json"}))
+        answers.append((status, answer))
+        assert endpoint.failure() is None, endpoint.failure()
+        _check_fuzz_answer(status, answer, raw, staging, answers)
+
+    try:
+        one_request()
+    finally:
+        loop.run_until_complete(client.close())
+        loop.close()
     statuses = {status for status, _ in answers}
     assert {200, 400} <= statuses and len(staging.records) >= 1, sorted(statuses)
     assert any(a.get("error", {}).get("type") == "invalid_capture_admission" for _, a in answers)
