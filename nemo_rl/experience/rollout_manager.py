@@ -427,19 +427,14 @@ class RolloutManager:
         except WorkerFailedError:
             if not await self._worker_found_dead():
                 raise  # the worker declared itself failed (a bug, or a death no probe sees): abort loudly
-            self._served_report_failures += 1  # its engine core died: the watch names it, the run accounts
-            detail = component_failure_detail(self._health.down())
-            LOGGER.error("served-call report for %s.. unavailable: %s", rollout_ids[0], detail)
-            return detail
+            detail = component_failure_detail(self._health.down())  # its engine core died: the watch names it
         except WorkerError as error:  # a worker timed out or died (see `_capture_group` for what follows)
-            self._served_report_failures += 1
-            LOGGER.error("served-call report for %s.. unavailable: %s", rollout_ids[0], _describe(error))
-            return _describe(error)
-        by_rollout: dict[str, list[ServedCall]] = {rollout_id: [] for rollout_id in rollout_ids}
-        for call in calls:
-            if call.rollout_id in by_rollout:
-                by_rollout[call.rollout_id].append(call)
-        return {rollout_id: tuple(found) for rollout_id, found in by_rollout.items()}
+            detail = _describe(error)
+        else:
+            return _by_rollout(rollout_ids, calls)
+        self._served_report_failures += 1
+        LOGGER.error("served-call report for %s.. unavailable: %s", rollout_ids[0], detail)
+        return detail
 
     async def _worker_found_dead(self) -> bool:
         """A liveness round now: is a vLLM worker (or its engine core) among the dead?"""
@@ -493,3 +488,13 @@ class RolloutManager:
             elif isinstance(outcome, BaseException):
                 failures.append(f"{name}: {_describe(outcome)}")
         return failures
+
+
+def _by_rollout(rollout_ids: list[str], calls: list[ServedCall]) -> dict[str, tuple[ServedCall, ...]]:
+    """The served calls grouped by rollout, every asked rollout present (those with none: empty)."""
+    by_rollout: dict[str, list[ServedCall]] = {rollout_id: [] for rollout_id in rollout_ids}
+    for call in calls:
+        if call.rollout_id in by_rollout:
+            by_rollout[call.rollout_id].append(call)
+    return {rollout_id: tuple(found) for rollout_id, found in by_rollout.items()}
+
