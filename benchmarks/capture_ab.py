@@ -97,7 +97,9 @@ LINKS = ("agent_gate", "gate_worker", "driver_agent", "driver_gate_control", "ag
 HEADLINE_LINKS = ("agent_gate", "gate_worker")
 STAGE_WRITER_COUNTERS = ("stage_write_rows", "stage_write_batches", "stage_write_s", "stage_flushes",
                          "stage_flush_wait_s")
-CALL_COST_PARTS = ("begin_call_s", "parent_wait_s", "prefix_fetch_s", "commit_s", "stage_s", "prefix_seed_s")
+CALL_COST_PARTS = ("begin_call_s", "parent_wait_s", "prefix_fetch_s", "commit_s", "stage_s", "prefix_seed_s",
+                   "generate_s")
+# generate_s is the engine's part of the call (both paths): the rest minus it is rendering and parsing.
 # stage_s is inside commit_s; parent_wait_s is a child's wait for its parents' rows (write-behind staging).
 ADDED_PARTS = ("begin_call_s", "parent_wait_s", "prefix_fetch_s", "commit_s", "prefix_seed_s")
 # results.json top level: step_s median capture/legacy; headline HTTP bytes per trained token
@@ -269,6 +271,8 @@ def call_costs(samples: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         "fraction_p99": percentile(fractions, 99),
         "rest_ms_p50": 1000.0 * percentile(rest, 50),
     }
+    generate = [float(s.get("generate_s", 0.0)) for s in ok]
+    out["render_parse_ms_p50"] = 1000.0 * percentile([r - g for r, g in zip(rest, generate)], 50)
     for part in CALL_COST_PARTS:
         # Over the calls that have the part (a prefix fetch happens on token-in calls only); 0 when none.
         values = [float(s[part]) for s in ok if part in s] or [0.0]
@@ -295,7 +299,12 @@ def classify(pid: int, root_pid: int, cmdline: str) -> str:
 
 
 class RssSampler:
-    """Samples RSS of a process tree per role on a thread: peaks, and the snapshot at a mark and the peak after it."""
+    """Samples a process tree per role on a thread: RSS peaks, the RSS snapshot at a mark and the peak
+    after it, and CPU seconds (user + system) per role at the mark and at an end mark.
+
+    CPU per role is the sum over its processes of the last CPU time seen for each pid, so a process
+    that exited still counts what it used up to its last sample (at most `RSS_INTERVAL_S` is lost).
+    """
 
     def __init__(self, root_pid: int) -> None:
         import psutil
@@ -305,7 +314,11 @@ class RssSampler:
         self.peak: dict[str, float] = {}
         self.at_mark: dict[str, float] | None = None
         self.peak_after_mark: dict[str, float] = {}
+        self.cpu_at_mark: dict[str, float] | None = None
+        self.cpu_at_end: dict[str, float] | None = None
+        self._cpu: dict[int, tuple[str, float]] = {}  # pid -> (role, CPU seconds when last seen)
         self._mark = threading.Event()
+        self._end = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="rss-sampler", daemon=True)
 
@@ -321,15 +334,26 @@ class RssSampler:
                 # A process that exited between the listing and this read has no memory to count.
                 role = classify(proc.pid, self._root.pid, " ".join(proc.cmdline()))
                 totals[role] = totals.get(role, 0.0) + proc.memory_info().rss / 2**20
+                cpu = proc.cpu_times()
+                self._cpu[proc.pid] = (role, cpu.user + cpu.system)
             except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
                 continue
         return totals
+
+    def cpu_by_role(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for role, seconds in self._cpu.values():
+            out[role] = out.get(role, 0.0) + seconds
+        return out
 
     def _run(self) -> None:
         while not self._stop.wait(RSS_INTERVAL_S):
             totals = self.sample()
             if self._mark.is_set() and self.at_mark is None:
                 self.at_mark = totals
+                self.cpu_at_mark = self.cpu_by_role()
+            if self._end.is_set() and self.cpu_at_end is None:
+                self.cpu_at_end = self.cpu_by_role()
             for role, mib in totals.items():
                 self.peak[role] = max(self.peak.get(role, 0.0), mib)
                 if self.at_mark is not None:
@@ -341,16 +365,20 @@ class RssSampler:
     def mark(self) -> None:
         self._mark.set()
 
+    def end(self) -> None:
+        self._end.set()
+
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(timeout=10.0)
 
 
 def _run_child(argv: list[str], log_path: Path, env: Mapping[str, str], timeout_s: float, tag: str,
-               mark: str | None = None) -> dict[str, Any]:
+               mark: str | None = None, end_mark: str | None = None) -> dict[str, Any]:
     """Run a child in its own session, tee its stderr, sample its tree's RSS; killed by group at the deadline.
 
-    `mark`: a stderr line containing it marks the start of the measured part (`first_step_s`).
+    `mark`: a stderr line containing it marks the start of the measured part (`first_step_s`);
+    `end_mark`: one containing it, its end (the CPU snapshot before teardown).
     """
     log_path.parent.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
@@ -373,6 +401,8 @@ def _run_child(argv: list[str], log_path: Path, env: Mapping[str, str], timeout_
                 if mark is not None and mark in line and first_step_s is None:
                     first_step_s = time.monotonic() - started
                     sampler.mark()
+                if end_mark is not None and end_mark in line:
+                    sampler.end()
                 if line.startswith(("[step", "[stack]", "[capture_ab", "[synthetic")) or "Error" in line:
                     print(f"[{tag}] {line.rstrip()}", file=sys.stderr, flush=True)
 
@@ -402,6 +432,8 @@ def _run_child(argv: list[str], log_path: Path, env: Mapping[str, str], timeout_
         "rss_peak_mib": sampler.peak,
         "rss_at_mark_mib": sampler.at_mark or {},
         "rss_peak_after_mark_mib": sampler.peak_after_mark,
+        "cpu_s_at_mark": sampler.cpu_at_mark or {},
+        "cpu_s_at_end": sampler.cpu_at_end or {},
     }
     # Kept beside the child's outputs, so --summarize-only can rebuild the summary without rerunning.
     (log_path.parent / "run.json").write_text(json.dumps(run, indent=1))
@@ -412,6 +444,13 @@ def _load_json(path: Path) -> Any:
     if not path.exists():
         raise BenchError(f"{path} is missing")
     return json.loads(path.read_text())
+
+
+def cpu_per_step(at_mark: Mapping[str, float], at_end: Mapping[str, float], steps: int) -> dict[str, float]:
+    """CPU seconds per role per measured step (a role born after the mark counts from 0); {} when unmeasured."""
+    if not at_end or steps <= 0:
+        return {}
+    return {role: (at_end[role] - at_mark.get(role, 0.0)) / steps for role in sorted(at_end)}
 
 
 def arm_summary(arm_dir: Path, run: Mapping[str, Any], skip_steps: int, in_flight: int) -> dict[str, Any]:
@@ -463,6 +502,10 @@ def arm_summary(arm_dir: Path, run: Mapping[str, Any], skip_steps: int, in_fligh
             role: peak - base.get(role, 0.0) for role, peak in run["rss_peak_after_mark_mib"].items()
         },
         "rollouts_in_flight": in_flight,
+        "measured_steps": len(records) - skip_steps,
+        "cpu_s_per_measured_step": cpu_per_step(run.get("cpu_s_at_mark", {}), run.get("cpu_s_at_end", {}),
+                                                len(records) - skip_steps),
+        "measured_generated_tokens": sum(s["loss_tokens"] for s in arm["steps"][skip_steps:]),
     }
 
 
@@ -860,6 +903,13 @@ def summarize_ab(arms: Mapping[str, list[dict[str, Any]]]) -> dict[str, Any]:
     for key in ("rss_per_rollout_in_flight_mib", "rss_growth_in_measured_steps_mib"):
         out[key] = {m: {r: spread(a[key].get(r, 0.0) for a in arms[m]) for r in roles} for m in MODES}
     out["startup_s"] = {m: spread(a["startup_s"] or 0.0 for a in arms[m]) for m in MODES}
+    if all(a.get("cpu_s_per_measured_step") for m in MODES for a in arms[m]):
+        cpu_roles = sorted({r for m in MODES for a in arms[m] for r in a["cpu_s_per_measured_step"]})
+        out["cpu_s_per_step"] = {m: {r: spread(a["cpu_s_per_measured_step"].get(r, 0.0) for a in arms[m])
+                                     for r in cpu_roles} for m in MODES}
+        out["engine_cpu_ms_per_generated_token"] = {m: spread(
+            1000.0 * a["cpu_s_per_measured_step"].get("worker_engine", 0.0) * a["measured_steps"]
+            / a["measured_generated_tokens"] for a in arms[m] if a["measured_generated_tokens"]) for m in MODES}
     return out
 
 
@@ -890,6 +940,31 @@ def _fmt(value: Any, digits: int = 3) -> str:
 
 def _sp(s: Mapping[str, float], scale: float = 1.0, digits: int = 3) -> str:
     return f"{_fmt(s['median'] * scale, digits)} ({_fmt(s['min'] * scale, digits)}-{_fmt(s['max'] * scale, digits)})"
+
+
+def _engine_time_lines(ab: Mapping[str, Any]) -> list[str]:
+    """Where the engine's part of a call goes: engine time per call, the engine core's CPU per
+    generated token, and CPU seconds per step by role (who shares the cores with the engine)."""
+    cc = ab["call_costs"]
+    lines = ["", "## Where the engine's time goes", "",
+             "Per call (p50, ms): the engine's part (`generate_s`, both paths) and the worker's rendering and "
+             "parsing (the rest of the call minus it).", "",
+             "| | capture | legacy |", "|---|---|---|",
+             f"| engine (generate) | {_fmt(cc['capture']['generate_ms_p50'])} | {_fmt(cc['legacy']['generate_ms_p50'])} |",
+             f"| render + parse | {_fmt(cc['capture']['render_parse_ms_p50'])} | "
+             f"{_fmt(cc['legacy']['render_parse_ms_p50'])} |"]
+    if "cpu_s_per_step" not in ab:
+        return lines + ["", "(CPU per role was not sampled in these arms.)"]
+    eng = ab["engine_cpu_ms_per_generated_token"]
+    lines += ["", f"Engine-core CPU per generated token (ms): capture {_sp(eng['capture'])}, legacy "
+              f"{_sp(eng['legacy'])}. Equal CPU per token with a longer engine time means the engine waited "
+              "for a core; the table shows who held the cores.", "",
+              "| role | capture CPU s/step | legacy CPU s/step | capture - legacy |", "|---|---|---|---|"]
+    for role, by_mode in sorted(ab["cpu_s_per_step"]["capture"].items(),
+                                key=lambda kv: -kv[1]["median"]):
+        legacy = ab["cpu_s_per_step"]["legacy"][role]
+        lines.append(f"| {role} | {_sp(by_mode)} | {_sp(legacy)} | {_fmt(by_mode['median'] - legacy['median'])} |")
+    return lines
 
 
 def write_report(path: Path, results: Mapping[str, Any]) -> None:
@@ -995,6 +1070,7 @@ def write_report(path: Path, results: Mapping[str, Any]) -> None:
                    for mode in MODES]
             lines.append(f"| {role} | " + " | ".join(row) + " |")
         lines += ["", f"Finalizer queue wait in the capture arms (mean per step, ms): {_sp(ab['queue_wait_ms'])}."]
+        lines += _engine_time_lines(ab)
     if syn is not None:
         lines += ["", "## Scaling with turns (synthetic, real sink + ledger + finalizer + TQ)", "",
                   f"The tiny model makes ~2 calls per rollout, so these rollouts are synthetic: each call is "
@@ -1223,11 +1299,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     started = time.monotonic()
     runs: list[dict[str, Any]] = []
 
-    def child(argv_: list[str], child_dir: Path, env: Mapping[str, str], tag: str, mark: str) -> dict[str, Any]:
+    def child(argv_: list[str], child_dir: Path, env: Mapping[str, str], tag: str, mark: str,
+              end_mark: str | None = None) -> dict[str, Any]:
         if args.summarize_only:
             run_ = _load_json(child_dir / "run.json")
         else:
-            run_ = _run_child(argv_, child_dir / "child.log", env, args.arm_timeout_s, tag, mark=mark)
+            run_ = _run_child(argv_, child_dir / "child.log", env, args.arm_timeout_s, tag, mark=mark, end_mark=end_mark)
         runs.append(run_)
         return run_
 
@@ -1253,7 +1330,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     _log(f"arm {mode} repeat {repeat}: starting")
                 env = {**os.environ, "NRL_WIRE_METRICS_DIR": str(arm_dir / "wire")}
                 run = child(["--arm", mode, "--arm-dir", str(arm_dir), *_child_args(args)], arm_dir, env,
-                            f"{mode} r{repeat}", f"[step {args.skip_steps + 1}] dispatching")
+                            f"{mode} r{repeat}", f"[step {args.skip_steps + 1}] dispatching", f"step {args.steps} |")
                 arms[mode].append(arm_summary(arm_dir, run, args.skip_steps, in_flight))
                 _log(f"arm {mode} repeat {repeat}: done in {run['wall_s']:.0f}s "
                      f"(step_s median {arms[mode][-1]['phases_median_s'].get('timing/step_s', float('nan')):.2f})")

@@ -138,6 +138,8 @@ def test_call_costs_measure_capture_against_the_rest_of_the_call() -> None:
     assert (out["stage_calls"], out["prefix_fetch_calls"], out["commit_calls"]) == (2, 1, 2)
     assert out["prefix_fetch_ms_p50"] == pytest.approx(3.0)  # the one token-in call
     assert out["begin_call_ms_p99"] == pytest.approx(2.0)
+    # No generate_s sampled: the whole rest is rendering and parsing.
+    assert out["render_parse_ms_p50"] == pytest.approx(100.0)
     with pytest.raises(ab.BenchError, match="no successful"):
         ab.call_costs([{"total_s": 1.0, "status": 500}])
     with pytest.raises(ab.BenchError, match="inconsistent"):
@@ -222,3 +224,38 @@ def test_summarize_ab_takes_medians_over_repeats_then_ratios() -> None:
     assert top["token_mult_prob_error_legacy"] == 1.02
     assert top["added_call_latency_fraction_p50"] == pytest.approx(0.01 / 0.19)
     assert top["finalizer_rows_per_s"] is None
+
+
+def test_call_costs_split_the_rest_into_engine_and_render_parse() -> None:
+    samples = [{"total_s": 0.110, "status": 200, "commit_s": 0.010, "generate_s": 0.090},
+               {"total_s": 0.050, "status": 200, "generate_s": 0.020},
+               {"total_s": 0.300, "status": 200, "generate_s": 0.200}]
+    out = ab.call_costs(samples)
+    assert out["generate_ms_p50"] == pytest.approx(90.0)
+    assert out["generate_calls"] == 3
+    assert out["render_parse_ms_p50"] == pytest.approx(30.0)  # 10, 30, 100 ms
+    assert out["added_ms_p50"] == pytest.approx(0.0)  # generate_s is the engine's, not capture's
+
+
+def test_cpu_per_step_counts_from_the_mark_and_new_roles_from_zero() -> None:
+    assert ab.cpu_per_step({"worker_engine": 10.0, "tq": 1.0}, {"worker_engine": 40.0, "tq": 7.0, "finalizer": 3.0}, 3) \
+        == {"finalizer": 1.0, "tq": 2.0, "worker_engine": 10.0}
+    assert ab.cpu_per_step({"tq": 1.0}, {}, 3) == {}  # the end mark was never seen: no figure
+    assert ab.cpu_per_step({}, {"tq": 1.0}, 0) == {}
+
+
+def test_the_summary_and_report_say_who_held_the_cores() -> None:
+    def arm(engine_s: float, tq_s: float, tokens: int) -> dict:
+        base = _arm(5.0, 40.0, 1.0, 0, 8)
+        base["worker_call_samples"] = [{"total_s": 0.2, "status": 200, "commit_s": 0.01, "generate_s": 0.15}]
+        return {**base, "measured_steps": 2, "measured_generated_tokens": tokens,
+                "cpu_s_per_measured_step": {"worker_engine": engine_s, "tq": tq_s}}
+
+    arms = {"capture": [arm(3.0, 1.5, 600), arm(3.2, 1.7, 640)], "legacy": [arm(3.0, 0.0, 600), arm(3.1, 0.0, 620)]}
+    summary = ab.summarize_ab(arms)
+    assert summary["cpu_s_per_step"]["capture"]["tq"] == {"median": 1.6, "min": 1.5, "max": 1.7, "n": 2}
+    assert summary["engine_cpu_ms_per_generated_token"]["capture"]["median"] == pytest.approx(10.0)
+    lines = ab._engine_time_lines(summary)
+    assert "| engine (generate) | 150 | 150 |" in lines
+    tq_line = next(line for line in lines if line.startswith("| tq |"))
+    assert tq_line.endswith("| 1.6 |")

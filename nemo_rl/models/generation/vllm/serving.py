@@ -845,8 +845,11 @@ class ChatService:
             LOGGER.warning("served-call registry full: evicted %d rollout(s) never taken", evicted)
 
     async def _generate(self, prompt_ids: list[int], sampling: SamplingRequest) -> GenerationResultLike:
+        started = time.perf_counter()
         try:
-            return await self._engine.generate(prompt_ids, sampling, new_request_id())
+            result = await self._engine.generate(prompt_ids, sampling, new_request_id())
+            wire_metrics.add_call_cost("generate_s", time.perf_counter() - started)  # the engine's part, both paths
+            return result
         except InvalidChatRequest as e:
             raise HttpError(400, "invalid_request", str(e)) from e
         except EngineFailedError as e:
