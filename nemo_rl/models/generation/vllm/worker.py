@@ -225,7 +225,8 @@ class VllmGenerationWorker:
         if self._endpoint.service is None:
             if self._capture_cfg.enabled:
                 try:
-                    self.install_token_capture()
+                    # Attaching the data plane waits on Ray and TransferQueue: off the actor's event loop.
+                    await asyncio.to_thread(self.install_token_capture)
                 except Exception as e:
                     raise WorkerError(f"installing token capture failed: {type(e).__name__}: {e}") from e
             self._endpoint.service = self._service
@@ -356,9 +357,10 @@ class VllmGenerationWorker:
         if self._engine is not None:
             self._engine.shutdown()
             self._engine = None
+        # The writer's join and the client's close wait on threads: off the actor's event loop.
         if self._stage_writer is not None:
-            self._stage_writer.close(self._capture_cfg.stage_timeout_s)  # before the client it writes with
+            await asyncio.to_thread(self._stage_writer.close, self._capture_cfg.stage_timeout_s)  # before its client
             self._stage_writer = None
         if self._client is not None:
-            self._client.close()
+            await asyncio.to_thread(self._client.close)
             self._client = None
