@@ -82,8 +82,9 @@ class CaptureHealthThresholds(BaseModel):
       `terminal_witness_disagreement`, `terminal_selection_failed`), a rollout with no committed
       call (`empty_manifest`: the harness bypassed the gate), a chain across a refit in a
       synchronous loop (`mixed_weight_version`), and Gym's legacy token echo being absent or
-      malformed (`legacy_*`: a configuration defect, never transient). A healthy stack produces
-      none of them, so one is a defect to chase, whatever the run's size.
+      malformed (`legacy_token_echo_missing`, `legacy_invalid_echo`: a configuration defect,
+      never transient). A healthy stack produces none of them, so one is a defect to chase,
+      whatever the run's size.
     - `transport_reasons`: data-plane and component weather of our own stack (a staging write
       or read, a finalizer, the gate's manifest or served report, a component death). Each is a
       row the stack lost; since item 6 of issue 16 a bug inside a data-plane call fails the step
@@ -96,7 +97,10 @@ class CaptureHealthThresholds(BaseModel):
       run that failed or timed out, no reward, an empty generation), not of capture. Tolerated
       at `max_environment_rate` = 10% per reason: agentic environments fail some runs as a
       matter of course, but above 10% of rollouts the environment is broken enough that the
-      run's learning signal is suspect. A capture fault that fails runs (a 409 from the gate)
+      run's learning signal is suspect. `legacy_noncontiguous` (flag off: a turn's re-rendered
+      prompt does not extend the ids the previous turn sampled) belongs here: it is the legacy
+      path's re-tokenization drift, which depends on what the model wrote (the L1 legacy leg
+      measures a few percent with the tiny model), the very loss capture exists to remove. A capture fault that fails runs (a 409 from the gate)
       shows up here too, which is why the bound is not looser.
     - `derived_reasons`: masked because of other rollouts (`group_below_min_valid_fraction`:
       the group had too few valid rollouts). Its cause is counted under its own reason; it is
@@ -127,14 +131,14 @@ class CaptureHealthThresholds(BaseModel):
     zero_reasons: frozenset[str] = Field(default=frozenset({
         "capture_poisoned", "verification_failed", "terminal_declared_unmatched", "declared_terminal_uncaptured",
         "terminal_witness_disagreement", "terminal_selection_failed", "empty_manifest", "mixed_weight_version",
-        "legacy_token_echo_missing", "legacy_invalid_echo", "legacy_noncontiguous",
+        "legacy_token_echo_missing", "legacy_invalid_echo",
     }))
     transport_reasons: frozenset[str] = Field(default=frozenset({
         "staged_record_missing", "data_plane_error", "finalize_timeout", "finalizer_unavailable",
         "manifest_unavailable", "served_not_staged", "served_report_unavailable", "component_failed",
     }))
     environment_reasons: frozenset[str] = Field(default=frozenset({
-        "run_failed", "run_timeout", "reward_missing", "empty_generation",
+        "run_failed", "run_timeout", "reward_missing", "empty_generation", "legacy_noncontiguous",
     }))
     derived_reasons: frozenset[str] = Field(default=frozenset({"group_below_min_valid_fraction"}))
     max_transport_rate: float = Field(default=0.01, ge=0.0, le=1.0)

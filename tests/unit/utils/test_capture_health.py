@@ -25,7 +25,8 @@ def test_every_placeholder_reason_has_exactly_one_class() -> None:
 
 def test_a_reason_left_out_or_listed_twice_is_refused() -> None:
     with pytest.raises(ValidationError, match=r"PlaceholderReason values \['run_timeout'\] are in no class"):
-        CaptureHealthThresholds(environment_reasons=frozenset({"run_failed", "reward_missing", "empty_generation"}))
+        CaptureHealthThresholds(environment_reasons=frozenset({"run_failed", "reward_missing", "empty_generation",
+                                                             "legacy_noncontiguous"}))
     with pytest.raises(ValidationError, match=r"placeholder reasons \['run_timeout'\] are in more than one class"):
         CaptureHealthThresholds(derived_reasons=frozenset({"group_below_min_valid_fraction", "run_timeout"}))
     with pytest.raises(ValidationError, match="max_transport_rate"):
@@ -51,6 +52,21 @@ def test_the_legacy_leg_is_not_judged_on_token_in() -> None:
     assert health_findings([legacy], capture=False) == []
     assert [f.metric for f in health_findings([legacy], capture=True)] == [
         "finalize/token_in_rate", "finalize/unresolved_continuations"]
+
+
+def test_the_legacy_paths_retokenization_drift_is_weather_up_to_the_environment_rate() -> None:
+    # The L1 legacy leg (2 steps x 16 rollouts) met one noncontiguous rollout: the legacy path's own
+    # drift, what capture removes; tolerated like an environment failure, flagged above 10%.
+    assert THRESHOLDS.reason_limit("legacy_noncontiguous") == ("environment", 0.10)
+    one_in_32 = [healthy_line(1, **{"rollouts/dispatched": 16.0, "finalize/kept_rollouts": 16.0, "finalize/rows": 16.0}),
+                 with_placeholders(healthy_line(2, **{"rollouts/dispatched": 16.0, "finalize/kept_rollouts": 16.0,
+                                                      "finalize/rows": 16.0}), legacy_noncontiguous=1)]
+    assert health_findings(one_in_32, capture=False) == []
+    four_in_32 = [one_in_32[0], with_placeholders(one_in_32[1], legacy_noncontiguous=3)]
+    assert [f.metric for f in health_findings(four_in_32, capture=False)] == [
+        "finalize/placeholders/legacy_noncontiguous", "finalize/invalid_row_rate"]
+    # A missing or malformed echo is a configuration defect: any one fails.
+    assert THRESHOLDS.reason_limit("legacy_invalid_echo") == ("zero", 0.0)
 
 
 def test_a_finding_needs_every_part() -> None:
