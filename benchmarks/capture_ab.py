@@ -447,7 +447,11 @@ def _load_json(path: Path) -> Any:
 
 
 def cpu_per_step(at_mark: Mapping[str, float], at_end: Mapping[str, float], steps: int) -> dict[str, float]:
-    """CPU seconds per role per measured step (a role born after the mark counts from 0); {} when unmeasured."""
+    """CPU seconds per role per measured step (a role born after the mark counts from 0); {} when unmeasured.
+
+    The window runs from the first measured step's dispatch to the last step's training (the last
+    stderr line before the logger's step line, which goes to stdout), so it holds every measured
+    step's generation and finalize phases and all but the last one's train and refit."""
     if not at_end or steps <= 0:
         return {}
     return {role: (at_end[role] - at_mark.get(role, 0.0)) / steps for role in sorted(at_end)}
@@ -1330,7 +1334,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     _log(f"arm {mode} repeat {repeat}: starting")
                 env = {**os.environ, "NRL_WIRE_METRICS_DIR": str(arm_dir / "wire")}
                 run = child(["--arm", mode, "--arm-dir", str(arm_dir), *_child_args(args)], arm_dir, env,
-                            f"{mode} r{repeat}", f"[step {args.skip_steps + 1}] dispatching", f"step {args.steps} |")
+                            f"{mode} r{repeat}", f"[step {args.skip_steps + 1}] dispatching",
+                            f"[step {args.steps}] training")
                 arms[mode].append(arm_summary(arm_dir, run, args.skip_steps, in_flight))
                 _log(f"arm {mode} repeat {repeat}: done in {run['wall_s']:.0f}s "
                      f"(step_s median {arms[mode][-1]['phases_median_s'].get('timing/step_s', float('nan')):.2f})")
