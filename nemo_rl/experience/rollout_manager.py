@@ -497,4 +497,3 @@ def _by_rollout(rollout_ids: list[str], calls: list[ServedCall]) -> dict[str, tu
         if call.rollout_id in by_rollout:
             by_rollout[call.rollout_id].append(call)
     return {rollout_id: tuple(found) for rollout_id, found in by_rollout.items()}
-
