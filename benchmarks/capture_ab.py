@@ -282,6 +282,56 @@ def call_costs(samples: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def _union_s(intervals: Sequence[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for start, stop in sorted(intervals):
+        if stop > end:
+            total += stop - max(start, end)
+            end = stop
+    return total
+
+
+def engine_load(samples: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """How busy the engine was, from the calls' generate intervals (per worker process, then summed).
+
+    busy_s: wall time with at least one generation in the engine; in_flight of a call: the
+    time-averaged number of generations in the engine during it (itself included), so a call's
+    engine time can be compared at equal load; tokens_per_busy_s: generated tokens per busy second.
+    The same tokens per busy second with a longer engine time per call means the calls overlapped
+    more (the engine batched them), not that the engine ran slower.
+    """
+    timed = [s for s in samples if int(s.get("status", 0)) == 200 and "generate_t0_s" in s]
+    if not timed:
+        return {}
+    by_worker: dict[Any, list[Mapping[str, Any]]] = {}
+    for s in timed:
+        by_worker.setdefault(s.get("worker_pid"), []).append(s)
+    busy = 0.0
+    in_flight: list[tuple[float, float]] = []  # (in_flight, generate_s) per call
+    for calls in by_worker.values():
+        spans = [(float(c["generate_t0_s"]), float(c["generate_t0_s"]) + float(c["generate_s"])) for c in calls]
+        busy += _union_s(spans)
+        for start, stop in spans:
+            length = stop - start
+            overlap = sum(max(0.0, min(stop, b) - max(start, a)) for a, b in spans)
+            in_flight.append((overlap / length if length > 0 else 1.0, length))
+    tokens = sum(int(s.get("generated_tokens", 0)) for s in timed)
+    by_load: dict[str, list[float]] = {}
+    for load, seconds in in_flight:
+        by_load.setdefault("1" if load < 1.5 else "2" if load < 2.5 else "3-4" if load < 4.5 else "5+", []).append(seconds)
+    return {
+        "calls": len(timed),
+        "busy_s": busy,
+        "generated_tokens": tokens,
+        "prompt_tokens_p50": percentile([float(s.get("prompt_tokens", 0)) for s in timed], 50),
+        "generated_tokens_p50": percentile([float(s.get("generated_tokens", 0)) for s in timed], 50),
+        "tokens_per_busy_s": tokens / busy if busy > 0 else None,
+        "in_flight_mean": statistics.fmean(load for load, _ in in_flight),
+        "generate_ms_p50_by_in_flight": {k: {"calls": len(v), "ms_p50": 1000.0 * percentile(v, 50)}
+                                         for k, v in sorted(by_load.items())},
+    }
+
+
 # --- the A/B arms ---------------------------------------------------------------------------------
 
 
@@ -466,7 +516,7 @@ def arm_summary(arm_dir: Path, run: Mapping[str, Any], skip_steps: int, in_fligh
     arm = _load_json(arm_dir / "arm.json")
     wires = [json.loads(p.read_text()) for p in sorted((arm_dir / "wire").glob("*.json"))]
     links = http_links(wires)
-    worker_calls = [c for w in wires if w["role"] == WORKER_ROLE for c in w["calls"]]
+    worker_calls = [{**c, "worker_pid": w["pid"]} for w in wires if w["role"] == WORKER_ROLE for c in w["calls"]]
     counters: dict[str, float] = {}
     for w in wires:
         for name, value in w["counters"].items():
@@ -493,6 +543,7 @@ def arm_summary(arm_dir: Path, run: Mapping[str, Any], skip_steps: int, in_fligh
         "staged_bytes_per_trained_token": counters.get("staged_bytes", 0.0) / trained if trained else None,
         "stage_writer": {name: counters.get(name, 0.0) for name in STAGE_WRITER_COUNTERS},
         "worker_call_samples": worker_calls,
+        "engine_load": engine_load(worker_calls),
         "route_ms_per_request": route_times_ms(wires),
         "exactness": exactness,
         "retokenization_mismatch_rows": mismatched,
@@ -863,6 +914,28 @@ def stage_writer_figures(per_arm: Sequence[Mapping[str, float]]) -> dict[str, fl
     }
 
 
+def engine_load_summary(arms: Mapping[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """Per mode: spreads over repeats of the engine-load figures; {} when the arms did not record them."""
+    if not all(a.get("engine_load") for m in MODES for a in arms[m]):
+        return {}
+    out: dict[str, Any] = {}
+    for m in MODES:
+        loads = [a["engine_load"] for a in arms[m]]
+        steps = [a["steps_logged"] for a in arms[m]]  # every logged step's calls are sampled
+        out[m] = {
+            "busy_s_per_step": spread(load["busy_s"] / n for load, n in zip(loads, steps)),
+            "tokens_per_busy_s": spread(load["tokens_per_busy_s"] for load in loads),
+            "in_flight_mean": spread(load["in_flight_mean"] for load in loads),
+            "prompt_tokens_p50": spread(load["prompt_tokens_p50"] for load in loads),
+            "generated_tokens_p50": spread(load["generated_tokens_p50"] for load in loads),
+            "generate_ms_p50_by_in_flight": {
+                k: spread(load["generate_ms_p50_by_in_flight"][k]["ms_p50"] for load in loads
+                          if k in load["generate_ms_p50_by_in_flight"])
+                for k in sorted({k for load in loads for k in load["generate_ms_p50_by_in_flight"]})},
+        }
+    return out
+
+
 def summarize_ab(arms: Mapping[str, list[dict[str, Any]]]) -> dict[str, Any]:
     """Per mode: spreads over repeats of each per-arm figure; on/off ratios of the medians."""
     out: dict[str, Any] = {"phases_s": {}, "http": {}, "exactness": {}}
@@ -897,6 +970,7 @@ def summarize_ab(arms: Mapping[str, list[dict[str, Any]]]) -> dict[str, Any]:
     out["http"]["all_links_ratio"] = ratio(out["http"]["capture"]["all_bytes_per_trained_token"]["median"],
                                            out["http"]["legacy"]["all_bytes_per_trained_token"]["median"])
     out["call_costs"] = {m: call_costs([c for a in arms[m] for c in a["worker_call_samples"]]) for m in MODES}
+    out["engine_load"] = engine_load_summary(arms)
     out["stage_writer"] = stage_writer_figures([a.get("stage_writer", {}) for a in arms["capture"]])
     out["route_ms_per_request"] = {
         m: {name: spread(a["route_ms_per_request"][name] for a in arms[m]) for name in ROUTE_TIMES
@@ -957,6 +1031,23 @@ def _engine_time_lines(ab: Mapping[str, Any]) -> list[str]:
              f"| engine (generate) | {_fmt(cc['capture']['generate_ms_p50'])} | {_fmt(cc['legacy']['generate_ms_p50'])} |",
              f"| render + parse | {_fmt(cc['capture']['render_parse_ms_p50'])} | "
              f"{_fmt(cc['legacy']['render_parse_ms_p50'])} |"]
+    load = ab.get("engine_load") or {}
+    if load:
+        lines += ["", "The engine's load, from each call's generate interval (in flight: generations in the engine "
+                  "during a call, itself included, time-averaged). Equal tokens per busy second with a longer "
+                  "engine time per call means the calls overlapped more (the engine batched them); fewer "
+                  "tokens per busy second means the engine itself ran slower.", "",
+                  "| | capture | legacy |", "|---|---|---|"]
+        for key, label, scale in (("busy_s_per_step", "engine busy, s per step", 1.0),
+                                  ("tokens_per_busy_s", "generated tokens per busy second", 1.0),
+                                  ("in_flight_mean", "in flight per call, mean", 1.0),
+                                  ("prompt_tokens_p50", "prompt tokens per call, p50", 1.0),
+                                  ("generated_tokens_p50", "generated tokens per call, p50", 1.0)):
+            lines.append(f"| {label} | {_sp(load['capture'][key], scale)} | {_sp(load['legacy'][key], scale)} |")
+        for k in sorted(set(load["capture"]["generate_ms_p50_by_in_flight"]) | set(load["legacy"]["generate_ms_p50_by_in_flight"])):
+            cells = [_sp(load[m]["generate_ms_p50_by_in_flight"][k]) if k in load[m]["generate_ms_p50_by_in_flight"]
+                     else "-" for m in MODES]
+            lines.append(f"| engine ms per call, p50, at {k} in flight | {cells[0]} | {cells[1]} |")
     if "cpu_s_per_step" not in ab:
         return lines + ["", "(CPU per role was not sampled in these arms.)"]
     eng = ab["engine_cpu_ms_per_generated_token"]

@@ -33,7 +33,10 @@ Contract (on):
   (`token_capture.staging`) report `stage_s`, `staged_bytes` and `prefix_fetch_s` themselves.
   The scope follows the call into `asyncio.to_thread` (which copies the context; the scope is
   a mutable dict shared by the copies).
-- `add_call_cost` outside a scope (a finalizer's fetch, a test) does nothing.
+- `set_call_fact` puts facts about the call into its sample: the engine's start time
+  (`generate_t0_s`, `time.perf_counter` of the worker process), `prompt_tokens` and
+  `generated_tokens`, from which the benchmark rebuilds the engine's load over time.
+- `add_call_cost` / `set_call_fact` outside a scope (a finalizer's fetch, a test) do nothing.
 """
 
 from __future__ import annotations
@@ -170,6 +173,13 @@ def add_call_cost(part: str, seconds: float) -> None:
     costs = _call_costs.get()
     if costs is not None:
         costs[part] = costs.get(part, 0.0) + seconds
+
+
+def set_call_fact(name: str, value: float) -> None:
+    """Set `name` in the current call's scope (a count or a timestamp, not summed); nothing outside a scope."""
+    costs = _call_costs.get()
+    if costs is not None:
+        costs[name] = value
 
 
 def active() -> bool:

@@ -259,3 +259,44 @@ def test_the_summary_and_report_say_who_held_the_cores() -> None:
     assert "| engine (generate) | 150 | 150 |" in lines
     tq_line = next(line for line in lines if line.startswith("| tq |"))
     assert tq_line.endswith("| 1.6 |")
+
+
+def test_engine_load_tells_batching_from_a_slower_engine() -> None:
+    # Worker 1: two calls overlap for 0.1 s of their 0.2 s each; worker 2: one call alone. A failed call
+    # and a sample without an interval (the legacy path before this figure) do not count.
+    samples = [
+        {"status": 200, "worker_pid": 1, "generate_t0_s": 10.0, "generate_s": 0.2, "generated_tokens": 20, "prompt_tokens": 50},
+        {"status": 200, "worker_pid": 1, "generate_t0_s": 10.1, "generate_s": 0.2, "generated_tokens": 30, "prompt_tokens": 70},
+        {"status": 200, "worker_pid": 2, "generate_t0_s": 10.0, "generate_s": 0.5, "generated_tokens": 50, "prompt_tokens": 90},
+        {"status": 503, "worker_pid": 2, "generate_t0_s": 11.0, "generate_s": 0.5, "generated_tokens": 9},
+        {"status": 200, "worker_pid": 2, "generate_s": 0.5},
+    ]
+    load = ab.engine_load(samples)
+    assert load["calls"] == 3
+    assert load["busy_s"] == pytest.approx(0.3 + 0.5)  # a union per worker: 10.0-10.3 and 10.0-10.5
+    assert load["generated_tokens"] == 100
+    assert load["tokens_per_busy_s"] == pytest.approx(100 / 0.8)
+    assert load["in_flight_mean"] == pytest.approx((1.5 + 1.5 + 1.0) / 3)  # each overlapped half its time
+    assert load["generate_ms_p50_by_in_flight"] == {"1": {"calls": 1, "ms_p50": pytest.approx(500.0)},
+                                                   "2": {"calls": 2, "ms_p50": pytest.approx(200.0)}}
+    assert load["prompt_tokens_p50"] == 70 and load["generated_tokens_p50"] == 30
+    assert ab.engine_load([{"status": 200, "generate_s": 0.1}]) == {}
+
+
+def test_the_report_shows_the_engine_load_side_by_side() -> None:
+    def arm(t0_step: float) -> dict:
+        base = _arm(5.0, 40.0, 1.0, 0, 8)
+        calls = [{"total_s": 0.2, "status": 200, "generate_s": 0.1, "generate_t0_s": t0_step * i,
+                  "generated_tokens": 10, "prompt_tokens": 40, "worker_pid": 7} for i in range(4)]
+        base["worker_call_samples"] = calls
+        return {**base, "steps_logged": 2, "engine_load": ab.engine_load(calls)}
+
+    # Capture's calls overlap pairwise-back-to-back (0.05 s apart), legacy's never do.
+    summary = ab.summarize_ab({"capture": [arm(0.05)], "legacy": [arm(1.0)]})
+    load = summary["engine_load"]
+    assert load["capture"]["busy_s_per_step"]["median"] == pytest.approx(0.25 / 2)
+    assert load["legacy"]["busy_s_per_step"]["median"] == pytest.approx(0.4 / 2)
+    assert load["capture"]["tokens_per_busy_s"]["median"] == pytest.approx(40 / 0.25)
+    lines = ab._engine_time_lines(summary)
+    assert "| generated tokens per busy second | 160 (160-160) | 100 (100-100) |" in lines
+    assert any(line.startswith("| engine ms per call, p50, at 1 in flight | - |") for line in lines)
