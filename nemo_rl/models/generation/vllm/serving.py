@@ -460,6 +460,7 @@ class ChatService:
                 messages, tools, sampling, parse_tools=parses_tool_calls(tools, body.get("tool_choice"))
             )
         admission = self._validate_admission(raw_admission)
+        wire_metrics.set_call_fact("capture", 1.0)  # admitted (the benchmarks split calls by path)
         key = (admission.rollout_id, admission.model_call_id)
         replay = await self._claim_or_replay(key, request_digest(body), admission)
         if replay is not None:
@@ -761,7 +762,14 @@ class ChatService:
             coords = self.capture.fail_call(call, reason=plan.tail_error)
             reason = plan.tail_error
         else:
-            coords = await asyncio.to_thread(self.capture.complete_call_from_response, call, _capture_payload(result))
+            payload = _capture_payload(result)
+            if self._stage_barrier is not None:
+                # Write-behind: the sink only queues the row, so the commit is Gym's digests (about a
+                # millisecond). Inline it: a thread hop waits for the GIL behind vLLM's output
+                # processing on this loop, 10 ms p50 under 8 concurrent calls (benchmarks/engine_ab.py).
+                coords = self.capture.complete_call_from_response(call, payload)
+            else:  # before_reply: the commit includes the blocking data-plane write
+                coords = await asyncio.to_thread(self.capture.complete_call_from_response, call, payload)
             reason = None if coords.disposition == "staged" else "staging_failed (see worker log)"
         if reason is None:
             self._seed_when_durable(admission, result, coords)
@@ -849,6 +857,9 @@ class ChatService:
         try:
             result = await self._engine.generate(prompt_ids, sampling, new_request_id())
             wire_metrics.add_call_cost("generate_s", time.perf_counter() - started)  # the engine's part, both paths
+            wire_metrics.set_call_fact("generate_t0_s", started)
+            wire_metrics.set_call_fact("prompt_tokens", len(prompt_ids))
+            wire_metrics.set_call_fact("generated_tokens", len(result.token_ids))
             return result
         except InvalidChatRequest as e:
             raise HttpError(400, "invalid_request", str(e)) from e

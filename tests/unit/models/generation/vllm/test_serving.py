@@ -945,3 +945,30 @@ async def test_worker_take_served_returns_wire_dicts_and_counts_calls(tokenizer)
     wire = await worker.take_served(["r1"])
     assert wire == [ServedCall("r1", "c1", None, "text", 2, True, None, 1).to_wire()]
     assert await worker.take_served(["r1"]) == []
+
+
+def _record_commit_threads(svc) -> list[int]:
+    threads: list[int] = []
+    inner = svc.capture.complete_call_from_response
+
+    def recording(*args, **kwargs):
+        threads.append(threading.get_ident())
+        return inner(*args, **kwargs)
+
+    svc.capture.complete_call_from_response = recording
+    return threads
+
+
+async def test_the_commit_runs_on_the_loop_behind_the_reply_and_off_it_before_the_reply(tokenizer):
+    # Behind the reply the commit only queues the row: a thread hop would cost more than the work.
+    # Before the reply the commit includes the blocking data-plane write: it must leave the loop.
+    loop_thread = threading.get_ident()
+    behind, _, _, writer = _behind(tokenizer, [_gen(tokenizer, CALL_TEXT)])
+    behind_threads = _record_commit_threads(behind)
+    await _root(behind)
+    assert writer.flush(["r1"], 5.0) == {}
+    before, _, _ = _service(tokenizer, [_gen(tokenizer, CALL_TEXT)])
+    before_threads = _record_commit_threads(before)
+    await _root(before)
+    assert behind_threads == [loop_thread]
+    assert len(before_threads) == 1 and before_threads[0] != loop_thread
