@@ -569,7 +569,8 @@ def arm_main(args: argparse.Namespace) -> int:
     import nemo_rl.algorithms.grpo_single_controller as sc
     from nemo_rl.algorithms.grpo_config import load_master_config
     from nemo_rl.token_capture.audit import retokenization_drift
-    from nemo_rl.token_capture.train_rows import TrainPlan, read_train_batch
+    from nemo_rl.data.train_rows import TrainPlan
+    from nemo_rl.data_plane.train_rows import read_train_batch
 
     arm_dir: Path = args.arm_dir
     overrides = [
@@ -633,7 +634,7 @@ class _TimedSink:
     """The real sink, with each stage's time and row size kept for the call being measured."""
 
     def __init__(self, sink: Any) -> None:
-        from nemo_rl.token_capture.staging import record_to_row, row_nbytes
+        from nemo_rl.data.staged_rows import record_to_row, row_nbytes
 
         self._sink, self._to_row, self._nbytes = sink, record_to_row, row_nbytes
         self.last_s = 0.0
@@ -656,7 +657,7 @@ async def _stage_rollout(sink: _TimedSink, ledger: Any, ledger_dir: Path, rollou
     from nemo_gym.token_id_capture.staging import CallRecord, CaptureAdmission, RolloutTokenCapture
     from nemo_gym.token_id_capture.staging.records import CaptureLedgerCommit, RolloutManifest
 
-    from nemo_rl.token_capture.served import ServedCall
+    from nemo_rl.data.served import ServedCall
 
     capture = RolloutTokenCapture(sink=sink, weight_version_fn=lambda: 0)
     sequence: list[int] = []
@@ -732,7 +733,7 @@ def _judge_in_process(source: Any, items: Sequence[Any], cfg: Any) -> list[tuple
     """(fetch seconds, judge seconds) per rollout, in this process: the finalizer's work without Ray."""
     from nemo_rl.token_capture.finalizer import fetch_snapshots
     from nemo_rl.token_capture.judge import judge_rollout
-    from nemo_rl.token_capture.rows import KeptRollout
+    from nemo_rl.data.rows import KeptRollout
 
     times = []
     for item in items:
@@ -751,7 +752,7 @@ async def _finalize(
     pool: Any, staged: Sequence[dict[str, Any]], rollout_ids: Sequence[str]
 ) -> tuple[float, list[float]]:
     """Finalize staged rollouts as one group through the pool; (wall seconds, queue waits ms). All must verify."""
-    from nemo_rl.token_capture.rows import KeptRollout
+    from nemo_rl.data.rows import KeptRollout
 
     items = _evidence(staged, rollout_ids)
     started = time.perf_counter()
@@ -770,7 +771,8 @@ async def _synthetic(out: Path, turns: Sequence[int], num_finalizers: int) -> di
     from nemo_rl.token_capture.config import TokenCaptureConfig
     from nemo_rl.token_capture.finalizer_pool import FinalizerPool, TQSourceFactory
     from nemo_rl.token_capture.retention import TQStagingCleaner, reported_staged_keys
-    from nemo_rl.token_capture.staging import TQTokenSink, TQTokenSource, record_to_row
+    from nemo_rl.data.staged_rows import record_to_row
+    from nemo_rl.token_capture.staging import TQTokenSink, TQTokenSource
 
     capture_cfg = TokenCaptureConfig(enabled=True, num_finalizer_workers=num_finalizers)
     dp_cfg = DataPlaneConfig()

@@ -28,6 +28,7 @@ import uuid
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from nemo_rl.data.rows import KeptRollout
 from nemo_rl.data_plane import DataPlaneConfig
 from nemo_rl.distributed.stack import start_stack
 from nemo_rl.environments.arith_task import make_problems
@@ -38,7 +39,6 @@ from nemo_rl.token_capture.audit import audit_train_row, retokenization_drift
 from nemo_rl.token_capture.config import TokenCaptureConfig
 from nemo_rl.token_capture.finalizer import fetch_snapshots
 from nemo_rl.token_capture.judge import RolloutEvidence, judge_rollout
-from nemo_rl.token_capture.rows import KeptRollout
 from nemo_rl.token_capture.staging import TQTokenSource
 
 

@@ -74,6 +74,7 @@ from typing import Any
 import openai
 from nemo_gym.token_id_capture.fingerprint import assistant_fingerprint
 
+from nemo_rl.data.rows import KeptRollout, PlaceholderReason
 from nemo_rl.data_plane import DataPlaneConfig
 from nemo_rl.distributed.stack import start_stack
 from nemo_rl.environments.arith_task import CALCULATOR_TOOL, SYSTEM_PROMPT, make_problems, user_prompt
@@ -82,13 +83,12 @@ from nemo_rl.environments.nemo_gym_rows import calculator_tool_output
 from nemo_rl.experience.rollout_manager import RetentionError, RolloutManager, RolloutManagerConfig
 from nemo_rl.models.generation.vllm.config import GenerationConfig
 from nemo_rl.models.tiny_model import TinyModelConfig, ensure_tiny_model
+from nemo_rl.token_capture.audit import audit_train_row
 from nemo_rl.token_capture.config import TokenCaptureConfig
 from nemo_rl.token_capture.finalizer_pool import FinalizerPool, TQSourceFactory
-from nemo_rl.token_capture.audit import audit_train_row
 from nemo_rl.token_capture.judge import RunFailure
 from nemo_rl.token_capture.receipt import TERMINAL_RESPONSE_ID_KEY
 from nemo_rl.token_capture.retention import TQStagingCleaner
-from nemo_rl.token_capture.rows import KeptRollout, PlaceholderReason
 
 MIN_FRACTION = 0.99
 EDIT_PREFIX = "Let me restate my previous step. "

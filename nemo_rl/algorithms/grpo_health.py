@@ -45,12 +45,12 @@ from collections.abc import Callable, Sequence
 
 import ray
 
+from nemo_rl.data.rows import GroupResult, KeptRollout, Placeholder, PlaceholderReason
 from nemo_rl.distributed.component_watch import ComponentDeath, ComponentWatch
 from nemo_rl.distributed.stack import Stack
 from nemo_rl.experience.rollout_manager import component_failure_detail
 from nemo_rl.token_capture.config import TokenCaptureConfig
 from nemo_rl.token_capture.finalizer_pool import FinalizerPool
-from nemo_rl.token_capture.rows import GroupResult, KeptRollout, Placeholder, PlaceholderReason
 
 
 class ComponentFailedError(RuntimeError):

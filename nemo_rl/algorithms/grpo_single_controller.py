@@ -17,7 +17,7 @@ Contract of one step (`run_grpo`):
    `TrainBatch` argument; capture rows with a train partition stay in TransferQueue: the
    finalizers wrote them there and returned `RowRef`s, the driver sends a `TrainPlan` (keys,
    digests, advantages) and the worker reads and digest-checks the rows itself
-   (`token_capture.train_rows`). After the step the driver clears the plan's keys and any key a
+   (`data_plane.train_rows`). After the step the driver clears the plan's keys and any key a
    masked rollout left (`retention/train_keys_cleared`, `retention/train_keys_stray`,
    `retention/train_keys_remaining`, 0 when retention kept up);
 5. export the new weights and refit every vLLM worker to version `step`; the version each worker
@@ -105,6 +105,10 @@ from nemo_rl.algorithms.grpo_health import (
     unrecoverable,
     untrainable,
 )
+from nemo_rl.data.rows import GroupResult, KeptRollout, RowRef
+from nemo_rl.data.train_batch import TrainBatch
+from nemo_rl.data.train_rows import TrainPlan
+from nemo_rl.data_plane.train_rows import TrainRowCleaner
 from nemo_rl.distributed.component_watch import ComponentWatch
 from nemo_rl.distributed.placement import actor_node_ids
 from nemo_rl.distributed.shared_fs import remove_probe, write_probe
@@ -114,15 +118,12 @@ from nemo_rl.environments.nemo_gym import RowSampling
 from nemo_rl.experience.rollout_manager import RolloutManager, RolloutManagerConfig, component_failure_detail
 from nemo_rl.models.generation.vllm.launcher import resolve_flavor
 from nemo_rl.models.generation.vllm.worker import WorkerError
-from nemo_rl.models.policy import TrainBatch
 from nemo_rl.models.policy.worker import RayPolicyClient
 from nemo_rl.models.tiny_model import ensure_tiny_model
 from nemo_rl.token_capture.finalizer_pool import FinalizeOutcome, FinalizerPool, TQSourceFactory, TQTrainRowsFactory
 from nemo_rl.token_capture.judge import RolloutEvidence
 from nemo_rl.token_capture.metrics import finalize_metrics, first_call_prompt_records
 from nemo_rl.token_capture.retention import TQStagingCleaner
-from nemo_rl.token_capture.rows import GroupResult, KeptRollout, RowRef
-from nemo_rl.token_capture.train_rows import TrainPlan, TrainRowCleaner
 from nemo_rl.utils.aio import gather_cancelling
 from nemo_rl.utils.checkpoint import (
     CheckpointMismatchError,

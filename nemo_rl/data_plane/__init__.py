@@ -11,7 +11,7 @@ Usage:
     client.get("part", ["k"], ["ids", "meta"])           # -> [{"ids": tensor, "meta": "{}"}]
     client.close(); plane.shutdown(); handle.shutdown()
 
-Field encoding (see `fields`): token ids are 1-D int64 tensors, masks and logprobs 1-D float64
+Field encoding (see `fields`; the row type is `nemo_rl.data.fields.Row`): token ids are 1-D int64 tensors, masks and logprobs 1-D float64
 tensors (exact for every Python float, so logprobs round-trip bit for bit), metadata a `str`
 (JSON) or `bytes` non-tensor field. TQ carries tensors as jagged nested tensors, one row per key.
 
@@ -37,7 +37,6 @@ from nemo_rl.data_plane.errors import (
     FieldEncodingError,
     MissingKeysError,
 )
-from nemo_rl.data_plane.fields import FieldValue, Row
 from nemo_rl.data_plane.plane import DataPlane, start_data_plane
 
 __all__ = [
@@ -53,8 +52,6 @@ __all__ = [
     "DataPlaneUnavailableError",
     "DataPlaneUsageError",
     "FieldEncodingError",
-    "FieldValue",
     "MissingKeysError",
-    "Row",
     "start_data_plane",
 ]

@@ -39,6 +39,7 @@ import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
+from nemo_rl.data.fields import Row
 from nemo_rl.data_plane import tq_backend
 from nemo_rl.data_plane.config import DataPlaneConfig
 from nemo_rl.data_plane.errors import (
@@ -48,7 +49,7 @@ from nemo_rl.data_plane.errors import (
     DataPlaneTransportError,
     DataPlaneUsageError,
 )
-from nemo_rl.data_plane.fields import Row, batch_schema, check_fields, check_keys, unique_in_order
+from nemo_rl.data_plane.fields import batch_schema, check_fields, check_keys, unique_in_order
 
 T = TypeVar("T")
 

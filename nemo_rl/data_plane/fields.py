@@ -1,6 +1,7 @@
 """Row and field-value rules of the data plane (pure functions, no TransferQueue import).
 
-A row is a non-empty `dict[str, FieldValue]`. A field value is one of:
+A row is a non-empty `dict[str, FieldValue]` (both types: `nemo_rl.data.fields`). A field value
+is one of:
 - a 1-D CPU `torch.Tensor` of dtype int64 (token ids) or float64 (masks, logprobs: float64 holds
   every Python float exactly, so values round-trip bit for bit);
 - a `str` (e.g. JSON metadata) or `bytes` (opaque payloads), stored as a TQ non-tensor field.
@@ -18,8 +19,6 @@ import torch
 
 from nemo_rl.data_plane.errors import FieldEncodingError
 
-FieldValue = torch.Tensor | str | bytes
-Row = dict[str, FieldValue]
 FieldKind = Literal["int64", "float64", "str", "bytes"]
 Schema = tuple[tuple[str, FieldKind], ...]
 

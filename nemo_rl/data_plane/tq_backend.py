@@ -40,6 +40,7 @@ from typing import Any
 import ray
 import torch
 
+from nemo_rl.data.fields import Row
 from nemo_rl.data_plane.bind import loopback_actor
 from nemo_rl.data_plane.config import DataPlaneConfig
 from nemo_rl.data_plane.errors import (
@@ -50,7 +51,7 @@ from nemo_rl.data_plane.errors import (
     DataPlaneUnavailableError,
     MissingKeysError,
 )
-from nemo_rl.data_plane.fields import Row, Schema
+from nemo_rl.data_plane.fields import Schema
 
 # The names and namespace TQ's own `tq.init()` uses to find a running deployment, so a process
 # that attaches with plain TQ still finds ours.

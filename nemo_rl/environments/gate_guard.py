@@ -9,8 +9,8 @@ middlewares) closes those holes without touching Gym's installed code.
 
 Contract (all answers are JSON `{"error": {"message", "type", "param", "code"}}`):
 - Rollout ids, in `/ng-rollout/<id>/...` and in the manifest route, read from the raw
-  (still percent-encoded) path: Gym's charset (ASCII letters, digits, `._-`), first character a
-  letter or digit (so no `.`/`..`), at most `max_rollout_id_chars` -> else 400
+  (still percent-encoded) path: the one rule of `nemo_rl.data.rollout_ids` (Gym's charset, first
+  character a letter or digit, so no `.`/`..`), at most `max_rollout_id_chars` -> else 400
   `invalid_rollout_id`, param `rollout_id`.
 - Control routes (`/training-token-capture/control/...`): 401 `control_auth_required` without a
   bearer credential, 403 `control_auth_invalid` with a wrong one (constant-time,
@@ -41,7 +41,8 @@ from urllib.parse import unquote
 import aiohttp
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from nemo_rl.models.generation.vllm.request_rules import (
+from nemo_rl.data import rollout_ids as rollout_id_rule
+from nemo_rl.data.request_rules import (
     RequestFieldError,
     bearer_status,
     check_chat_request,
@@ -64,7 +65,6 @@ CAPTURE_SEGMENT = "training-token-capture"
 GENERATING_ROUTES = {"/v1/chat/completions": "chat", "/v1/responses": "responses", "/v1/messages": "messages"}
 # The token-count fields of each route's own dialect (checked on the body as the client sent it).
 TOKEN_FIELDS = {"chat": ("max_tokens", "max_completion_tokens"), "responses": ("max_output_tokens",), "messages": ("max_tokens",)}
-_ID_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
 
 
 class GateGuardConfig(BaseModel):
@@ -78,9 +78,9 @@ class GateGuardConfig(BaseModel):
         description="Largest request body the gate reads on a generating route; larger is 413 before forwarding.",
     )
     max_rollout_id_chars: int = Field(
-        default=128,
+        default=rollout_id_rule.DEFAULT_MAX_ROLLOUT_ID_CHARS,
         ge=1,
-        le=200,
+        le=rollout_id_rule.MAX_ROLLOUT_ID_CHARS,
         description="Longest rollout id the gate accepts (ids become ledger file names; 200 keeps them under 255 bytes).",
     )
     context_probe_timeout_s: float = Field(
@@ -107,20 +107,11 @@ class GateRequestError(Exception):
 
 
 def check_rollout_id(rollout_id: str, max_chars: int) -> None:
-    """Raise `GateRequestError` 400 `invalid_rollout_id` unless the id is usable (module contract)."""
-    rule = (
-        f"a rollout id is 1..{max_chars} ASCII letters, digits, '.', '_' or '-', starting with a letter or digit"
-    )
-    if not rollout_id:
-        raise GateRequestError(400, "invalid_rollout_id", f"the rollout id is empty; {rule}", "rollout_id")
-    if len(rollout_id) > max_chars:
-        raise GateRequestError(
-            400, "invalid_rollout_id", f"rollout id of {len(rollout_id)} characters is too long; {rule}", "rollout_id"
-        )
-    bad = sorted({c for c in rollout_id if c not in _ID_CHARS})
-    if bad or not rollout_id[0].isalnum():
-        why = f"it contains {show(''.join(bad))}" if bad else f"it starts with {show(rollout_id[0])}"
-        raise GateRequestError(400, "invalid_rollout_id", f"rollout id {show(rollout_id)} is not usable: {why}; {rule}", "rollout_id")
+    """Raise `GateRequestError` 400 `invalid_rollout_id` unless the id is usable (`nemo_rl.data.rollout_ids`)."""
+    try:
+        rollout_id_rule.check_rollout_id(rollout_id, max_chars)
+    except rollout_id_rule.RolloutIdError as e:
+        raise GateRequestError(400, "invalid_rollout_id", str(e), "rollout_id") from e
 
 
 def split_rollout_path(raw_path: bytes) -> tuple[str | None, str]:

@@ -55,7 +55,7 @@ import aiohttp
 from pydantic import ValidationError
 
 from nemo_gym.token_id_capture.staging.records import RolloutManifest
-from nemo_gym.token_id_capture.store import validate_rollout_id
+from nemo_rl.data import rollout_ids as rollout_id_rule
 from nemo_rl.distributed.component_watch import Probe, Role, process_probe
 from nemo_rl.environments import nemo_gym_launch as launch
 from nemo_rl.environments.gym_servers import check_agent, resolve_gym_environment
@@ -106,13 +106,14 @@ _BODY_QUOTE_CHARS = 2000
 
 
 def check_rollout_id(rollout_id: str) -> str:
-    """Gym's own rollout-id rule (ASCII letters, digits, `._-`), as a named error."""
+    """The one rollout-id rule (`nemo_rl.data.rollout_ids`) at its ceiling, as a named error."""
     try:
-        return validate_rollout_id(rollout_id)
-    except (ValueError, TypeError) as e:
+        return rollout_id_rule.check_rollout_id(rollout_id, rollout_id_rule.MAX_ROLLOUT_ID_CHARS)
+    except rollout_id_rule.RolloutIdError as e:
         raise InvalidRolloutIdError(
-            f"rollout_id={rollout_id!r} is not usable by Gym's capture paths and ledger files; "
-            "use only ASCII letters, digits, '.', '_' and '-'"
+            f"rollout_id={rollout_id!r} is not usable by Gym's capture paths and ledger files ({e.problem}); "
+            "use only ASCII letters, digits, '.', '_' and '-', starting with a letter or digit, at most "
+            f"{rollout_id_rule.MAX_ROLLOUT_ID_CHARS} characters"
         ) from e
 
 

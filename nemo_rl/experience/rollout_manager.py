@@ -1,7 +1,8 @@
 """Dispatch GRPO groups to a rollout environment and account for every rollout (always-N).
 
 Contract of `RolloutManager.run_group(step, group_index, row, n) -> GroupResult`:
-- Reserves N fresh rollout ids `f"{run_id}-s{step}-g{group}-i{index}-a{attempt}"`; `attempt`
+- Reserves N fresh rollout ids (`nemo_rl.data.rollout_ids.rollout_id_for`:
+  `f"{run_id}-s{step}-g{group}-i{index}-a{attempt}"`); `attempt`
   counts calls for the same (step, group), so a retried group never reuses an id (Gym appends
   to an existing ledger when an id is reused). `run_id` must be unique per launch and resume.
 - Deadlines: `run_timeout_s` per env.run (RolloutManagerConfig), `token_capture.manifest_timeout_s`
@@ -58,9 +59,11 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from nemo_gym.token_id_capture.staging.records import RolloutManifest
-from nemo_gym.token_id_capture.store import validate_rollout_id
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from nemo_rl.data.rollout_ids import check_rollout_id, rollout_id_for
+from nemo_rl.data.rows import GroupEntry, GroupResult, KeptRollout, Placeholder, PlaceholderReason
+from nemo_rl.data.served import ServedCall
 from nemo_rl.environments.nemo_gym_config import GymRunError, GymRunTimeoutError, ManifestError
 from nemo_rl.models.generation.vllm.worker import WorkerError, WorkerFailedError
 from nemo_rl.token_capture.config import TokenCaptureConfig
@@ -69,8 +72,6 @@ from nemo_rl.token_capture.finalizer_pool import FinalizeOutcome
 from nemo_rl.token_capture.judge import RolloutEvidence, RunFailure, all_served_lost
 from nemo_rl.token_capture.receipt import reward_of
 from nemo_rl.token_capture.retention import reported_staged_keys
-from nemo_rl.token_capture.rows import GroupEntry, GroupResult, KeptRollout, Placeholder, PlaceholderReason
-from nemo_rl.token_capture.served import ServedCall
 from nemo_rl.utils.aio import gather_cancelling
 
 LOGGER = logging.getLogger(__name__)
@@ -140,15 +141,18 @@ class RolloutManagerConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
-    run_id: str = Field(
-        pattern=r"^[A-Za-z0-9._-]+$", description="Unique per launch (and per resume); prefixes every rollout id."
-    )
+    run_id: str = Field(description="Unique per launch (and per resume); prefixes every rollout id.")
     run_timeout_s: float = Field(
         gt=0, allow_inf_nan=False,
         description="The manager's deadline on one env.run; set it a little above the environment's own "
         "run deadline so the environment's named timeout arrives first.",
     )
     capture: TokenCaptureConfig
+
+    @field_validator("run_id")
+    @classmethod
+    def _run_id_starts_usable_ids(cls, run_id: str) -> str:
+        return check_rollout_id(run_id)  # the rollout-id rule, so a bad prefix fails here, not at dispatch
 
 
 class AccountingError(RuntimeError):
@@ -161,10 +165,6 @@ class RetentionError(RuntimeError):
     def __init__(self, group: GroupResult, failures: list[str]) -> None:
         self.group = group
         super().__init__(f"group {group.group_index} retention failed: {'; '.join(failures)}")
-
-
-def rollout_id_for(run_id: str, step: int, group_index: int, sample_index: int, attempt: int) -> str:
-    return validate_rollout_id(f"{run_id}-s{step}-g{group_index}-i{sample_index}-a{attempt}")
 
 
 def enforce_min_valid_fraction(group: GroupResult, fraction: float) -> GroupResult:

@@ -24,7 +24,7 @@ from typing import Any, Protocol
 
 from nemo_gym.token_id_capture.staging import CallRecord, LinearizedRow
 
-from nemo_rl.token_capture.rows import TrainRow
+from nemo_rl.data.rows import TrainRow
 
 
 class TextTokenizer(Protocol):

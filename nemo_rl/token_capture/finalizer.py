@@ -24,14 +24,11 @@ from typing import Any, Protocol
 
 from nemo_gym.token_id_capture.staging import StagedCallBaseSnapshot
 
+from nemo_rl.data.rows import GroupEntry, KeptRollout, Placeholder, PlaceholderReason, RowOrigin, TrainRow
+from nemo_rl.data.staged_rows import StagedRecordInvalidError, StagingFetchError
 from nemo_rl.token_capture.judge import FetchProblem
 from nemo_rl.token_capture.receipt import reward_of
-from nemo_rl.token_capture.rows import GroupEntry, KeptRollout, Placeholder, PlaceholderReason, RowOrigin, TrainRow
-from nemo_rl.token_capture.staging import (
-    StagedKeysMissingError,
-    StagedRecordInvalidError,
-    StagingFetchError,
-)
+from nemo_rl.token_capture.staging import StagedKeysMissingError
 
 _ECHO_FIELDS = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
 

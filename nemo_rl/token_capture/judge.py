@@ -65,9 +65,7 @@ from nemo_gym.token_id_capture.staging import (
 )
 from nemo_gym.token_id_capture.staging.records import RolloutManifest
 
-from nemo_rl.token_capture.config import TokenCaptureConfig
-from nemo_rl.token_capture.receipt import TerminalChoice, choose_terminal, reward_of
-from nemo_rl.token_capture.rows import (
+from nemo_rl.data.rows import (
     CallLineage,
     GroupEntry,
     KeptRollout,
@@ -77,7 +75,9 @@ from nemo_rl.token_capture.rows import (
     RowOrigin,
     TrainRow,
 )
-from nemo_rl.token_capture.served import ServedCall
+from nemo_rl.data.served import ServedCall
+from nemo_rl.token_capture.config import TokenCaptureConfig
+from nemo_rl.token_capture.receipt import TerminalChoice, choose_terminal, reward_of
 
 OFF_CHAIN_REASONS = frozenset({"request_finished_without_staged_coordinates"})
 _POISON_CODES = frozenset({"rollout_failed", "capture_poisoned"})

@@ -65,7 +65,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 
-from nemo_rl.token_capture.rows import GroupResult, KeptRollout, Placeholder, PlaceholderReason, RowRef, TrainRow
+from nemo_rl.data.rows import GroupResult, KeptRollout, Placeholder, PlaceholderReason, RowRef, TrainRow
 
 
 def _ratio(numerator: float, denominator: float) -> float:

@@ -31,7 +31,7 @@ from typing import Any
 
 from nemo_gym.token_id_capture.staging import CallRecord, resolve_terminal, select_terminal_call
 
-from nemo_rl.token_capture.rows import PlaceholderReason
+from nemo_rl.data.rows import PlaceholderReason
 
 # Gym's names for the live-path terminal declarations (nemo_gym.token_id_capture.delivery; that
 # module imports Gym's server stack, so the keys are spelled here and pinned by a unit test).

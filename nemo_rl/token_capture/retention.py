@@ -27,8 +27,8 @@ from collections.abc import Iterable, Sequence
 
 from nemo_gym.token_id_capture.staging import staging_key
 
+from nemo_rl.data.served import ServedCall
 from nemo_rl.data_plane import DataPlaneClient
-from nemo_rl.token_capture.served import ServedCall
 
 STAGING_KEY_SEPARATOR = "/"
 

@@ -27,6 +27,8 @@ from typing import Any
 
 from nemo_gym.token_id_capture.staging import EMPTY_EXTRAS_DIGEST, CallRecord, StagedCallBaseSnapshot
 
+from nemo_rl.data.rows import GroupEntry, KeptRollout, Placeholder, PlaceholderReason, TrainRow
+from nemo_rl.data.staged_rows import StagingFetchError
 from nemo_rl.token_capture.finalizer import fetch_error_reason
 from nemo_rl.token_capture.judge import RolloutEvidence, all_served_lost
 from nemo_rl.token_capture.router_replay import (
@@ -40,8 +42,6 @@ from nemo_rl.token_capture.router_replay import (
     decode_call_routes,
     routes_from_extras,
 )
-from nemo_rl.token_capture.rows import GroupEntry, KeptRollout, Placeholder, PlaceholderReason, TrainRow
-from nemo_rl.token_capture.staging import StagingFetchError
 
 
 # Route-payload faults that make a rollout's verdict (a RouteSpanError would be our own bug).

@@ -3,11 +3,8 @@
 Contract (Gym's external-staging protocol, `nemo_gym.token_id_capture.staging.protocols`):
 - One staged call is one data-plane row in `partition`, keyed by Gym's
   `staging_key(rollout_id, model_call_id)` (= `record.staging_key`).
-- Row layout: `token_ids_delta` int64 tensor; `token_mask_delta` and
-  `generation_log_probs_delta` float64 tensors (exact for every Python float, so the values and
-  the float32-packed digest round-trip bit for bit); `header` = JSON of every other base field
-  (versions, ids, lengths, weight version, digests, hashes); `extras` = JSON of `record.extras`
-  (`null` when absent; Gym restricts extras to JSON types). Base fetches never move `extras`.
+- Row layout and its validation: the staged-row codec, `nemo_rl.data.staged_rows` (base fetches
+  never move `extras`).
 - `TQTokenSink.stage` is thread-safe and costs one data-plane write per new key, no read (it is
   on every model call's critical path). Without a writer the write has completed (any other
   client can read it) before it returns ok. With a `StageWriter` (`token_capture.stage_write:
@@ -55,39 +52,39 @@ Contract (Gym's external-staging protocol, `nemo_gym.token_id_capture.staging.pr
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
-import torch
 from nemo_gym.token_id_capture.staging import (
     LinearizedRow,
     StagedCallBaseSnapshot,
     StagedCallRecord,
     StagedCallSnapshot,
     StageResult,
-    compute_extras_digest,
     staging_key,
 )
-from pydantic import ValidationError
 
-from nemo_rl.data_plane import DataPlaneError, MissingKeysError, Row
+from nemo_rl.data.fields import Row
+from nemo_rl.data.staged_rows import (
+    ALL_FIELDS,
+    BASE_FIELDS,
+    EXTRAS_FIELD,
+    HEADER_FIELD,
+    StagingFetchError,
+    record_to_row,
+    row_nbytes,
+    row_to_record,
+    row_to_snapshot,
+    verified_extras,
+)
+from nemo_rl.data_plane import DataPlaneError, MissingKeysError
 from nemo_rl.data_plane.errors import format_keys
 from nemo_rl.token_capture import wire_metrics
 from nemo_rl.token_capture.stage_writer import StageWriter
 
-TOKEN_IDS_FIELD = "token_ids_delta"
-TOKEN_MASK_FIELD = "token_mask_delta"
-LOGPROBS_FIELD = "generation_log_probs_delta"
-HEADER_FIELD = "header"
-EXTRAS_FIELD = "extras"
-_ARRAY_FIELDS = (TOKEN_IDS_FIELD, TOKEN_MASK_FIELD, LOGPROBS_FIELD)
-BASE_FIELDS = (*_ARRAY_FIELDS, HEADER_FIELD)
-ALL_FIELDS = (*BASE_FIELDS, EXTRAS_FIELD)
-_INT64_MAX = 2**63 - 1
 # Re-reads of a key another worker is still writing: a write takes milliseconds, so start small.
 _FIRST_MISSING_PAUSE_S = 0.002
 _MAX_MISSING_PAUSE_S = 0.1
@@ -110,10 +107,6 @@ class StagingStore(Protocol):
     def clear(self, partition: str, keys: Sequence[str], *, timeout_s: float | None = None) -> None: ...
 
 
-class StagingFetchError(RuntimeError):
-    """A staged record could not be fetched as a valid snapshot."""
-
-
 class StagedKeysMissingError(StagingFetchError):
     """Requested staging keys are not in the staging partition."""
 
@@ -126,138 +119,8 @@ class StagedKeysMissingError(StagingFetchError):
         )
 
 
-class StagedRecordInvalidError(StagingFetchError):
-    """A stored row does not form a valid staged record (corrupt, foreign, or mis-keyed)."""
-
-    def __init__(self, key: str, reason: str) -> None:
-        self.key = key
-        super().__init__(f"staged record under key {key!r} is invalid: {reason}")
-
-
-class ExtrasDigestMismatchError(StagedRecordInvalidError):
-    """A fetched extras payload does not hash to the digest it is bound to."""
-
-    def __init__(self, key: str, expected: str, actual: str, bound_by: str) -> None:
-        self.expected = expected
-        self.actual = actual
-        self.bound_by = bound_by
-        super().__init__(
-            key,
-            f"extras digest {actual} does not match the {bound_by} extras_digest {expected}; the extras were "
-            f"altered after staging or belong to another record, so they must not be used",
-        )
-
-
 class StagingStoreUnavailableError(StagingFetchError):
     """The data plane failed or missed its deadline while fetching."""
-
-
-def record_to_row(record: StagedCallRecord) -> Row:
-    """The data-plane row for one staged record (see the module docstring for the layout)."""
-    if record.token_ids_delta and max(record.token_ids_delta) > _INT64_MAX:
-        raise ValueError(f"token_ids_delta of {record.staging_key!r} holds an id above int64 max")
-    header = record.model_dump(mode="json", exclude={*_ARRAY_FIELDS, "extras"})
-    return {
-        TOKEN_IDS_FIELD: torch.tensor(record.token_ids_delta, dtype=torch.int64),
-        TOKEN_MASK_FIELD: torch.tensor(record.token_mask_delta, dtype=torch.float64),
-        LOGPROBS_FIELD: torch.tensor(record.generation_log_probs_delta, dtype=torch.float64),
-        HEADER_FIELD: json.dumps(header, sort_keys=True, allow_nan=False),
-        EXTRAS_FIELD: json.dumps(record.extras, sort_keys=True, allow_nan=False),
-    }
-
-
-def row_nbytes(row: Row) -> int:
-    """Bytes one staged row holds in the data plane: tensor payloads plus the UTF-8 JSON fields."""
-    tensors = sum(row[name].element_size() * row[name].numel() for name in _ARRAY_FIELDS)
-    return tensors + len(row[HEADER_FIELD].encode()) + len(row[EXTRAS_FIELD].encode())
-
-
-def _row_payload(key: str, row: Row) -> dict[str, Any]:
-    try:
-        payload = json.loads(row[HEADER_FIELD])
-    except (TypeError, json.JSONDecodeError) as e:
-        raise StagedRecordInvalidError(key, f"header is not JSON: {e}") from e
-    if not isinstance(payload, dict):
-        raise StagedRecordInvalidError(key, f"header is {type(payload).__name__}, expected a JSON object")
-    for name in _ARRAY_FIELDS:
-        value = row[name]
-        if not isinstance(value, torch.Tensor):
-            raise StagedRecordInvalidError(key, f"field {name!r} is {type(value).__name__}, expected a tensor")
-        payload[name] = value.tolist()
-    return payload
-
-
-def _validated(key: str, model: type[StagedCallBaseSnapshot], payload: dict[str, Any]) -> Any:
-    try:
-        snapshot = model.model_validate(payload)
-    except ValidationError as e:
-        raise StagedRecordInvalidError(key, str(e)) from e
-    if snapshot.staging_key != key:
-        raise StagedRecordInvalidError(key, f"it describes staging key {snapshot.staging_key!r}")
-    return snapshot
-
-
-def row_to_snapshot(key: str, row: Row) -> StagedCallBaseSnapshot:
-    """Validate one base row as Gym's snapshot (digest recomputed by Gym's model)."""
-    return _validated(key, StagedCallBaseSnapshot, _row_payload(key, row))
-
-
-def _row_extras(key: str, row: Row) -> dict[str, Any] | None:
-    try:
-        extras = json.loads(row[EXTRAS_FIELD])
-    except (TypeError, json.JSONDecodeError) as e:
-        raise StagedRecordInvalidError(key, f"extras is not JSON: {e}") from e
-    if extras is not None and not isinstance(extras, dict):
-        raise StagedRecordInvalidError(key, f"extras is {type(extras).__name__}, expected a JSON object or null")
-    return extras
-
-
-def _extras_digest(key: str, extras: dict[str, Any] | None) -> str:
-    try:
-        return compute_extras_digest(extras)
-    except (TypeError, ValueError) as e:
-        raise StagedRecordInvalidError(key, f"extras cannot be digested: {e}") from e
-
-
-def verified_extras(key: str, row: Row, expected_extras_digest: str | None = None) -> dict[str, Any] | None:
-    """The extras of one `header` + `extras` row, checked against the stored and expected digests.
-
-    Raises `StagedRecordInvalidError` for a malformed row and `ExtrasDigestMismatchError` when the
-    payload's digest differs from the header's `extras_digest` or from `expected_extras_digest`.
-    """
-    try:
-        header = json.loads(row[HEADER_FIELD])
-    except (TypeError, json.JSONDecodeError) as e:
-        raise StagedRecordInvalidError(key, f"header is not JSON: {e}") from e
-    if not isinstance(header, dict):
-        raise StagedRecordInvalidError(key, f"header is {type(header).__name__}, expected a JSON object")
-    try:
-        described = staging_key(header.get("rollout_id", ""), header.get("model_call_id", ""))
-    except ValueError as e:
-        raise StagedRecordInvalidError(key, f"header names no record: {e}") from e
-    if described != key:
-        raise StagedRecordInvalidError(key, f"it describes staging key {described!r}")
-    stored = header.get("extras_digest")
-    if not isinstance(stored, str):
-        raise StagedRecordInvalidError(key, "header has no extras_digest")
-    extras = _row_extras(key, row)
-    actual = _extras_digest(key, extras)
-    if actual != stored:
-        raise ExtrasDigestMismatchError(key, stored, actual, "staged")
-    if expected_extras_digest is not None and actual != expected_extras_digest:
-        raise ExtrasDigestMismatchError(key, expected_extras_digest, actual, "committed")
-    return extras
-
-
-def row_to_record(key: str, row: Row) -> StagedCallSnapshot:
-    """Validate one full row, extras included (extras digest recomputed by Gym's model)."""
-    payload = _row_payload(key, row)
-    payload["extras"] = _row_extras(key, row)
-    stored = payload.get("extras_digest")
-    actual = _extras_digest(key, payload["extras"])
-    if isinstance(stored, str) and stored != actual:
-        raise ExtrasDigestMismatchError(key, stored, actual, "staged")
-    return _validated(key, StagedCallSnapshot, payload)
 
 
 def conflict_error(key: str, stored_digest: str, new_digest: str) -> str:

@@ -40,7 +40,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from nemo_rl.token_capture.rows import PlaceholderReason
+from nemo_rl.data.rows import PlaceholderReason
 
 PLACEHOLDER_REASON_PREFIX = "finalize/placeholders/"
 UNVERIFIABLE_PREFIX = "finalize/unverifiable_generated_tokens/"

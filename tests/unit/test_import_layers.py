@@ -25,8 +25,7 @@ PACKAGE_ROOT = REPO / "nemo_rl"
 ARCHITECTURE_DOC = REPO / "docs" / "design-docs" / "architecture.md"
 
 # Lowest first, as shared/DESIGN.md's "Where things live" lists the target. Two choices of ours:
-# - `data` does not exist yet: it is the layer the cross-process records move to (Layout issue,
-#   item 1), listed now so the first module that lands there is already checked.
+# - `data` holds the cross-process records (Layout issue, item 1): it imports no other package.
 # - `models.tiny_model` is not in DESIGN.md: the issue moves it, with the arithmetic task, to an
 #   example-task package the library never imports. Until then it is the top layer, above
 #   `algorithms`, so it may use the library (the task in `environments`) while every library
@@ -47,15 +46,11 @@ LAYERS: tuple[tuple[str, ...], ...] = (
 # Today's upward imports: (importing module, imported package) -> where it goes in the Layout move.
 # Only ever delete entries; a new upward import is fixed, not listed.
 KNOWN_UPWARD: dict[tuple[str, str], str] = {
-    # PlaceholderReason: the health judgement is a verdict, and verdicts live in token_capture.
-    ("nemo_rl.utils.capture_health", "token_capture"): "capture_health (with verdict) moves to token_capture",
     # Stack bring-up runs in the driver only and needs every component: the top, not the ground floor.
     ("nemo_rl.distributed.stack", "data_plane"): "stack moves to the driver's set-up module in algorithms",
     ("nemo_rl.distributed.stack", "token_capture"): "stack moves to the driver's set-up module in algorithms",
     ("nemo_rl.distributed.stack", "models.generation"): "stack moves to the driver's set-up module in algorithms",
     ("nemo_rl.distributed.stack", "environments"): "stack moves to the driver's set-up module in algorithms",
-    # TrainBatch and PolicyWorkerError cross the finalizer -> policy boundary: shared records.
-    ("nemo_rl.token_capture.train_rows", "models.policy"): "TrainBatch/TrainPlan/RowRef move to data, train-row I/O to data_plane",
     # The task and its tiny model are one example package; the library never imports it.
     ("nemo_rl.environments.arith_episodes", "models.tiny_model"): "moves with tiny_model to the example-task package",
     ("nemo_rl.algorithms.grpo_config", "models.tiny_model"): "the example passes its model; the recipe schema drops TinyModelConfig",

@@ -1,15 +1,15 @@
 """Named failures of the torch policy and of its Ray worker.
 
-Every error message names the offending field or value and the fix. `PolicyWorkerError` and its
+Every error message names the offending field or value and the fix. The base `PolicyError`,
+`TrainBatchError` and `PolicyWorkerError` cross process boundaries and live in
+`nemo_rl.data.policy_errors`; the classes here subclass them. `PolicyWorkerError` and its
 subclasses are what callers of a remote worker see; they carry only strings so they cross the
 Ray boundary intact.
 """
 
 from __future__ import annotations
 
-
-class PolicyError(Exception):
-    """Base class of every policy failure."""
+from nemo_rl.data.policy_errors import PolicyError, PolicyWorkerError
 
 
 class PolicyLoadError(PolicyError):
@@ -18,10 +18,6 @@ class PolicyLoadError(PolicyError):
 
 class PolicyDeviceError(PolicyLoadError):
     """`policy.device` names a device this process cannot see (e.g. cuda on a CPU-only host)."""
-
-
-class TrainBatchError(PolicyError, ValueError):
-    """A TrainBatch violates one of its invariants."""
 
 
 class TokenIdOutOfRangeError(PolicyError, ValueError):
@@ -48,10 +44,6 @@ class NonFiniteGradientError(PolicyError):
 
 class WeightExportError(PolicyError):
     """The weights cannot be exported in a form the generation engine reloads correctly."""
-
-
-class PolicyWorkerError(PolicyError):
-    """A call into a remote PolicyWorker failed inside the worker."""
 
 
 class PolicyWorkerTimeoutError(PolicyWorkerError):

@@ -11,7 +11,7 @@
 - Rows through the data plane (`token_capture.train_partition`): spawned with the run's
   `DataPlaneConfig`, the worker attaches a data-plane client on its first `train_planned(plan,
   loss_fn)` (kept for later steps), reads the plan's rows and checks their digests
-  (`token_capture.train_rows.read_train_batch`; a mismatch is `TrainRowDigestError`, a
+  (`data_plane.train_rows.read_train_batch`; a mismatch is `TrainRowDigestError`, a
   `PolicyWorkerError`, and nothing is trained), then runs the same `train_step` on the batch.
   Without a data-plane config `train_planned` fails by name. `close_data_plane()` detaches.
 - Checkpoints: `save_state(dir)` / `load_state(dir)` (PolicyCore's, returning a
@@ -33,18 +33,16 @@ import ray
 from ray.actor import ActorHandle
 from ray.exceptions import GetTimeoutError, RayActorError
 
+from nemo_rl.data.policy_errors import PolicyWorkerError
+from nemo_rl.data.train_batch import TrainBatch
+from nemo_rl.data.train_rows import TrainPlan
 from nemo_rl.data_plane import DataPlaneClient, DataPlaneConfig
+from nemo_rl.data_plane.train_rows import read_train_batch
 from nemo_rl.distributed.shared_fs import SharedDirProbe, check_probe
-from nemo_rl.models.policy.batch import TrainBatch
 from nemo_rl.models.policy.config import PolicyConfig
 from nemo_rl.models.policy.core import PolicyCore, PolicyStateInfo
-from nemo_rl.models.policy.errors import (
-    PolicyWorkerDiedError,
-    PolicyWorkerError,
-    PolicyWorkerTimeoutError,
-)
+from nemo_rl.models.policy.errors import PolicyWorkerDiedError, PolicyWorkerTimeoutError
 from nemo_rl.models.policy.loss import LossFn, check_loss_fn
-from nemo_rl.token_capture.train_rows import TrainPlan, read_train_batch
 
 T = TypeVar("T")
 

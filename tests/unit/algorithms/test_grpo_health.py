@@ -20,11 +20,11 @@ from nemo_rl.algorithms.grpo_health import (
     untrainable,
 )
 from nemo_rl.algorithms.grpo_single_controller import refit_or_name_deaths
+from nemo_rl.data.rows import GroupResult, KeptRollout, Placeholder, PlaceholderReason, RowOrigin, TrainRow
 from nemo_rl.distributed.component_watch import ChildProcess, ComponentWatch, Probe, Role
 from nemo_rl.models.generation.vllm.launcher import WorkerGroup
 from nemo_rl.models.generation.vllm.worker import WorkerError
 from nemo_rl.token_capture.config import TokenCaptureConfig
-from nemo_rl.token_capture.rows import GroupResult, KeptRollout, Placeholder, PlaceholderReason, RowOrigin, TrainRow
 
 R = PlaceholderReason
 

@@ -8,7 +8,7 @@ import pytest
 
 from nemo_rl.algorithms.grpo_config import load_master_config, refit_root
 from nemo_rl.algorithms.grpo_single_controller import build_train_batch
-from nemo_rl.token_capture.rows import GroupResult, KeptRollout, Placeholder, PlaceholderReason, RowOrigin, TrainRow
+from nemo_rl.data.rows import GroupResult, KeptRollout, Placeholder, PlaceholderReason, RowOrigin, TrainRow
 from nemo_rl.utils.config import ConfigError
 
 CONFIGS = sorted((Path(__file__).resolve().parents[3] / "examples" / "configs").glob("*.yaml"))

@@ -24,19 +24,7 @@ from nemo_gym.token_id_capture.staging import (
 from nemo_gym.token_id_capture.staging.records import ManifestFailure, RolloutManifest
 from pydantic import ValidationError
 
-from nemo_rl.environments.nemo_gym_config import GymRunError, GymRunTimeoutError, ManifestServerError
-from nemo_rl.experience.rollout_manager import (
-    AccountingError,
-    RetentionError,
-    RolloutManager,
-    RolloutManagerConfig,
-    account_group,
-    enforce_min_valid_fraction,
-)
-from nemo_rl.token_capture.config import TokenCaptureConfig
-from nemo_rl.token_capture.finalizer_pool import FinalizeOutcome, judge_from_source
-from nemo_rl.token_capture.judge import RunFailure
-from nemo_rl.token_capture.rows import (
+from nemo_rl.data.rows import (
     CallLineage,
     GroupResult,
     KeptRollout,
@@ -46,8 +34,20 @@ from nemo_rl.token_capture.rows import (
     RowOrigin,
     TrainRow,
 )
+from nemo_rl.data.served import ServedCall
+from nemo_rl.environments.nemo_gym_config import GymRunError, GymRunTimeoutError, ManifestServerError
+from nemo_rl.experience.rollout_manager import (
+    AccountingError,
+    RetentionError,
+    RolloutManager,
+    RolloutManagerConfig,
+    account_group,
+    enforce_min_valid_fraction,
+)
 from nemo_rl.models.generation.vllm.worker import WorkerError
-from nemo_rl.token_capture.served import ServedCall
+from nemo_rl.token_capture.config import TokenCaptureConfig
+from nemo_rl.token_capture.finalizer_pool import FinalizeOutcome, judge_from_source
+from nemo_rl.token_capture.judge import RunFailure
 from nemo_rl.token_capture.staging import StagedKeysMissingError
 
 R = PlaceholderReason

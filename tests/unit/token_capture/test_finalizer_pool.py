@@ -12,9 +12,11 @@ import pytest
 import ray
 from nemo_gym.token_id_capture.staging import StagedCallBaseSnapshot
 
+from nemo_rl.data.rows import KeptRollout, Placeholder, PlaceholderReason
+from nemo_rl.data.staged_rows import StagedRecordInvalidError
+from nemo_rl.data_plane import DataPlaneClient, DataPlaneConfig, start_data_plane
 from nemo_rl.distributed.ray_cluster import init_local_ray
 from nemo_rl.token_capture.config import TokenCaptureConfig
-from nemo_rl.data_plane import DataPlaneClient, DataPlaneConfig, start_data_plane
 from nemo_rl.token_capture.finalizer_pool import (
     FinalizerBugError,
     FinalizerPool,
@@ -26,10 +28,8 @@ from nemo_rl.token_capture.finalizer_pool import (
     split_evenly,
 )
 from nemo_rl.token_capture.judge import RolloutEvidence, RunFailure
-from nemo_rl.token_capture.rows import KeptRollout, Placeholder, PlaceholderReason
 from nemo_rl.token_capture.staging import (
     StagedKeysMissingError,
-    StagedRecordInvalidError,
     StagingStoreUnavailableError,
     TQTokenSink,
     TQTokenSource,

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from nemo_rl.token_capture.metrics import first_call_prompt_records
-from nemo_rl.token_capture.rows import (
+from nemo_rl.data.rows import (
     GroupResult,
     KeptRollout,
     Placeholder,
@@ -11,6 +10,7 @@ from nemo_rl.token_capture.rows import (
     RowOrigin,
     TrainRow,
 )
+from nemo_rl.token_capture.metrics import first_call_prompt_records
 
 
 def _capture_row(rid: str, group: int, sample: int, token_ids: tuple[int, ...], prompt_len: int,

@@ -25,10 +25,10 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from nemo_gym.token_id_capture.staging.records import ManifestFailure
 
+from nemo_rl.data.rows import KeptRollout, Placeholder, PlaceholderReason
+from nemo_rl.data.served import ServedCall
 from nemo_rl.token_capture.config import TokenCaptureConfig
 from nemo_rl.token_capture.judge import FetchProblem, RolloutEvidence, RunFailure, judge_rollout
-from nemo_rl.token_capture.rows import KeptRollout, Placeholder, PlaceholderReason
-from nemo_rl.token_capture.served import ServedCall
 
 RID = "run-s9-g1-i4-a0"
 GROUP, SAMPLE = 1, 4

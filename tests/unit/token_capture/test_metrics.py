@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from nemo_rl.token_capture.metrics import finalize_metrics
-from nemo_rl.token_capture.rows import (
+from nemo_rl.data.rows import (
     CallLineage,
     GroupResult,
     KeptRollout,
@@ -13,6 +12,7 @@ from nemo_rl.token_capture.rows import (
     RowOrigin,
     TrainRow,
 )
+from nemo_rl.token_capture.metrics import finalize_metrics
 
 R = PlaceholderReason
 

@@ -10,6 +10,7 @@ import pytest
 from nemo_gym.token_id_capture import delivery
 from nemo_gym.token_id_capture.fingerprint import FINGERPRINT_VERSION, assistant_fingerprint
 
+from nemo_rl.data.rows import PlaceholderReason
 from nemo_rl.token_capture import receipt as receipt_module
 from nemo_rl.token_capture.receipt import (
     TERMINAL_CALL_KEY,
@@ -19,7 +20,6 @@ from nemo_rl.token_capture.receipt import (
     choose_terminal,
     reward_of,
 )
-from nemo_rl.token_capture.rows import PlaceholderReason
 
 RID = "run-s0-g0-i0-a0"
 R = PlaceholderReason

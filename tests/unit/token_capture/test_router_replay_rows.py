@@ -26,12 +26,7 @@ from nemo_gym.token_id_capture.staging import (
 )
 from nemo_gym.token_id_capture.staging.records import RolloutManifest
 
-from nemo_rl.data_plane import DataPlaneClient, DataPlaneConfig
-from nemo_rl.token_capture.config import TokenCaptureConfig
-from nemo_rl.token_capture.finalizer_pool import judge_from_source
-from nemo_rl.token_capture.judge import RolloutEvidence
-from nemo_rl.token_capture.metrics import finalize_metrics
-from nemo_rl.token_capture.rows import (
+from nemo_rl.data.rows import (
     GroupResult,
     KeptRollout,
     Placeholder,
@@ -40,6 +35,11 @@ from nemo_rl.token_capture.rows import (
     RowOrigin,
     TrainRow,
 )
+from nemo_rl.data_plane import DataPlaneClient, DataPlaneConfig
+from nemo_rl.token_capture.config import TokenCaptureConfig
+from nemo_rl.token_capture.finalizer_pool import judge_from_source
+from nemo_rl.token_capture.judge import RolloutEvidence
+from nemo_rl.token_capture.metrics import finalize_metrics
 from nemo_rl.token_capture.staging import TQTokenSink, TQTokenSource
 
 S = -1  # the sentinel

@@ -29,17 +29,11 @@ from nemo_gym.token_id_capture.staging import (
     verify_and_linearize,
 )
 
+from nemo_rl.data.staged_rows import StagedRecordInvalidError, StagingFetchError, record_to_row
 from nemo_rl.data_plane import DataPlaneClient, DataPlaneConfig, DataPlaneTimeoutError
 from nemo_rl.token_capture.retention import TQStagingCleaner
 from nemo_rl.token_capture.stage_writer import StageWriter
-from nemo_rl.token_capture.staging import (
-    StagedKeysMissingError,
-    StagedRecordInvalidError,
-    StagingFetchError,
-    TQTokenSink,
-    TQTokenSource,
-    record_to_row,
-)
+from nemo_rl.token_capture.staging import StagedKeysMissingError, TQTokenSink, TQTokenSource
 
 PARTITION = "staging_test"
 CFG = DataPlaneConfig(call_timeout_s=10.0)

@@ -49,13 +49,13 @@ from typing import Any
 
 import ray
 
+from nemo_rl.data.served import ServedCall
 from nemo_rl.distributed.component_watch import ChildProcess, Probe, Role, actor_children_probe, ray_actor_probe
 from nemo_rl.distributed.placement import actor_node_ids, alive_nodes, node_affinity, plan_worker_placement
 from nemo_rl.distributed.shared_fs import SharedDirProbe
 from nemo_rl.models.generation.vllm.config import GenerationConfig
 from nemo_rl.models.generation.vllm.engine import cpu_engine_env
 from nemo_rl.models.generation.vllm.worker import VllmGenerationWorker, WorkerError
-from nemo_rl.token_capture.served import ServedCall
 from nemo_rl.utils.venvs import REPO_ROOT, ensure_venv, venv_python, vllm_spec
 
 CUDA_VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"

@@ -31,7 +31,7 @@ from typing import Any
 
 from aiohttp import web
 
-from nemo_rl.models.generation.vllm.request_rules import RequestFieldError, bearer_status, parse_json_body
+from nemo_rl.data.request_rules import RequestFieldError, bearer_status, parse_json_body
 from nemo_rl.models.generation.vllm.serving import ChatService, HttpError
 from nemo_rl.token_capture import wire_metrics  # opt-in body/latency counters (benchmarks/capture_ab.py)
 

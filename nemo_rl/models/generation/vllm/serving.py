@@ -112,6 +112,9 @@ from nemo_gym.token_id_capture.staging import (
     RolloutTokenCapture,
     staging_key,
 )
+from nemo_rl.data.request_rules import RequestFieldError, check_chat_request
+from nemo_rl.data.served import ServedCall, has_assistant_turn
+from nemo_rl.data.staged_rows import StagedRecordInvalidError, StagingFetchError
 from nemo_rl.data_plane.errors import DataPlaneError
 from nemo_rl.models.generation.vllm.chat import (
     ChatTemplateTokenizer,
@@ -138,11 +141,8 @@ from nemo_rl.models.generation.vllm.engine import (
     RefitGateTimeoutError,
 )
 from nemo_rl.models.generation.vllm.prefix_cache import PrefixCache, PrefixError, PrefixMismatchError
-from nemo_rl.models.generation.vllm.request_rules import RequestFieldError, check_chat_request
 from nemo_rl.token_capture import wire_metrics  # opt-in per-call cost (benchmarks/capture_ab.py)
-from nemo_rl.token_capture.served import ServedCall, has_assistant_turn
 from nemo_rl.token_capture.stage_writer import ParentRows
-from nemo_rl.token_capture.staging import StagedRecordInvalidError, StagingFetchError
 
 LOGGER = logging.getLogger(__name__)
 

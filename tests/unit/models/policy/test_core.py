@@ -13,7 +13,8 @@ from safetensors.torch import load_file
 from transformers import AutoConfig, Qwen2ForCausalLM
 
 from nemo_rl.algorithms.grpo import ClippedPGLossFn, EmptyMaskError
-from nemo_rl.models.policy import LossConfig, PolicyConfig, PolicyWorkerHandle, TrainBatch
+from nemo_rl.data.train_batch import TrainBatch
+from nemo_rl.models.policy import LossConfig, PolicyConfig, PolicyWorkerHandle
 from nemo_rl.models.policy.core import PolicyCore, warmup_lr
 from nemo_rl.models.policy.errors import (
     PolicyLoadError,

@@ -12,12 +12,13 @@ import pytest
 import ray
 
 from nemo_rl.algorithms.grpo import ClippedPGLossFn
-from nemo_rl.models.policy import LossConfig, PolicyConfig, PolicyWorkerHandle, TrainBatch
+from nemo_rl.data.policy_errors import PolicyWorkerError
+from nemo_rl.data.train_batch import TrainBatch
+from nemo_rl.models.policy import LossConfig, PolicyConfig, PolicyWorkerHandle
 from nemo_rl.models.policy.core import PolicyCore, PolicyStateInfo
 from nemo_rl.models.policy.errors import (
     LossFnError,
     PolicyWorkerDiedError,
-    PolicyWorkerError,
     PolicyWorkerTimeoutError,
 )
 from nemo_rl.models.policy.worker import PolicyWorker, RayPolicyClient
@@ -92,10 +93,11 @@ def test_policy_worker_trains_on_the_rows_it_reads_from_the_train_partition(tiny
     TrainBatch passed by value; a plan whose digest does not match is refused and trains nothing."""
     import dataclasses
 
+    from nemo_rl.data.rows import KeptRollout, RowOrigin, TrainRow
+    from nemo_rl.data.train_rows import TrainPlan
     from nemo_rl.data_plane import DataPlaneClient, DataPlaneConfig, start_data_plane
+    from nemo_rl.data_plane.train_rows import TrainRowDigestError, store_rows
     from nemo_rl.distributed.ray_cluster import init_local_ray
-    from nemo_rl.token_capture.rows import KeptRollout, RowOrigin, TrainRow
-    from nemo_rl.token_capture.train_rows import TrainPlan, TrainRowDigestError, store_rows
 
     row = TrainRow(
         rollout_id="r-0", group_index=0, sample_index=0, token_ids=(1, 2, 3, 4), token_mask=(0.0, 1.0, 1.0, 1.0),

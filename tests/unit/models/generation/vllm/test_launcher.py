@@ -9,9 +9,9 @@ import asyncio
 import pytest
 import ray
 
+from nemo_rl.data.served import ServedCall, ServedCallError
 from nemo_rl.models.generation.vllm.launcher import WorkerGroup, merge_served
 from nemo_rl.models.generation.vllm.worker import WorkerError
-from nemo_rl.token_capture.served import ServedCall, ServedCallError
 
 ROOT_W0 = ServedCall("r1", "c1", None, "text", 5, True, None, 0)
 CHILD_W1 = ServedCall("r1", "c2", "c1", "token_in", 3, False, "staging_failed (see worker log)", 1)

@@ -25,18 +25,18 @@ from nemo_gym.token_id_capture.staging import (
     staging_key,
     verify_and_linearize,
 )
+from nemo_rl.data.served import ServedCall
+from nemo_rl.data_plane import MissingKeysError
+from nemo_rl.data_plane.errors import DataPlaneTimeoutError
 from nemo_rl.environments import arith_task
 from nemo_rl.models.generation.vllm.chat import normalize_messages, render_root_prompt
 from nemo_rl.models.generation.vllm.prefix_cache import PrefixCache
 from nemo_rl.models.generation.vllm.serving import ChatService, HttpError, ServedRegistry, context_overflow_message
+from nemo_rl.models.generation.vllm.worker import wire_capture
 from nemo_rl.models.tiny_model.chat_template import LLAMA3
 from nemo_rl.models.tiny_model.corpus import task_conversation
 from nemo_rl.models.tiny_model.tokenizer import train_tokenizer
-from nemo_rl.data_plane import MissingKeysError
-from nemo_rl.data_plane.errors import DataPlaneTimeoutError
-from nemo_rl.models.generation.vllm.worker import wire_capture
 from nemo_rl.token_capture.config import TokenCaptureConfig
-from nemo_rl.token_capture.served import ServedCall
 from nemo_rl.token_capture.staging import StagedKeysMissingError
 
 

@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 
 from nemo_gym.token_id_capture.adapters.vllm import VLLMCaptureAdapter
 from nemo_gym.token_id_capture.staging import StageResult, install_capture, staging_key
+from nemo_rl.data.staged_rows import StagedRecordInvalidError
 from nemo_rl.data_plane.errors import DataPlaneTimeoutError
 from nemo_rl.environments import arith_task
 from nemo_rl.models.generation.vllm.config import GenerationConfig
@@ -37,7 +38,7 @@ from nemo_rl.models.generation.vllm.serving import AdmittedCalls, ChatService, H
 from nemo_rl.models.generation.vllm.worker import VllmGenerationWorker, WorkerError, WorkerFailedError
 from nemo_rl.models.tiny_model.corpus import task_conversation
 from nemo_rl.models.tiny_model.tokenizer import train_tokenizer
-from nemo_rl.token_capture.staging import StagedKeysMissingError, StagedRecordInvalidError, StagingStoreUnavailableError
+from nemo_rl.token_capture.staging import StagedKeysMissingError, StagingStoreUnavailableError
 
 TOKEN = "per-run-control-token-0123456789"
 MAX_MODEL_LEN = 512

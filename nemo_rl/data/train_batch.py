@@ -1,4 +1,4 @@
-"""TrainBatch: the rows one optimizer step trains on.
+"""TrainBatch: the rows one optimizer step trains on (built by the driver or read by the policy worker).
 
 Per sample i (all per-token sequences have the same length L_i >= 2):
 - token_ids[i]: the full sequence (prompt, generated tokens, tool results, ...);
@@ -18,7 +18,7 @@ import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from nemo_rl.models.policy.errors import TrainBatchError
+from nemo_rl.data.policy_errors import TrainBatchError
 
 
 def _freeze(name: str, rows: Sequence[Sequence]) -> tuple[tuple, ...]:

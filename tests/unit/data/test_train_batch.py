@@ -1,14 +1,13 @@
-"""TrainBatch invariants and the policy/loss config contracts."""
+"""TrainBatch invariants."""
 
 from __future__ import annotations
 
 import numpy as np
-import pydantic
 import pytest
 import torch
 
-from nemo_rl.models.policy import LossConfig, PolicyConfig, TrainBatch
-from nemo_rl.models.policy.errors import TrainBatchError
+from nemo_rl.data.policy_errors import TrainBatchError
+from nemo_rl.data.train_batch import TrainBatch
 
 
 def _batch(**overrides) -> TrainBatch:
@@ -60,20 +59,3 @@ def test_unmasked_generation_logprobs_are_not_checked() -> None:
     # Only generated (masked) positions carry sampler logprobs; prompt positions are free.
     b = _batch(generation_logprobs=[[5.0, -1.0, -2.0], [float("nan"), 0.0]])
     assert b.num_masked_tokens == 2
-
-
-def test_config_defaults_and_extra_forbid() -> None:
-    cfg = PolicyConfig(model_path="m")
-    assert (cfg.weight_decay, cfg.max_grad_norm, cfg.train_micro_batch_size) == (0.0, 1.0, 8)
-    assert (cfg.lr_warmup_steps, cfg.adam_beta1, cfg.adam_beta2) == (0, 0.9, 0.999)
-    with pytest.raises(pydantic.ValidationError, match="lr_warmup_steps"):
-        PolicyConfig(model_path="m", lr_warmup_steps=-1)
-    with pytest.raises(pydantic.ValidationError, match="adam_beta2"):
-        PolicyConfig(model_path="m", adam_beta2=1.0)
-    assert LossConfig() == LossConfig(ratio_clip_min=0.2, ratio_clip_max=0.2)
-    with pytest.raises(pydantic.ValidationError, match="lr"):
-        PolicyConfig(model_path="m", lr=1e-3)
-    with pytest.raises(pydantic.ValidationError, match="ratio_clip_min"):
-        LossConfig(ratio_clip_min=1.0)
-    with pytest.raises(pydantic.ValidationError, match="model_path"):
-        PolicyConfig()

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nemo_rl.models.generation.vllm.request_rules import (
+from nemo_rl.data.request_rules import (
     RequestFieldError,
     bearer_status,
     check_chat_request,

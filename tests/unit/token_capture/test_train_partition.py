@@ -1,24 +1,30 @@
-"""Rows to the policy through the data plane: RowRef, the payload digest, TrainPlan, the policy-side read.
+"""Rows to the policy through the data plane: the finalizer's store, the driver's plan, the policy-side read.
 
-The last tests run the real finalizer pool over a private Ray + TransferQueue and read back what
-it wrote with the policy side's `read_train_batch`.
+The records and the codec are tested in tests/unit/data/test_train_rows.py. The last tests run
+the real finalizer pool over a private Ray + TransferQueue and read back what it wrote with the
+policy side's `read_train_batch`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 
-import numpy as np
 import pytest
 import ray
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from nemo_rl.algorithms.grpo_single_controller import GRPOError, build_train_batch
+from nemo_rl.data.policy_errors import PolicyWorkerError
+from nemo_rl.data.rows import GroupResult, KeptRollout, Placeholder, PlaceholderReason, RowOrigin, RowRef, TrainRow
+from nemo_rl.data.train_rows import FIELDS, train_key
 from nemo_rl.data_plane import DataPlaneError, MissingKeysError
-from nemo_rl.models.policy.errors import PolicyWorkerError
+from nemo_rl.data_plane.train_rows import (
+    TrainRowCleaner,
+    TrainRowDigestError,
+    read_train_batch,
+    store_many_rows,
+    store_rows,
+)
 from nemo_rl.token_capture.config import TokenCaptureConfig
 from nemo_rl.token_capture.finalizer_pool import (
     FinalizerPool,
@@ -29,31 +35,7 @@ from nemo_rl.token_capture.finalizer_pool import (
 )
 from nemo_rl.token_capture.judge import RolloutEvidence
 from nemo_rl.token_capture.metrics import finalize_metrics, first_call_prompt_records
-from nemo_rl.token_capture.rows import (
-    GroupResult,
-    KeptRollout,
-    Placeholder,
-    PlaceholderReason,
-    RouteCoverage,
-    RowInvariantError,
-    RowOrigin,
-    RowRef,
-    TrainRow,
-)
 from nemo_rl.token_capture.staging import TQTokenSink, TQTokenSource
-from nemo_rl.token_capture.train_rows import (
-    FIELDS,
-    TrainPlan,
-    TrainPlanError,
-    TrainRowCleaner,
-    TrainRowDigestError,
-    payload_digest,
-    read_train_batch,
-    row_payload,
-    store_many_rows,
-    store_rows,
-    train_key,
-)
 
 from .conftest import TQ_TEST_CONFIG
 
@@ -101,115 +83,6 @@ class MemoryPlane:
 
     def list_keys(self, partition, *, timeout_s=None):
         return [k.split(":", 1)[1] for k in self.rows if k.startswith(f"{partition}:")]
-
-
-# --- RowRef and the digest -----------------------------------------------------------------------
-
-
-def test_rowref_keeps_what_the_driver_reads_and_no_tokens():
-    routes = np.array([[[1, 2]], [[-1, 3]], [[4, 5]], [[6, -1]]], dtype=np.int16)
-    row = _row(routes=routes)
-    ref = RowRef.of(row, "r-0#0", "a" * 64, carry_prompt_ids=False)
-    assert (ref.num_tokens, ref.prompt_len, ref.num_generated_tokens, ref.reward) == (4, 2, 2, 1.0)
-    assert (ref.model_call_ids, ref.weight_versions, ref.call_spans, ref.loss_calls) == (
-        ("c0",), (3,), ((0, 4),), frozenset({"c0"}))
-    assert ref.route_coverage == RouteCoverage(tokens=4, loss_tokens=2, covered_loss_tokens=1, sentinel_tokens=2)
-    assert ref.route_coverage == row.route_coverage and ref.route_coverage.has_routes
-    assert ref.prompt_ids is None and ref.origin is RowOrigin.CAPTURE
-    assert RowRef.of(row, "r-0#0", "a" * 64, carry_prompt_ids=True).prompt_ids == (5, 6)
-    assert not hasattr(ref, "token_ids") and not hasattr(ref, "routed_experts")
-
-
-def test_rowref_invariants():
-    ref = RowRef.of(_row(), "r-0#0", "a" * 64, carry_prompt_ids=False)
-    with pytest.raises(RowInvariantError, match="digest must be a sha256 hex digest"):
-        dataclasses.replace(ref, digest="xyz")
-    with pytest.raises(RowInvariantError, match=r"num_generated_tokens must be in \[1, 2\]"):
-        dataclasses.replace(ref, num_generated_tokens=3)
-    with pytest.raises(RowInvariantError, match="route_coverage must count"):
-        dataclasses.replace(ref, num_generated_tokens=1)
-    with pytest.raises(RowInvariantError, match="prompt_ids must be None or 2"):
-        dataclasses.replace(ref, prompt_ids=(5,))
-    with pytest.raises(RowInvariantError, match="loss_calls must be a non-empty subset"):
-        dataclasses.replace(ref, loss_calls=frozenset({"other"}))
-    with pytest.raises(RowInvariantError, match="rows are all TrainRow or all RowRef"):
-        KeptRollout("r-0", 0, 0, (ref, dataclasses.replace(_row(chain=1, call="c1"))), 1.0, "response_id")
-
-
-_ids = st.lists(st.integers(0, 2**40), min_size=2, max_size=6)
-_lp = st.floats(max_value=0.0, allow_nan=False, allow_infinity=False).filter(lambda x: x != 0.0)
-_ARRAY_DTYPES = {"token_ids": "<i8", "token_mask": "<f8", "generation_logprobs": "<f8"}
-_ELEMENTS = {"token_ids": st.integers(-(2**63), 2**63 - 1), "token_mask": st.floats(allow_nan=False),
-             "generation_logprobs": st.floats(allow_nan=False)}
-
-
-def _content(payload) -> tuple[bytes, ...]:
-    """What each field holds, as bytes, field by field: two payloads are the same row iff these are equal."""
-    return (payload["meta"].encode(), *(np.asarray(payload[f].numpy(), dtype=d).tobytes()
-                                        for f, d in _ARRAY_DTYPES.items()), bytes(payload["routed_experts"]))
-
-
-def _mutate(data: st.DataObject, payload: dict) -> dict:
-    """One arbitrary edit of one field: replace, insert or delete an element/byte/character at a
-    drawn position, or move the last element of one float array to the front of the next (the
-    arrays' concatenated bytes stay the same; only the field boundaries move)."""
-    changed = dict(payload)
-    field = data.draw(st.sampled_from(sorted(FIELDS) + ["shift"]), label="field")
-    if field == "shift":
-        mask, lps = payload["token_mask"].tolist(), payload["generation_logprobs"].tolist()
-        changed["token_mask"] = torch.tensor(mask[:-1], dtype=torch.float64)
-        changed["generation_logprobs"] = torch.tensor(mask[-1:] + lps, dtype=torch.float64)
-        return changed
-    if field in _ARRAY_DTYPES:
-        items: list = payload[field].tolist()
-        element = _ELEMENTS[field]
-    elif field == "routed_experts":
-        items, element = list(payload[field]), st.integers(0, 255)
-    else:
-        items, element = list(payload[field]), st.characters(codec="utf-8")
-    kind = data.draw(st.sampled_from(["replace", "insert", "delete"] if items else ["insert"]), label="kind")
-    at = data.draw(st.integers(0, len(items) - (kind != "insert")), label="at")
-    if kind == "delete":
-        del items[at]
-    elif kind == "insert":
-        items.insert(at, data.draw(element, label="value"))
-    else:
-        old = np.asarray([items[at]], dtype=_ARRAY_DTYPES.get(field, object)).tobytes() if field in _ARRAY_DTYPES else None
-        items[at] = data.draw(element.filter(
-            lambda v: (np.asarray([v], dtype=_ARRAY_DTYPES[field]).tobytes() != old) if old is not None else v != items[at]),
-            label="value")
-    if field in _ARRAY_DTYPES:
-        changed[field] = torch.tensor(items, dtype=payload[field].dtype)
-    elif field == "routed_experts":
-        changed[field] = bytes(items)
-    else:
-        changed[field] = "".join(items)
-    return changed
-
-
-@settings(max_examples=150, deadline=None)
-@given(tail=_ids, lps=st.tuples(_lp, _lp), with_routes=st.booleans(), data=st.data())
-def test_digest_is_stable_through_a_copy_and_moves_with_any_change(tail, lps, with_routes, data):
-    ids = (5, 6, *tail[:2])
-    routes = np.arange(8, dtype=np.int16).reshape(4, 1, 2) if with_routes else None
-    row = _row(ids=ids, lps=lps, routes=routes)
-    payload = row_payload("r-0#0", row)
-    copy = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in payload.items()}
-    assert payload_digest(copy) == payload_digest(payload)
-    changed = _mutate(data, copy)
-    assert _content(changed) != _content(payload)  # the edit changed the row (so the digest must move)
-    assert payload_digest(changed) != payload_digest(payload)
-
-
-def test_train_plan_invariants():
-    with pytest.raises(TrainPlanError, match="one digest and advantage per key"):
-        TrainPlan("p", ("a",), ("0" * 64,), ())
-    with pytest.raises(TrainPlanError, match="distinct"):
-        TrainPlan("p", ("a", "a"), ("0" * 64,) * 2, (0.0, 0.0))
-    with pytest.raises(TrainPlanError, match="finite"):
-        TrainPlan("p", ("a",), ("0" * 64,), (float("nan"),))
-    with pytest.raises(TrainPlanError, match="sha256"):
-        TrainPlan("p", ("a",), ("g" * 64,), (0.0,))
 
 
 # --- finalizer side -> driver -> policy side (in memory) ------------------------------------------

@@ -28,11 +28,11 @@ Invariants checked at construction (a violation raises `RowInvariantError`):
   equality and hashing (`compare=False`): rows compare by their tokens, and ndarray `==` is
   elementwise, which would make `TrainRow.__eq__` raise.
 - `RowRef` is a capture row whose payload (token_ids, token_mask, generation_logprobs,
-  routed_experts) lives in the TransferQueue train partition (`train_rows`): it keeps what the
-  driver's metrics and checks read (lengths, prompt_len, loss-token count, calls, versions, modes,
-  spans, the R3 `RouteCoverage`, the owned calls), the partition key and the payload's digest,
-  and the prompt ids only when `logger.dump_first_call_prompt_ids` asked for them. A kept
-  rollout's rows are all `TrainRow`s or all `RowRef`s.
+  routed_experts) lives in the TransferQueue train partition (`data_plane.train_rows`): it keeps
+  what the driver's metrics and checks read (lengths, prompt_len, loss-token count, calls,
+  versions, modes, spans, the R3 `RouteCoverage`, the owned calls), the partition key and the
+  payload's digest, and the prompt ids only when `logger.dump_first_call_prompt_ids` asked for
+  them. A kept rollout's rows are all `TrainRow`s or all `RowRef`s.
 - Capture rows count every chain call as token_in or text root
   (`token_in_calls + text_root_calls == len(model_call_ids)`), carry an int weight version per
   call and name the terminal selection method. Legacy (token-echo) rows know neither modes,

@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from nemo_rl.token_capture.rows import (
+from nemo_rl.data.rows import (
     CallLineage,
     GroupResult,
     KeptRollout,
