@@ -125,7 +125,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     from nemo_rl.distributed.stack import start_stack
     from nemo_rl.environments.arith_task import CALCULATOR_TOOL, SYSTEM_PROMPT, make_problems, user_prompt
     from nemo_rl.environments.nemo_gym import NemoGymConfig
-    from nemo_rl.experience.rollout_manager import rollout_id_for
+    from nemo_rl.data.rollout_ids import rollout_id_for
     from nemo_rl.models.generation.vllm.config import GenerationConfig
     from nemo_rl.models.tiny_model import TinyModelConfig, ensure_tiny_model
     from nemo_rl.token_capture.config import TokenCaptureConfig
