@@ -58,7 +58,6 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
@@ -78,6 +77,7 @@ from nemo_rl.data_plane import DataPlaneError, MissingKeysError, Row
 from nemo_rl.data_plane.errors import format_keys
 from nemo_rl.token_capture import wire_metrics
 from nemo_rl.token_capture.stage_writer import StageWriter
+from nemo_rl.utils.lru import BoundedLRU
 
 TOKEN_IDS_FIELD = "token_ids_delta"
 TOKEN_MASK_FIELD = "token_mask_delta"
@@ -268,35 +268,6 @@ def conflict_error(key: str, stored_digest: str, new_digest: str) -> str:
     )
 
 
-class WrittenDigests:
-    """Bounded LRU map staging key -> digest of the record this process wrote; thread-safe."""
-
-    def __init__(self, max_keys: int) -> None:
-        if max_keys < 1:
-            raise ValueError(f"max_keys={max_keys}: must be >= 1")
-        self._max_keys = max_keys
-        self._digests: OrderedDict[str, str] = OrderedDict()
-        self._lock = threading.Lock()
-
-    def get(self, key: str) -> str | None:
-        with self._lock:
-            digest = self._digests.get(key)
-            if digest is not None:
-                self._digests.move_to_end(key)
-            return digest
-
-    def put(self, key: str, digest: str) -> None:
-        with self._lock:
-            self._digests[key] = digest
-            self._digests.move_to_end(key)
-            while len(self._digests) > self._max_keys:
-                self._digests.popitem(last=False)
-
-    def __len__(self) -> int:
-        with self._lock:
-            return len(self._digests)
-
-
 class TQTokenSink:
     """Gym `StagingSink` that writes each staged call as one row of a TQ partition."""
 
@@ -314,7 +285,10 @@ class TQTokenSink:
         self._timeout_s = timeout_s
         self._writer = writer
         self._locks = [threading.Lock() for _ in range(_LOCK_STRIPES)]
-        self._written = WrittenDigests(remembered_keys)
+        if remembered_keys < 1:
+            raise ValueError(f"max_keys={remembered_keys}: must be >= 1")
+        # staging key -> digest of the record this process wrote (what a reused key is checked against).
+        self._written: BoundedLRU[str, str] = BoundedLRU(remembered_keys)
 
     def stage(self, record: StagedCallRecord, *, attachments: Mapping[str, Any] | None = None) -> StageResult:
         """Durably stage one record under its staging key (see the module contract)."""

@@ -37,10 +37,10 @@ from nemo_rl.environments.capture_gate import (
     guard_config_from,
     upstream_error_answer,
 )
+from nemo_rl.data.errors import ApiError
 from nemo_rl.environments.gate_guard import (
     GateGuardConfig,
     GateGuardMiddleware,
-    GateRequestError,
     check_rollout_id,
     loc_field,
     split_rollout_path,
@@ -84,7 +84,7 @@ def chat_path(rollout_id: str) -> str:
     ],
 )
 def test_unusable_rollout_ids_are_400_naming_the_rule(rollout_id: str, message: str) -> None:
-    with pytest.raises(GateRequestError) as e:
+    with pytest.raises(ApiError) as e:
         check_rollout_id(rollout_id, 64)
     assert (e.value.status, e.value.err_type, e.value.param) == (400, "invalid_rollout_id", "rollout_id")
     assert e.value.message == message + (

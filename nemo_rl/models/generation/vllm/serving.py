@@ -33,7 +33,7 @@ Contract (the transport, `server.py`, is a thin shell over `ChatService`):
   token-in tails is probed from that template once at construction (`chat.derive_turn_end`; if
   it cannot be found every token-in call is `capture_failed`); replies are parsed with the
   configured `tool_call_parser` (vLLM's names, `chat.TOOL_CALL_PARSERS`).
-- Caller errors are `HttpError`s with a status, a named type and the field (`param`): 400 for an
+- Caller errors are `ApiError`s (`nemo_rl.data.errors`) with a status, a named type and the field (`param`): 400 for an
   invalid request (`request_rules.check_chat_request`, the chat template refusing the
   messages, sampling values the engine refuses) or admission (Gym's `CaptureAdmission`, inline
   prefix ids outside the vocabulary), 409 `prefix_mismatch` when staged records do not form the
@@ -112,6 +112,7 @@ from nemo_gym.token_id_capture.staging import (
     RolloutTokenCapture,
     staging_key,
 )
+from nemo_rl.data.errors import ApiError
 from nemo_rl.data_plane.errors import DataPlaneError
 from nemo_rl.models.generation.vllm.chat import (
     ChatTemplateTokenizer,
@@ -156,20 +157,6 @@ def duplicate_wait_bound_s(generate_timeout_s: float, stage_timeout_s: float) ->
     """The longest an admitted call can take here: the parents' wait, a prefix read (which may wait
     for a missing key), the generation and a before-reply write, each under its own deadline."""
     return generate_timeout_s + 3 * stage_timeout_s
-
-
-class HttpError(Exception):
-    """An answer for the caller: status, named type, message and (when one is at fault) the field."""
-
-    def __init__(self, status: int, err_type: str, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.err_type = err_type
-        self.message = message
-        self.param = param
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.err_type, "param": self.param, "code": self.status}}
 
 
 def _admission_field(e: ValidationError) -> str:
@@ -447,13 +434,13 @@ class ChatService:
         try:
             check_chat_request(body, max_model_len=self._max_model_len)
         except RequestFieldError as e:
-            raise HttpError(400, "invalid_request", e.message, param=e.field) from e
+            raise ApiError("invalid_request", e.message, param=e.field) from e
         try:
             messages = normalize_messages(body.get("messages"))
             tools = chat_tools(body.get("tools"))
             sampling = sampling_from_body(body, default_max_tokens=self._default_max_tokens)
         except InvalidChatRequest as e:
-            raise HttpError(400, "invalid_request", str(e)) from e
+            raise ApiError("invalid_request", str(e)) from e
         raw_admission = body.get("ng_capture")
         if raw_admission is None:
             return await self._serve_plain(
@@ -510,10 +497,9 @@ class ChatService:
                 ) from None
         return None
 
-    def _duplicate(self, admission: CaptureAdmission, why: str) -> HttpError:
+    def _duplicate(self, admission: CaptureAdmission, why: str) -> ApiError:
         self.stats["duplicate_model_call_id"] += 1
-        return HttpError(
-            409,
+        return ApiError(
             "duplicate_model_call_id",
             f"rollout {admission.rollout_id!r} call {admission.model_call_id!r} {why}; a model_call_id is served "
             "once, and only a byte-identical re-send is replayed (fix: mint a fresh model_call_id per call)",
@@ -552,13 +538,13 @@ class ChatService:
         if message is not None:
             self.stats["context_length_exceeded"] += 1
             field = "messages" if len(prompt_ids) >= self._max_model_len else "max_tokens"
-            raise HttpError(400, "context_length_exceeded", message, param=field)
+            raise ApiError("context_length_exceeded", message, param=field)
         room = self._max_model_len - len(prompt_ids)
         return sampling if sampling.max_tokens <= room else replace(sampling, max_tokens=room)
 
     def tokenize(self, body: Any) -> dict:
         if not isinstance(body, dict):
-            raise HttpError(400, "invalid_request", "request body must be a JSON object", param="body")
+            raise ApiError("invalid_request", "request body must be a JSON object", param="body")
         try:
             if "messages" in body:
                 check_chat_request({"messages": body["messages"], "tools": body.get("tools")}, max_model_len=self._max_model_len)
@@ -568,9 +554,9 @@ class ChatService:
             else:
                 raise RequestFieldError("messages", "tokenize needs `messages` (chat) or `prompt` (a string)")
         except RequestFieldError as e:
-            raise HttpError(400, "invalid_request", e.message, param=e.field) from e
+            raise ApiError("invalid_request", e.message, param=e.field) from e
         except InvalidChatRequest as e:
-            raise HttpError(400, "invalid_request", str(e)) from e
+            raise ApiError("invalid_request", str(e)) from e
         return {"tokens": ids, "count": len(ids)}
 
     def _render_root(self, messages: list[dict], tools: list[dict] | None) -> list[int]:
@@ -578,8 +564,8 @@ class ChatService:
         try:
             return render_root_prompt(self._tokenizer, messages, tools)
         except TemplateError as e:  # templates `raise_exception` on conversations they do not accept
-            raise HttpError(
-                400, "invalid_request", f"the model's chat template cannot render these messages: {e}", param="messages"
+            raise ApiError(
+                "invalid_request", f"the model's chat template cannot render these messages: {e}", param="messages"
             ) from e
 
     async def _serve_plain(
@@ -600,8 +586,7 @@ class ChatService:
 
     def _validate_admission(self, raw: Any) -> CaptureAdmission:
         if self.capture is None:
-            raise HttpError(
-                400,
+            raise ApiError(
                 "capture_not_installed",
                 "request carries ng_capture but token capture is not installed on this worker "
                 "(set token_capture.enabled=true, or point the gate at a capture-off worker)",
@@ -610,14 +595,13 @@ class ChatService:
         try:
             admission = CaptureAdmission.model_validate(raw)
         except ValidationError as e:
-            raise HttpError(
-                400, "invalid_capture_admission", f"ng_capture is not a valid CaptureAdmission: {e}",
+            raise ApiError(
+                "invalid_capture_admission", f"ng_capture is not a valid CaptureAdmission: {e}",
                 param=_admission_field(e),
             ) from e
         outside = [t for t in admission.required_prefix_token_ids if not 0 <= t < self._vocab_size]
         if outside:
-            raise HttpError(
-                400,
+            raise ApiError(
                 "invalid_capture_admission",
                 f"ng_capture.required_prefix_token_ids holds {len(outside)} id(s) outside this model's vocabulary "
                 f"0..{self._vocab_size - 1} (first: {outside[0]})",
@@ -654,8 +638,8 @@ class ChatService:
                 # Serve the turn from the re-rendered conversation, but never as captured.
                 prompt_ids, tail_error = self._render_root(messages, tools), f"tail_render_failed: {e}"
             except TemplateError as e:
-                raise HttpError(
-                    400, "invalid_request", f"the model's chat template cannot render these messages: {e}",
+                raise ApiError(
+                    "invalid_request", f"the model's chat template cannot render these messages: {e}",
                     param="messages",
                 ) from e
         sampling = self._fit_context(prompt_ids, sampling)  # before any capture lifecycle step
@@ -667,7 +651,7 @@ class ChatService:
                 admission, prefix_token_ids=prefix, stream=False, weight_version=self._engine.weight_version
             )
         except CaptureError as e:
-            raise HttpError(400, "invalid_capture_admission", str(e), param="ng_capture") from e
+            raise ApiError("invalid_capture_admission", str(e), param="ng_capture") from e
         return _Plan(
             admission=admission, call=call, prefix=prefix, prompt_ids=prompt_ids, tail_error=tail_error, sampling=sampling,
             history_has_assistant_turn=has_assistant_turn(messages),
@@ -678,7 +662,7 @@ class ChatService:
         if admission.staging_chain:
             where, param = f"staging_chain of call {admission.model_call_id}", "ng_capture.staging_chain"
             if self.prefix_cache is None:
-                raise HttpError(503, "staging_unavailable", "no staging source is configured to resolve staging_chain",
+                raise ApiError("staging_unavailable", "no staging source is configured to resolve staging_chain",
                                 param=param)
             await self._check_parents(admission, where, param)
             try:
@@ -687,14 +671,14 @@ class ChatService:
                     self.prefix_cache.resolve, list(admission.staging_chain), admission.prev_len, admission.parent_chain_hash
                 )
             except (PrefixMismatchError, StagedRecordInvalidError) as e:
-                raise HttpError(409, "prefix_mismatch", f"{where}: {type(e).__name__}: {e}", param=param) from e
+                raise ApiError("prefix_mismatch", f"{where}: {type(e).__name__}: {e}", param=param) from e
             except (PrefixError, StagingFetchError, DataPlaneError) as e:
-                raise HttpError(503, "staging_unavailable", f"{where}: {type(e).__name__}: {e}", param=param) from e
+                raise ApiError("staging_unavailable", f"{where}: {type(e).__name__}: {e}", param=param) from e
         inline = list(admission.required_prefix_token_ids)
         top = body.get("required_prefix_token_ids")
         if top not in (None, []) and list(top) != inline:
-            raise HttpError(
-                400, "invalid_capture_admission", "top-level required_prefix_token_ids disagree with ng_capture",
+            raise ApiError(
+                "invalid_capture_admission", "top-level required_prefix_token_ids disagree with ng_capture",
                 param="required_prefix_token_ids",
             )
         await self._check_parents(admission, f"inline prefix of call {admission.model_call_id}",
@@ -724,8 +708,8 @@ class ChatService:
         wire_metrics.add_call_cost("parent_wait_s", time.perf_counter() - started)
         if rows.lost:
             self.stats["parents_not_durable"] += 1
-            raise HttpError(
-                503, "staging_unavailable",
+            raise ApiError(
+                "staging_unavailable",
                 f"{where}: parent row(s) this worker staged are not durable, so no child is generated from them: "
                 + "; ".join(f"{key}: {why}" for key, why in sorted(rows.lost.items())),
                 param=param,
@@ -737,17 +721,17 @@ class ChatService:
     async def _confirm_staged(self, key: str, admission: CaptureAdmission, where: str, param: str) -> None:
         """An inline prefix's parent row, read from the store: it exists and ends where the admission says."""
         if self.prefix_cache is None:
-            raise HttpError(503, "staging_unavailable",
+            raise ApiError("staging_unavailable",
                             f"{where}: no staging source is configured to prove parent {key} durable", param=param)
         try:
             cum_len, chain_hash = await asyncio.to_thread(self.prefix_cache.staged_tip, key)
         except StagedRecordInvalidError as e:
-            raise HttpError(409, "prefix_mismatch", f"{where}: {type(e).__name__}: {e}", param=param) from e
+            raise ApiError("prefix_mismatch", f"{where}: {type(e).__name__}: {e}", param=param) from e
         except (StagingFetchError, DataPlaneError, PrefixError) as e:
-            raise HttpError(503, "staging_unavailable", f"{where}: {type(e).__name__}: {e}", param=param) from e
+            raise ApiError("staging_unavailable", f"{where}: {type(e).__name__}: {e}", param=param) from e
         if (cum_len, chain_hash) != (admission.prev_len, admission.parent_chain_hash):
-            raise HttpError(
-                409, "prefix_mismatch",
+            raise ApiError(
+                "prefix_mismatch",
                 f"{where}: parent row {key} ends at {cum_len} ids with chain hash {chain_hash}, the admission says "
                 f"prev_len {admission.prev_len} and parent_chain_hash {admission.parent_chain_hash}",
                 param=param,
@@ -851,14 +835,14 @@ class ChatService:
             wire_metrics.add_call_cost("generate_s", time.perf_counter() - started)  # the engine's part, both paths
             return result
         except InvalidChatRequest as e:
-            raise HttpError(400, "invalid_request", str(e)) from e
+            raise ApiError("invalid_request", str(e)) from e
         except EngineFailedError as e:
-            raise HttpError(503, "worker_failed", str(e)) from e
+            raise ApiError("worker_failed", str(e)) from e
         except GenerationTimeoutError as e:
             self.stats["generation_timeout"] += 1
-            raise HttpError(503, "generation_timeout", str(e)) from e
+            raise ApiError("generation_timeout", str(e)) from e
         except RefitGateTimeoutError as e:
-            raise HttpError(503, "worker_refitting", str(e)) from e
+            raise ApiError("worker_refitting", str(e)) from e
 
     def _response(
         self,

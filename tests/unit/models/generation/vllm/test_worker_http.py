@@ -33,7 +33,8 @@ from nemo_rl.models.generation.vllm.engine import (
 )
 from nemo_rl.models.generation.vllm.prefix_cache import PrefixCache
 from nemo_rl.models.generation.vllm.server import Endpoint, build_app
-from nemo_rl.models.generation.vllm.serving import AdmittedCalls, ChatService, HttpError, request_digest
+from nemo_rl.data.errors import ApiError
+from nemo_rl.models.generation.vllm.serving import AdmittedCalls, ChatService, request_digest
 from nemo_rl.models.generation.vllm.worker import VllmGenerationWorker, WorkerError, WorkerFailedError
 from nemo_rl.models.tiny_model.corpus import task_conversation
 from nemo_rl.models.tiny_model.tokenizer import train_tokenizer
@@ -127,8 +128,8 @@ def _admission(call_id: str, *, rollout: str = "r1", mode: str = "text", **extra
             "parent_chain_hash": None, **extra}
 
 
-async def _refused(svc: ChatService, body: dict) -> HttpError:
-    with pytest.raises(HttpError) as e:
+async def _refused(svc: ChatService, body: dict) -> ApiError:
+    with pytest.raises(ApiError) as e:
         await svc.chat_completions(body)
     return e.value
 
@@ -220,7 +221,7 @@ async def test_a_resend_while_the_first_is_in_flight_waits_for_it_and_replays(to
 async def test_a_resend_waiting_on_a_first_that_was_not_generated_is_served_in_its_place(tokenizer) -> None:
     engine, svc, staging, first, resent = await _send_then_resend_while_held(tokenizer, fail_first=True)
     engine.release.set()
-    with pytest.raises(HttpError) as e:
+    with pytest.raises(ApiError) as e:
         await first
     assert (e.value.status, e.value.err_type) == (503, "generation_timeout")
     reply = await resent

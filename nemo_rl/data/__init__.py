@@ -1,0 +1,1 @@
+"""Records that cross process boundaries: the lowest layer of `nemo_rl`, importing nothing from it."""
