@@ -14,28 +14,26 @@ from dataclasses import dataclass
 
 import pytest
 
-from nemo_gym.token_id_capture.adapters.vllm import VLLMCaptureAdapter
 from nemo_gym.token_id_capture.staging import (
     CallRecord,
     RolloutReceipt,
     StagedCallBaseSnapshot,
     StagedCallRecord,
     StageResult,
-    install_capture,
     staging_key,
     verify_and_linearize,
 )
 from nemo_rl.environments import arith_task
 from nemo_rl.models.generation.vllm.chat import normalize_messages, render_root_prompt
-from nemo_rl.models.generation.vllm.prefix_cache import PrefixCache
 from nemo_rl.data.errors import ApiError
-from nemo_rl.models.generation.vllm.serving import ChatService, ServedRegistry, context_overflow_message
+from nemo_rl.models.generation.vllm.prefix_cache import PrefixCache
+from nemo_rl.models.generation.vllm.custody import ServedRegistry, build_custody, build_tq_custody
+from nemo_rl.models.generation.vllm.serving import ChatService, context_overflow_message
 from nemo_rl.models.tiny_model.chat_template import LLAMA3
 from nemo_rl.models.tiny_model.corpus import task_conversation
 from nemo_rl.models.tiny_model.tokenizer import train_tokenizer
 from nemo_rl.data_plane import MissingKeysError
 from nemo_rl.data_plane.errors import DataPlaneTimeoutError
-from nemo_rl.models.generation.vllm.worker import wire_capture
 from nemo_rl.token_capture.config import TokenCaptureConfig
 from nemo_rl.token_capture.served import ServedCall
 from nemo_rl.token_capture.staging import StagedKeysMissingError
@@ -107,6 +105,17 @@ def _service(
     tool_call_parser="hermes",
 ):
     engine = ScriptedEngine(script)
+    staging = staging if staging is not None else MemoryStaging()
+    custody = build_custody(
+        staging,
+        staging,
+        weight_version_fn=lambda: engine.weight_version,
+        prefix_cache_max_tokens=100_000,
+        vocab_size=len(tokenizer),
+        max_admitted_calls=1000,
+        worker_index=worker_index,
+        max_served_rollouts=max_served_rollouts,
+    ) if capture else None
     svc = ChatService(
         engine,
         tokenizer,
@@ -114,15 +123,8 @@ def _service(
         default_max_tokens=16,
         max_model_len=max_model_len,
         tool_call_parser=tool_call_parser,
-        vocab_size=len(tokenizer),
-        max_admitted_calls=1000,
-        worker_index=worker_index,
-        max_served_rollouts=max_served_rollouts,
+        custody=custody,
     )
-    staging = staging if staging is not None else MemoryStaging()
-    if capture:
-        install_capture(svc, sink=staging, weight_version_fn=lambda: engine.weight_version, adapter=VLLMCaptureAdapter())
-        svc.install_prefix_cache(PrefixCache(staging, max_tokens=100_000))
     return svc, engine, staging
 
 
@@ -642,12 +644,14 @@ STAGE_TIMEOUT_S = 0.3
 
 
 def _behind(tokenizer, script, plane=None, **kw):
-    """A worker core wired as the worker wires it under write-behind staging (`wire_capture`)."""
+    """A worker core built as the worker builds it under write-behind staging (`build_tq_custody`)."""
     svc, engine, _ = _service(tokenizer, script, capture=False, **kw)
     plane = plane if plane is not None else GatedPlane()
     cfg = TokenCaptureConfig(enabled=True, stage_timeout_s=STAGE_TIMEOUT_S, staging_partition="p")
-    writer, _ = wire_capture(svc, plane, cfg, engine)
-    return svc, engine, plane, writer
+    custody = build_tq_custody(plane, cfg, weight_version_fn=lambda: engine.weight_version,
+                               vocab_size=len(tokenizer), max_admitted_calls=1000)
+    svc.custody = custody.core
+    return svc, engine, plane, custody.writer
 
 
 def _child(r1, call_id="c2", *, inline=None):
