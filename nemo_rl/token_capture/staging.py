@@ -21,7 +21,7 @@ Contract (Gym's external-staging protocol, `nemo_gym.token_id_capture.staging.pr
   per-key lock around check-then-write).
 - Why a blind write is safe (what replaced the read-before-write): a staging key is written by
   one worker, once. The gate mints a fresh `model_call_id` for every call, and a worker admits
-  a (rollout_id, model_call_id) once and never generates it twice (`serving.AdmittedCalls`).
+  a (rollout_id, model_call_id) once and never generates it twice (`registry.AdmittedCalls` of the worker's custody core).
   If that ever broke (a second process writing a different record under a staged key), the last
   write would win, but nothing unverified can train: the gate commits the digest of the record
   the worker returned to the ledger, the finalizer's snapshot recomputes the digest of what is

@@ -18,7 +18,7 @@ Contract:
   already cached is replaced by the seeded entry (the worker's write is what the store now
   holds). A key that is not cached is fetched and verified by a later resolve as before.
 - Only durable rows enter the cache: a fetched snapshot was read from the store, and the worker
-  seeds a delta only once its row is written (`serving.ChatService._seed_when_durable`), so a
+  seeds a delta only once its row is written (`custody.CustodyCore._seed_when_durable`), so a
   cache hit proves its parent durable as a read would.
 - `staged_tip(key)` is the (cum_len, chain_hash) of one staged row, cached or read (not cached):
   how the worker proves an inline prefix's parent durable.

@@ -27,7 +27,8 @@ from nemo_rl.environments import arith_task
 from nemo_rl.models.generation.vllm.chat import normalize_messages, render_root_prompt
 from nemo_rl.data.errors import ApiError
 from nemo_rl.models.generation.vllm.prefix_cache import PrefixCache
-from nemo_rl.models.generation.vllm.custody import ServedRegistry, build_custody, build_tq_custody
+from nemo_rl.models.generation.vllm.custody import build_custody, build_tq_custody
+from nemo_rl.models.generation.vllm.registry import ServedRegistry
 from nemo_rl.models.generation.vllm.serving import ChatService, context_overflow_message
 from nemo_rl.models.tiny_model.chat_template import LLAMA3
 from nemo_rl.models.tiny_model.corpus import task_conversation

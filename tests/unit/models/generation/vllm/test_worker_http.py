@@ -32,7 +32,8 @@ from nemo_rl.models.generation.vllm.engine import (
 )
 from nemo_rl.models.generation.vllm.server import Endpoint, build_app
 from nemo_rl.data.errors import ApiError
-from nemo_rl.models.generation.vllm.custody import AdmittedCalls, build_custody, request_digest
+from nemo_rl.models.generation.vllm.custody import build_custody
+from nemo_rl.models.generation.vllm.registry import AdmittedCalls, request_digest
 from nemo_rl.models.generation.vllm.serving import ChatService
 from nemo_rl.models.generation.vllm.worker import VllmGenerationWorker, WorkerError, WorkerFailedError
 from nemo_rl.models.tiny_model.corpus import task_conversation
