@@ -11,5 +11,5 @@ Contract:
   (train rows, `RowRef`, kept rollouts, placeholders, groups), `train_rows` (`TrainPlan` and the
   train-row codec), `train_batch` (`TrainBatch`), `policy_errors` (the policy failures that cross
   Ray), `staged_rows` (the staged-row codec), `fields` (data-plane field values), `request_rules`
-  (the chat request rules the worker and the gate share).
+  (the chat request rules the worker and the gate share), `errors` (the one OpenAI-style error).
 """

@@ -1,7 +1,8 @@
 """`DataPlaneClient`: a synchronous, deadline-bounded handle on the shared data plane.
 
 Contract:
-- `DataPlaneClient.attach(cfg)` works in any process of the Ray job (the driver, actors in this
+- `DataPlaneClient.attach(cfg)` (from a coroutine: `await DataPlaneClient.attach_async(cfg)`, which
+  runs no `ray.get` and never blocks the event loop) works in any process of the Ray job (the driver, actors in this
   venv, actors in another venv with the same ray/transferqueue versions) once the owner ran
   `start_data_plane`. Finding the controller and the storage handshake are bounded by
   `cfg.call_timeout_s` (the one-time import of transfer_queue in the process is not).
@@ -133,6 +134,25 @@ class DataPlaneClient:
         tq_backend.prepare_process(cfg)
         started = time.monotonic()
         conf = tq_backend.fetch_published_conf(deadline)
+        return cls._connect(cfg, conf, deadline, started)
+
+    @classmethod
+    async def attach_async(cls, cfg: DataPlaneConfig, *, timeout_s: float | None = None) -> DataPlaneClient:
+        """`attach` from a coroutine: the same client and deadline, without blocking the event loop.
+
+        The controller's config is awaited (no `ray.get` runs: Ray warns about any blocking get in an
+        asyncio actor's process), and the blocking steps (TQ's import, the storage handshake) run on
+        worker threads.
+        """
+        deadline = cfg.call_timeout_s if timeout_s is None else timeout_s
+        await asyncio.to_thread(tq_backend.prepare_process, cfg)
+        started = time.monotonic()
+        conf = await tq_backend.fetch_published_conf_async(deadline)
+        return await asyncio.to_thread(cls._connect, cfg, conf, deadline, started)
+
+    @classmethod
+    def _connect(cls, cfg: DataPlaneConfig, conf: Any, deadline: float, started: float) -> DataPlaneClient:
+        """The storage handshake of `attach` (blocking), within what is left of `deadline` since `started`."""
         loop = _LoopThread(name="nrl-data-plane-client")
 
         async def build() -> Any:

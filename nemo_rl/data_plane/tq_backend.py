@@ -29,6 +29,7 @@ Contract:
 
 from __future__ import annotations
 
+import asyncio
 import os
 import sys
 import time
@@ -236,21 +237,26 @@ def transport_failure(error: BaseException) -> BaseException | None:
     return None
 
 
-def fetch_published_conf(timeout_s: float) -> Any:
-    """The config the owner published on the controller (polls until published or deadline)."""
+def _controller() -> Any:
+    """The handle of the running TQ controller (a named-actor look-up, no `ray.get`)."""
     if not ray.is_initialized():
         raise DataPlaneUnavailableError(
             "Ray is not initialized in this process; attach from the driver after init_local_ray, or "
             "from inside a Ray actor of the same job"
         )
-    deadline = time.monotonic() + timeout_s
     try:
-        controller = ray.get_actor(CONTROLLER_NAME, namespace=TQ_NAMESPACE)
+        return ray.get_actor(CONTROLLER_NAME, namespace=TQ_NAMESPACE)
     except ValueError as e:
         raise DataPlaneUnavailableError(
             f"no TransferQueue controller {CONTROLLER_NAME!r} in namespace {TQ_NAMESPACE!r}: start the data "
             f"plane (start_data_plane) in the driver before attaching clients"
         ) from e
+
+
+def fetch_published_conf(timeout_s: float) -> Any:
+    """The config the owner published on the controller (polls until published or deadline)."""
+    deadline = time.monotonic() + timeout_s
+    controller = _controller()
     while True:
         try:
             conf = ray.get(controller.get_config.remote(), timeout=max(deadline - time.monotonic(), 0.0))
@@ -263,6 +269,24 @@ def fetch_published_conf(timeout_s: float) -> Any:
         if time.monotonic() + _CONFIG_POLL_INTERVAL_S > deadline:
             raise DataPlaneTimeoutError("attach", None, timeout_s, "controller has not published its config")
         time.sleep(_CONFIG_POLL_INTERVAL_S)
+
+
+async def fetch_published_conf_async(timeout_s: float) -> Any:
+    """`fetch_published_conf` for a coroutine: the answer is awaited, never fetched with `ray.get`."""
+    deadline = time.monotonic() + timeout_s
+    controller = await asyncio.to_thread(_controller)  # a GCS look-up: off the event loop
+    while True:
+        try:
+            conf = await asyncio.wait_for(controller.get_config.remote(), max(deadline - time.monotonic(), 0.0))
+        except asyncio.TimeoutError as e:
+            raise DataPlaneTimeoutError("attach", None, timeout_s, "controller did not answer get_config") from e
+        except ray.exceptions.RayActorError as e:
+            raise DataPlaneUnavailableError(f"the TransferQueue controller is dead: {e}") from e
+        if conf is not None:
+            return conf
+        if time.monotonic() + _CONFIG_POLL_INTERVAL_S > deadline:
+            raise DataPlaneTimeoutError("attach", None, timeout_s, "controller has not published its config")
+        await asyncio.sleep(_CONFIG_POLL_INTERVAL_S)
 
 
 def new_client(conf: Any, io_threads: int) -> Any:

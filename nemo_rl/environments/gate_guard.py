@@ -42,6 +42,7 @@ import aiohttp
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from nemo_rl.data import rollout_ids as rollout_id_rule
+from nemo_rl.data.errors import ApiError
 from nemo_rl.data.request_rules import (
     RequestFieldError,
     bearer_status,
@@ -91,27 +92,12 @@ class GateGuardConfig(BaseModel):
     )
 
 
-class GateRequestError(Exception):
-    """An answer the guard gives instead of forwarding (status, named type, field)."""
-
-    def __init__(self, status: int, err_type: str, message: str, param: str | None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.err_type = err_type
-        self.message = message
-        self.param = param
-
-    def body(self) -> bytes:
-        error = {"message": self.message, "type": self.err_type, "param": self.param, "code": self.status}
-        return json.dumps({"error": error}).encode()
-
-
 def check_rollout_id(rollout_id: str, max_chars: int) -> None:
-    """Raise `GateRequestError` 400 `invalid_rollout_id` unless the id is usable (`nemo_rl.data.rollout_ids`)."""
+    """Raise `ApiError` 400 `invalid_rollout_id` unless the id is usable (`nemo_rl.data.rollout_ids`)."""
     try:
         rollout_id_rule.check_rollout_id(rollout_id, max_chars)
     except rollout_id_rule.RolloutIdError as e:
-        raise GateRequestError(400, "invalid_rollout_id", str(e), "rollout_id") from e
+        raise ApiError("invalid_rollout_id", str(e), "rollout_id") from e
 
 
 def split_rollout_path(raw_path: bytes) -> tuple[str | None, str]:
@@ -148,10 +134,10 @@ def loc_field(loc: Sequence[Any]) -> str:
     return out or "body"
 
 
-def validation_error(e: ValidationError, what: str) -> GateRequestError:
+def validation_error(e: ValidationError, what: str) -> ApiError:
     first = e.errors()[0] if e.errors() else {"loc": (), "msg": str(e)}
     field = loc_field(first.get("loc", ()))
-    return GateRequestError(400, "invalid_request", f"{what}: {field}: {first.get('msg')}", field)
+    return ApiError("invalid_request", f"{what}: {field}: {first.get('msg')}", field)
 
 
 class WorkerContextLimit:
@@ -188,12 +174,11 @@ class WorkerContextLimit:
                     continue
                 value = (payload.get("data") or [{}])[0].get("max_model_len") if isinstance(payload, dict) else None
                 if not isinstance(value, int) or isinstance(value, bool) or value < 2:
-                    raise GateRequestError(
-                        502, "upstream_error", f"{url}/models names no usable max_model_len (got {show(value)})", None
+                    raise ApiError(
+                        "upstream_error", f"{url}/models names no usable max_model_len (got {show(value)})", None
                     )
                 return value
-        raise GateRequestError(
-            503,
+        raise ApiError(
             "upstream_unavailable",
             f"no vLLM worker answered its model list within {self._timeout_s:g} s ({'; '.join(reasons)}); the workers "
             "are still starting or are down",
@@ -232,7 +217,7 @@ class GateGuardMiddleware:
             return
         try:
             replay = await self._check(scope, receive)
-        except GateRequestError as e:
+        except ApiError as e:
             await _answer(send, e)
             return
         await self.app(scope, replay or receive, send)
@@ -262,20 +247,19 @@ class GateGuardMiddleware:
         authorization = headers.get(b"authorization")
         status = bearer_status(authorization.decode("latin-1") if authorization else None, self._token)
         if status == 401:
-            raise GateRequestError(
-                401, "control_auth_required", "control routes need an Authorization: Bearer <control token> header",
+            raise ApiError(
+                "control_auth_required", "control routes need an Authorization: Bearer <control token> header",
                 "Authorization",
             )
         if status == 403:
-            raise GateRequestError(403, "control_auth_invalid", "the control bearer token is not this run's", "Authorization")
+            raise ApiError("control_auth_invalid", "the control bearer token is not this run's", "Authorization")
         if route.startswith(MANIFEST_PREFIX):
             rollout_id = route[len(MANIFEST_PREFIX) :].split("/", 1)[0]
             check_rollout_id(rollout_id, self._cfg.max_rollout_id_chars)
 
     async def _read_body(self, scope: Scope, receive: Receive) -> tuple[bytes, list[Message]]:
         limit = self._cfg.max_body_bytes
-        too_large = GateRequestError(
-            413,
+        too_large = ApiError(
             "request_too_large",
             f"request body exceeds the gate's limit of {limit} bytes (nrl_gate_guard.max_body_bytes); "
             "nothing was forwarded",
@@ -303,9 +287,9 @@ class GateGuardMiddleware:
         try:
             body = parse_json_body(raw)
         except RequestFieldError as e:
-            raise GateRequestError(400, "invalid_json", e.message, e.field) from e
+            raise ApiError("invalid_json", e.message, e.field) from e
         if not isinstance(body, dict):
-            raise GateRequestError(400, "invalid_request", f"request body must be a JSON object, got {show(body)}", "body")
+            raise ApiError("invalid_request", f"request body must be a JSON object, got {show(body)}", "body")
         max_model_len = await self._context_limit()
         try:
             # The client's own dialect first (precise field names), then Gym's model and conversion.
@@ -314,14 +298,13 @@ class GateGuardMiddleware:
             else:
                 check_sampling_fields(body, TOKEN_FIELDS[kind], max_model_len)
         except RequestFieldError as e:
-            raise GateRequestError(400, "invalid_request", e.message, e.field) from e
+            raise ApiError("invalid_request", e.message, e.field) from e
         try:
             chat = self._to_chat(kind, body)
         except ValidationError as e:
             raise validation_error(e, f"the {kind} request does not match Gym's request model") from e
         except (ValueError, TypeError, KeyError, NotImplementedError) as e:  # how Gym's converters refuse input
-            raise GateRequestError(
-                400,
+            raise ApiError(
                 "invalid_request",
                 f"the {kind} request cannot be converted to a chat request: {type(e).__name__}: {e}",
                 "body",
@@ -331,7 +314,7 @@ class GateGuardMiddleware:
         try:
             check_chat_request(chat, max_model_len=max_model_len)
         except RequestFieldError as e:
-            raise GateRequestError(400, "invalid_request", e.message, e.field) from e
+            raise ApiError("invalid_request", e.message, e.field) from e
 
 
 class BodyLimitMiddleware:
@@ -348,8 +331,8 @@ class BodyLimitMiddleware:
         if scope.get("type") != "http":
             await self.app(scope, receive, send)
             return
-        error = GateRequestError(
-            413, "request_too_large", f"request body exceeds {self._limit} bytes ({self._knob})", "body"
+        error = ApiError(
+            "request_too_large", f"request body exceeds {self._limit} bytes ({self._knob})", "body"
         )
         for key, value in scope.get("headers") or []:
             if key.lower() == b"content-length" and value.strip().isdigit() and int(value) > self._limit:
@@ -377,8 +360,8 @@ class BodyLimitMiddleware:
         await self.app(scope, replay, send)
 
 
-async def _answer(send: Send, error: GateRequestError) -> None:
-    body = error.body()
+async def _answer(send: Send, error: ApiError) -> None:
+    body = error.encoded()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode("ascii"))]
     if error.status == 401:
         headers.append((b"www-authenticate", b"Bearer"))

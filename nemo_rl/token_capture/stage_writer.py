@@ -57,13 +57,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import Counter, OrderedDict, deque
+from collections import Counter, deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from nemo_rl.data_plane import DataPlaneError
 from nemo_rl.token_capture import wire_metrics  # opt-in counters (benchmarks/capture_ab.py)
+from nemo_rl.utils.lru import BoundedLRU
 
 LOGGER = logging.getLogger(__name__)
 
@@ -127,16 +128,14 @@ class StageWriter:
         self._partition = partition
         self._timeout_s = timeout_s
         self._max_batch = max_batch
-        self._max_rollouts = max_rollouts
-        self._max_written_keys = max_written_keys
         self._cv = threading.Condition()
         self._queue: deque[_Queued] = deque()
         self._pending: dict[str, set[str]] = {}  # rollout_id -> keys queued or in a write
         self._pending_keys: set[str] = set()
         self._abandoned: set[str] = set()  # in a write the report barrier gave up on (lost already)
-        self._failed: OrderedDict[str, dict[str, str]] = OrderedDict()  # rollout_id -> key -> why (LRU)
+        self._failed: BoundedLRU[str, dict[str, str]] = BoundedLRU(max_rollouts)  # rollout_id -> key -> why
         self._lost: dict[str, str] = {}  # key -> why, the same entries as `_failed`, by key
-        self._written: OrderedDict[str, None] = OrderedDict()  # LRU of keys whose write returned
+        self._written: BoundedLRU[str, None] = BoundedLRU(max_written_keys)  # keys whose write returned
         self._on_written: dict[str, list[Callable[[], object]]] = {}
         self._closed = False
         self._fatal: BaseException | None = None
@@ -165,9 +164,8 @@ class StageWriter:
             if key in self._pending_keys:
                 self._on_written.setdefault(key, []).append(fn)
                 return True
-            if key not in self._written:
+            if not self._written.touch(key):
                 return False  # lost, or unvouched
-            self._written.move_to_end(key)
             fn()
             return True
 
@@ -183,7 +181,7 @@ class StageWriter:
                     self._give_up(set(ids), timeout_s)
                     break
                 self._cv.wait(remaining)
-            failures = {key: why for rollout_id in ids for key, why in self._failed.get(rollout_id, {}).items()}
+            failures = {key: why for rollout_id in ids for key, why in (self._failed.peek(rollout_id) or {}).items()}
             waited = time.monotonic() - started
             self.stats["flushes"] += 1
             self.stats["flush_wait_s"] += waited
@@ -228,9 +226,7 @@ class StageWriter:
                     lost[key] = _not_finished(timeout_s)
                 elif key in self._lost:
                     lost[key] = self._lost[key]
-                elif key in self._written:
-                    self._written.move_to_end(key)
-                else:
+                elif not self._written.touch(key):
                     unvouched.append(key)
             self.stats["parent_waits"] += 1
             self.stats["parent_wait_s"] += time.monotonic() - started
@@ -280,14 +276,15 @@ class StageWriter:
 
     def _lose(self, rollout_id: str, key: str, why: str) -> None:
         """Remember `key` as lost (lock held); the oldest rollouts' failures are evicted past the bound."""
-        self._failed.setdefault(rollout_id, {})[key] = why
-        self._failed.move_to_end(rollout_id)
+        failed = self._failed.get(rollout_id)
+        if failed is None:
+            failed = {}
+            for _, evicted in self._failed.put(rollout_id, failed):
+                for old in evicted:
+                    self._lost.pop(old, None)
+                self.stats["failures_evicted_rollouts"] += 1
+        failed[key] = why
         self._lost[key] = why
-        while len(self._failed) > self._max_rollouts:
-            _, evicted = self._failed.popitem(last=False)
-            for old in evicted:
-                self._lost.pop(old, None)
-            self.stats["failures_evicted_rollouts"] += 1
 
     def _settle(self, batch: list[_Queued], error: str | None, elapsed_s: float) -> None:
         with self._cv:
@@ -306,10 +303,7 @@ class StageWriter:
                 if error is not None:
                     self._lose(item.rollout_id, item.key, error)
                     continue
-                self._written[item.key] = None
-                self._written.move_to_end(item.key)
-                while len(self._written) > self._max_written_keys:
-                    self._written.popitem(last=False)
+                self._written.put(item.key, None)
                 for fn in callbacks:
                     if self._fatal is None:
                         self._call(fn, item.key)

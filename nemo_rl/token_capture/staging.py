@@ -18,7 +18,7 @@ Contract (Gym's external-staging protocol, `nemo_gym.token_id_capture.staging.pr
   per-key lock around check-then-write).
 - Why a blind write is safe (what replaced the read-before-write): a staging key is written by
   one worker, once. The gate mints a fresh `model_call_id` for every call, and a worker admits
-  a (rollout_id, model_call_id) once and never generates it twice (`serving.AdmittedCalls`).
+  a (rollout_id, model_call_id) once and never generates it twice (`registry.AdmittedCalls` of the worker's custody core).
   If that ever broke (a second process writing a different record under a staged key), the last
   write would win, but nothing unverified can train: the gate commits the digest of the record
   the worker returned to the ledger, the finalizer's snapshot recomputes the digest of what is
@@ -54,7 +54,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
@@ -84,6 +83,7 @@ from nemo_rl.data_plane import DataPlaneError, MissingKeysError
 from nemo_rl.data_plane.errors import format_keys
 from nemo_rl.token_capture import wire_metrics
 from nemo_rl.token_capture.stage_writer import StageWriter
+from nemo_rl.utils.lru import BoundedLRU
 
 # Re-reads of a key another worker is still writing: a write takes milliseconds, so start small.
 _FIRST_MISSING_PAUSE_S = 0.002
@@ -131,35 +131,6 @@ def conflict_error(key: str, stored_digest: str, new_digest: str) -> str:
     )
 
 
-class WrittenDigests:
-    """Bounded LRU map staging key -> digest of the record this process wrote; thread-safe."""
-
-    def __init__(self, max_keys: int) -> None:
-        if max_keys < 1:
-            raise ValueError(f"max_keys={max_keys}: must be >= 1")
-        self._max_keys = max_keys
-        self._digests: OrderedDict[str, str] = OrderedDict()
-        self._lock = threading.Lock()
-
-    def get(self, key: str) -> str | None:
-        with self._lock:
-            digest = self._digests.get(key)
-            if digest is not None:
-                self._digests.move_to_end(key)
-            return digest
-
-    def put(self, key: str, digest: str) -> None:
-        with self._lock:
-            self._digests[key] = digest
-            self._digests.move_to_end(key)
-            while len(self._digests) > self._max_keys:
-                self._digests.popitem(last=False)
-
-    def __len__(self) -> int:
-        with self._lock:
-            return len(self._digests)
-
-
 class TQTokenSink:
     """Gym `StagingSink` that writes each staged call as one row of a TQ partition."""
 
@@ -177,7 +148,10 @@ class TQTokenSink:
         self._timeout_s = timeout_s
         self._writer = writer
         self._locks = [threading.Lock() for _ in range(_LOCK_STRIPES)]
-        self._written = WrittenDigests(remembered_keys)
+        if remembered_keys < 1:
+            raise ValueError(f"max_keys={remembered_keys}: must be >= 1")
+        # staging key -> digest of the record this process wrote (what a reused key is checked against).
+        self._written: BoundedLRU[str, str] = BoundedLRU(remembered_keys)
 
     def stage(self, record: StagedCallRecord, *, attachments: Mapping[str, Any] | None = None) -> StageResult:
         """Durably stage one record under its staging key (see the module contract)."""

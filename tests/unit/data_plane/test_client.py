@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import struct
 from collections.abc import Callable
 from typing import Any
@@ -232,6 +233,34 @@ def test_actor_process_attaches_reads_and_writes(client: DataPlaneClient, cfg: D
     ray.kill(user)
     (row,) = client.get("xproc", ["actor"], ["ids", "tag"])
     assert (row["ids"].tolist(), row["tag"]) == ([42, 43], "from-actor")
+
+
+@ray.remote(num_cpus=0)
+class _AsyncUser:
+    """An asyncio actor, as the vLLM worker is: Ray warns about any blocking `ray.get` in its process."""
+
+    async def round_trip(self, cfg_json: str, use_async_attach: bool) -> tuple[str, bool]:
+        import ray._private.worker as ray_worker
+
+        from nemo_rl.data_plane import DataPlaneClient, DataPlaneConfig
+
+        cfg = DataPlaneConfig.model_validate_json(cfg_json)
+        if use_async_attach:
+            remote = await DataPlaneClient.attach_async(cfg)
+        else:  # what the worker did before: the sync attach, off the event loop
+            remote = await asyncio.to_thread(DataPlaneClient.attach, cfg)
+        (row,) = await asyncio.to_thread(remote.get, "xproc", ["driver-async"], ["tag"])
+        await asyncio.to_thread(remote.close)
+        return row["tag"], ray_worker.blocking_get_inside_async_warned
+
+
+def test_an_async_actor_attaches_without_any_blocking_ray_get(client: DataPlaneClient, cfg: DataPlaneConfig) -> None:
+    client.put("xproc", "driver-async", {"tag": "from-driver"})
+    for use_async_attach, warned in [(True, False), (False, True)]:  # the sync attach is the control: it warns
+        user = _AsyncUser.remote()
+        result = ray.get(user.round_trip.remote(cfg.model_dump_json(), use_async_attach), timeout=180)
+        ray.kill(user)
+        assert result == ("from-driver", warned), use_async_attach
 
 
 def test_second_data_plane_in_one_cluster_is_refused(plane: DataPlane, cfg: DataPlaneConfig) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 from typing import Any
@@ -77,6 +78,8 @@ def test_dead_storage_unit_then_dead_controller_fail_within_deadline(
 
     with pytest.raises(DataPlaneUnavailableError, match="no TransferQueue controller"):
         DataPlaneClient.attach(cfg)
+    with pytest.raises(DataPlaneUnavailableError, match="no TransferQueue controller"):
+        asyncio.run(DataPlaneClient.attach_async(cfg))
 
     started = time.monotonic()
     client.close()

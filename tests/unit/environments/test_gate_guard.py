@@ -25,9 +25,8 @@ from omegaconf import OmegaConf
 from nemo_gym.config_types import BaseServerConfig
 from nemo_gym import server_utils
 from nemo_gym.server_utils import ServerClient, get_first_server_config_dict
-from nemo_gym.token_id_capture.adapters.vllm import VLLMCaptureAdapter
 from nemo_gym.token_id_capture.protocols import install_lineage_store
-from nemo_gym.token_id_capture.staging import StageResult, install_capture, staging_key
+from nemo_gym.token_id_capture.staging import StageResult, staging_key
 from nemo_rl.environments import arith_task
 from nemo_rl.environments import nemo_gym_launch as launch
 from nemo_rl.environments.capture_gate import (
@@ -37,17 +36,17 @@ from nemo_rl.environments.capture_gate import (
     guard_config_from,
     upstream_error_answer,
 )
+from nemo_rl.data.errors import ApiError
 from nemo_rl.environments.gate_guard import (
     GateGuardConfig,
     GateGuardMiddleware,
-    GateRequestError,
     check_rollout_id,
     loc_field,
     split_rollout_path,
 )
 from nemo_rl.environments.gate_ledger import BranchingCaptureLedger
 from nemo_rl.environments.nemo_gym_config import NemoGymConfig
-from nemo_rl.models.generation.vllm.prefix_cache import PrefixCache
+from nemo_rl.models.generation.vllm.custody import build_custody
 from nemo_rl.models.generation.vllm.server import Endpoint, build_app
 from nemo_rl.models.generation.vllm.serving import ChatService
 from nemo_rl.models.tiny_model.corpus import task_conversation
@@ -84,7 +83,7 @@ def chat_path(rollout_id: str) -> str:
     ],
 )
 def test_unusable_rollout_ids_are_400_naming_the_rule(rollout_id: str, message: str) -> None:
-    with pytest.raises(GateRequestError) as e:
+    with pytest.raises(ApiError) as e:
         check_rollout_id(rollout_id, 64)
     assert (e.value.status, e.value.err_type, e.value.param) == (400, "invalid_rollout_id", "rollout_id")
     assert e.value.message == message + (
@@ -264,10 +263,10 @@ async def _stack(tokenizer, tmp_path: Path, *, serving: bool = True):
     # Gym's gate calls the worker through a process-global aiohttp session; make it on this test's loop.
     server_utils.set_global_aiohttp_client(server_utils.GlobalAIOHTTPAsyncClientConfig.model_validate({}))
     engine, staging = EchoEngine(tokenizer), Staging()
+    custody = build_custody(staging, staging, weight_version_fn=lambda: 0, prefix_cache_max_tokens=1000,
+                            vocab_size=len(tokenizer), max_admitted_calls=1000)
     svc = ChatService(engine, tokenizer, model_name="tiny", default_max_tokens=8, max_model_len=MAX_MODEL_LEN,
-                      tool_call_parser="hermes", vocab_size=len(tokenizer), max_admitted_calls=1000)
-    install_capture(svc, sink=staging, weight_version_fn=lambda: 0, adapter=VLLMCaptureAdapter())
-    svc.install_prefix_cache(PrefixCache(staging, max_tokens=1000))
+                      tool_call_parser="hermes", custody=custody)
     endpoint = Endpoint()
     endpoint.service = svc if serving else None
     worker = TestServer(build_app(endpoint, model_name="tiny", max_model_len=MAX_MODEL_LEN, max_request_bytes=1 << 22,

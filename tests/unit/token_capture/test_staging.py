@@ -264,7 +264,7 @@ def test_a_seeded_prefix_entry_equals_the_one_fetched_from_tq(sink: TQTokenSink,
             call, prompt_token_ids=prompt, generated_token_ids=generated, generated_logprobs=[-0.5] * len(generated)
         )
         assert coords.disposition == "staged"
-        # What the worker does after a staged call (serving._seed_prefix_cache).
+        # What the worker does after a staged call (custody.CustodyCore._seed_prefix_cache).
         assert seeded.seed(
             coords.staging_key, parent_key=chain[-1] if chain else None, parent_chain_hash=parent_hash,
             delta=(prompt + generated)[admission.prev_len :], cum_len=coords.cum_len, chain_hash=coords.chain_hash,

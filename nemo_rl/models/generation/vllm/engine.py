@@ -35,7 +35,6 @@ from __future__ import annotations
 import asyncio
 import enum
 import os
-from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,6 +44,7 @@ from nemo_rl.distributed.component_watch import ChildProcess
 from nemo_rl.models.generation.vllm import worker_extension
 from nemo_rl.models.generation.vllm.chat import InvalidChatRequest, SamplingRequest
 from nemo_rl.models.generation.vllm.config import VllmConfig
+from nemo_rl.utils.lru import BoundedLRU
 
 
 class EngineError(RuntimeError):
@@ -201,11 +201,11 @@ class VllmEngine:
         self._engine = engine
         self._eos = eos_token_id
         self._max_model_len = max_model_len
-        self._max_records = max_records
         self._deadlines = deadlines
         self._params_cls = params_cls
         self._dead_errors = dead_errors
-        self._records: OrderedDict[str, GenerationResult] = OrderedDict()
+        # Insertion order: a record read by the audit is not kept longer than one never read.
+        self._records: BoundedLRU[str, GenerationResult] = BoundedLRU(max_records)
         self.weight_version = 0
         self._cond = asyncio.Condition()
         self._inflight = 0
@@ -371,12 +371,10 @@ class VllmEngine:
         return result
 
     def _remember(self, result: GenerationResult) -> None:
-        self._records[result.request_id] = result
-        while len(self._records) > self._max_records:
-            self._records.popitem(last=False)
+        self._records.put(result.request_id, result)
 
     def records(self, request_ids: list[str]) -> dict[str, GenerationResult]:
-        return {rid: self._records[rid] for rid in request_ids if rid in self._records}
+        return {rid: record for rid in request_ids if (record := self._records.peek(rid)) is not None}
 
     async def prompt_logprobs(self, token_ids: list[int]) -> list[float]:
         """Logprob of each prompt token given its prefix (position 0 gets 0.0); gated like generate."""

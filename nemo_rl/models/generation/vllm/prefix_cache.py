@@ -18,7 +18,7 @@ Contract:
   already cached is replaced by the seeded entry (the worker's write is what the store now
   holds). A key that is not cached is fetched and verified by a later resolve as before.
 - Only durable rows enter the cache: a fetched snapshot was read from the store, and the worker
-  seeds a delta only once its row is written (`serving.ChatService._seed_when_durable`), so a
+  seeds a delta only once its row is written (`custody.CustodyCore._seed_when_durable`), so a
   cache hit proves its parent durable as a read would.
 - `staged_tip(key)` is the (cum_len, chain_hash) of one staged row, cached or read (not cached):
   how the worker proves an inline prefix's parent durable.
@@ -31,11 +31,12 @@ Contract:
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from nemo_gym.token_id_capture.staging import StagingSource, compute_chain_hash
+
+from nemo_rl.utils.lru import BoundedLRU
 
 
 class PrefixError(RuntimeError):
@@ -56,15 +57,18 @@ class CacheEntry:
     chain_hash: str
 
 
+def _delta_len(entry: CacheEntry) -> int:
+    return len(entry.delta)
+
+
 class PrefixCache:
     def __init__(self, source: StagingSource, max_tokens: int) -> None:
         if max_tokens < 0:
             raise ValueError(f"token_capture.prefix_cache_max_tokens={max_tokens}: must be >= 0")
         self._source = source
-        self._max_tokens = max_tokens
-        self._entries: OrderedDict[str, CacheEntry] = OrderedDict()
-        self._tokens = 0
-        self._lock = threading.Lock()
+        # Bounded by cached tokens: a delta longer than the bound alone is never held.
+        self._entries: BoundedLRU[str, CacheEntry] = BoundedLRU(max_tokens, weight=_delta_len)
+        self._lock = threading.Lock()  # the counters, and a resolve's or seed's several steps as one
         self.fetched_keys = 0
         self.fetched_tokens = 0
         self.seeded_keys = 0
@@ -76,7 +80,7 @@ class PrefixCache:
         if len(set(chain)) != len(chain):
             raise PrefixMismatchError(f"staging_chain repeats a key: {chain}")
         with self._lock:
-            cached = {k: self._entries[k] for k in chain if k in self._entries}
+            cached = {k: entry for k in chain if (entry := self._entries.peek(k)) is not None}
         missing = [k for k in chain if k not in cached]
         snapshots = self._source.fetch(missing) if missing else []
         if len(snapshots) != len(missing):
@@ -108,10 +112,8 @@ class PrefixCache:
             raise PrefixMismatchError(f"chain hash {parent.chain_hash} != admission parent_chain_hash {parent_chain_hash}")
         with self._lock:
             for key, entry in resolved:
-                if key in self._entries:
-                    self._entries.move_to_end(key)
-                else:
-                    self._insert(key, entry)
+                if not self._entries.touch(key):
+                    self._entries.put(key, entry)
             self.fetched_keys += len(missing)
             self.fetched_tokens += sum(len(fetched[k].token_ids_delta) for k in missing)
         prefix = [t for _, entry in resolved for t in entry.delta]
@@ -146,10 +148,7 @@ class PrefixCache:
             if not consistent:
                 self.seed_rejected += 1
                 return False
-            old = self._entries.pop(key, None)
-            if old is not None:
-                self._tokens -= len(old.delta)
-            self._insert(key, CacheEntry(parent_key, ids, cum_len, chain_hash))
+            self._entries.put(key, CacheEntry(parent_key, ids, cum_len, chain_hash))
             self.seeded_keys += key in self._entries
             return True
 
@@ -158,8 +157,7 @@ class PrefixCache:
 
         A read is not cached (a lone row names no chain position); the source's errors propagate.
         """
-        with self._lock:
-            cached = self._entries.get(key)
+        cached = self._entries.peek(key)
         if cached is not None:
             return cached.cum_len, cached.chain_hash
         snapshots = self._source.fetch([key])
@@ -170,18 +168,8 @@ class PrefixCache:
 
     def entry(self, key: str) -> CacheEntry | None:
         """The cached entry of `key` (no LRU touch), or None."""
-        with self._lock:
-            return self._entries.get(key)
-
-    def _insert(self, key: str, entry: CacheEntry) -> None:
-        if len(entry.delta) > self._max_tokens:
-            return  # never cached: it alone is over the bound
-        self._entries[key] = entry
-        self._tokens += len(entry.delta)
-        while self._tokens > self._max_tokens:
-            _, old = self._entries.popitem(last=False)
-            self._tokens -= len(old.delta)
+        return self._entries.peek(key)
 
     @property
     def cached_tokens(self) -> int:
-        return self._tokens
+        return self._entries.weight

@@ -5,7 +5,7 @@ Routes: POST /v1/chat/completions, POST /tokenize (and /v1/tokenize), GET /v1/mo
 GET /health (and /v1/health); control: GET /control/state (bearer).
 
 Contract:
-- Handlers only read the body, call the service and map `HttpError` to its status with an
+- Handlers only read the body, call the service and map `ApiError` to its status with an
   OpenAI-style error body `{"error": {"message", "type", "param", "code"}}` (`param` names the
   field at fault). Bodies are strict JSON (`request_rules.parse_json_body`: 400 `invalid_json`)
   of at most `max_request_bytes` (413 `request_too_large`, before the body is parsed).
@@ -13,7 +13,7 @@ Contract:
   503 `worker_stopping`; once failed 503 `worker_failed` naming the reason; before the service
   is let through 503 `worker_starting` (the port opens before the engine is up so the Gym
   servers can be pointed at it while vLLM loads). Nothing is generated in any of these states.
-- Any exception that is not an `HttpError` (or aiohttp's own 4xx) is a bug: it is logged with
+- Any exception that is not an `ApiError` (or aiohttp's own 4xx) is a bug: it is logged with
   its traceback, answered 500 `internal_error`, and reported to the `Endpoint`, which makes the
   worker failed, so the driver's next call into it raises with that traceback.
 - Control routes need `Authorization: Bearer <control token>` (the per-run token the launcher
@@ -31,8 +31,9 @@ from typing import Any
 
 from aiohttp import web
 
+from nemo_rl.data.errors import ApiError
 from nemo_rl.data.request_rules import RequestFieldError, bearer_status, parse_json_body
-from nemo_rl.models.generation.vllm.serving import ChatService, HttpError
+from nemo_rl.models.generation.vllm.serving import ChatService
 from nemo_rl.token_capture import wire_metrics  # opt-in body/latency counters (benchmarks/capture_ab.py)
 
 LOGGER = logging.getLogger(__name__)
@@ -75,7 +76,7 @@ class Endpoint:
         return self.engine_state()  # serving or refitting
 
 
-def _error(e: HttpError, headers: dict[str, str] | None = None) -> web.Response:
+def _error(e: ApiError, headers: dict[str, str] | None = None) -> web.Response:
     return web.json_response(e.body(), status=e.status, headers=headers)
 
 
@@ -83,8 +84,7 @@ async def _json_body(request: web.Request, max_request_bytes: int) -> object:
     try:
         raw = await request.read()
     except web.HTTPRequestEntityTooLarge as e:
-        raise HttpError(
-            413,
+        raise ApiError(
             "request_too_large",
             f"request body exceeds generation.vllm.max_request_bytes={max_request_bytes} bytes",
             param="body",
@@ -92,18 +92,18 @@ async def _json_body(request: web.Request, max_request_bytes: int) -> object:
     try:
         return parse_json_body(raw)
     except RequestFieldError as e:
-        raise HttpError(400, "invalid_json", e.message, param=e.field) from e
+        raise ApiError("invalid_json", e.message, param=e.field) from e
 
 
-def _unavailable(endpoint: Endpoint) -> HttpError | None:
+def _unavailable(endpoint: Endpoint) -> ApiError | None:
     if endpoint.stopping:
-        return HttpError(503, "worker_stopping", "the vLLM worker is shutting down")
+        return ApiError("worker_stopping", "the vLLM worker is shutting down")
     failure = endpoint.failure()
     if failure is not None:
         first_line = failure.splitlines()[0]
-        return HttpError(503, "worker_failed", f"the vLLM worker is failed and serves nothing: {first_line}")
+        return ApiError("worker_failed", f"the vLLM worker is failed and serves nothing: {first_line}")
     if endpoint.service is None:
-        return HttpError(503, "worker_starting", "the vLLM worker is still starting; retry once /health answers 200")
+        return ApiError("worker_starting", "the vLLM worker is still starting; retry once /health answers 200")
     return None
 
 
@@ -140,7 +140,7 @@ def build_app(
     async def errors(request: web.Request, handler) -> web.StreamResponse:
         try:
             return await handler(request)
-        except HttpError as e:
+        except ApiError as e:
             return _error(e)
         except web.HTTPException:
             raise  # aiohttp's own answers (404, 405): the caller's mistake, already a response
@@ -148,7 +148,7 @@ def build_app(
             LOGGER.exception("internal error serving %s %s; the worker is now failed", request.method, request.path)
             endpoint.report_bug(f"{request.method} {request.path}", e)
             return _error(
-                HttpError(500, "internal_error", f"internal error ({type(e).__name__}); the worker is now failed, see its log")
+                ApiError("internal_error", f"internal error ({type(e).__name__}); the worker is now failed, see its log")
             )
 
     @web.middleware
@@ -158,7 +158,7 @@ def build_app(
             if status is not None:
                 err_type, message = _AUTH_MESSAGES[status]
                 headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
-                return _error(HttpError(status, err_type, message, param="Authorization"), headers)
+                return _error(ApiError(err_type, message, param="Authorization"), headers)
             return await handler(request)
         unavailable = _unavailable(endpoint)
         if unavailable is not None:

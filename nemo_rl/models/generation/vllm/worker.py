@@ -8,8 +8,9 @@ Contract:
 - Start-up is three calls so the driver can start the data plane and the Gym servers while
   vLLM loads: `bind(control_token)` opens the HTTP port and returns its base URL (every route
   answers 503 `worker_starting`; control routes need the per-run bearer `control_token`, never
-  logged), `start_engine()` loads vLLM (slow), `serve()` installs token capture when
-  enabled and only then lets requests through, so no request is ever served uncaptured.
+  logged), `start_engine()` loads vLLM (slow), `serve()` builds the chat service (with its
+  custody core when token capture is enabled) and only then lets requests through, so no
+  request is ever served uncaptured.
 - Failed state: once the engine is failed (a refit that timed out or raised, the engine process
   died) or a route hit a bug, every route answers 503 `worker_failed` and every driver call
   (`update_weights`, `weight_version`, `engine_records`, `prompt_logprobs`, `take_served`,
@@ -17,15 +18,14 @@ Contract:
   bug's traceback). A refit whose in-flight generations outlive `refit_drain_timeout_s` is
   aborted instead: `WorkerError` says so and the worker keeps serving its previous weights and
   version. `GET /control/state` (bearer) reports state, weight version, in-flight count, failure.
-- `install_token_capture` (called by `serve` when token capture is enabled) hosts Gym's
-  `RolloutTokenCapture` with the TransferQueue sink over the `ChatService`, and gives the
-  service a bounded `PrefixCache` over the TQ source for `staging_chain` admissions. Under
-  `token_capture.stage_write=behind_reply` it also starts the worker's `StageWriter` (staged rows
-  written behind the reply, batched) and installs it as the service's barriers (served report,
-  parents' check, prefix seeding once durable); `wire_capture` is that wiring over any data-plane
-  client (the unit tests use it over an in-memory one). `shutdown` writes what is queued before
-  closing the data-plane client. A re-send waits for its call still in flight at most
-  `generate_timeout_s + 3 * stage_timeout_s` (`serving.duplicate_wait_bound_s`).
+- `serve` (token capture enabled) attaches the data plane without blocking the actor's event
+  loop and without any `ray.get` (`DataPlaneClient.attach_async`), then builds the custody core
+  in one call (`custody.build_tq_custody`: Gym's `RolloutTokenCapture` over the TransferQueue
+  sink, a bounded `PrefixCache` over the TQ source and, under
+  `token_capture.stage_write=behind_reply`, the `StageWriter` as its barriers) and the
+  `ChatService` over it. `shutdown` writes what is queued before closing the data-plane client.
+  A re-send waits for its call still in flight at most `generate_timeout_s + 3 * stage_timeout_s`
+  (`custody.duplicate_wait_bound_s`).
 - `update_weights(dir, version)` refits the engine; every later sample carries `version`. A `dir`
   this worker cannot see raises `WorkerError` naming `grpo.refit_dir` (on several nodes it must
   be on a shared filesystem) before the engine is touched; `check_shared_dir(probe)` proves the
@@ -77,37 +77,6 @@ class WorkerFailedError(WorkerError):
     nothing more, so the run must stop; the message carries the reason (a bug's traceback)."""
 
 
-def wire_capture(service, client, capture_cfg: TokenCaptureConfig, engine) -> tuple:
-    """Install Gym's capture (TQ sink), the TQ-backed prefix cache and, under `behind_reply`, the
-    stage writer and its barriers on `service`; returns (writer or None, prefix source).
-
-    `client` is the data plane (`DataPlaneClient`, or anything with its put/put_many/get/clear).
-    """
-    from nemo_gym.token_id_capture.adapters.vllm import VLLMCaptureAdapter
-    from nemo_gym.token_id_capture.staging import install_capture
-
-    from nemo_rl.models.generation.vllm.prefix_cache import PrefixCache
-    from nemo_rl.token_capture.stage_writer import StageWriter
-    from nemo_rl.token_capture.staging import TQTokenSink, TQTokenSource
-
-    partition = capture_cfg.staging_partition
-    timeout_s = capture_cfg.stage_timeout_s
-    behind = capture_cfg.stage_write == "behind_reply"
-    writer = StageWriter(client, partition, timeout_s=timeout_s) if behind else None
-    if writer is not None:
-        service.install_stage_barrier(writer, timeout_s)
-    install_capture(
-        service,
-        sink=TQTokenSink(client, partition, timeout_s=timeout_s, writer=writer),
-        weight_version_fn=lambda: engine.weight_version,
-        adapter=VLLMCaptureAdapter(),
-    )
-    # Under write-behind a parent staged by another worker may still be in its write.
-    source = TQTokenSource(client, partition, timeout_s=timeout_s, missing_wait_s=timeout_s if behind else 0.0)
-    service.install_prefix_cache(PrefixCache(source, capture_cfg.prefix_cache_max_tokens))
-    return writer, source
-
-
 class VllmGenerationWorker:
     def __init__(
         self,
@@ -124,12 +93,12 @@ class VllmGenerationWorker:
         self._capture_cfg = TokenCaptureConfig.model_validate(token_capture_cfg)
         self._dp_cfg = DataPlaneConfig.model_validate(data_plane_cfg) if data_plane_cfg is not None else None
         self._engine = None
-        self._service = None
+        self._tokenizer = None
+        self._service = None  # the ChatService, built by `serve`
         self._endpoint = Endpoint()  # what the HTTP routes serve from (starting until `serve`)
         self._runner = None
         self._client: DataPlaneClient | None = None
-        self._stage_writer = None  # StageWriter under token_capture.stage_write=behind_reply
-        self._prefix_source = None  # TQTokenSource of the prefix cache (capture on)
+        self._custody = None  # custody.TQCustody once `serve` built it (capture on)
         self.base_url: str | None = None
 
     async def start_engine(self) -> None:
@@ -137,7 +106,6 @@ class VllmGenerationWorker:
         from transformers import AutoTokenizer
 
         from nemo_rl.models.generation.vllm.engine import VllmEngine, wait_ready
-        from nemo_rl.models.generation.vllm.serving import ChatService, duplicate_wait_bound_s
 
         t0 = time.monotonic()
         try:
@@ -152,18 +120,7 @@ class VllmGenerationWorker:
             await wait_ready(self._engine, self._gen.vllm.startup_timeout_s)
         except Exception as e:
             raise WorkerError(f"vLLM engine failed to start from {self._model_dir}: {type(e).__name__}: {e}") from e
-        self._service = ChatService(
-            self._engine,
-            tokenizer,
-            model_name=self._gen.model_name,
-            default_max_tokens=self._gen.max_new_tokens,
-            max_model_len=self._gen.vllm.max_model_len,
-            tool_call_parser=self._gen.tool_call_parser,
-            vocab_size=len(tokenizer),
-            max_admitted_calls=self._gen.vllm.max_admitted_calls,
-            worker_index=self._worker_index,
-            duplicate_wait_s=duplicate_wait_bound_s(self._gen.vllm.generate_timeout_s, self._capture_cfg.stage_timeout_s),
-        )
+        self._tokenizer = tokenizer
         engine = self._engine
         self._endpoint.engine_failure = lambda: engine.failure
         self._endpoint.engine_state = lambda: engine.state.value
@@ -218,40 +175,60 @@ class VllmGenerationWorker:
             raise WorkerError(str(e)) from e
 
     async def serve(self) -> str:
-        """Install token capture (when enabled; the data plane must be up), then let requests
-        through; returns the base URL. Capture is in place before the first request is served."""
-        if self._service is None or self.base_url is None:
+        """Build the chat service (with token capture when enabled; the data plane must be up), then
+        let requests through; returns the base URL. Capture is in place before the first request."""
+        if self._engine is None or self.base_url is None:
             raise WorkerError("serve called before bind and start_engine")
         if self._endpoint.service is None:
-            if self._capture_cfg.enabled:
-                try:
-                    # Attaching the data plane waits on Ray and TransferQueue: off the actor's event loop.
-                    await asyncio.to_thread(self.install_token_capture)
-                except Exception as e:
-                    raise WorkerError(f"installing token capture failed: {type(e).__name__}: {e}") from e
+            from nemo_rl.token_capture import wire_metrics
+
+            self._service = await self._build_service()
+            wire_metrics.time_capture_calls(self._service)  # opt-in per-call capture timing (benchmarks/capture_ab.py)
             self._endpoint.service = self._service
         return self.base_url
+
+    async def _build_service(self):  # -> ChatService (imported here: the vLLM venv only)
+        from nemo_rl.models.generation.vllm.custody import build_tq_custody, duplicate_wait_bound_s
+        from nemo_rl.models.generation.vllm.serving import ChatService
+
+        custody = None
+        if self._capture_cfg.enabled:
+            if self._dp_cfg is None:
+                raise WorkerError("token_capture.enabled=true needs a data plane config for the TQ staging sink")
+            engine = self._engine
+            try:
+                # Awaited, not `ray.get`: no blocking call runs on (or for) the actor's event loop.
+                self._client = await DataPlaneClient.attach_async(self._dp_cfg)
+                self._custody = build_tq_custody(
+                    self._client,
+                    self._capture_cfg,
+                    weight_version_fn=lambda: engine.weight_version,
+                    vocab_size=len(self._tokenizer),
+                    max_admitted_calls=self._gen.vllm.max_admitted_calls,
+                    worker_index=self._worker_index,
+                    duplicate_wait_s=duplicate_wait_bound_s(
+                        self._gen.vllm.generate_timeout_s, self._capture_cfg.stage_timeout_s
+                    ),
+                )
+            except Exception as e:  # converted before it crosses the Ray boundary
+                raise WorkerError(f"installing token capture failed: {type(e).__name__}: {e}") from e
+            custody = self._custody.core
+        service = ChatService(
+            self._engine,
+            self._tokenizer,
+            model_name=self._gen.model_name,
+            default_max_tokens=self._gen.max_new_tokens,
+            max_model_len=self._gen.vllm.max_model_len,
+            tool_call_parser=self._gen.tool_call_parser,
+            custody=custody,
+        )
+        return service
 
     def _require_healthy(self, op: str) -> None:
         """A failed worker refuses every driver call, naming why (the run must not go on silently)."""
         failure = self._endpoint.failure()
         if failure is not None:
             raise WorkerFailedError(f"vLLM worker {self._worker_index} is failed, {op} refused: {failure}")
-
-    def install_token_capture(self, capture=None) -> None:
-        """Host Gym's RolloutTokenCapture (TQ sink) and the TQ-backed prefix cache on the service."""
-        from nemo_rl.token_capture import wire_metrics
-
-        if self._service is None or self._engine is None:
-            raise WorkerError("install_token_capture called before the engine started")
-        if capture is not None:
-            self._service.install_token_capture(capture)
-            return
-        if self._dp_cfg is None:
-            raise WorkerError("token_capture.enabled=true needs a data plane config for the TQ staging sink")
-        self._client = DataPlaneClient.attach(self._dp_cfg)
-        self._stage_writer, self._prefix_source = wire_capture(self._service, self._client, self._capture_cfg, self._engine)
-        wire_metrics.time_capture_calls(self._service)  # opt-in per-call capture timing (benchmarks/capture_ab.py)
 
     async def update_weights(self, weights_dir: str, version: int) -> int:
         from nemo_rl.models.generation.vllm.engine import RefitAbortedError
@@ -345,8 +322,7 @@ class VllmGenerationWorker:
             "prefix_cache_seeded_keys": cache.seeded_keys if cache else 0,
             "prefix_cache_seed_rejected": cache.seed_rejected if cache else 0,
             "prefix_cache_tokens": cache.cached_tokens if cache else 0,
-            "prefix_fetch_missing_waits": self._prefix_source.missing_waits if self._prefix_source else 0,
-            "stage_writer": dict(self._stage_writer.stats) if self._stage_writer else None,
+            **(self._custody.stats() if self._custody else {"prefix_fetch_missing_waits": 0, "stage_writer": None}),
         }
 
     async def shutdown(self) -> None:
@@ -358,9 +334,9 @@ class VllmGenerationWorker:
             self._engine.shutdown()
             self._engine = None
         # The writer's join and the client's close wait on threads: off the actor's event loop.
-        if self._stage_writer is not None:
-            await asyncio.to_thread(self._stage_writer.close, self._capture_cfg.stage_timeout_s)  # before its client
-            self._stage_writer = None
+        if self._custody is not None and self._custody.writer is not None:
+            await asyncio.to_thread(self._custody.writer.close, self._capture_cfg.stage_timeout_s)  # before its client
+        self._custody = None
         if self._client is not None:
             await asyncio.to_thread(self._client.close)
             self._client = None

@@ -14,14 +14,12 @@ from dataclasses import dataclass
 
 import pytest
 
-from nemo_gym.token_id_capture.adapters.vllm import VLLMCaptureAdapter
 from nemo_gym.token_id_capture.staging import (
     CallRecord,
     RolloutReceipt,
     StagedCallBaseSnapshot,
     StagedCallRecord,
     StageResult,
-    install_capture,
     staging_key,
     verify_and_linearize,
 )
@@ -30,9 +28,11 @@ from nemo_rl.data_plane import MissingKeysError
 from nemo_rl.data_plane.errors import DataPlaneTimeoutError
 from nemo_rl.environments import arith_task
 from nemo_rl.models.generation.vllm.chat import normalize_messages, render_root_prompt
+from nemo_rl.data.errors import ApiError
 from nemo_rl.models.generation.vllm.prefix_cache import PrefixCache
-from nemo_rl.models.generation.vllm.serving import ChatService, HttpError, ServedRegistry, context_overflow_message
-from nemo_rl.models.generation.vllm.worker import wire_capture
+from nemo_rl.models.generation.vllm.custody import build_custody, build_tq_custody
+from nemo_rl.models.generation.vllm.registry import ServedRegistry
+from nemo_rl.models.generation.vllm.serving import ChatService, context_overflow_message
 from nemo_rl.models.tiny_model.chat_template import LLAMA3
 from nemo_rl.models.tiny_model.corpus import task_conversation
 from nemo_rl.models.tiny_model.tokenizer import train_tokenizer
@@ -106,6 +106,17 @@ def _service(
     tool_call_parser="hermes",
 ):
     engine = ScriptedEngine(script)
+    staging = staging if staging is not None else MemoryStaging()
+    custody = build_custody(
+        staging,
+        staging,
+        weight_version_fn=lambda: engine.weight_version,
+        prefix_cache_max_tokens=100_000,
+        vocab_size=len(tokenizer),
+        max_admitted_calls=1000,
+        worker_index=worker_index,
+        max_served_rollouts=max_served_rollouts,
+    ) if capture else None
     svc = ChatService(
         engine,
         tokenizer,
@@ -113,15 +124,8 @@ def _service(
         default_max_tokens=16,
         max_model_len=max_model_len,
         tool_call_parser=tool_call_parser,
-        vocab_size=len(tokenizer),
-        max_admitted_calls=1000,
-        worker_index=worker_index,
-        max_served_rollouts=max_served_rollouts,
+        custody=custody,
     )
-    staging = staging if staging is not None else MemoryStaging()
-    if capture:
-        install_capture(svc, sink=staging, weight_version_fn=lambda: engine.weight_version, adapter=VLLMCaptureAdapter())
-        svc.install_prefix_cache(PrefixCache(staging, max_tokens=100_000))
     return svc, engine, staging
 
 
@@ -387,7 +391,7 @@ async def test_an_admission_gym_refuses_is_400_before_generation_and_may_be_retr
     body = {"messages": _second_turn_messages(r1), "tools": TOOLS}
     conflicting = _admission("token_in", "c2", parent="c1", prev_len=c1["cum_len"], chain=[c1["staging_key"]],
                              parent_hash=c1["chain_hash"], inline=[1] * c1["cum_len"])
-    with pytest.raises(HttpError) as e:
+    with pytest.raises(ApiError) as e:
         await svc.chat_completions({**body, "ng_capture": conflicting})
     assert (e.value.status, e.value.err_type, e.value.param) == (400, "invalid_capture_admission", "ng_capture")
     assert e.value.message == "rollout r1 call c2: prefix_token_ids conflict with the admission's inline prefix"
@@ -419,7 +423,7 @@ async def test_token_in_with_inline_prefix(tokenizer):
 )
 async def test_invalid_admission_is_400(tokenizer, admission, err_type):
     svc, engine, _ = _service(tokenizer, [[1]])
-    with pytest.raises(HttpError) as e:
+    with pytest.raises(ApiError) as e:
         await svc.chat_completions({"messages": MESSAGES, "tools": TOOLS, "ng_capture": admission})
     assert (e.value.status, e.value.err_type) == (400, err_type)
     assert engine.prompts == []  # nothing was generated
@@ -427,7 +431,7 @@ async def test_invalid_admission_is_400(tokenizer, admission, err_type):
 
 async def test_admission_without_installed_capture_is_400(tokenizer):
     svc, _, _ = _service(tokenizer, [[1]], capture=False)
-    with pytest.raises(HttpError) as e:
+    with pytest.raises(ApiError) as e:
         await svc.chat_completions({"messages": MESSAGES, "ng_capture": _admission("text", "c1")})
     assert e.value.status == 400 and e.value.err_type == "capture_not_installed"
     assert "token_capture.enabled=true" in e.value.message
@@ -436,7 +440,7 @@ async def test_admission_without_installed_capture_is_400(tokenizer):
 async def test_stream_and_n_are_rejected(tokenizer):
     svc, _, _ = _service(tokenizer, [[1]])
     for body, needle in (({"stream": True}, "stream=true"), ({"n": 2}, "n must be 1")):
-        with pytest.raises(HttpError) as e:
+        with pytest.raises(ApiError) as e:
             await svc.chat_completions({"messages": MESSAGES, **body})
         assert e.value.status == 400 and needle in e.value.message
 
@@ -448,11 +452,11 @@ async def test_missing_staged_parent_is_503_and_bad_hash_is_409(tokenizer):
     c1 = r1["ng_commit_coords"]
     body = {"messages": _second_turn_messages(r1), "tools": TOOLS}
     missing = _admission("token_in", "c2", parent="c1", prev_len=c1["cum_len"], chain=["r1/nope"], parent_hash=c1["chain_hash"])
-    with pytest.raises(HttpError) as e:
+    with pytest.raises(ApiError) as e:
         await svc.chat_completions({**body, "ng_capture": missing})
     assert e.value.status == 503 and "r1/nope" in e.value.message
     bad = _admission("token_in", "c3", parent="c1", prev_len=c1["cum_len"], chain=[c1["staging_key"]], parent_hash="0" * 64)
-    with pytest.raises(HttpError) as e:
+    with pytest.raises(ApiError) as e:
         await svc.chat_completions({**body, "ng_capture": bad})
     assert e.value.status == 409 and e.value.err_type == "prefix_mismatch"
     assert len(engine.prompts) == 1
@@ -641,12 +645,14 @@ STAGE_TIMEOUT_S = 0.3
 
 
 def _behind(tokenizer, script, plane=None, **kw):
-    """A worker core wired as the worker wires it under write-behind staging (`wire_capture`)."""
+    """A worker core built as the worker builds it under write-behind staging (`build_tq_custody`)."""
     svc, engine, _ = _service(tokenizer, script, capture=False, **kw)
     plane = plane if plane is not None else GatedPlane()
     cfg = TokenCaptureConfig(enabled=True, stage_timeout_s=STAGE_TIMEOUT_S, staging_partition="p")
-    writer, _ = wire_capture(svc, plane, cfg, engine)
-    return svc, engine, plane, writer
+    custody = build_tq_custody(plane, cfg, weight_version_fn=lambda: engine.weight_version,
+                               vocab_size=len(tokenizer), max_admitted_calls=1000)
+    svc.custody = custody.core
+    return svc, engine, plane, custody.writer
 
 
 def _child(r1, call_id="c2", *, inline=None):
@@ -725,7 +731,7 @@ async def test_a_child_of_a_parent_row_that_is_not_durable_is_refused_before_gen
     where = "inline prefix of call c2" if inline else "staging_chain of call c2"
     why = (f"staging write not finished within token_capture.stage_timeout_s={STAGE_TIMEOUT_S}s" if fault == "slow"
            else f"staging write failed: DataPlaneTimeoutError: {error}")
-    with pytest.raises(HttpError) as e:
+    with pytest.raises(ApiError) as e:
         await svc.chat_completions(_child(r1, inline=engine.prompts[0] + gen1 if inline else None))
     plane.gate.set()
     assert (e.value.status, e.value.err_type, e.value.param) == (503, "staging_unavailable", param)
@@ -743,7 +749,7 @@ async def test_a_lost_parent_stays_refused_after_the_served_report_took_its_fail
     r1 = await _root(svc)
     [root] = svc.take_served(["r1"])  # the report names the lost row ...
     assert root.staged is False
-    with pytest.raises(HttpError) as e:  # ... and a straggling child of it is still refused
+    with pytest.raises(ApiError) as e:  # ... and a straggling child of it is still refused
         await svc.chat_completions(_child(r1, inline=engine.prompts[0] + gen1 if inline else None))
     assert (e.value.status, e.value.err_type) == (503, "staging_unavailable")
     assert "r1/c1: staging write failed" in e.value.message
@@ -761,7 +767,7 @@ async def test_a_row_the_report_deadline_abandoned_is_never_a_parent_even_if_it_
     while writer.stats["late_rows_landed"] == 0:
         await asyncio.sleep(0.01)
     assert "r1/c1" in plane.rows  # it landed after all, after the report called it lost
-    with pytest.raises(HttpError) as e:
+    with pytest.raises(ApiError) as e:
         await svc.chat_completions(_child(r1))
     assert (e.value.status, e.value.err_type) == (503, "staging_unavailable")
     assert len(engine.prompts) == 1 and svc.prefix_cache.entry("r1/c1") is None
@@ -776,7 +782,7 @@ async def test_an_inline_parent_staged_by_another_worker_is_read_before_the_chil
     r1 = await _root(svc_a)
     prefix = engine_a.prompts[0] + gen1
     # Worker B cannot vouch for A's row: it reads it (re-reading a missing key, bounded), and the row is not there.
-    with pytest.raises(HttpError) as e:
+    with pytest.raises(ApiError) as e:
         await svc_b.chat_completions(_child(r1, inline=prefix))
     assert (e.value.status, e.value.err_type, e.value.param) == (
         503, "staging_unavailable", "ng_capture.required_prefix_token_ids")
@@ -788,7 +794,7 @@ async def test_an_inline_parent_staged_by_another_worker_is_read_before_the_chil
     # An inline admission whose prev_len disagrees with the staged parent is refused.
     bad = _child(r1, "c4", inline=prefix[:-1])
     bad["ng_capture"]["prev_len"] = len(prefix) - 1
-    with pytest.raises(HttpError) as e:
+    with pytest.raises(ApiError) as e:
         await svc_b.chat_completions(bad)
     assert (e.value.status, e.value.err_type) == (409, "prefix_mismatch")
     assert len(engine_b.prompts) == 1
@@ -858,7 +864,7 @@ async def test_prompt_beyond_max_model_len_is_400_and_nothing_is_recorded(tokeni
     body = {"messages": MESSAGES, "tools": TOOLS}
     if admitted:
         body["ng_capture"] = _admission("text", "c1")
-    with pytest.raises(HttpError) as e:
+    with pytest.raises(ApiError) as e:
         await svc.chat_completions(body)
     assert (e.value.status, e.value.err_type) == (400, "context_length_exceeded")
     assert e.value.message.startswith(f"This model's maximum context length is {n} tokens. However, you requested {n} tokens")
@@ -871,7 +877,7 @@ async def test_explicit_max_tokens_beyond_the_room_is_400_default_is_clipped(tok
     n = _root_prompt_len(tokenizer)
     svc, engine, _ = _service(tokenizer, [[7, tokenizer.eos_token_id]] * 2, max_model_len=n + 10)
     too_long = {"messages": MESSAGES, "tools": TOOLS, "max_tokens": 11, "ng_capture": _admission("text", "c1")}
-    with pytest.raises(HttpError) as e:
+    with pytest.raises(ApiError) as e:
         await svc.chat_completions(too_long)
     assert e.value.status == 400
     assert e.value.message.startswith(
@@ -891,7 +897,7 @@ async def test_token_in_overflow_is_400_before_begin_call(tokenizer):
     r1 = await svc.chat_completions({"messages": MESSAGES, "tools": TOOLS, "ng_capture": _admission("text", "c1")})
     c1 = r1["ng_commit_coords"]
     adm = _admission("token_in", "c2", parent="c1", prev_len=c1["cum_len"], chain=[c1["staging_key"]], parent_hash=c1["chain_hash"])
-    with pytest.raises(HttpError) as e:
+    with pytest.raises(ApiError) as e:
         await svc.chat_completions({"messages": _second_turn_messages(r1), "tools": TOOLS, "ng_capture": adm})
     assert e.value.status == 400 and "maximum context length" in e.value.message
     assert len(engine.prompts) == 1 and list(staging.records) == ["r1/c1"]

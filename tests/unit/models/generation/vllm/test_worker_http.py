@@ -19,9 +19,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from nemo_gym.token_id_capture.adapters.vllm import VLLMCaptureAdapter
-from nemo_gym.token_id_capture.staging import StageResult, install_capture, staging_key
-from nemo_rl.data.staged_rows import StagedRecordInvalidError
+from nemo_gym.token_id_capture.staging import StageResult, staging_key
 from nemo_rl.data_plane.errors import DataPlaneTimeoutError
 from nemo_rl.environments import arith_task
 from nemo_rl.models.generation.vllm.config import GenerationConfig
@@ -32,13 +30,16 @@ from nemo_rl.models.generation.vllm.engine import (
     RefitGateTimeoutError,
     VllmEngine,
 )
-from nemo_rl.models.generation.vllm.prefix_cache import PrefixCache
 from nemo_rl.models.generation.vllm.server import Endpoint, build_app
-from nemo_rl.models.generation.vllm.serving import AdmittedCalls, ChatService, HttpError, request_digest
+from nemo_rl.data.errors import ApiError
+from nemo_rl.models.generation.vllm.custody import build_custody
+from nemo_rl.models.generation.vllm.registry import AdmittedCalls, request_digest
+from nemo_rl.models.generation.vllm.serving import ChatService
 from nemo_rl.models.generation.vllm.worker import VllmGenerationWorker, WorkerError, WorkerFailedError
 from nemo_rl.models.tiny_model.corpus import task_conversation
 from nemo_rl.models.tiny_model.tokenizer import train_tokenizer
 from nemo_rl.token_capture.staging import StagedKeysMissingError, StagingStoreUnavailableError
+from nemo_rl.data.staged_rows import StagedRecordInvalidError
 
 TOKEN = "per-run-control-token-0123456789"
 MAX_MODEL_LEN = 512
@@ -113,12 +114,12 @@ class Staging:
 def _service(tokenizer, engine=None, staging=None, **kw) -> tuple[ChatService, EchoEngine, Staging]:
     engine = engine or EchoEngine(tokenizer)
     staging = staging or Staging()
+    custody = build_custody(staging, staging, weight_version_fn=lambda: engine.weight_version,
+                            prefix_cache_max_tokens=100_000, vocab_size=len(tokenizer), max_admitted_calls=1000, **kw)
     svc = ChatService(
         engine, tokenizer, model_name="tiny", default_max_tokens=16, max_model_len=MAX_MODEL_LEN,
-        tool_call_parser="hermes", vocab_size=len(tokenizer), max_admitted_calls=1000, **kw,
+        tool_call_parser="hermes", custody=custody,
     )
-    install_capture(svc, sink=staging, weight_version_fn=lambda: engine.weight_version, adapter=VLLMCaptureAdapter())
-    svc.install_prefix_cache(PrefixCache(staging, max_tokens=100_000))
     return svc, engine, staging
 
 
@@ -128,8 +129,8 @@ def _admission(call_id: str, *, rollout: str = "r1", mode: str = "text", **extra
             "parent_chain_hash": None, **extra}
 
 
-async def _refused(svc: ChatService, body: dict) -> HttpError:
-    with pytest.raises(HttpError) as e:
+async def _refused(svc: ChatService, body: dict) -> ApiError:
+    with pytest.raises(ApiError) as e:
         await svc.chat_completions(body)
     return e.value
 
@@ -162,7 +163,7 @@ async def test_a_resend_of_a_committed_call_replays_its_reply_and_generates_noth
     assert [(c.model_call_id, c.staged) for c in svc.take_served(["r1"])] == [("c1", True)]  # served once
     assert (svc.stats["replayed_calls"], svc.stats["served_calls"], svc.stats["duplicate_model_call_id"]) == (1, 1, 0)
     # Reported: the reply is dropped from the registry, and a late re-send is refused, not replayed.
-    assert svc._admitted.claim(("r1", "c1"), request_digest(body)).reply_json is None
+    assert svc.custody._admitted.claim(("r1", "c1"), request_digest(body)).reply_json is None
     late = await _refused(svc, body)
     assert (late.status, late.err_type, late.param) == (409, "duplicate_model_call_id", "ng_capture.model_call_id")
     assert "belongs to a rollout already reported to the trainer, so it is not replayed" in late.message
@@ -221,7 +222,7 @@ async def test_a_resend_while_the_first_is_in_flight_waits_for_it_and_replays(to
 async def test_a_resend_waiting_on_a_first_that_was_not_generated_is_served_in_its_place(tokenizer) -> None:
     engine, svc, staging, first, resent = await _send_then_resend_while_held(tokenizer, fail_first=True)
     engine.release.set()
-    with pytest.raises(HttpError) as e:
+    with pytest.raises(ApiError) as e:
         await first
     assert (e.value.status, e.value.err_type) == (503, "generation_timeout")
     reply = await resent

@@ -1,0 +1,68 @@
+"""One OpenAI-style error for every HTTP surface of ours (the vLLM worker and the capture gate).
+
+Contract:
+- An `ApiError` is an answer for the caller: a named `err_type`, a message and, when one field is
+  at fault, its JSON path (`param`). Its HTTP status is not chosen by the raiser: it follows from
+  the type (`STATUS_OF`, one status per type), so the same failure always gets the same status
+  wherever it is raised, and code below the transport never names a status.
+- `body()` is the OpenAI error body `{"error": {"message", "type", "param", "code"}}` (`code` is the
+  status); `encoded()` is that body as the bytes `json.dumps` gives (what aiohttp's
+  `json_response` sends too), so both transports answer byte-identical bodies.
+- Only the transports (`models.generation.vllm.server`, `environments.gate_guard`) turn an
+  `ApiError` into a response. An unknown type is a bug of the raiser: `ValueError` at construction.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Any
+
+STATUS_OF: Mapping[str, int] = MappingProxyType(
+    {
+        # The caller's request is at fault.
+        "invalid_request": 400,
+        "invalid_json": 400,
+        "invalid_capture_admission": 400,
+        "capture_not_installed": 400,
+        "context_length_exceeded": 400,
+        "invalid_rollout_id": 400,
+        "control_auth_required": 401,
+        "control_auth_invalid": 403,
+        "request_too_large": 413,
+        # The request conflicts with what was served before.
+        "prefix_mismatch": 409,
+        "duplicate_model_call_id": 409,
+        # Ours: a bug, a bad upstream answer, or a component that is not available (retryable).
+        "internal_error": 500,
+        "upstream_error": 502,
+        "staging_unavailable": 503,
+        "generation_timeout": 503,
+        "worker_failed": 503,
+        "worker_refitting": 503,
+        "worker_starting": 503,
+        "worker_stopping": 503,
+        "upstream_unavailable": 503,
+    }
+)
+
+
+class ApiError(Exception):
+    """An answer for the caller: named type (its status follows from it), message, field at fault."""
+
+    def __init__(self, err_type: str, message: str, param: str | None = None) -> None:
+        status = STATUS_OF.get(err_type)
+        if status is None:
+            raise ValueError(f"unknown API error type {err_type!r}: add it to nemo_rl.data.errors.STATUS_OF")
+        super().__init__(message)
+        self.status = status
+        self.err_type = err_type
+        self.message = message
+        self.param = param
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.err_type, "param": self.param, "code": self.status}}
+
+    def encoded(self) -> bytes:
+        return json.dumps(self.body()).encode()

@@ -1,0 +1,588 @@
+"""The worker's custody core: what an admitted (`ng_capture`) call goes through, apart from HTTP.
+
+Pipeline of one admitted call (`CustodyCore.serve`): admission check -> claim (or replay) of its
+(rollout_id, model_call_id) -> parents' barrier -> exact prefix -> Gym's one `begin_call` ->
+generation (by the serving layer, `CallServing`) -> staging -> prefix-cache seed once durable ->
+served registry. `build_custody` builds it from the worker's parts (Gym's capture core over a
+staging sink, the `PrefixCache` over a staging source, the write-behind `StageBarrier`);
+`build_tq_custody` is that build over the data plane, as the worker runs it.
+
+Invariants (the full rules are in `serving.py`'s contract, which this module implements):
+- Nothing is generated from a prefix that is not verified, nor from a parent whose row is not
+  durable (`_check_parents`, the one parents' check); the prefix cache holds only durable rows.
+- An admitted call is generated at most once; a byte-identical re-send is replayed
+  (`AdmittedCalls`), anything else under a used id is 409 `duplicate_model_call_id`.
+- Every generated admitted call leaves one `ServedCall`; a failed custody step after generation
+  is a `capture_failed` reply, never a silent success.
+- Failures are `ApiError`s whose type names the status (`nemo_rl.data.errors`); no HTTP here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import logging
+import time
+from collections import Counter, deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
+from typing import Any, Protocol
+
+from pydantic import ValidationError
+
+from nemo_gym.token_id_capture.adapters.vllm import VLLMCaptureAdapter
+from nemo_gym.token_id_capture.staging import (
+    ActiveCall,
+    CaptureAdmission,
+    CaptureError,
+    CommitCoords,
+    RolloutTokenCapture,
+    StagingSink,
+    StagingSource,
+    staging_key,
+)
+from nemo_rl.data.errors import ApiError
+from nemo_rl.data.staged_rows import StagedRecordInvalidError, StagingFetchError
+from nemo_rl.data_plane.errors import DataPlaneError
+from nemo_rl.models.generation.vllm.chat import SamplingRequest, TailRenderError
+from nemo_rl.models.generation.vllm.prefix_cache import PrefixCache, PrefixError, PrefixMismatchError
+from nemo_rl.models.generation.vllm.registry import AdmittedCalls, ServedRegistry, request_digest
+from nemo_rl.token_capture import wire_metrics  # opt-in per-call cost (benchmarks/capture_ab.py)
+from nemo_rl.token_capture.config import TokenCaptureConfig
+from nemo_rl.data.served import ServedCall, has_assistant_turn
+from nemo_rl.token_capture.stage_writer import ParentRows, StageWriter
+from nemo_rl.token_capture.staging import TQTokenSink, TQTokenSource
+
+LOGGER = logging.getLogger(__name__)
+
+DEFAULT_MAX_SERVED_ROLLOUTS = 100_000
+# How long a re-send waits for the same call still in flight before it is refused (409). The worker
+# passes its own bound (`duplicate_wait_bound_s`); this is the default of a bare core.
+DEFAULT_DUPLICATE_WAIT_S = 60.0
+
+
+def duplicate_wait_bound_s(generate_timeout_s: float, stage_timeout_s: float) -> float:
+    """The longest an admitted call can take here: the parents' wait, a prefix read (which may wait
+    for a missing key), the generation and a before-reply write, each under its own deadline."""
+    return generate_timeout_s + 3 * stage_timeout_s
+
+
+class GenerationResultLike(Protocol):
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    weight_version: int
+
+
+class CallServing(Protocol):
+    """What the custody core asks of the serving layer (`serving.ChatService` implements it)."""
+
+    @property
+    def weight_version(self) -> int: ...
+
+    def render_root(self, messages: list[dict], tools: list[dict] | None) -> list[int]: ...
+
+    def render_tail(self, messages: list[dict], tools: list[dict] | None, prefix: list[int]) -> list[int]:
+        """The token-in tail after `prefix`; `TailRenderError` when it cannot be rendered exactly."""
+        ...
+
+    def fit_context(self, prompt_ids: list[int], sampling: SamplingRequest) -> SamplingRequest: ...
+
+    async def generate(self, prompt_ids: list[int], sampling: SamplingRequest) -> GenerationResultLike: ...
+
+    def reply(self, result: GenerationResultLike) -> dict:
+        """The chat completion for `result`, without any token echo."""
+        ...
+
+
+class StageBarrier(Protocol):
+    """Write-behind staging's barriers (`StageWriter` implements them)."""
+
+    def flush(self, rollout_ids: list[str], timeout_s: float) -> dict[str, str]: ...
+
+    def wait_keys(self, keys: list[str], timeout_s: float) -> ParentRows: ...
+
+    def when_written(self, key: str, fn) -> bool: ...
+
+
+@dataclass(frozen=True)
+class _Plan:
+    admission: CaptureAdmission
+    call: ActiveCall  # from the one `begin_call`; its weight version is restamped after generation
+    prefix: list[int] | None
+    prompt_ids: list[int]
+    tail_error: str | None
+    sampling: SamplingRequest
+    history_has_assistant_turn: bool  # with a text admission: a continuation the gate found no parent for
+
+
+def _admission_field(e: ValidationError) -> str:
+    """`ng_capture.<loc>` of the first error pydantic reports for an admission."""
+    loc = e.errors()[0].get("loc", ()) if e.errors() else ()
+    return ".".join(["ng_capture", *(str(part) for part in loc)])
+
+
+def _stamped(call: ActiveCall, weight_version: int) -> ActiveCall:
+    """`call` with the weight version its generation ran under (Gym's `begin_call` rule for it).
+
+    A fresh `ActiveCall` (never completed), so the admission is checked once, by `begin_call`."""
+    if type(weight_version) is not int or weight_version < 0:
+        raise CaptureError(f"weight_version must be a non-negative int, got {weight_version!r}")
+    return replace(call, weight_version=weight_version)
+
+
+def _capture_payload(result: GenerationResultLike) -> dict:
+    """What Gym's `VLLMCaptureAdapter` reads the call's ids from: prompt ids at the top level and the
+    sampled ids with their logprobs as the message-level token bundle (no chat completion is built)."""
+    return {
+        "prompt_token_ids": list(result.prompt_token_ids),
+        "choices": [
+            {"message": {"generation_token_ids": list(result.token_ids), "generation_log_probs": list(result.logprobs)}}
+        ],
+    }
+
+
+class CustodyCore:
+    """The admitted-call pipeline of one worker (module contract); build it with `build_custody`."""
+
+    def __init__(
+        self,
+        capture: RolloutTokenCapture,
+        prefix_cache: PrefixCache | None,
+        *,
+        vocab_size: int,
+        max_admitted_calls: int,
+        worker_index: int = 0,
+        max_served_rollouts: int = DEFAULT_MAX_SERVED_ROLLOUTS,
+        duplicate_wait_s: float = DEFAULT_DUPLICATE_WAIT_S,
+        barrier: StageBarrier | None = None,
+        barrier_timeout_s: float = 0.0,
+    ) -> None:
+        if vocab_size < 1:
+            raise ValueError(f"vocab_size={vocab_size}: must be >= 1")
+        if duplicate_wait_s <= 0:
+            raise ValueError(f"duplicate_wait_s={duplicate_wait_s}: must be > 0")
+        self.capture = capture
+        self.prefix_cache = prefix_cache
+        self.worker_index = worker_index
+        self._vocab_size = vocab_size
+        self._admitted = AdmittedCalls(max_admitted_calls)
+        self._duplicate_wait_s = duplicate_wait_s
+        self._served = ServedRegistry(max_served_rollouts)
+        self._stage_barrier = barrier
+        self._stage_flush_timeout_s = barrier_timeout_s
+        self.stats: Counter[str] = Counter()
+        self.capture_failures: deque[dict] = deque(maxlen=1000)
+
+    # Gym's `install_capture(serving_layer, ...)` seam (also how a timed capture core is swapped in).
+    def install_token_capture(self, capture: RolloutTokenCapture) -> None:
+        self.capture = capture
+
+    async def serve(
+        self,
+        body: Mapping[str, Any],
+        raw_admission: Any,
+        messages: list[dict],
+        tools: list[dict] | None,
+        sampling: SamplingRequest,
+        serving: CallServing,
+    ) -> dict:
+        """The reply to one admitted call (its `ng_commit_coords` included), or a replay of it."""
+        admission = self._validate_admission(raw_admission)
+        wire_metrics.set_call_fact("capture", 1.0)  # admitted (the benchmarks split calls by path)
+        key = (admission.rollout_id, admission.model_call_id)
+        replay = await self._claim_or_replay(key, request_digest(body), admission)
+        if replay is not None:
+            return replay
+        try:
+            plan = await self._plan(admission, body, messages, tools, sampling, serving)
+            result = await serving.generate(plan.prompt_ids, plan.sampling)
+        except BaseException:
+            # Refused or not generated (timeout, failed engine): nothing was staged under this id, so a
+            # retry of the same call (Gym's client retries 5xx with the same body) may use it.
+            self._admitted.release(key)
+            raise
+        try:
+            reply = await self._stage(plan, result, serving)
+        except BaseException:
+            self._admitted.spoil(key)  # generated once: never again, and there is no reply to replay
+            raise
+        self._admitted.commit(key, reply)
+        return reply
+
+    def take_served(self, rollout_ids: list[str]) -> list[ServedCall]:
+        """Pop and return the served-call records of `rollout_ids` (unknown ids: nothing).
+
+        Under write-behind staging this blocks until the rollouts' staged rows are written (the
+        barrier every finalizer read comes after); a row that did not land turns its call into
+        served-not-staged, naming why.
+        """
+        ids = list(rollout_ids)
+        failures = {} if self._stage_barrier is None else self._stage_barrier.flush(ids, self._stage_flush_timeout_s)
+        calls = self._served.take(ids)
+        self._admitted.retire((call.rollout_id, call.model_call_id) for call in calls)
+        return [self._unstaged_if_lost(call, failures) for call in calls] if failures else calls
+
+    def served_rollouts_pending(self) -> int:
+        return len(self._served)
+
+    def _unstaged_if_lost(self, call: ServedCall, failures: dict[str, str]) -> ServedCall:
+        why = failures.get(staging_key(call.rollout_id, call.model_call_id))
+        if why is None or not call.staged:
+            return call
+        self.stats["capture_failed"] += 1
+        self.capture_failures.append({"rollout_id": call.rollout_id, "model_call_id": call.model_call_id, "reason": why})
+        LOGGER.error("capture_failed after reply rollout=%s call=%s: %s", call.rollout_id, call.model_call_id, why)
+        return replace(call, staged=False, failure=why)
+
+    def _validate_admission(self, raw: Any) -> CaptureAdmission:
+        try:
+            admission = CaptureAdmission.model_validate(raw)
+        except ValidationError as e:
+            raise ApiError(
+                "invalid_capture_admission", f"ng_capture is not a valid CaptureAdmission: {e}",
+                param=_admission_field(e),
+            ) from e
+        outside = [t for t in admission.required_prefix_token_ids if not 0 <= t < self._vocab_size]
+        if outside:
+            raise ApiError(
+                "invalid_capture_admission",
+                f"ng_capture.required_prefix_token_ids holds {len(outside)} id(s) outside this model's vocabulary "
+                f"0..{self._vocab_size - 1} (first: {outside[0]})",
+                param="ng_capture.required_prefix_token_ids",
+            )
+        return admission
+
+    async def _claim_or_replay(self, key: tuple[str, str], digest: str, admission: CaptureAdmission) -> dict | None:
+        """None once `key` is claimed for this request; the committed reply for a re-send of it.
+
+        A re-send (same id, same request digest) of a committed call gets the committed reply: same
+        ids, same commit coordinates, nothing generated, staged or recorded again. One still in flight
+        is waited for (bounded by `duplicate_wait_s`), then replayed; if the first was refused or not
+        generated it is forgotten and this one is admitted in its place. Anything else under a used id
+        (another body, a call generated without a reply, a wait past its bound) is 409.
+        """
+        started = time.monotonic()
+        while (known := self._admitted.claim(key, digest)) is not None:
+            if known.digest != digest:
+                raise self._duplicate(admission, "was already admitted by this worker with another request body")
+            if known.reply_json is not None:
+                self.stats["replayed_calls"] += 1
+                LOGGER.info("replayed the committed reply of rollout=%s call=%s to a re-send", *key)
+                return json.loads(known.reply_json)
+            if known.spoiled:
+                raise self._duplicate(admission, "was generated by this worker but never answered, so it is not replayed")
+            if known.retired:
+                raise self._duplicate(admission, "belongs to a rollout already reported to the trainer, so it is not replayed")
+            remaining = self._duplicate_wait_s - (time.monotonic() - started)
+            try:
+                await asyncio.wait_for(known.settled.wait(), max(remaining, 0.0))
+            except asyncio.TimeoutError:
+                raise self._duplicate(
+                    admission, f"is still in flight on this worker after {self._duplicate_wait_s:g}s"
+                ) from None
+        return None
+
+    def _duplicate(self, admission: CaptureAdmission, why: str) -> ApiError:
+        self.stats["duplicate_model_call_id"] += 1
+        return ApiError(
+            "duplicate_model_call_id",
+            f"rollout {admission.rollout_id!r} call {admission.model_call_id!r} {why}; a model_call_id is served "
+            "once, and only a byte-identical re-send is replayed (fix: mint a fresh model_call_id per call)",
+            param="ng_capture.model_call_id",
+        )
+
+    async def _plan(
+        self,
+        admission: CaptureAdmission,
+        body: Mapping[str, Any],
+        messages: list[dict],
+        tools: list[dict] | None,
+        sampling: SamplingRequest,
+        serving: CallServing,
+    ) -> _Plan:
+        if admission.mode == "text":
+            prefix = None
+            prompt_ids, tail_error = serving.render_root(messages, tools), None
+        else:
+            prefix = await self._resolve_prefix(admission, body)
+            try:
+                prompt_ids, tail_error = prefix + serving.render_tail(messages, tools, prefix), None
+            except TailRenderError as e:
+                # Serve the turn from the re-rendered conversation, but never as captured.
+                prompt_ids, tail_error = serving.render_root(messages, tools), f"tail_render_failed: {e}"
+        sampling = serving.fit_context(prompt_ids, sampling)  # before any capture lifecycle step
+        try:
+            # The one admission check: Gym validates the admission against the resolved prefix here,
+            # before any token is generated. The version is provisional (a refit may land before the
+            # generation is admitted); `_stage` restamps the one the generation ran with.
+            call = self.capture.begin_call(
+                admission, prefix_token_ids=prefix, stream=False, weight_version=serving.weight_version
+            )
+        except CaptureError as e:
+            raise ApiError("invalid_capture_admission", str(e), param="ng_capture") from e
+        return _Plan(
+            admission=admission, call=call, prefix=prefix, prompt_ids=prompt_ids, tail_error=tail_error, sampling=sampling,
+            history_has_assistant_turn=has_assistant_turn(messages),
+        )
+
+    async def _resolve_prefix(self, admission: CaptureAdmission, body: Mapping[str, Any]) -> list[int]:
+        """The parent's exact ids; every continuation passes the one parents' check first."""
+        if admission.staging_chain:
+            where, param = f"staging_chain of call {admission.model_call_id}", "ng_capture.staging_chain"
+            if self.prefix_cache is None:
+                raise ApiError("staging_unavailable", "no staging source is configured to resolve staging_chain",
+                               param=param)
+            await self._check_parents(admission, where, param)
+            try:
+                # Bounded: every staging read carries token_capture.stage_timeout_s (the source's deadline).
+                return await asyncio.to_thread(
+                    self.prefix_cache.resolve, list(admission.staging_chain), admission.prev_len, admission.parent_chain_hash
+                )
+            except (PrefixMismatchError, StagedRecordInvalidError) as e:
+                raise ApiError("prefix_mismatch", f"{where}: {type(e).__name__}: {e}", param=param) from e
+            except (PrefixError, StagingFetchError, DataPlaneError) as e:
+                raise ApiError("staging_unavailable", f"{where}: {type(e).__name__}: {e}", param=param) from e
+        inline = list(admission.required_prefix_token_ids)
+        top = body.get("required_prefix_token_ids")
+        if top not in (None, []) and list(top) != inline:
+            raise ApiError(
+                "invalid_capture_admission", "top-level required_prefix_token_ids disagree with ng_capture",
+                param="required_prefix_token_ids",
+            )
+        await self._check_parents(admission, f"inline prefix of call {admission.model_call_id}",
+                                  "ng_capture.required_prefix_token_ids")
+        return inline
+
+    async def _check_parents(self, admission: CaptureAdmission, where: str, param: str) -> None:
+        """The one parents' check: no continuation is generated from a parent whose row is not durable.
+
+        Under write-behind (a barrier installed) the parents are the `staging_chain` keys, or the
+        parent call's key for an inline prefix. Parents this worker queued must be written (a zero
+        deadline first, then a bounded off-thread wait); lost or still pending: 503, nothing generated.
+        A parent this writer cannot vouch for (another worker's, or forgotten) must be proven by the
+        store: a `staging_chain` resolve reads every key its cache lacks (and the cache holds only
+        rows written or read), an inline parent is read here (`_confirm_staged`). Under
+        `before_reply` every parent's reply left after its write, so there is nothing to wait for.
+        """
+        if self._stage_barrier is None:
+            return
+        parents = list(admission.staging_chain) or [staging_key(admission.rollout_id, admission.parent_call_id)]
+        started = time.perf_counter()
+        # Non-blocking first (a zero deadline never waits): the parents' writes have usually landed
+        # during the agent's tool round trip, and a thread hop would cost more than the check.
+        rows = self._stage_barrier.wait_keys(parents, 0.0)
+        if rows.lost:
+            rows = await asyncio.to_thread(self._stage_barrier.wait_keys, parents, self._stage_flush_timeout_s)
+        wire_metrics.add_call_cost("parent_wait_s", time.perf_counter() - started)
+        if rows.lost:
+            self.stats["parents_not_durable"] += 1
+            raise ApiError(
+                "staging_unavailable",
+                f"{where}: parent row(s) this worker staged are not durable, so no child is generated from them: "
+                + "; ".join(f"{key}: {why}" for key, why in sorted(rows.lost.items())),
+                param=param,
+            )
+        if not admission.staging_chain:
+            for key in rows.unvouched:
+                await self._confirm_staged(key, admission, where, param)
+
+    async def _confirm_staged(self, key: str, admission: CaptureAdmission, where: str, param: str) -> None:
+        """An inline prefix's parent row, read from the store: it exists and ends where the admission says."""
+        if self.prefix_cache is None:
+            raise ApiError("staging_unavailable",
+                           f"{where}: no staging source is configured to prove parent {key} durable", param=param)
+        try:
+            cum_len, chain_hash = await asyncio.to_thread(self.prefix_cache.staged_tip, key)
+        except StagedRecordInvalidError as e:
+            raise ApiError("prefix_mismatch", f"{where}: {type(e).__name__}: {e}", param=param) from e
+        except (StagingFetchError, DataPlaneError, PrefixError) as e:
+            raise ApiError("staging_unavailable", f"{where}: {type(e).__name__}: {e}", param=param) from e
+        if (cum_len, chain_hash) != (admission.prev_len, admission.parent_chain_hash):
+            raise ApiError(
+                "prefix_mismatch",
+                f"{where}: parent row {key} ends at {cum_len} ids with chain hash {chain_hash}, the admission says "
+                f"prev_len {admission.prev_len} and parent_chain_hash {admission.parent_chain_hash}",
+                param=param,
+            )
+
+    async def _stage(self, plan: _Plan, result: GenerationResultLike, serving: CallServing) -> dict:
+        """Stage the generated call (or record why not), seed, record it served; the reply with coords."""
+        admission = plan.admission
+        call = _stamped(plan.call, result.weight_version)
+        if plan.tail_error is not None:
+            coords = self.capture.fail_call(call, reason=plan.tail_error)
+            reason = plan.tail_error
+        else:
+            payload = _capture_payload(result)
+            if self._stage_barrier is not None:
+                # Write-behind: the sink only queues the row, so the commit is Gym's digests (about a
+                # millisecond). Inline it: a thread hop waits for the GIL behind vLLM's output
+                # processing on this loop, 10 ms p50 under 8 concurrent calls (benchmarks/engine_ab.py).
+                coords = self.capture.complete_call_from_response(call, payload)
+            else:  # before_reply: the commit includes the blocking data-plane write
+                coords = await asyncio.to_thread(self.capture.complete_call_from_response, call, payload)
+            reason = None if coords.disposition == "staged" else "staging_failed (see worker log)"
+        if reason is None:
+            self._seed_when_durable(admission, result, coords)
+        self.stats[f"{admission.mode}_calls"] += 1
+        self.stats["served_calls"] += 1
+        self._record_served(admission, generated_tokens=len(result.token_ids), failure=reason,
+                            history_has_assistant_turn=plan.history_has_assistant_turn)
+        if reason is not None:
+            self.stats["capture_failed"] += 1
+            self.capture_failures.append(
+                {"rollout_id": admission.rollout_id, "model_call_id": admission.model_call_id, "reason": reason}
+            )
+            LOGGER.error("capture_failed rollout=%s call=%s: %s", admission.rollout_id, admission.model_call_id, reason)
+        # No token echo: the staged record is the source of truth for the ids, and Gym's gate strips
+        # prompt_token_ids / token_ids / logprobs from an external-staging reply unread.
+        reply = serving.reply(result)
+        reply["ng_commit_coords"] = coords.model_dump(mode="json")
+        return reply
+
+    def _seed_when_durable(self, admission: CaptureAdmission, result: GenerationResultLike, coords: CommitCoords) -> None:
+        """Seed the prefix cache with the delta just staged, once its row is durable.
+
+        The cache holds only durable rows (a cache hit skips the store read that would prove a
+        parent durable): under write-behind the seed runs when the writer has written the row
+        (`StageBarrier.when_written`; a row that is lost never seeds), under `before_reply` at once.
+        Only chain members are seeded: a ROOT (`text`) or a `staging_chain` continuation, whose key
+        follows `staging_chain[-1]` in the chain Gym names for the next turn.
+        """
+        if self.prefix_cache is None or coords.staging_key is None:
+            return
+        if admission.mode == "token_in" and not admission.staging_chain:
+            return  # an inline-prefix parent is not a staging_chain member
+        seed = functools.partial(self._seed_prefix_cache, admission, result, coords)
+        if self._stage_barrier is None:
+            seed()
+        elif not self._stage_barrier.when_written(coords.staging_key, seed):
+            self.stats["prefix_seed_skipped_lost"] += 1
+
+    def _seed_prefix_cache(self, admission: CaptureAdmission, result: GenerationResultLike, coords: CommitCoords) -> None:
+        """Cache a durable staged delta, so this rollout's next turn here resolves it without a fetch.
+
+        The cache checks the delta against the staged chain hash (`PrefixCache.seed`).
+        """
+        assert self.prefix_cache is not None and coords.staging_key is not None  # `_seed_when_durable` checked
+        parent_key = admission.staging_chain[-1] if admission.mode == "token_in" else None
+        started = time.perf_counter()
+        delta = (list(result.prompt_token_ids) + list(result.token_ids))[admission.prev_len :]
+        accepted = self.prefix_cache.seed(
+            coords.staging_key,
+            parent_key=parent_key,
+            parent_chain_hash=admission.parent_chain_hash,
+            delta=delta,
+            cum_len=coords.cum_len,
+            chain_hash=coords.chain_hash,
+        )
+        wire_metrics.add_call_cost("prefix_seed_s", time.perf_counter() - started)
+        if not accepted:  # the engine's ids do not hash to what Gym staged: a bug, never a silent one
+            self.stats["prefix_seed_rejected"] += 1
+            LOGGER.error(
+                "prefix cache refused the delta staged as %s (it does not hash to the staged chain hash); "
+                "the next turn fetches it from the staging store",
+                coords.staging_key,
+            )
+
+    def _record_served(self, admission: CaptureAdmission, *, generated_tokens: int, failure: str | None,
+                       history_has_assistant_turn: bool) -> None:
+        served = ServedCall(
+            rollout_id=admission.rollout_id,
+            model_call_id=admission.model_call_id,
+            parent_call_id=admission.parent_call_id,
+            mode=admission.mode,
+            generated_tokens=generated_tokens,
+            staged=failure is None,
+            failure=failure,
+            worker_index=self.worker_index,
+            unresolved_continuation=admission.mode == "text" and history_has_assistant_turn,
+        )
+        evicted = self._served.record(served)
+        if evicted:
+            self.stats["served_evicted_rollouts"] += evicted
+            LOGGER.warning("served-call registry full: evicted %d rollout(s) never taken", evicted)
+
+
+def build_custody(
+    sink: StagingSink,
+    source: StagingSource | None,
+    *,
+    weight_version_fn: Callable[[], int],
+    prefix_cache_max_tokens: int,
+    vocab_size: int,
+    max_admitted_calls: int,
+    worker_index: int = 0,
+    max_served_rollouts: int = DEFAULT_MAX_SERVED_ROLLOUTS,
+    duplicate_wait_s: float = DEFAULT_DUPLICATE_WAIT_S,
+    barrier: StageBarrier | None = None,
+    barrier_timeout_s: float = 0.0,
+) -> CustodyCore:
+    """The custody core over one staging sink and source: Gym's capture core (vLLM adapter), the
+    prefix cache over `source` (None: `staging_chain` admissions are 503) and, under write-behind,
+    the `barrier` (its waits bounded by `barrier_timeout_s`)."""
+    capture = RolloutTokenCapture(sink=sink, weight_version_fn=weight_version_fn, adapter=VLLMCaptureAdapter())
+    return CustodyCore(
+        capture,
+        PrefixCache(source, prefix_cache_max_tokens) if source is not None else None,
+        vocab_size=vocab_size,
+        max_admitted_calls=max_admitted_calls,
+        worker_index=worker_index,
+        max_served_rollouts=max_served_rollouts,
+        duplicate_wait_s=duplicate_wait_s,
+        barrier=barrier,
+        barrier_timeout_s=barrier_timeout_s,
+    )
+
+
+@dataclass(frozen=True)
+class TQCustody:
+    """The worker's custody over the data plane: the core, its write-behind writer and its prefix source."""
+
+    core: CustodyCore
+    writer: StageWriter | None  # under token_capture.stage_write=behind_reply
+    source: TQTokenSource
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "prefix_fetch_missing_waits": self.source.missing_waits,
+            "stage_writer": dict(self.writer.stats) if self.writer is not None else None,
+        }
+
+
+def build_tq_custody(
+    client: Any,
+    capture_cfg: TokenCaptureConfig,
+    *,
+    weight_version_fn: Callable[[], int],
+    vocab_size: int,
+    max_admitted_calls: int,
+    worker_index: int = 0,
+    duplicate_wait_s: float = DEFAULT_DUPLICATE_WAIT_S,
+) -> TQCustody:
+    """`build_custody` over the data plane `client` (a `DataPlaneClient`, or anything with its
+    put/put_many/get/clear): TQ staging sink and source and, under `behind_reply`, the `StageWriter`
+    as the barrier (served report, parents' check, prefix seeding once durable)."""
+    partition = capture_cfg.staging_partition
+    timeout_s = capture_cfg.stage_timeout_s
+    behind = capture_cfg.stage_write == "behind_reply"
+    writer = StageWriter(client, partition, timeout_s=timeout_s) if behind else None
+    # Under write-behind a parent staged by another worker may still be in its write.
+    source = TQTokenSource(client, partition, timeout_s=timeout_s, missing_wait_s=timeout_s if behind else 0.0)
+    core = build_custody(
+        TQTokenSink(client, partition, timeout_s=timeout_s, writer=writer),
+        source,
+        weight_version_fn=weight_version_fn,
+        prefix_cache_max_tokens=capture_cfg.prefix_cache_max_tokens,
+        vocab_size=vocab_size,
+        max_admitted_calls=max_admitted_calls,
+        worker_index=worker_index,
+        duplicate_wait_s=duplicate_wait_s,
+        barrier=writer,
+        barrier_timeout_s=timeout_s if writer is not None else 0.0,
+    )
+    return TQCustody(core, writer, source)
