@@ -49,17 +49,12 @@ LAYERS: tuple[tuple[str, ...], ...] = (
 KNOWN_UPWARD: dict[tuple[str, str], str] = {
     # PlaceholderReason: the health judgement is a verdict, and verdicts live in token_capture.
     ("nemo_rl.utils.capture_health", "token_capture"): "capture_health (with verdict) moves to token_capture",
-    # Stack bring-up runs in the driver only and needs every component: the top, not the ground floor.
-    ("nemo_rl.distributed.stack", "data_plane"): "stack moves to the driver's set-up module in algorithms",
-    ("nemo_rl.distributed.stack", "token_capture"): "stack moves to the driver's set-up module in algorithms",
-    ("nemo_rl.distributed.stack", "models.generation"): "stack moves to the driver's set-up module in algorithms",
-    ("nemo_rl.distributed.stack", "environments"): "stack moves to the driver's set-up module in algorithms",
     # TrainBatch and PolicyWorkerError cross the finalizer -> policy boundary: shared records.
     ("nemo_rl.token_capture.train_rows", "models.policy"): "TrainBatch/TrainPlan/RowRef move to data, train-row I/O to data_plane",
     # The task and its tiny model are one example package; the library never imports it.
     ("nemo_rl.environments.arith_episodes", "models.tiny_model"): "moves with tiny_model to the example-task package",
     ("nemo_rl.algorithms.grpo_config", "models.tiny_model"): "the example passes its model; the recipe schema drops TinyModelConfig",
-    ("nemo_rl.algorithms.grpo_single_controller", "models.tiny_model"): "the example builds its model; setup takes a model path",
+    ("nemo_rl.algorithms.setup", "models.tiny_model"): "the example builds its model; setup takes a model path",
 }
 
 # (line, imported module) per importing module, every module named as dotted `nemo_rl.*`.
