@@ -77,6 +77,7 @@ from nemo_rl.algorithms.grpo_checkpoint import (
     prompt_records,
     write_trainer_state,
 )
+from nemo_rl.algorithms.grpo_config import MasterConfig
 from nemo_rl.algorithms.grpo_health import (
     check_abort,
     component_metrics,
@@ -87,7 +88,6 @@ from nemo_rl.algorithms.grpo_health import (
     unrecoverable,
     untrainable,
 )
-from nemo_rl.algorithms.grpo_config import MasterConfig
 from nemo_rl.algorithms.refit import refit_to
 from nemo_rl.algorithms.setup import GRPORun, setup
 from nemo_rl.distributed.component_watch import DATA_PLANE_KINDS, ComponentKind, any_down

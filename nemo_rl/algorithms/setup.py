@@ -44,7 +44,6 @@ from nemo_rl.algorithms.refit import max_abs_diff, refit_to
 from nemo_rl.data_plane import DataPlane, DataPlaneClient, DataPlaneConfig, start_data_plane
 from nemo_rl.distributed.actor_call import ActorCallTimeoutError, ActorDiedError, call_with_deadline
 from nemo_rl.distributed.component_watch import ComponentWatch
-from nemo_rl.models.generation.vllm.launcher import worker_name
 from nemo_rl.distributed.placement import actor_node_ids
 from nemo_rl.distributed.ray_cluster import (
     RayClusterHandle,
@@ -58,7 +57,13 @@ from nemo_rl.environments.datasets import PromptSource, make_prompt_source
 from nemo_rl.environments.nemo_gym import NemoGymConfig, NemoGymEnvironment, RowSampling
 from nemo_rl.experience.rollout_manager import RolloutManager, RolloutManagerConfig
 from nemo_rl.models.generation.vllm.config import GenerationConfig
-from nemo_rl.models.generation.vllm.launcher import WorkerGroup, await_workers, resolve_flavor, spawn_workers
+from nemo_rl.models.generation.vllm.launcher import (
+    WorkerGroup,
+    await_workers,
+    resolve_flavor,
+    spawn_workers,
+    worker_name,
+)
 from nemo_rl.models.policy.worker import RayPolicyClient
 from nemo_rl.models.tiny_model import ensure_tiny_model
 from nemo_rl.token_capture.config import TokenCaptureConfig
