@@ -122,7 +122,7 @@ def _completion_tokens(payload: dict) -> int:
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     from nemo_rl.data_plane import DataPlaneConfig
-    from nemo_rl.distributed.stack import start_stack
+    from nemo_rl.algorithms.setup import start_stack
     from nemo_rl.environments.arith_task import CALCULATOR_TOOL, SYSTEM_PROMPT, make_problems, user_prompt
     from nemo_rl.environments.nemo_gym import NemoGymConfig
     from nemo_rl.data.rollout_ids import rollout_id_for

@@ -29,8 +29,8 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from nemo_rl.data.rows import KeptRollout
+from nemo_rl.algorithms.setup import start_stack
 from nemo_rl.data_plane import DataPlaneConfig
-from nemo_rl.distributed.stack import start_stack
 from nemo_rl.environments.arith_task import make_problems
 from nemo_rl.environments.nemo_gym import NemoGymConfig, RowSampling, build_row
 from nemo_rl.models.generation.vllm.config import GenerationConfig

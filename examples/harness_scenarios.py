@@ -75,8 +75,8 @@ import openai
 from nemo_gym.token_id_capture.fingerprint import assistant_fingerprint
 
 from nemo_rl.data.rows import KeptRollout, PlaceholderReason
+from nemo_rl.algorithms.setup import start_stack
 from nemo_rl.data_plane import DataPlaneConfig
-from nemo_rl.distributed.stack import start_stack
 from nemo_rl.environments.arith_task import CALCULATOR_TOOL, SYSTEM_PROMPT, make_problems, user_prompt
 from nemo_rl.environments.nemo_gym import NemoGymConfig
 from nemo_rl.environments.nemo_gym_rows import calculator_tool_output

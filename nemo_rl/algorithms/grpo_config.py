@@ -62,7 +62,7 @@ class ClusterConfig(BaseModel):
     """Ray for the run: a private local cluster, or the cluster named by `RAY_ADDRESS`.
 
     Which one is not a recipe key: a launcher that starts a cluster (ultra_launch.sh) says so
-    through `RAY_ADDRESS`, which `nemo_rl.distributed.stack.start_stack` honours.
+    through `RAY_ADDRESS`, which `nemo_rl.algorithms.setup.start_stack` honours.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)

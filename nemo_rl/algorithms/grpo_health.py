@@ -31,8 +31,6 @@ the knobs `on_component_failure`, `component_check_interval_s`, `component_probe
   `abort` raises `ComponentFailedError` (`refit_failure_error`, after the step's metrics line;
   the step was trained, the engines were not refit), `continue` skips the refit and masks the
   following steps as above. A refit failure with every component alive propagates unchanged.
-- `component_pids(stack, pool)`: the pid of every watched component by name (run_info.json
-  `components`; engine cores as reported by their worker), for operators and chaos tests.
 - `component_metrics`: `component/deaths` (this step), `component/down` (rollout-path
   components dead at the step's end), `component/restarts` (Gym servers restarted before it),
   `finalize/replaced_workers` (finalizer actors replaced during it).
@@ -40,17 +38,17 @@ the knobs `on_component_failure`, `component_check_interval_s`, `component_probe
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Sequence
-
-import ray
+from typing import TYPE_CHECKING
 
 from nemo_rl.data.rows import GroupResult, KeptRollout, Placeholder, PlaceholderReason
 from nemo_rl.distributed.component_watch import ComponentDeath, ComponentWatch
-from nemo_rl.distributed.stack import Stack
 from nemo_rl.experience.rollout_manager import component_failure_detail
 from nemo_rl.token_capture.config import TokenCaptureConfig
 from nemo_rl.token_capture.finalizer_pool import FinalizerPool
+
+if TYPE_CHECKING:  # set-up builds the watch from the stack it started
+    from nemo_rl.algorithms.setup import Stack
 
 
 class ComponentFailedError(RuntimeError):
@@ -86,27 +84,6 @@ def build_watch(
 
     return ComponentWatch(probes, interval_s=cfg.component_check_interval_s,
                           probe_timeout_s=cfg.component_probe_timeout_s, on_death=announce)
-
-
-def _own_pid(_actor: object) -> int:
-    return os.getpid()
-
-
-def component_pids(stack: Stack, pool: FinalizerPool | None, timeout_s: float) -> dict[str, int]:
-    """Pid of every watched component by its watch name (Ray actors asked with one bounded call)."""
-    pids = dict(stack.env.pids()) if stack.env is not None else {}
-    actors = {}
-    if stack.workers is not None:
-        actors.update({f"vllm_worker_{i}": h for i, h in enumerate(stack.workers.handles)})
-    if stack.data_plane is not None:
-        actors.update(stack.data_plane.actors())
-    if pool is not None:
-        actors.update(pool.actors())
-    refs = [handle.__ray_call__.remote(_own_pid) for handle in actors.values()]
-    pids.update(zip(actors, ray.get(refs, timeout=timeout_s)))
-    if stack.workers is not None:
-        pids.update(stack.workers.engine_core_pids())
-    return pids
 
 
 def unrecoverable(stack: Stack, down: dict[str, str]) -> dict[str, str]:

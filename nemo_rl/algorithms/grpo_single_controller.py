@@ -1,8 +1,8 @@
 """Single-controller GRPO on Ray, training on exactly the tokens the policy sampled.
 
-The loop is four readable pieces: `setup` (everything started, in a `GRPORun`), `rollout_step`
-(dispatch + accounting), `train_step` and `refit_step`, each returning its metrics; `run_grpo`
-strings them together and stops everything on exit.
+The loop is three readable pieces, `rollout_step` (dispatch + accounting), `train_step` and
+`refit_step`, each returning its metrics; `run_grpo` strings them together over the `GRPORun`
+that `nemo_rl.algorithms.setup.setup` started (stack, records, resume) and stops everything on exit.
 
 Contract of one step (`run_grpo`):
 1. take `num_prompts_per_step` rows from the prompt source `env:` names (deterministic in seed and step);
@@ -20,20 +20,12 @@ Contract of one step (`run_grpo`):
    (`data_plane.train_rows`). After the step the driver clears the plan's keys and any key a
    masked rollout left (`retention/train_keys_cleared`, `retention/train_keys_stray`,
    `retention/train_keys_remaining`, 0 when retention kept up);
-5. export the new weights and refit every vLLM worker to version `step`; the version each worker
-   reports back is the one the next step's rows must carry (checked from the rows, per call);
-   a probe sequence is then scored by engine and trainer to prove the engine serves the new weights;
+5. refit every vLLM worker to version `step` (`refit.refit_to`); the version each worker reports
+   back is the one the next step's rows must carry (checked from the rows, per call); a probe
+   sequence is then scored by engine and trainer to prove the engine serves the new weights;
 6. log one metrics line (stdout, `<log_dir>/metrics.jsonl`, TensorBoard when enabled); with
    `logger.dump_first_call_prompt_ids`, also append the step's first-call prompt records
    (`first_call_prompt_records`) to `<log_dir>/first_call_prompt_ids.jsonl`.
-At set-up, `<log_dir>/run_info.json` records `generation/venv` (`venv_record`): the spec hash
-and folder the driver expects for the worker venv, and what each worker reports running in; and
-`placement` (`placement_record`): the cluster's node count and, per vLLM worker, the node the
-plan chose, the node it runs on (measured in the actor) and its base URL, and the node each
-other actor (policy, TransferQueue, finalizers) runs on. Before the first step
-the refit folder (`grpo.refit_dir`, `refit_root`) is proven shared: the driver writes a marker
-there and the policy and every worker must read it (`nemo_rl.distributed.shared_fs`), so a
-multi-node run whose nodes do not share it stops at set-up, naming the knob.
 Every step also appends one record per dispatched group (step, group, prompt digest) to
 `<log_dir>/dispatched_prompts.jsonl`: the prompt sequence of the run, across resumes.
 Invariant checked every step: `rollouts/dispatched == finalize/kept_rollouts + finalize/placeholders`.
@@ -56,10 +48,9 @@ Every step logs `component/*`; capture steps also `retention/staged_keys_remaini
 Checkpoint and resume (`checkpointing:`; what a checkpoint holds: `nemo_rl.algorithms.grpo_checkpoint`):
 after step k's metrics line, when `should_save(k, save_period, max_num_steps)`, `save_checkpoint`
 writes `step_<k>` atomically. With `checkpointing.resume=latest`, `run_grpo` picks the newest
-complete checkpoint before anything starts; `setup` restores policy + optimizer (checked bit for
-bit against the fingerprints recorded at save time), checks that the prompt source gives step k
-the saved batch, refits every engine with the restored weights at the saved weight version (so
-step k+1's rows carry it, as in an uninterrupted run), restores the driver's RNG states, and the
+complete checkpoint before anything starts; `setup` restores it (policy + optimizer checked bit
+for bit, step k's prompts checked, every engine refit with `refit.refit_to` at the saved weight
+version so step k+1's rows carry it, as in an uninterrupted run; the driver's RNG states), and the
 loop continues at step k+1; that step's metrics line carries `resume/*` (the step resumed from,
 the engine's probe now vs at save time). A checkpoint of the last step (or later) leaves nothing
 to run: the run says so and starts nothing.
@@ -69,35 +60,27 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import random
 import shutil
 import time
-import uuid
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
-import ray
-
+from nemo_rl.algorithms.errors import GRPOError, MaskedStepsError, StaleWeightsError
 from nemo_rl.algorithms.grpo import ClippedPGLossFn, compute_group_advantages
 from nemo_rl.algorithms.grpo_checkpoint import (
     DISPATCHED_PROMPTS_FILE,
     POLICY_SUBDIR,
-    ResumePoint,
     TrainerState,
     batch_digest,
-    check_prompt_position,
-    check_resumable,
     prepare_checkpointing,
     prompt_records,
     write_trainer_state,
 )
-from nemo_rl.algorithms.grpo_config import REFIT_DIR_KNOB, MasterConfig, policy_config, refit_root
+from nemo_rl.algorithms.grpo_config import MasterConfig
 from nemo_rl.algorithms.grpo_health import (
-    build_watch,
     check_abort,
     component_metrics,
-    component_pids,
     recover,
     refit_deaths,
     refit_failure_error,
@@ -109,66 +92,15 @@ from nemo_rl.data.rows import GroupResult, KeptRollout, RowRef
 from nemo_rl.data.train_batch import TrainBatch
 from nemo_rl.data.train_rows import TrainPlan
 from nemo_rl.data_plane.train_rows import TrainRowCleaner
-from nemo_rl.distributed.component_watch import ComponentWatch
-from nemo_rl.distributed.placement import actor_node_ids
-from nemo_rl.distributed.shared_fs import remove_probe, write_probe
-from nemo_rl.distributed.stack import Stack, start_stack
-from nemo_rl.environments.datasets import PromptSource, make_prompt_source
-from nemo_rl.environments.nemo_gym import RowSampling
-from nemo_rl.experience.rollout_manager import RolloutManager, RolloutManagerConfig, component_failure_detail
-from nemo_rl.models.generation.vllm.launcher import resolve_flavor
+from nemo_rl.algorithms.refit import refit_to
+from nemo_rl.algorithms.setup import GRPORun, setup
+from nemo_rl.distributed.component_watch import DATA_PLANE_KINDS, ComponentKind, any_down
+from nemo_rl.experience.rollout_manager import component_failure_detail
 from nemo_rl.models.generation.vllm.worker import WorkerError
-from nemo_rl.models.policy.worker import RayPolicyClient
-from nemo_rl.models.tiny_model import ensure_tiny_model
-from nemo_rl.token_capture.finalizer_pool import FinalizeOutcome, FinalizerPool, TQSourceFactory, TQTrainRowsFactory
-from nemo_rl.token_capture.judge import RolloutEvidence
 from nemo_rl.token_capture.metrics import finalize_metrics, first_call_prompt_records
-from nemo_rl.token_capture.retention import TQStagingCleaner
 from nemo_rl.utils.aio import gather_cancelling
-from nemo_rl.utils.checkpoint import (
-    CheckpointMismatchError,
-    capture_rng_states,
-    commit_checkpoint,
-    prune_checkpoints,
-    restore_rng_states,
-    should_save,
-)
-from nemo_rl.utils.logger import (
-    FIRST_CALL_PROMPTS_FILE,
-    METRICS_FILE,
-    MetricsLogger,
-    Timer,
-    append_jsonl,
-    write_run_info,
-)
-from nemo_rl.utils.venvs import spec_hash, venv_folder_name, vllm_spec
-
-
-class GRPOError(RuntimeError):
-    """The training loop cannot continue (the message names the step and the cause)."""
-
-
-class MaskedStepsError(GRPOError):
-    """Too many consecutive steps in which every rollout became a placeholder."""
-
-
-class StaleWeightsError(GRPOError):
-    """Rows carry a weight version other than the one the loop refit into every worker."""
-
-
-class TimedFinalizer:
-    """Wraps the finalizer pool to measure time spent finalizing (summed over groups)."""
-
-    def __init__(self, pool: FinalizerPool) -> None:
-        self.pool = pool
-        self.seconds = 0.0
-
-    async def finalize_group(self, items: Sequence[RolloutEvidence]) -> list[FinalizeOutcome]:
-        t0 = time.monotonic()
-        try:
-            return await self.pool.finalize_group(items)
-        finally:
-            self.seconds += time.monotonic() - t0
+from nemo_rl.utils.checkpoint import capture_rng_states, commit_checkpoint, prune_checkpoints, should_save
+from nemo_rl.utils.logger import FIRST_CALL_PROMPTS_FILE, METRICS_FILE, Timer, append_jsonl
 
 
 @dataclass(frozen=True)
@@ -222,11 +154,6 @@ def build_train_batch(groups: Sequence[GroupResult], normalize: bool, train_part
     return StepBatch(batch=batch, rewards_mean=sum(all_rewards) / max(1, len(all_rewards)), plan=plan)
 
 
-def probe_sequence(tokenizer_eos: int, length: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, 200) for _ in range(length - 1)] + [tokenizer_eos]
-
-
 async def _reported(run, step: int, total: int, progress) -> GroupResult:
     group = await run
     progress(
@@ -267,243 +194,6 @@ def check_row_versions(groups: Sequence[GroupResult], served_version: int, step:
             f"step {step}: rows carry weight versions {stale} but every worker was refit to version "
             f"{served_version}; a worker served stale (or future) weights"
         )
-
-
-def venv_record(flavor: str, workers: Sequence[dict]) -> dict:
-    """`generation/venv` of run_info.json: the venv the driver's spec names, and what each worker ran in."""
-    spec = vllm_spec(flavor)
-    digest = spec_hash(spec)
-    return {"flavor": flavor, "spec": spec.name, "spec_hash": digest,
-            "folder": venv_folder_name(spec.name, digest), "workers": list(workers)}
-
-
-@dataclass
-class GRPORun:
-    """Everything `setup` started for one run, and the state carried from step to step."""
-
-    cfg: MasterConfig
-    stack: Stack
-    policy: RayPolicyClient
-    manager: RolloutManager
-    prompts: PromptSource
-    logger: MetricsLogger
-    progress: Callable[[str], None]
-    weights_root: Path
-    probe: list[int]
-    pool: FinalizerPool | None = None
-    finalizer: TimedFinalizer | None = None
-    cleaner: TQStagingCleaner | None = None
-    train_cleaner: TrainRowCleaner | None = None
-    watch: ComponentWatch | None = None
-    step_component_deaths: dict[str, str] = field(default_factory=dict)
-    previous_engine_probe: list[float] = field(default_factory=list)
-    served_version: int = 0
-    worker_calls: list[int] = field(default_factory=list)
-    masked_streak: int = 0
-    start_step: int = 1
-    resume_metrics: dict[str, float] = field(default_factory=dict)
-
-    def close(self) -> None:
-        """Stop everything this run started (idempotent per component)."""
-        self.logger.close()
-        self.policy.kill()
-        if self.pool is not None:
-            self.pool.shutdown()
-        self.stack.stop()
-
-
-async def setup(
-    cfg: MasterConfig, progress: Callable[[str], None] = print, resume: ResumePoint | None = None
-) -> GRPORun:
-    """Model, prompt source, stack, policy, finalizer pool, rollout manager; with `resume`, the
-    checkpoint restored (`restore_from_checkpoint`). Stops what it started on failure."""
-    log_dir = Path(cfg.logger.log_dir)
-    # Absolute: actors (on any node) resolve a relative path against their own working dir.
-    model_dir = (Path(cfg.model.path) if cfg.model.path else ensure_tiny_model(cfg.model.tiny, progress=progress)).resolve()
-    pcfg = policy_config(cfg.policy, str(model_dir))
-    # Before Ray or any venv: a GPU recipe on a host without enough GPUs fails here, by name.
-    flavor = resolve_flavor(cfg.generation, extra_gpus=int(pcfg.device == "cuda"))
-    sampling = RowSampling(temperature=cfg.grpo.temperature, top_p=cfg.grpo.top_p, max_output_tokens=cfg.grpo.max_output_tokens)
-    prompts = make_prompt_source(cfg.env, seed=cfg.grpo.seed, sampling=sampling, model_dir=model_dir,
-                                 max_model_len=cfg.generation.vllm.max_model_len, progress=progress)
-    if resume is not None:  # before the stack: a recipe that would continue with other prompts costs nothing
-        check_resumable(resume.state, cfg.grpo.seed, cfg.grpo.num_prompts_per_step)
-        check_prompt_position(resume.state, prompts.batch(resume.step, cfg.grpo.num_prompts_per_step))
-    stack: Stack = await start_stack(
-        model_dir=model_dir,
-        log_dir=log_dir,
-        generation=cfg.generation,
-        token_capture=cfg.token_capture,
-        data_plane=cfg.data_plane,
-        nemo_gym=cfg.env,
-        num_cpus=cfg.cluster.num_cpus,
-        progress=progress,
-    )
-    policy: RayPolicyClient | None = None
-    pool: FinalizerPool | None = None
-    run: GRPORun | None = None
-    try:
-        assert stack.env is not None and stack.workers is not None
-        capture = cfg.token_capture
-        train_partition = capture.train_partition if capture.enabled else None
-        policy = RayPolicyClient.spawn(pcfg, data_plane=cfg.data_plane if train_partition is not None else None)
-        weights_root = refit_root(cfg)
-        check_refit_dir_shared(stack, policy, weights_root)
-        finalizer = cleaner = watch = train_cleaner = rows_factory = None
-        if train_partition is not None:
-            rows_factory = TQTrainRowsFactory(cfg.data_plane, train_partition, capture.stage_timeout_s,
-                                              carry_prompt_ids=cfg.logger.dump_first_call_prompt_ids)
-            train_cleaner = TrainRowCleaner(stack.client, train_partition, capture.stage_timeout_s)
-        if cfg.token_capture.enabled:
-            pool = FinalizerPool.from_config(cfg.token_capture, TQSourceFactory.from_config(cfg.data_plane, cfg.token_capture),
-                                             rows_factory)
-            await pool.wait_ready(cfg.data_plane.startup_timeout_s)
-            finalizer = TimedFinalizer(pool)
-            cleaner = TQStagingCleaner(stack.client, cfg.token_capture.staging_partition, cfg.token_capture.stage_timeout_s)
-        # Both paths: without it a dead worker or gate would cost a whole env.run_timeout_s per step.
-        watch = build_watch(stack, pool, cfg.token_capture, progress)
-        manager = RolloutManager(
-            RolloutManagerConfig(
-                # Fresh per process, resumed or not: Gym appends to the ledger of a reused rollout id.
-                run_id=f"grpo-{uuid.uuid4().hex[:8]}",
-                run_timeout_s=cfg.env.run_timeout_s + 30.0,
-                capture=cfg.token_capture,
-            ),
-            stack.env,
-            finalizer=finalizer,
-            cleaner=cleaner,
-            served=stack.workers if cfg.token_capture.enabled else None,
-            health=watch,
-        )
-        from transformers import AutoTokenizer
-
-        eos = AutoTokenizer.from_pretrained(str(model_dir)).eos_token_id
-        probe = probe_sequence(eos, cfg.grpo.refit_probe_tokens, cfg.grpo.seed)
-        run_info: dict = {"generation/venv": venv_record(flavor, stack.workers.venv_info()),
-                          "placement": placement_record(stack, policy, pool, cfg.generation.vllm.call_timeout_s),
-                          "components": component_pids(stack, pool, cfg.generation.vllm.call_timeout_s)}
-        initial_versions = set(stack.workers.weight_versions())
-        if len(initial_versions) != 1:
-            raise StaleWeightsError(f"the generation workers start from different weight versions {sorted(initial_versions)}")
-        run = GRPORun(
-            cfg=cfg, stack=stack, policy=policy, manager=manager, prompts=prompts, logger=MetricsLogger(cfg.logger),
-            progress=progress, weights_root=weights_root, probe=probe, pool=pool, finalizer=finalizer,
-            cleaner=cleaner, watch=watch, train_cleaner=train_cleaner,
-            previous_engine_probe=stack.workers.prompt_logprobs(probe)[0], served_version=initial_versions.pop(),
-            worker_calls=stack.workers.served_calls(),
-        )
-        if resume is not None:
-            run_info["resume"] = restore_from_checkpoint(run, resume)
-        write_run_info(log_dir, run_info)
-        return run
-    except BaseException:
-        if run is not None:
-            run.close()
-        else:
-            if policy is not None:
-                policy.kill()
-            if pool is not None:
-                pool.shutdown()
-            stack.stop()
-        raise
-
-
-def check_refit_dir_shared(stack: Stack, policy: RayPolicyClient, weights_root: Path) -> None:
-    """The policy (writer) and every worker (readers) see the driver's marker in the refit folder."""
-    assert stack.workers is not None
-    probe = write_probe(weights_root)
-    try:
-        policy.check_shared_dir(probe, REFIT_DIR_KNOB)
-        stack.workers.check_shared_dir(probe, REFIT_DIR_KNOB)
-    finally:
-        remove_probe(probe)
-
-
-def placement_record(stack: Stack, policy: RayPolicyClient, pool: FinalizerPool | None, timeout_s: float) -> dict:
-    """Where things run: per vLLM worker the planned node, the measured node and its base URL; the
-    measured node of the policy, the TransferQueue actors and the finalizers (Ray placed them)."""
-    assert stack.workers is not None
-    workers = stack.workers
-    measured = workers.node_ids()
-    others = dict(stack.data_plane.actors()) if stack.data_plane is not None else {}
-    if pool is not None:
-        others.update(pool.actors())
-    try:
-        measured_others = actor_node_ids(list(others.values()), timeout_s)
-    except (ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError) as e:
-        raise GRPOError(f"asking {sorted(others)} which node they run on failed within {timeout_s:g}s: {e}") from e
-    actors = {"policy": policy.node_id(), **dict(zip(others, measured_others))}
-    return {
-        "nodes": stack.nodes,
-        "workers": [
-            {"worker": i, "planned_node": planned, "node": node, "base_url": url}
-            for i, (planned, node, url) in enumerate(zip(workers.planned_nodes, measured, workers.base_urls))
-        ],
-        "actors": actors,
-    }
-
-
-def max_abs_diff(a: Sequence[float], b: Sequence[float]) -> float:
-    if len(a) != len(b) or not a:
-        raise ValueError(f"max_abs_diff of sequences of lengths {len(a)} and {len(b)}: need equal, non-zero lengths")
-    return max(abs(x - y) for x, y in zip(a, b))
-
-
-def restore_from_checkpoint(run: GRPORun, resume: ResumePoint) -> dict:
-    """Policy + optimizer, engine weights and version, loop state and driver RNG from `resume`.
-
-    Returns the facts recorded under `resume` in run_info.json; `run.resume_metrics` (the first
-    resumed step's `resume/*` metrics) is set from them.
-    """
-    state = resume.state
-    info = run.policy.load_state(resume.folder / POLICY_SUBDIR)
-    saved = (state.policy_steps_taken, state.policy_fingerprint, state.optimizer_fingerprint)
-    if (info.steps_taken, info.policy_fingerprint, info.optimizer_fingerprint) != saved:
-        raise CheckpointMismatchError(
-            f"{resume.folder}: the policy restored {info} but the trainer state recorded steps_taken, policy and "
-            f"optimizer fingerprints {saved} (fix: the policy/ folder belongs to another checkpoint; delete {resume.folder})"
-        )
-    initial_probe = run.previous_engine_probe
-    # The killed run's refit scratch (never a checkpoint); only our step_* folders, since
-    # grpo.refit_dir may name a folder that holds other things too.
-    for stale in sorted(run.weights_root.glob("step_*")):
-        shutil.rmtree(stale)
-    out_dir = run.policy.export_weights(run.weights_root / f"step_{state.step}")
-    versions = run.stack.workers.update_weights(out_dir, state.weight_version)
-    if set(versions) != {state.weight_version}:
-        raise StaleWeightsError(
-            f"resume from step {state.step}: refit to the saved weight version {state.weight_version} but the "
-            f"workers report versions {versions}"
-        )
-    run.served_version = state.weight_version
-    engine_probe = run.stack.workers.prompt_logprobs(run.probe)[0]
-    trainer_probe = run.policy.get_logprobs([run.probe])[0]
-    run.previous_engine_probe = engine_probe
-    run.masked_streak = state.masked_streak
-    run.start_step = state.step + 1
-    run.worker_calls = run.stack.workers.served_calls()
-    restore_rng_states(state.rng)
-    run.resume_metrics = {
-        "resume/from_step": float(state.step),
-        # The engine serves the restored weights: its probe equals the one it gave at save time ...
-        "resume/engine_probe_vs_saved_max_abs_diff": max_abs_diff(engine_probe, state.engine_probe),
-        # ... agrees with the restored trainer, and moved off the initial weights it started with.
-        "resume/engine_trainer_max_abs_diff": max_abs_diff(engine_probe, trainer_probe),
-        "resume/engine_probe_change": max_abs_diff(engine_probe, initial_probe),
-    }
-    run.progress(
-        f"[checkpoint] resumed from {resume.folder}: policy {info.policy_fingerprint[:12]}, optimizer "
-        f"{info.optimizer_fingerprint[:12]} ({info.steps_taken} steps taken), engines refit to weight version "
-        f"{state.weight_version}; continuing at step {run.start_step}"
-    )
-    return {
-        **run.resume_metrics,
-        "checkpoint": str(resume.folder),
-        "weight_version": state.weight_version,
-        "policy_fingerprint": info.policy_fingerprint,
-        "optimizer_fingerprint": info.optimizer_fingerprint,
-        "policy_steps_taken": info.steps_taken,
-    }
 
 
 def save_checkpoint(run: GRPORun, step: int) -> Path:
@@ -559,7 +249,7 @@ async def rollout_step(run: GRPORun, step: int) -> tuple[list[GroupResult], dict
     if run.watch is not None:  # a death at the very end of the rollouts, before its round, is named too
         await run.watch.poll()
     down = _down(run)
-    if not any(name.startswith("vllm_worker_") for name in down):  # a dead worker has no counter to read
+    if not any_down(down, ComponentKind.VLLM_WORKER):  # a dead worker has no counter to read
         calls_now = await asyncio.to_thread(run.stack.workers.served_calls)
         metrics.update(worker_call_metrics(run.worker_calls, calls_now))
         run.worker_calls = calls_now
@@ -569,13 +259,11 @@ async def rollout_step(run: GRPORun, step: int) -> tuple[list[GroupResult], dict
         metrics.update(component_metrics(run.step_component_deaths, down, restarts, replaced))
         if cfg.token_capture.on_component_failure == "continue":
             groups = untrainable(groups, unrecoverable(run.stack, down))
-    metrics.update(finalize_metrics(groups, run.manager.take_queue_waits_ms()))
-    metrics["finalize/orphaned_staged_keys"] = float(run.manager.take_orphaned_staged_keys())
-    metrics["finalize/dropped_groups"] = float(run.manager.take_dropped_groups())
-    metrics["finalize/served_report_failures"] = float(run.manager.take_served_report_failures())
+    counters = run.manager.take_step_counters()
+    metrics.update(finalize_metrics(groups, counters.queue_waits_ms))
+    metrics.update(counters.metrics(retention=run.cleaner is not None))
     if run.cleaner is not None:
-        metrics["retention/failures"] = float(run.manager.take_retention_failures())
-        if not any(name.startswith("tq_") for name in down):  # a dead data plane cannot list its keys
+        if not any_down(down, *DATA_PLANE_KINDS):  # a dead data plane cannot list its keys
             metrics["retention/staged_keys_remaining"] = float(await asyncio.to_thread(run.cleaner.remaining))
         metrics["retention/ledger_files_remaining"] = float(run.stack.env.ledger_file_count())
     if metrics["rollouts/dispatched"] != metrics["finalize/kept_rollouts"] + metrics["finalize/placeholders"]:
@@ -622,17 +310,13 @@ def refit_step(run: GRPORun, step: int) -> dict[str, float]:
     """Refit every worker to version `step`, then prove it with the probe; returns refit/* metrics."""
     metrics: dict[str, float] = {}
     with Timer("refit_s", metrics):
-        out_dir = run.policy.export_weights(run.weights_root / f"step_{step}")
-        versions = run.stack.workers.update_weights(out_dir, step)
+        refit = refit_to(run.policy, run.stack.workers, run.weights_root / f"step_{step}", step, run.probe,
+                         context=f"step {step}: refit to version {step}")
         shutil.rmtree(run.weights_root / f"step_{step - 1}", ignore_errors=True)
-    if set(versions) != {step}:
-        raise StaleWeightsError(f"step {step}: refit to version {step} but the workers report versions {versions}")
-    run.served_version = step
-    engine_probe = run.stack.workers.prompt_logprobs(run.probe)[0]
-    trainer_probe = run.policy.get_logprobs([run.probe])[0]
-    metrics["refit/engine_trainer_max_abs_diff"] = max(abs(a - b) for a, b in zip(engine_probe, trainer_probe))
-    metrics["refit/engine_logprob_change"] = max(abs(a - b) for a, b in zip(engine_probe, run.previous_engine_probe))
-    run.previous_engine_probe = engine_probe
+    run.served_version = refit.version
+    metrics["refit/engine_trainer_max_abs_diff"] = refit.engine_trainer_max_abs_diff
+    metrics["refit/engine_logprob_change"] = max(abs(a - b) for a, b in zip(refit.engine_probe, run.previous_engine_probe))
+    run.previous_engine_probe = list(refit.engine_probe)
     return metrics
 
 
@@ -721,7 +405,7 @@ async def run_grpo(cfg: MasterConfig, progress=print) -> Path:
                 if trainable:
                     # Blocking Ray calls run off the event loop (it may hold other I/O).
                     metrics.update(await asyncio.to_thread(train_step, run, step, step_batch))
-                if run.train_cleaner is not None and not any(name.startswith("tq_") for name in _down(run)):
+                if run.train_cleaner is not None and not any_down(_down(run), *DATA_PLANE_KINDS):
                     metrics.update(await asyncio.to_thread(clear_train_rows, run.train_cleaner, step_batch.plan))
                 if trainable:
                     metrics.update(await refit_or_name_deaths(run, step, metrics))

@@ -5,7 +5,10 @@ stall or a pile of anonymous `run_failed` placeholders after a 10-minute deadlin
 says, within about one check interval, which component died and how.
 
 Contract:
-- A `Probe` is a component's name ("gate", "vllm_worker_0", "tq_storage_unit_0", ...), its
+- A component is named by a `Component` (kind, index, part: "gate", "vllm_worker_0",
+  "vllm_worker_0/engine_core", "tq_storage_unit_0", "finalizer_1_r2"; `Component.parse` reads a
+  name back, `any_down(names, kind)` asks a watch's `down()` about a kind).
+- A `Probe` is a component's name, its
   `role` and an async `check()` that returns None while the component lives, or a one-line
   description of its death. `role` says what a death does to rollouts in flight:
   `ROLLOUT_PATH` (Gym servers, vLLM workers, TransferQueue actors: every rollout depends on
@@ -35,17 +38,105 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import re
 import signal
 import subprocess
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from nemo_rl.distributed.actor_call import first_line
 
 
 class Role(str, enum.Enum):
     ROLLOUT_PATH = "rollout_path"
     OFF_PATH = "off_path"
+
+
+class ComponentKind(str, enum.Enum):
+    """What a watched component is; its name (`Component.name`) says which one."""
+
+    GYM_SERVER = "gym_server"  # the gate ("gate") or another Gym server, by its server name
+    VLLM_WORKER = "vllm_worker"  # `vllm_worker_<i>`, and `vllm_worker_<i>/engine_core[_<j>]`
+    TQ_CONTROLLER = "tq_controller"
+    TQ_STORAGE_UNIT = "tq_storage_unit"  # `tq_storage_unit_<i>`
+    FINALIZER = "finalizer"  # `finalizer_<i>`, `finalizer_<i>_r<g>` after g replacements
+
+
+ENGINE_CORE = "engine_core"
+_VLLM_WORKER = re.compile(r"vllm_worker_(\d+)(?:/(engine_core(?:_\d+)?))?")
+_TQ_STORAGE_UNIT = re.compile(r"tq_storage_unit_(\d+)")
+_FINALIZER = re.compile(r"finalizer_(\d+)(?:_r(\d+))?")
+
+
+@dataclass(frozen=True)
+class Component:
+    """One watched component: its kind, its index among its kind, and what part of it.
+
+    `name` is the string metrics, logs and run_info.json `components` carry; `parse(name)` is its
+    inverse (a name of no other kind is a Gym server's). `part` is a process the component
+    started itself (a vLLM worker's `engine_core`, `engine_core_<j>` when it runs several);
+    `generation` counts replacements (finalizer actors); `server` names a Gym server.
+    """
+
+    kind: ComponentKind
+    index: int | None = None
+    part: str | None = None
+    generation: int = 0
+    server: str | None = None
+
+    def __post_init__(self) -> None:
+        indexed = self.kind in (ComponentKind.VLLM_WORKER, ComponentKind.TQ_STORAGE_UNIT, ComponentKind.FINALIZER)
+        if indexed != (self.index is not None) or (self.index is not None and self.index < 0):
+            raise ValueError(f"{self.kind.value} takes {'an index >= 0' if indexed else 'no index'}, got {self.index}")
+        if (self.kind is ComponentKind.GYM_SERVER) != bool(self.server):
+            raise ValueError(f"only a Gym server has a server name, got {self.kind.value} with server={self.server!r}")
+        if self.part is not None and (self.kind is not ComponentKind.VLLM_WORKER or not self.part.startswith(ENGINE_CORE)):
+            raise ValueError(f"part={self.part!r}: only a vLLM worker has a part ({ENGINE_CORE}[_<j>])")
+        if self.generation < 0 or (self.generation and self.kind is not ComponentKind.FINALIZER):
+            raise ValueError(f"generation={self.generation}: only a finalizer actor is replaced")
+
+    @classmethod
+    def engine_core(cls, worker: int, index: int = 0, count: int = 1) -> "Component":
+        """Worker `worker`'s engine core (numbered only when the worker runs several)."""
+        return cls(ComponentKind.VLLM_WORKER, worker, ENGINE_CORE + (f"_{index}" if count > 1 else ""))
+
+    @property
+    def name(self) -> str:
+        kind = self.kind
+        if kind is ComponentKind.GYM_SERVER:
+            assert self.server is not None
+            return self.server
+        if kind is ComponentKind.TQ_CONTROLLER:
+            return kind.value
+        base = f"{kind.value}_{self.index}"
+        if kind is ComponentKind.FINALIZER and self.generation:
+            return f"{base}_r{self.generation}"
+        return base if self.part is None else f"{base}/{self.part}"
+
+    @classmethod
+    def parse(cls, name: str) -> "Component":
+        if name == ComponentKind.TQ_CONTROLLER.value:
+            return cls(ComponentKind.TQ_CONTROLLER)
+        if match := _VLLM_WORKER.fullmatch(name):
+            return cls(ComponentKind.VLLM_WORKER, int(match[1]), match[2])
+        if match := _TQ_STORAGE_UNIT.fullmatch(name):
+            return cls(ComponentKind.TQ_STORAGE_UNIT, int(match[1]))
+        if match := _FINALIZER.fullmatch(name):
+            return cls(ComponentKind.FINALIZER, int(match[1]), generation=int(match[2] or 0))
+        if not name:
+            raise ValueError("a component needs a name")
+        return cls(ComponentKind.GYM_SERVER, server=name)
+
+
+# The TransferQueue actors: while one is down the data plane cannot list or clear its keys.
+DATA_PLANE_KINDS = (ComponentKind.TQ_CONTROLLER, ComponentKind.TQ_STORAGE_UNIT)
+
+
+def any_down(names: Iterable[str], *kinds: ComponentKind) -> bool:
+    """Whether any of the components `names` (a watch's `down()`) is of one of `kinds`."""
+    return any(Component.parse(name).kind in kinds for name in names)
 
 
 @dataclass(frozen=True)
@@ -74,12 +165,6 @@ def exit_description(code: int) -> str:
         except ValueError:
             return f"killed by signal {-code}"
     return f"exited with code {code}"
-
-
-def first_line(error: BaseException, limit: int = 300) -> str:
-    """The first line of an error's message (Ray's run to dozens of lines), or its type name."""
-    text = str(error).strip()
-    return text.splitlines()[0][:limit] if text else type(error).__name__
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,8 @@ Contract:
   (a hard `NodeAffinitySchedulingStrategy`: an actor whose node dies is not silently moved), or
   `{}` for None.
 - `alive_nodes(driver_node_id)` reads the cluster's alive nodes (one GCS call) in that order;
-  `actor_node_ids(handles, timeout_s)` measures where actors actually run (one bounded call).
+  `actor_node_ids(handles, timeout_s)` measures where actors actually run (one bounded call,
+  `nemo_rl.distributed.actor_call`).
 - What runs where (docs/guides/launching.md, "Multi-node"): the driver and its Gym servers on the
   node the driver was started on (ultra_launch.sh: the head); the vLLM workers by this plan; the
   policy, the finalizers and the TransferQueue actors wherever Ray has room (they reach each
@@ -115,8 +116,10 @@ def _own_node_id(_actor: object) -> str:
     return ray.get_runtime_context().get_node_id()
 
 
-def actor_node_ids(handles: Sequence[Any], timeout_s: float) -> list[str]:
-    """The node id each actor runs on, measured inside the actor (one call each, bounded)."""
-    import ray
+def actor_node_ids(handles: Sequence[Any], timeout_s: float, *, actor: str = "actors") -> list[str]:
+    """The node id each actor runs on, measured inside the actor (one call each, bounded); a
+    failure is an `ActorCallError` naming `actor`."""
+    from nemo_rl.distributed.actor_call import call_with_deadline
 
-    return list(ray.get([h.__ray_call__.remote(_own_node_id) for h in handles], timeout=timeout_s))
+    refs = [h.__ray_call__.remote(_own_node_id) for h in handles]
+    return list(call_with_deadline(refs, actor=actor, op="node_id", timeout_s=timeout_s))

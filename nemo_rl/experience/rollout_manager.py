@@ -22,7 +22,7 @@ Contract of `RolloutManager.run_group(step, group_index, row, n) -> GroupResult`
   `collect_group` runs the same path for rollouts an external harness drove itself.
 - `token_capture.min_valid_fraction_per_group`: a group with fewer kept rollouts than that
   fraction of N is dropped whole (every entry a `group_below_min_valid_fraction` placeholder,
-  counted by `take_dropped_groups()`).
+  counted in `StepCounters.dropped_groups`).
 - Legacy mode (capture off): runs all N (each raced against the component watch, as below) and
   builds rows from Gym's token echo.
 - Always-N: the result holds exactly N entries, one per reserved id, each a `TrainRow` or a
@@ -32,7 +32,7 @@ Contract of `RolloutManager.run_group(step, group_index, row, n) -> GroupResult`
   (`env.retire(ids)`) and every staged key the group owns is cleared: those named by a fetched
   manifest and orphans no manifest names, which the workers' served report names as staged
   (`cleaner.clear(keys, ids, reported)`, `reported` None when the report was unavailable; the
-  orphan count is reported by `take_orphaned_staged_keys()`), each bounded by
+  orphan count is `StepCounters.orphaned_staged_keys`), each bounded by
   `token_capture.stage_timeout_s` (skipped when
   `retire_after_commit` is false); a failure raises `RetentionError` carrying the accounted group.
 - Component deaths (either mode, `health` given: the component watch): a rollout whose run is
@@ -40,12 +40,14 @@ Contract of `RolloutManager.run_group(step, group_index, row, n) -> GroupResult`
   TransferQueue actor) is found dead, or that starts while one is down, stops at once and becomes
   a `component_failed` placeholder whose detail names the dead components (no wait for
   `run_timeout_s`). While one is down, a retention failure is logged and counted
-  (`take_retention_failures()`) instead of raised: the dead component took those keys with it,
+  (`StepCounters.retention_failures`) instead of raised: the dead component took those keys with it,
   and the run's policy (`on_component_failure`) decides what happens next. A worker in its
   failed state while the watch reports a vLLM worker (or its engine core) dead is that death,
   not a bug: its served report is unavailable (counted), the run goes on to its accounting.
 - Cancellation mid-group: in-flight runs are cancelled, the accounted (aborted) group is kept
-  for `take_aborted_groups()`, retention runs, and the `CancelledError` propagates.
+  (`StepCounters.aborted_groups`), retention runs, and the `CancelledError` propagates.
+- `take_step_counters()`: one frozen `StepCounters` of everything counted since the last call
+  (the loop takes it once per step; its `metrics()` are the step's counter metrics).
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from nemo_rl.data.rollout_ids import check_rollout_id, rollout_id_for
 from nemo_rl.data.rows import GroupEntry, GroupResult, KeptRollout, Placeholder, PlaceholderReason
 from nemo_rl.data.served import ServedCall
+from nemo_rl.distributed.component_watch import ComponentKind, any_down
 from nemo_rl.environments.nemo_gym_config import GymRunError, GymRunTimeoutError, ManifestError
 from nemo_rl.models.generation.vllm.worker import WorkerError, WorkerFailedError
 from nemo_rl.token_capture.config import TokenCaptureConfig
@@ -153,6 +156,34 @@ class RolloutManagerConfig(BaseModel):
     @classmethod
     def _run_id_starts_usable_ids(cls, run_id: str) -> str:
         return check_rollout_id(run_id)  # the rollout-id rule, so a bad prefix fails here, not at dispatch
+
+
+@dataclass(frozen=True)
+class StepCounters:
+    """What the manager counted since the last `take_step_counters()`: one step's worth."""
+
+    queue_waits_ms: tuple[float, ...] = ()  # finalizer queue waits (`finalize/queue_wait_ms`)
+    orphaned_staged_keys: int = 0  # staged keys cleared that no manifest named (commit never ledgered)
+    dropped_groups: int = 0  # groups dropped by `min_valid_fraction_per_group`
+    served_report_failures: int = 0  # groups whose served-call report could not be read
+    retention_failures: int = 0  # groups whose retention failed while a component was down
+    aborted_groups: tuple[GroupResult, ...] = ()  # accounted results of cancelled `run_group`s
+
+    def __post_init__(self) -> None:
+        counts = (self.orphaned_staged_keys, self.dropped_groups, self.served_report_failures, self.retention_failures)
+        if min(counts) < 0 or any(w < 0 for w in self.queue_waits_ms):
+            raise ValueError(f"step counters cannot be negative: {self}")
+
+    def metrics(self, *, retention: bool) -> dict[str, float]:
+        """The step's counter metrics; `retention/failures` only when the run clears staged keys."""
+        metrics = {
+            "finalize/orphaned_staged_keys": float(self.orphaned_staged_keys),
+            "finalize/dropped_groups": float(self.dropped_groups),
+            "finalize/served_report_failures": float(self.served_report_failures),
+        }
+        if retention:
+            metrics["retention/failures"] = float(self.retention_failures)
+        return metrics
 
 
 class AccountingError(RuntimeError):
@@ -267,39 +298,23 @@ class RolloutManager:
         self._attempts[(step, group_index)] = attempt + 1
         return [rollout_id_for(self._cfg.run_id, step, group_index, i, attempt) for i in range(n)]
 
-    def take_queue_waits_ms(self) -> list[float]:
-        """Finalizer queue waits recorded since the last call (for `finalize/queue_wait_ms`)."""
-        waits, self._queue_waits_ms = self._queue_waits_ms, []
-        return waits
-
-    def take_orphaned_staged_keys(self) -> int:
-        """Staged keys cleared since the last call that no manifest named (commit never ledgered)."""
-        count, self._orphaned_staged_keys = self._orphaned_staged_keys, 0
-        return count
-
-    def take_served_report_failures(self) -> int:
-        """Groups whose served-call report could not be read, since the last call."""
-        count, self._served_report_failures = self._served_report_failures, 0
-        return count
-
-    def take_retention_failures(self) -> int:
-        """Groups whose retention failed while a component was down, since the last call."""
-        count, self._retention_failures = self._retention_failures, 0
-        return count
-
-    def take_dropped_groups(self) -> int:
-        """Groups dropped by `min_valid_fraction_per_group` since the last call."""
-        count, self._dropped_groups = self._dropped_groups, 0
-        return count
+    def take_step_counters(self) -> StepCounters:
+        """Everything counted since the last call, as one record; the counts start again from zero."""
+        counters = StepCounters(
+            queue_waits_ms=tuple(self._queue_waits_ms),
+            orphaned_staged_keys=self._orphaned_staged_keys,
+            dropped_groups=self._dropped_groups,
+            served_report_failures=self._served_report_failures,
+            retention_failures=self._retention_failures,
+            aborted_groups=tuple(self._aborted),
+        )
+        self._queue_waits_ms, self._aborted = [], []
+        self._orphaned_staged_keys = self._dropped_groups = self._served_report_failures = self._retention_failures = 0
+        return counters
 
     def reserve(self, step: int, group_index: int, n: int) -> list[str]:
         """Fresh rollout ids for a group an external harness drives itself (see `collect_group`)."""
         return self._reserve(step, group_index, n)
-
-    def take_aborted_groups(self) -> list[GroupResult]:
-        """Accounted results of groups whose run_group was cancelled, since the last call."""
-        aborted, self._aborted = self._aborted, []
-        return aborted
 
     async def run_group(self, step: int, group_index: int, row: dict[str, Any], n: int) -> GroupResult:
         rollout_ids = self._reserve(step, group_index, n)
@@ -441,7 +456,7 @@ class RolloutManager:
         if self._health is None:
             return False
         await self._health.poll()
-        return any(name.startswith("vllm_worker_") for name in self._health.down())
+        return any_down(self._health.down(), ComponentKind.VLLM_WORKER)
 
     async def _capture_group(self, state: _GroupState, runs) -> None:
         evidence = await gather_cancelling(self._evidence(state, i, run) for i, run in enumerate(runs))

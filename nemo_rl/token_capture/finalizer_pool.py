@@ -48,11 +48,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from nemo_rl.data.rows import GroupEntry, KeptRollout, Placeholder, PlaceholderReason
 from nemo_rl.data_plane import DataPlaneClient, DataPlaneConfig, DataPlaneError, FieldEncodingError
 from nemo_rl.data_plane.train_rows import store_many_rows
+from nemo_rl.distributed.actor_call import ActorCallTimeoutError, ActorDiedError, ActorRaisedError, await_with_deadline
 from nemo_rl.distributed.component_watch import Probe, Role, first_line, ray_actor_probe
 from nemo_rl.token_capture.config import TokenCaptureConfig
 from nemo_rl.token_capture.finalizer import SnapshotSource, fetch_snapshots
@@ -332,20 +332,20 @@ class FinalizerPool:
                 else f"{len(items)} rollouts ({items[0].rollout_id} .. {items[-1].rollout_id})")
         try:
             ref = slot.handle.finalize_many.remote(list(items))
-            replies: list[WorkerReply] = await asyncio.wait_for(ref, self._call_timeout_s)
-        except RayTaskError as error:
-            # First: Ray re-raises a task's TimeoutError as a subclass of TimeoutError too, which the
-            # deadline branch below would misread as "the actor gave no answer".
+            replies: list[WorkerReply] = await await_with_deadline(
+                ref, actor=slot.name, op="finalize_many", timeout_s=self._call_timeout_s)
+        except ActorRaisedError as error:
             raise FinalizerBugError(
-                f"finalizer worker {slot.index} raised while judging {what} (a bug, not a data fault):\n{error}"
-            ) from error
-        except (asyncio.TimeoutError, GetTimeoutError):
+                f"finalizer worker {slot.index} raised while judging {what} (a bug, not a data fault):\n{error.cause}"
+            ) from error.cause
+        except ActorCallTimeoutError:
             slot.suspect = True
             return self._failed(items, PlaceholderReason.FINALIZE_TIMEOUT,
                                 f"finalizer worker {slot.index} gave no answer within {self._call_timeout_s}s")
-        except RayActorError as error:
+        except ActorDiedError as error:
             slot.suspect = True
-            cause = first_line(error)
+            assert error.cause is not None
+            cause = first_line(error.cause)
             self._deaths.setdefault(slot.name, f"finalizer worker {slot.index} (Ray actor) died: {cause}")
             return self._failed(items, PlaceholderReason.FINALIZER_UNAVAILABLE,
                                 f"finalizer worker {slot.index} died: {cause}")

@@ -3,7 +3,7 @@
 Real components only: a private Ray cluster (`init_local_ray`), TransferQueue, one vLLM CPU
 worker in its flavored venv, our capture gate (Gym's model server with our policy), our
 resources server and Gym's agent as loopback subprocesses. The stack is brought up with the same
-public steps as `distributed.stack.start_stack`, but the probe speaks while it comes up (the
+public steps as `algorithms.setup.start_stack`, but the probe speaks while it comes up (the
 start-up window), while it serves, and after it is gone:
 
 - `startup`: the worker and the gate answered before the worker serves.

@@ -46,15 +46,10 @@ LAYERS: tuple[tuple[str, ...], ...] = (
 # Today's upward imports: (importing module, imported package) -> where it goes in the Layout move.
 # Only ever delete entries; a new upward import is fixed, not listed.
 KNOWN_UPWARD: dict[tuple[str, str], str] = {
-    # Stack bring-up runs in the driver only and needs every component: the top, not the ground floor.
-    ("nemo_rl.distributed.stack", "data_plane"): "stack moves to the driver's set-up module in algorithms",
-    ("nemo_rl.distributed.stack", "token_capture"): "stack moves to the driver's set-up module in algorithms",
-    ("nemo_rl.distributed.stack", "models.generation"): "stack moves to the driver's set-up module in algorithms",
-    ("nemo_rl.distributed.stack", "environments"): "stack moves to the driver's set-up module in algorithms",
     # The task and its tiny model are one example package; the library never imports it.
     ("nemo_rl.environments.arith_episodes", "models.tiny_model"): "moves with tiny_model to the example-task package",
     ("nemo_rl.algorithms.grpo_config", "models.tiny_model"): "the example passes its model; the recipe schema drops TinyModelConfig",
-    ("nemo_rl.algorithms.grpo_single_controller", "models.tiny_model"): "the example builds its model; setup takes a model path",
+    ("nemo_rl.algorithms.setup", "models.tiny_model"): "the example builds its model; setup takes a model path",
 }
 
 # (line, imported module) per importing module, every module named as dotted `nemo_rl.*`.

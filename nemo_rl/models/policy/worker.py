@@ -31,13 +31,18 @@ from typing import Any, TypeVar
 
 import ray
 from ray.actor import ActorHandle
-from ray.exceptions import GetTimeoutError, RayActorError
 
 from nemo_rl.data.policy_errors import PolicyWorkerError
 from nemo_rl.data.train_batch import TrainBatch
 from nemo_rl.data.train_rows import TrainPlan
 from nemo_rl.data_plane import DataPlaneClient, DataPlaneConfig
 from nemo_rl.data_plane.train_rows import read_train_batch
+from nemo_rl.distributed.actor_call import (
+    ActorCallError,
+    ActorCallTimeoutError,
+    ActorRaisedError,
+    call_with_deadline,
+)
 from nemo_rl.distributed.shared_fs import SharedDirProbe, check_probe
 from nemo_rl.models.policy.config import PolicyConfig
 from nemo_rl.models.policy.core import PolicyCore, PolicyStateInfo
@@ -130,14 +135,17 @@ class RayPolicyClient:
 
     def _get(self, method: str, ref: ray.ObjectRef) -> Any:
         try:
-            return ray.get(ref, timeout=self._timeout)
-        except GetTimeoutError as e:
+            return call_with_deadline(ref, actor=self._name, op=method, timeout_s=self._timeout)
+        except ActorRaisedError as e:
+            assert e.cause is not None
+            raise e.cause from None  # the worker's own PolicyWorkerError, naming the method
+        except ActorCallTimeoutError as e:
             raise PolicyWorkerTimeoutError(
                 f"{self._name}.{method} missed its deadline of {self._timeout}s "
                 "(policy.call_timeout_s); the worker is stuck or overloaded"
             ) from e
-        except RayActorError as e:
-            raise PolicyWorkerDiedError(f"{self._name}.{method}: the actor died: {e}") from e
+        except ActorCallError as e:
+            raise PolicyWorkerDiedError(f"{self._name}.{method}: the actor died: {e.cause}") from e
 
     def get_logprobs(self, token_ids: list[list[int]]) -> list[list[float]]:
         return self._get("get_logprobs", self._actor.get_logprobs.remote(token_ids))

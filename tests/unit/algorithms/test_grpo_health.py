@@ -235,6 +235,7 @@ class FakeRun:
         self.stack = SimpleNamespace(workers=FailingRefitWorkers())
         self.policy = SimpleNamespace(export_weights=lambda folder: folder)
         self.weights_root = tmp_path
+        self.probe = [5, 6, 2]
         self.watch = ComponentWatch(_group(handle).probes, interval_s=60.0, probe_timeout_s=1.0)
         self.pool = None
         self.said: list[str] = []

@@ -11,12 +11,16 @@ import time
 import pytest
 
 from nemo_rl.distributed.component_watch import (
+    DATA_PLANE_KINDS,
     ChildProcess,
+    Component,
     ComponentDeath,
+    ComponentKind,
     ComponentWatch,
     Probe,
     Role,
     actor_children_probe,
+    any_down,
     children_verdict,
     exit_description,
     process_probe,
@@ -195,3 +199,34 @@ async def test_actor_children_probe_names_a_dead_child_and_leaves_a_gone_actor_t
     assert await probe.check() is None
     assert await probe.check() == "vLLM worker 0 engine core EngineCore (pid 9) killed by SIGKILL"
     assert await probe.check() is None  # the actor is gone: `vllm_worker_0`'s probe names that, once
+
+
+@pytest.mark.parametrize("name", [
+    "gate", "arith_agent", "vllm_worker_0", "vllm_worker_3/engine_core", "vllm_worker_1/engine_core_2",
+    "tq_controller", "tq_storage_unit_0", "finalizer_2", "finalizer_1_r3",
+])
+def test_a_component_name_reads_back_as_the_same_name(name: str) -> None:
+    assert Component.parse(name).name == name
+
+
+def test_components_are_kinds_with_an_index_and_a_part() -> None:
+    assert Component.parse("vllm_worker_3/engine_core") == Component(ComponentKind.VLLM_WORKER, 3, "engine_core")
+    assert Component.engine_core(1).name == "vllm_worker_1/engine_core"
+    assert Component.engine_core(1, 1, 2).name == "vllm_worker_1/engine_core_1"
+    assert Component.parse("finalizer_1_r3") == Component(ComponentKind.FINALIZER, 1, generation=3)
+    assert Component.parse("gate") == Component(ComponentKind.GYM_SERVER, server="gate")
+    assert Component(ComponentKind.TQ_STORAGE_UNIT, 0).name == "tq_storage_unit_0"
+    with pytest.raises(ValueError, match="takes an index"):
+        Component(ComponentKind.VLLM_WORKER)
+    with pytest.raises(ValueError, match="only a vLLM worker has a part"):
+        Component(ComponentKind.FINALIZER, 0, "engine_core")
+    with pytest.raises(ValueError, match="only a Gym server has a server name"):
+        Component(ComponentKind.TQ_CONTROLLER, server="x")
+
+
+def test_any_down_asks_about_kinds_not_prefixes() -> None:
+    down = {"vllm_worker_0/engine_core": "killed", "gate": "exited"}
+    assert any_down(down, ComponentKind.VLLM_WORKER)
+    assert not any_down(down, *DATA_PLANE_KINDS)
+    assert any_down(["tq_storage_unit_1"], *DATA_PLANE_KINDS)
+    assert not any_down([], ComponentKind.GYM_SERVER)

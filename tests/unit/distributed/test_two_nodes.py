@@ -19,10 +19,10 @@ import aiohttp
 import pytest
 import ray
 
+from nemo_rl.algorithms.setup import start_ray_for_stack
 from nemo_rl.data_plane import DataPlaneConfig
 from nemo_rl.distributed.placement import actor_node_ids, alive_nodes, node_affinity, plan_worker_placement
 from nemo_rl.distributed.shared_fs import remove_probe, write_probe
-from nemo_rl.distributed.stack import start_ray_for_stack
 from nemo_rl.distributed.topology import MultiNodeBindError
 from nemo_rl.models.generation.vllm.config import GenerationConfig
 from nemo_rl.models.generation.vllm.worker import VllmGenerationWorker

@@ -267,8 +267,9 @@ def test_always_n_for_any_mix_of_outcomes(script, step, group_index):
     assert env.retired == [ids]
     assert cleaner.cleared == [[f"{rid}/c0" for rid, kind in zip(ids, script) if kind not in NO_RECORDS]]
     assert cleaner.reported == cleaner.cleared  # the served report names the same staged keys, not someone-else's
-    assert sorted(manager.take_queue_waits_ms()) == [float(item.sample_index) for item in finalizer.items]
-    assert manager.take_aborted_groups() == []
+    counters = manager.take_step_counters()
+    assert sorted(counters.queue_waits_ms) == [float(item.sample_index) for item in finalizer.items]
+    assert counters.aborted_groups == ()
 
 
 async def test_placeholders_carry_reason_detail_and_reward():
@@ -316,7 +317,7 @@ async def test_cancellation_mid_group_is_accounted_and_cleaned_up():
     with pytest.raises(asyncio.CancelledError):
         await task
 
-    (aborted,) = manager.take_aborted_groups()
+    (aborted,) = manager.take_step_counters().aborted_groups
     # Only the judge gives verdicts, after the whole group's evidence is in: a run that had already
     # failed never reached its verdict either, so every slot is "aborted".
     assert [(e.rollout_id, e.reason, e.detail) for e in aborted.entries] == [
@@ -355,8 +356,8 @@ async def test_orphaned_staged_keys_are_counted_per_take():
         ["run7-s0-g0-i0-a0", "run7-s0-g0-i1-a0"],
         ["run7-s0-g1-i0-a0", "run7-s0-g1-i1-a0"],
     ]
-    assert manager.take_orphaned_staged_keys() == 4
-    assert manager.take_orphaned_staged_keys() == 0
+    assert manager.take_step_counters().orphaned_staged_keys == 4
+    assert manager.take_step_counters().orphaned_staged_keys == 0
 
 
 async def test_retention_clears_the_staged_keys_the_served_report_names():
@@ -454,8 +455,8 @@ async def test_without_the_served_report_nothing_is_read_under_write_behind():
     assert group.entries[0].yield_ == RolloutYield(None, 0, (), 0)
     assert served.asked == [["run7-s0-g0-i0-a0", "run7-s0-g0-i1-a0", "run7-s0-g0-i2-a0"]]
     assert cleaner.reported == [None]  # retention still runs; the cleaner finds the orphans itself
-    assert manager.take_served_report_failures() == 1
-    assert manager.take_served_report_failures() == 0
+    assert manager.take_step_counters().served_report_failures == 1
+    assert manager.take_step_counters().served_report_failures == 0
 
 
 async def test_without_the_served_report_the_judge_runs_under_before_reply():
@@ -473,7 +474,7 @@ async def test_without_the_served_report_the_judge_runs_under_before_reply():
     assert group.entries[0].yield_ == RolloutYield(None, 2, (), 1)
     assert (group.entries[1].reason, group.entries[1].detail) == (
         R.CAPTURE_POISONED, "served_not_staged_unlocated: calls ['c1'] (['worker_capture_failed'])")
-    assert manager.take_served_report_failures() == 1
+    assert manager.take_step_counters().served_report_failures == 1
 
 
 async def test_a_group_below_the_min_valid_fraction_is_dropped_whole_and_counted():
@@ -487,9 +488,9 @@ async def test_a_group_below_the_min_valid_fraction_is_dropped_whole_and_counted
         (R.GROUP_BELOW_MIN_VALID_FRACTION, 1.0)]
     assert dropped.entries[0].detail == "2/4 rollouts kept < token_capture.min_valid_fraction_per_group=0.75"
     assert dropped.entries[0].terminal_selection == "response_id"
-    assert manager.take_dropped_groups() == 1 and manager.take_dropped_groups() == 0
+    assert manager.take_step_counters().dropped_groups == 1 and manager.take_step_counters().dropped_groups == 0
     assert [_kind_of(e) for e in kept.entries] == [KeptRollout, R.RUN_FAILED, KeptRollout, KeptRollout]
-    assert manager_ok.take_dropped_groups() == 0
+    assert manager_ok.take_step_counters().dropped_groups == 0
 
 
 def test_enforce_min_valid_fraction_keeps_groups_at_the_floor_and_all_placeholder_groups():
@@ -581,7 +582,7 @@ async def test_a_failed_worker_aborts_instead_of_degrading_the_served_report():
     manager, *_ = _manager(["success"], served=served)
     with pytest.raises(WorkerFailedError, match="engine dead"):
         await manager.run_group(0, 0, {}, 1)
-    assert manager.take_served_report_failures() == 0
+    assert manager.take_step_counters().served_report_failures == 0
 
 
 # --- component deaths (the component watch's view, faked) --------------------------------------
@@ -671,7 +672,7 @@ async def test_retention_failure_while_a_component_is_down_is_counted_not_raised
     group = await asyncio.wait_for(task, 5.0)
 
     assert group.entries[0].reason is R.COMPONENT_FAILED
-    assert (manager.take_retention_failures(), manager.take_retention_failures()) == (1, 0)
+    assert (manager.take_step_counters().retention_failures, manager.take_step_counters().retention_failures) == (1, 0)
 
 
 
@@ -686,7 +687,7 @@ async def test_a_failed_worker_is_a_death_only_when_the_watch_finds_a_worker_or_
     manager, *_ = _manager(["success"], served=served, health=FakeHealth(found_on_poll={"gate": GATE_DEATH}))
     with pytest.raises(WorkerFailedError, match="a bug"):
         await manager.run_group(0, 0, {}, 1)
-    assert manager.take_served_report_failures() == 0
+    assert manager.take_step_counters().served_report_failures == 0
 
     # Its engine core found dead: that death, the report unavailable (counted), the group accounted.
     health = FakeHealth(found_on_poll={"vllm_worker_0/engine_core": ENGINE_CORE_DEATH})
@@ -695,9 +696,23 @@ async def test_a_failed_worker_is_a_death_only_when_the_watch_finds_a_worker_or_
     group = await manager.run_group(0, 0, {}, 1)
 
     assert health.polls == 1  # the manager asked for a round before deciding
-    assert manager.take_served_report_failures() == 1
+    assert manager.take_step_counters().served_report_failures == 1
     # Under behind_reply (the default) nothing proves the rows were written: none is read, and the
     # placeholder names the death the watch found.
     assert finalizer.items == []
     assert group.n == 1 and group.entries[0].reason is R.SERVED_REPORT_UNAVAILABLE
     assert ENGINE_CORE_DEATH in group.entries[0].detail
+
+
+def test_step_counters_are_one_record_with_the_metric_names_of_the_step_line() -> None:
+    from nemo_rl.experience.rollout_manager import StepCounters
+
+    counters = StepCounters(queue_waits_ms=(1.0,), orphaned_staged_keys=2, dropped_groups=1,
+                            served_report_failures=3, retention_failures=4)
+    assert counters.metrics(retention=True) == {
+        "finalize/orphaned_staged_keys": 2.0, "finalize/dropped_groups": 1.0,
+        "finalize/served_report_failures": 3.0, "retention/failures": 4.0,
+    }
+    assert "retention/failures" not in counters.metrics(retention=False)
+    with pytest.raises(ValueError, match="cannot be negative"):
+        StepCounters(dropped_groups=-1)

@@ -19,8 +19,9 @@ the knob.
 One control bearer per run (`secrets.token_urlsafe`) opens the workers' control routes; it lives
 on `WorkerGroup.control_token` (kept out of its repr) and is never printed or logged.
 `take_served_async` pops what every worker served for the given rollouts and
-merge it (`merge_served`, worker order then call order); the async variant awaits the refs under
-`asyncio.wait_for(call_timeout_s)` so a driver coroutine never blocks its event loop in ray.get.
+merge it (`merge_served`, worker order then call order); the async variant awaits the refs
+(`nemo_rl.distributed.actor_call.await_with_deadline`) so a driver coroutine never blocks its
+event loop in ray.get. Every call goes through that module's helpers, which classify the failure.
 Liveness (`probes()`): per worker, the actor (`vllm_worker_<i>`) and its vLLM engine-core child
 processes (`vllm_worker_<i>/engine_core`, reported by the worker, which is their parent), both
 on the rollout path; `engine_core_pids()` names those processes' pids by the same component
@@ -37,7 +38,6 @@ not `nvidia-smi`, which containers often lack). A gpu worker reserves
 
 from __future__ import annotations
 
-import asyncio
 import os
 import re
 import secrets
@@ -45,12 +45,29 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import ray
 
 from nemo_rl.data.served import ServedCall
 from nemo_rl.distributed.component_watch import ChildProcess, Probe, Role, actor_children_probe, ray_actor_probe
+from nemo_rl.distributed.actor_call import (
+    ActorCallError,
+    ActorCallTimeoutError,
+    ActorRaisedError,
+    await_with_deadline,
+    call_with_deadline,
+    deadline_left,
+)
+from nemo_rl.distributed.component_watch import (
+    ChildProcess,
+    Component,
+    ComponentKind,
+    Probe,
+    Role,
+    actor_children_probe,
+    ray_actor_probe,
+)
 from nemo_rl.distributed.placement import actor_node_ids, alive_nodes, node_affinity, plan_worker_placement
 from nemo_rl.distributed.shared_fs import SharedDirProbe
 from nemo_rl.models.generation.vllm.config import GenerationConfig
@@ -182,7 +199,26 @@ def worker_env(gen: GenerationConfig, flavor: str) -> dict[str, str]:
 
 def engine_core_name(worker: int, index: int = 0, count: int = 1) -> str:
     """`vllm_worker_<i>/engine_core` (`..._<j>` when a worker runs several engine cores)."""
-    return f"vllm_worker_{worker}/engine_core" + (f"_{index}" if count > 1 else "")
+    return Component.engine_core(worker, index, count).name
+
+
+def worker_name(worker: int) -> str:
+    """`vllm_worker_<i>`: worker i's component name."""
+    return Component(ComponentKind.VLLM_WORKER, worker).name
+
+
+WORKERS = "vLLM workers"  # the actor name `ActorCallError`s of group calls carry
+
+
+def raise_worker_error(failure: ActorCallError, timeout_s: float) -> NoReturn:
+    """A failed group call as a `WorkerError`; what a worker raised itself stays as it is (a
+    `WorkerError` subclass such as a refit failure, or a bug)."""
+    if isinstance(failure, ActorRaisedError):
+        assert failure.cause is not None
+        raise failure.cause from None
+    if isinstance(failure, ActorCallTimeoutError):
+        raise WorkerError(f"vLLM worker {failure.op} exceeded its {timeout_s:.0f}s deadline") from failure
+    raise WorkerError(f"vLLM worker died during {failure.op}: {failure.cause}") from failure
 
 
 def merge_served(parts: list[list[dict]]) -> list[ServedCall]:
@@ -204,11 +240,9 @@ class WorkerGroup:
 
     def _get(self, refs: list[Any], op: str) -> list[Any]:
         try:
-            return ray.get(refs, timeout=self.call_timeout_s)
-        except ray.exceptions.GetTimeoutError as e:
-            raise WorkerError(f"vLLM worker {op} exceeded its {self.call_timeout_s:.0f}s deadline") from e
-        except ray.exceptions.RayActorError as e:
-            raise WorkerError(f"vLLM worker died during {op}: {e}") from e
+            return call_with_deadline(refs, actor=WORKERS, op=op, timeout_s=self.call_timeout_s)
+        except ActorCallError as e:
+            raise_worker_error(e, self.call_timeout_s)
 
     def update_weights(self, weights_dir: Path, version: int) -> list[int]:
         return self._get([h.update_weights.remote(str(weights_dir), version) for h in self.handles], "update_weights")
@@ -220,11 +254,9 @@ class WorkerGroup:
     def node_ids(self) -> list[str]:
         """The node id each worker runs on (worker order), measured inside the actors."""
         try:
-            return actor_node_ids(self.handles, self.call_timeout_s)
-        except ray.exceptions.GetTimeoutError as e:
-            raise WorkerError(f"vLLM worker node_ids exceeded its {self.call_timeout_s:.0f}s deadline") from e
-        except ray.exceptions.RayActorError as e:
-            raise WorkerError(f"vLLM worker died during node_ids: {e}") from e
+            return actor_node_ids(self.handles, self.call_timeout_s, actor=WORKERS)
+        except ActorCallError as e:
+            raise_worker_error(e, self.call_timeout_s)
 
     def weight_versions(self) -> list[int]:
         """The weight version each worker serves, in worker order (measured from the workers)."""
@@ -254,11 +286,9 @@ class WorkerGroup:
 
     async def _get_async(self, refs: list[Any], op: str) -> list[Any]:
         try:
-            return list(await asyncio.wait_for(asyncio.gather(*refs), self.call_timeout_s))
-        except asyncio.TimeoutError as e:
-            raise WorkerError(f"vLLM worker {op} exceeded its {self.call_timeout_s:.0f}s deadline") from e
-        except ray.exceptions.RayActorError as e:
-            raise WorkerError(f"vLLM worker died during {op}: {e}") from e
+            return await await_with_deadline(list(refs), actor=WORKERS, op=op, timeout_s=self.call_timeout_s)
+        except ActorCallError as e:
+            raise_worker_error(e, self.call_timeout_s)
 
     def capture_stats(self) -> list[dict]:
         return self._get([h.capture_stats.remote() for h in self.handles], "capture_stats")
@@ -273,7 +303,7 @@ class WorkerGroup:
         (both rollout path: a worker whose engine core died serves nothing)."""
         probes = []
         for i, h in enumerate(self.handles):
-            probes.append(ray_actor_probe(f"vllm_worker_{i}", Role.ROLLOUT_PATH, h, f"vLLM worker {i}"))
+            probes.append(ray_actor_probe(worker_name(i), Role.ROLLOUT_PATH, h, f"vLLM worker {i}"))
             probes.append(actor_children_probe(engine_core_name(i), Role.ROLLOUT_PATH,
                                                h.engine_core_processes.remote, f"vLLM worker {i} engine core"))
         return probes
@@ -289,9 +319,11 @@ class WorkerGroup:
     def shutdown(self) -> None:
         refs = [h.shutdown.remote() for h in self.handles]
         try:
-            ray.get(refs, timeout=60)
-        except (ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError):
-            pass  # the actor is killed right below either way
+            call_with_deadline(refs, actor=WORKERS, op="shutdown", timeout_s=60)
+        except ActorCallError as e:
+            if not e.recoverable:  # a shutdown that raised is a bug, not a gone or slow actor
+                raise e.cause from None
+            # gone or slow: the actor is killed right below either way
         for h in self.handles:
             ray.kill(h)
         self.handles = []
@@ -311,12 +343,15 @@ class PendingWorkers:
 def _startup_get(group: WorkerGroup, refs: list[Any], deadline: float, timeout_s: float, what: str) -> list[Any]:
     """ray.get within the start-up deadline; the group is shut down before any error propagates."""
     try:
-        return ray.get(refs, timeout=max(deadline - time.monotonic(), 0.0))
-    except ray.exceptions.GetTimeoutError as e:
+        return call_with_deadline(refs, actor=WORKERS, op=what, timeout_s=deadline_left(deadline))
+    except ActorCallTimeoutError as e:
         group.shutdown()
         raise WorkerError(
             f"vLLM workers did not {what} within generation.vllm.startup_timeout_s={timeout_s:.0f}"
         ) from e
+    except ActorCallError as e:
+        group.shutdown()
+        raise WorkerError(f"vLLM worker failed to {what}: {e.cause}") from e
     except ray.exceptions.RayError as e:
         group.shutdown()
         raise WorkerError(f"vLLM worker failed to {what}: {e}") from e
