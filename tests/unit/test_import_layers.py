@@ -47,8 +47,6 @@ LAYERS: tuple[tuple[str, ...], ...] = (
 # Today's upward imports: (importing module, imported package) -> where it goes in the Layout move.
 # Only ever delete entries; a new upward import is fixed, not listed.
 KNOWN_UPWARD: dict[tuple[str, str], str] = {
-    # PlaceholderReason: the health judgement is a verdict, and verdicts live in token_capture.
-    ("nemo_rl.utils.capture_health", "token_capture"): "capture_health (with verdict) moves to token_capture",
     # Stack bring-up runs in the driver only and needs every component: the top, not the ground floor.
     ("nemo_rl.distributed.stack", "data_plane"): "stack moves to the driver's set-up module in algorithms",
     ("nemo_rl.distributed.stack", "token_capture"): "stack moves to the driver's set-up module in algorithms",
