@@ -48,7 +48,7 @@ from urllib.parse import urlsplit
 
 from nemo_rl.environments.gate_guard import GATE_GUARD_KEY, GateGuardConfig
 from nemo_rl.environments.nemo_gym_config import NemoGymConfig
-from nemo_rl.token_capture import wire_metrics
+from nemo_rl.utils import instrumentation
 
 LOOPBACK = "127.0.0.1"
 GATE = "policy_model"
@@ -240,9 +240,9 @@ def agent_module(agent: str) -> str:
 
 
 def server_command(python: str, spec: ServerSpec, launcher_pid: int | None = None) -> list[str]:
-    """`python -m <module>` (or wire_metrics' counting runner around it when the benchmark opts in),
+    """`python -m <module>` (or an instrumentation hook's runner around it when a benchmark opts in),
     wrapped by `parent_watch` so the server dies with `launcher_pid`."""
-    argv = wire_metrics.server_module_argv(spec.module)  # opt-in byte counting (benchmarks/capture_ab.py)
+    argv = instrumentation.server_module_argv(spec.module)  # opt-in byte counting (benchmarks/capture_ab.py)
     if launcher_pid is None:
         return [python, "-m", *argv]
     return [python, "-m", PARENT_WATCH_MODULE, str(launcher_pid), *argv]

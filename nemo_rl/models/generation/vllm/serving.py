@@ -139,7 +139,7 @@ from nemo_rl.models.generation.vllm.engine import (
 )
 from nemo_rl.models.generation.vllm.prefix_cache import PrefixCache, PrefixError, PrefixMismatchError
 from nemo_rl.models.generation.vllm.request_rules import RequestFieldError, check_chat_request
-from nemo_rl.token_capture import wire_metrics  # opt-in per-call cost (benchmarks/capture_ab.py)
+from nemo_rl.utils import instrumentation  # opt-in per-call cost (benchmarks/capture_ab.py)
 from nemo_rl.token_capture.served import ServedCall, has_assistant_turn
 from nemo_rl.token_capture.stage_writer import ParentRows
 from nemo_rl.token_capture.staging import StagedRecordInvalidError, StagingFetchError
@@ -721,7 +721,7 @@ class ChatService:
         rows = self._stage_barrier.wait_keys(parents, 0.0)
         if rows.lost:
             rows = await asyncio.to_thread(self._stage_barrier.wait_keys, parents, self._stage_flush_timeout_s)
-        wire_metrics.add_call_cost("parent_wait_s", time.perf_counter() - started)
+        instrumentation.add_call_cost("parent_wait_s", time.perf_counter() - started)
         if rows.lost:
             self.stats["parents_not_durable"] += 1
             raise HttpError(
@@ -817,7 +817,7 @@ class ChatService:
             cum_len=coords.cum_len,
             chain_hash=coords.chain_hash,
         )
-        wire_metrics.add_call_cost("prefix_seed_s", time.perf_counter() - started)
+        instrumentation.add_call_cost("prefix_seed_s", time.perf_counter() - started)
         if not accepted:  # the engine's ids do not hash to what Gym staged: a bug, never a silent one
             self.stats["prefix_seed_rejected"] += 1
             LOGGER.error(
@@ -848,7 +848,7 @@ class ChatService:
         started = time.perf_counter()
         try:
             result = await self._engine.generate(prompt_ids, sampling, new_request_id())
-            wire_metrics.add_call_cost("generate_s", time.perf_counter() - started)  # the engine's part, both paths
+            instrumentation.add_call_cost("generate_s", time.perf_counter() - started)  # the engine's part, both paths
             return result
         except InvalidChatRequest as e:
             raise HttpError(400, "invalid_request", str(e)) from e

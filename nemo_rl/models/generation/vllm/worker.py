@@ -240,7 +240,7 @@ class VllmGenerationWorker:
 
     def install_token_capture(self, capture=None) -> None:
         """Host Gym's RolloutTokenCapture (TQ sink) and the TQ-backed prefix cache on the service."""
-        from nemo_rl.token_capture import wire_metrics
+        from nemo_rl.utils import instrumentation
 
         if self._service is None or self._engine is None:
             raise WorkerError("install_token_capture called before the engine started")
@@ -251,7 +251,7 @@ class VllmGenerationWorker:
             raise WorkerError("token_capture.enabled=true needs a data plane config for the TQ staging sink")
         self._client = DataPlaneClient.attach(self._dp_cfg)
         self._stage_writer, self._prefix_source = wire_capture(self._service, self._client, self._capture_cfg, self._engine)
-        wire_metrics.time_capture_calls(self._service)  # opt-in per-call capture timing (benchmarks/capture_ab.py)
+        instrumentation.time_capture_calls(self._service)  # opt-in per-call capture timing (benchmarks/capture_ab.py)
 
     async def update_weights(self, weights_dir: str, version: int) -> int:
         from nemo_rl.models.generation.vllm.engine import RefitAbortedError
