@@ -521,7 +521,7 @@ def arm_summary(arm_dir: Path, run: Mapping[str, Any], skip_steps: int, in_fligh
 def arm_main(args: argparse.Namespace) -> int:
     """Child: one run of the recipe (`run_grpo` unchanged) plus the post-run row checks."""
     import nemo_rl.algorithms.grpo_single_controller as sc
-    from nemo_rl.algorithms.grpo_config import load_master_config
+    from examples.arith.recipe import load_and_resolve
     from nemo_rl.token_capture.audit import retokenization_drift
     from nemo_rl.token_capture.train_rows import TrainPlan, read_train_batch
 
@@ -533,7 +533,8 @@ def arm_main(args: argparse.Namespace) -> int:
         f"grpo.num_generations_per_prompt={args.group_size}",
         *args.overrides,
     ]
-    cfg = load_master_config(args.config, overrides)
+    progress = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
+    cfg = load_and_resolve(args.config, overrides, progress=progress)  # model.path null: the tiny model
     batches: list[Any] = []
     driver_held: list[tuple[Any, Any]] = []  # (groups, what went to the policy): pickled after the run
     original, original_clear = sc.build_train_batch, sc.clear_train_rows
@@ -554,15 +555,12 @@ def arm_main(args: argparse.Namespace) -> int:
 
     # run_grpo looks these up in its module on every step, so this sees each step's batch.
     sc.build_train_batch, sc.clear_train_rows = observing, reading_then_clearing
-    asyncio.run(sc.run_grpo(cfg, progress=lambda m: print(m, file=sys.stderr, flush=True)))
+    asyncio.run(sc.run_grpo(cfg, progress=progress))
     batches = [planned[id(b)] if isinstance(b, TrainPlan) else b for b in batches]
 
     from transformers import AutoTokenizer
 
-    from nemo_rl.models.tiny_model import ensure_tiny_model
-
-    model_dir = Path(cfg.model.path) if cfg.model.path else ensure_tiny_model(cfg.model.tiny, progress=lambda m: None)
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    tokenizer = AutoTokenizer.from_pretrained(str(cfg.model.path))
     steps = []
     for index, (batch, (groups, sent)) in enumerate(zip(batches, driver_held), start=1):
         ids = list(batch.token_ids) if batch is not None else []
@@ -1291,10 +1289,10 @@ def _shown_path(path: Path) -> str:
 
 
 def _num_prompts(config: Path, overrides: Sequence[str]) -> int:
-    from nemo_rl.algorithms.grpo_config import load_master_config
+    from examples.arith.recipe import load_recipe
 
-    cfg = load_master_config(config, [f"logger.log_dir={REPO_ROOT / 'logs' / 'capture_ab_probe'}", *overrides])
-    return cfg.grpo.num_prompts_per_step
+    recipe = load_recipe(config, [f"logger.log_dir={REPO_ROOT / 'logs' / 'capture_ab_probe'}", *overrides])
+    return recipe.config.grpo.num_prompts_per_step
 
 
 def wire_metrics_env(directory: Path) -> dict[str, str]:
