@@ -72,11 +72,11 @@ from pathlib import Path
 from typing import Any
 
 import openai
-from nemo_gym.token_id_capture.fingerprint import assistant_fingerprint
-
 from examples.arith.rows import calculator_tool_output
 from examples.arith.task import CALCULATOR_TOOL, SYSTEM_PROMPT, make_problems, user_prompt
 from examples.arith.tiny_model import TinyModelConfig, ensure_tiny_model
+from nemo_gym.token_id_capture.fingerprint import assistant_fingerprint
+
 from nemo_rl.data_plane import DataPlaneConfig
 from nemo_rl.distributed.stack import start_stack
 from nemo_rl.environments.nemo_gym import NemoGymConfig

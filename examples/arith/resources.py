@@ -26,12 +26,6 @@ from fastapi import FastAPI, HTTPException
 from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from nemo_gym.base_resources_server import (
-    BaseResourcesServerConfig,
-    BaseVerifyRequest,
-    BaseVerifyResponse,
-    SimpleResourcesServer,
-)
 from examples.arith.rows import (
     InvalidGroundTruthError,
     calculator_tool_output,
@@ -39,6 +33,12 @@ from examples.arith.rows import (
     problem_from_fields,
 )
 from examples.arith.task import verify as verify_final_text
+from nemo_gym.base_resources_server import (
+    BaseResourcesServerConfig,
+    BaseVerifyRequest,
+    BaseVerifyResponse,
+    SimpleResourcesServer,
+)
 from nemo_rl.environments.gate_guard import BodyLimitMiddleware
 
 

@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from examples.arith.gym_task import TASK as ARITH_TASK
 from nemo_rl.algorithms.grpo_checkpoint import (
     TRAINER_STATE_FILE,
     TrainerState,
@@ -21,7 +22,6 @@ from nemo_rl.algorithms.grpo_checkpoint import (
     read_trainer_state,
     write_trainer_state,
 )
-from examples.arith.gym_task import TASK as ARITH_TASK
 from nemo_rl.algorithms.grpo_single_controller import resumable_logs
 from nemo_rl.environments.datasets import PromptDataset, TaskPromptSource, task_pool
 from nemo_rl.environments.task import RowSampling

@@ -24,6 +24,9 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from examples.arith.gym_task import RESOURCES_SERVER as ARITH
+from examples.arith.rows import build_row
+from examples.arith.task import SYSTEM_PROMPT, Problem, user_prompt
 from nemo_gym.openai_utils import (
     NeMoGymEasyInputMessage,
     NeMoGymFunctionCallOutput,
@@ -33,12 +36,9 @@ from nemo_gym.openai_utils import (
     NeMoGymResponseOutputText,
 )
 from nemo_rl.environments import nemo_gym_launch as launch
-from examples.arith.task import SYSTEM_PROMPT, Problem, user_prompt
 from nemo_rl.environments.compacting_agent import CompactingAgent, CompactingAgentConfig, compact_history
 from nemo_rl.environments.nemo_gym_config import NemoGymConfig
-from examples.arith.rows import build_row
 from nemo_rl.environments.task import RowSampling
-from examples.arith.gym_task import RESOURCES_SERVER as ARITH
 
 PROBLEM = Problem(expression="12 + 5 * 3", answer=27)
 ARGS = json.dumps({"expression": PROBLEM.expression})

@@ -22,13 +22,16 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from omegaconf import OmegaConf
 
+from examples.arith import task as arith_task
+from examples.arith.gym_task import RESOURCES_SERVER as ARITH
+from examples.arith.tiny_model.corpus import task_conversation
+from examples.arith.tiny_model.tokenizer import train_tokenizer
 from nemo_gym.config_types import BaseServerConfig
 from nemo_gym import server_utils
 from nemo_gym.server_utils import ServerClient, get_first_server_config_dict
 from nemo_gym.token_id_capture.adapters.vllm import VLLMCaptureAdapter
 from nemo_gym.token_id_capture.protocols import install_lineage_store
 from nemo_gym.token_id_capture.staging import StageResult, install_capture, staging_key
-from examples.arith import task as arith_task
 from nemo_rl.environments import nemo_gym_launch as launch
 from nemo_rl.environments.capture_gate import (
     CaptureGateConfigError,
@@ -50,10 +53,7 @@ from nemo_rl.environments.nemo_gym_config import NemoGymConfig
 from nemo_rl.models.generation.vllm.prefix_cache import PrefixCache
 from nemo_rl.models.generation.vllm.server import Endpoint, build_app
 from nemo_rl.models.generation.vllm.serving import ChatService
-from examples.arith.tiny_model.corpus import task_conversation
-from examples.arith.tiny_model.tokenizer import train_tokenizer
 from responses_api_models.vllm_model.app import VLLMModelConfig
-from examples.arith.gym_task import RESOURCES_SERVER as ARITH
 
 BEARER_ENV = "GATE_GUARD_TEST_BEARER"
 BEARER = "gate-bearer-9f8e7d6c5b4a"

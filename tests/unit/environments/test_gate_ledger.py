@@ -25,6 +25,7 @@ import openai
 import pytest
 from aiohttp import web
 
+from examples.arith.gym_task import RESOURCES_SERVER as ARITH
 from nemo_gym.token_id_capture.adapters.vllm import VLLMCaptureAdapter
 
 from nemo_gym.token_id_capture.fingerprint import FINGERPRINT_VERSION
@@ -51,7 +52,6 @@ from nemo_rl.environments.gate_ledger import (
     BranchingCaptureLedger,
     select_parent_row,
 )
-from examples.arith.gym_task import RESOURCES_SERVER as ARITH
 
 ROLLOUT = "r1-step0-g0-i0-a0"
 SYSTEM = {"role": "system", "content": "You are a calculator agent."}

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
+from examples.arith.gym_task import RESOURCES_SERVER as ARITH
 from nemo_gym.token_id_capture.config import token_id_capture_enabled_for_agent
 from nemo_rl.environments import nemo_gym_launch as launch
 from nemo_rl.environments.gym_servers import (
@@ -26,7 +27,6 @@ from nemo_rl.environments.nemo_gym_config import (
     NemoGymConfig,
 )
 from nemo_rl.token_capture.config import TokenCaptureConfig
-from examples.arith.gym_task import RESOURCES_SERVER as ARITH
 
 PORTS = launch.ServerPorts(gate=1001, resources=1002, agent=1003)
 WORKER = "http://127.0.0.1:18300/v1"

@@ -1,4 +1,4 @@
-"""Pure logic of the Gym environment: config generation, rows, tool text, errors, retire."""
+"""Pure logic of the Gym environment: config generation, row sampling, errors, retire."""
 
 from __future__ import annotations
 
@@ -7,20 +7,14 @@ from pathlib import Path
 
 import pytest
 from aiohttp import web
-from hypothesis import given
-from hypothesis import strategies as st
 from pydantic import ValidationError
 
+from examples.arith.gym_task import RESOURCES_SERVER as ARITH
+from examples.arith.rows import build_row
+from examples.arith.task import Problem
 from nemo_gym.token_id_capture.config import TokenIdCaptureConfig, token_id_capture_enabled_for_agent
 from nemo_gym.token_id_capture.staging.records import RolloutManifest
 from nemo_rl.environments import nemo_gym_launch as launch
-from examples.arith.task import (
-    CALCULATOR_TOOL_RESPONSES,
-    SYSTEM_PROMPT,
-    CalculatorError,
-    Problem,
-    calculate,
-)
 from nemo_rl.environments.nemo_gym import (
     NemoGymConfig,
     NemoGymEnvironment,
@@ -42,15 +36,7 @@ from nemo_rl.environments.nemo_gym_config import (
     ManifestTimeoutError,
 )
 from nemo_rl.environments.task import RowSampling
-from examples.arith.rows import (
-    InvalidGroundTruthError,
-    build_row,
-    calculator_tool_output,
-    final_assistant_text,
-    problem_from_fields,
-)
 from nemo_rl.token_capture.config import TokenCaptureConfig
-from examples.arith.gym_task import RESOURCES_SERVER as ARITH
 
 PORTS = launch.ServerPorts(gate=1001, resources=1002, agent=1003)
 WORKER = "http://127.0.0.1:18300/v1"
@@ -200,25 +186,7 @@ def test_server_specs_name_our_module_not_a_gym_package(tmp_path: Path) -> None:
     assert captured == {**modules, "policy_model": "nemo_rl.environments.capture_gate"}
 
 
-# --- rows, tool text, final text ---------------------------------------------------------
-
-
-def test_build_row_carries_prompt_tool_sampling_and_ground_truth() -> None:
-    row = build_row(Problem("12 + 5", 17), SAMPLING)
-    assert row == {
-        "responses_create_params": {
-            "input": [
-                {"role": "system", "content": SYSTEM_PROMPT},
-                {"role": "user", "content": "What is 12 + 5?"},
-            ],
-            "tools": [CALCULATOR_TOOL_RESPONSES],
-            "temperature": 0.7,
-            "top_p": 0.9,
-            "max_output_tokens": 128,
-        },
-        "expression": "12 + 5",
-        "answer": 17,
-    }
+# --- row sampling ----------------------------------------------------------------------------
 
 
 def test_row_sampling_is_strict() -> None:
@@ -226,45 +194,6 @@ def test_row_sampling_is_strict() -> None:
         RowSampling(temperature=0.7, top_p=1.5, max_output_tokens=8)
     with pytest.raises(ValidationError):
         RowSampling(temperature=0.7, top_p=1.0, max_output_tokens="8")
-
-
-def test_ground_truth_mismatch_is_rejected() -> None:
-    assert problem_from_fields("2 * 3", 6) == Problem("2 * 3", 6)
-    with pytest.raises(InvalidGroundTruthError, match=r"expression='2 \* 3' and answer=7"):
-        problem_from_fields("2 * 3", 7)
-    with pytest.raises(InvalidGroundTruthError, match="unexpected character"):
-        problem_from_fields("2 / 3", 0)
-
-
-def test_calculator_tool_output_examples() -> None:
-    assert calculator_tool_output("12 + 5 * 3") == "27"
-    assert calculator_tool_output("3 - 10") == "-7"
-    assert calculator_tool_output("") == "error: calculator: expression '' is not `int (op int)*`"
-
-
-@given(st.text(max_size=40))
-def test_calculator_tool_output_never_raises(expression: str) -> None:
-    out = calculator_tool_output(expression)
-    try:
-        expected = str(calculate(expression))
-    except CalculatorError as e:
-        expected = f"error: {e}"
-    assert out == expected
-
-
-def _msg(text: str) -> dict:
-    return {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": text, "annotations": []}]}
-
-
-def test_final_assistant_text() -> None:
-    call = {"type": "function_call", "name": "calculator", "arguments": "{}", "call_id": "c"}
-    result = {"type": "function_call_output", "call_id": "c", "output": "17"}
-    reasoning = {"type": "reasoning", "summary": []}
-    assert final_assistant_text([call, result, _msg("The answer is 17.")]) == "The answer is 17."
-    assert final_assistant_text([_msg("The answer is "), reasoning, _msg("17.")]) == "The answer is 17."
-    assert final_assistant_text([_msg("I will call"), call]) == ""
-    assert final_assistant_text([call, result]) == ""
-    assert final_assistant_text([]) == ""
 
 
 # --- rollout ids, manifest parsing, retire, errors ----------------------------------------

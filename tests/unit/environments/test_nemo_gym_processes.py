@@ -26,6 +26,9 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from examples.arith.gym_task import RESOURCES_SERVER as ARITH
+from examples.arith.rows import build_row
+from examples.arith.task import Problem, final_answer_text
 from nemo_gym.token_id_capture.adapters.vllm import VLLMCaptureAdapter
 from nemo_gym.token_id_capture.staging.capture import RolloutTokenCapture
 from nemo_gym.token_id_capture.staging.records import (
@@ -35,8 +38,6 @@ from nemo_gym.token_id_capture.staging.records import (
     staging_key,
 )
 from nemo_rl.environments import nemo_gym_launch as launch
-from examples.arith.task import Problem, final_answer_text
-from examples.arith.rows import build_row
 from nemo_rl.environments.nemo_gym import (
     NemoGymConfig,
     NemoGymEnvironment,
@@ -44,7 +45,6 @@ from nemo_rl.environments.nemo_gym import (
 )
 from nemo_rl.environments.nemo_gym_config import GymServerStartError, ManifestAuthError
 from nemo_rl.token_capture.config import TokenCaptureConfig
-from examples.arith.gym_task import RESOURCES_SERVER as ARITH
 
 pytestmark = pytest.mark.integration
 

@@ -18,12 +18,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from omegaconf import OmegaConf
 
+from examples.arith.gym_task import RESOURCES_SERVER as ARITH
+from examples.arith.resources import ArithResourcesServer, ArithResourcesServerConfig
 from nemo_gym.config_types import BaseServerConfig
 from nemo_gym.server_utils import ServerClient, _validation_exception_handler, get_first_server_config_dict
 from nemo_rl.environments import nemo_gym_launch as launch
-from examples.arith.resources import ArithResourcesServer, ArithResourcesServerConfig
 from nemo_rl.environments.nemo_gym_config import NemoGymConfig
-from examples.arith.gym_task import RESOURCES_SERVER as ARITH
 
 RESPONSE = {"id": "resp_1", "created_at": 1, "model": "tiny", "object": "response", "output": [],
             "parallel_tool_calls": True, "tool_choice": "auto", "tools": []}

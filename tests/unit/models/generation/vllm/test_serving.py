@@ -14,6 +14,10 @@ from dataclasses import dataclass
 
 import pytest
 
+from examples.arith import task as arith_task
+from examples.arith.tiny_model.chat_template import LLAMA3
+from examples.arith.tiny_model.corpus import task_conversation
+from examples.arith.tiny_model.tokenizer import train_tokenizer
 from nemo_gym.token_id_capture.adapters.vllm import VLLMCaptureAdapter
 from nemo_gym.token_id_capture.staging import (
     CallRecord,
@@ -25,13 +29,9 @@ from nemo_gym.token_id_capture.staging import (
     staging_key,
     verify_and_linearize,
 )
-from examples.arith import task as arith_task
 from nemo_rl.models.generation.vllm.chat import normalize_messages, render_root_prompt
 from nemo_rl.models.generation.vllm.prefix_cache import PrefixCache
 from nemo_rl.models.generation.vllm.serving import ChatService, HttpError, ServedRegistry, context_overflow_message
-from examples.arith.tiny_model.chat_template import LLAMA3
-from examples.arith.tiny_model.corpus import task_conversation
-from examples.arith.tiny_model.tokenizer import train_tokenizer
 from nemo_rl.data_plane import MissingKeysError
 from nemo_rl.data_plane.errors import DataPlaneTimeoutError
 from nemo_rl.models.generation.vllm.worker import wire_capture

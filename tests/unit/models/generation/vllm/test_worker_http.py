@@ -19,10 +19,12 @@ from aiohttp.test_utils import TestClient, TestServer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from examples.arith import task as arith_task
+from examples.arith.tiny_model.corpus import task_conversation
+from examples.arith.tiny_model.tokenizer import train_tokenizer
 from nemo_gym.token_id_capture.adapters.vllm import VLLMCaptureAdapter
 from nemo_gym.token_id_capture.staging import StageResult, install_capture, staging_key
 from nemo_rl.data_plane.errors import DataPlaneTimeoutError
-from examples.arith import task as arith_task
 from nemo_rl.models.generation.vllm.config import GenerationConfig
 from nemo_rl.models.generation.vllm.engine import (
     EngineDeadlines,
@@ -35,8 +37,6 @@ from nemo_rl.models.generation.vllm.prefix_cache import PrefixCache
 from nemo_rl.models.generation.vllm.server import Endpoint, build_app
 from nemo_rl.models.generation.vllm.serving import AdmittedCalls, ChatService, HttpError, request_digest
 from nemo_rl.models.generation.vllm.worker import VllmGenerationWorker, WorkerError, WorkerFailedError
-from examples.arith.tiny_model.corpus import task_conversation
-from examples.arith.tiny_model.tokenizer import train_tokenizer
 from nemo_rl.token_capture.staging import StagedKeysMissingError, StagedRecordInvalidError, StagingStoreUnavailableError
 
 TOKEN = "per-run-control-token-0123456789"
