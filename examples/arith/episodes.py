@@ -1,6 +1,6 @@
 """Behaviour check of a tiny model on the arithmetic tool task with HF `generate`.
 
-It lives with the task (not in `models/tiny_model`) so that the model package knows no task.
+It lives beside `tiny_model/` (not in it) so that the model package needs only the task spec.
 
 Contract:
 - `run_episode(model, tokenizer, problem, sampling)` plays one two-call rollout the way the

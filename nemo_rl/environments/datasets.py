@@ -151,7 +151,8 @@ class TaskPromptSource:
 def task_pool(task: GymTask, seed: int, size: int, sampling: RowSampling) -> PromptDataset:
     """A fixed pool of `size` rows of `task` drawn from `seed`, walked in epochs."""
     rows = task.rows(seed * _TASK_STEP_STRIDE, size, sampling)
-    return PromptDataset(rows, seed, sampling, source=f"<{task.resources_server.package} pool of {size}, seed {seed}>")
+    source = f"<{task.resources_server.package} pool of {size}, seed {seed}>"
+    return PromptDataset(rows, seed, sampling, source=source)
 
 
 def chat_messages(params: Mapping[str, Any]) -> list[dict[str, str]]:

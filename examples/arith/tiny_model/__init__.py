@@ -7,7 +7,7 @@ Public API: `TinyModelConfig`, `build_tiny_model(cfg, out_dir, progress)`,
 (defaults), chat_template (rendering rules), tokenizer (BPE), corpus (task transcripts),
 encoding (capture-path token encoding), sft (initialisation and warm start), build (artefact
 and cache). The HF `generate` check of the two-call tool loop lives with the task
-(`examples.arith.episodes`): this package imports no task module.
+(`examples.arith.episodes`): this package uses only the task spec (`examples.arith.task`).
 """
 
 from examples.arith.tiny_model.build import (
