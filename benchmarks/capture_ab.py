@@ -13,11 +13,11 @@ and summarises):
    `examples/configs/grpo_capture_tiny_cpu.yaml`) runs once with `token_capture.enabled=true` and
    once with `false`, interleaved ABBA (capture first on even repeats, legacy first on odd ones) so
    that drift in the machine's load hits both arms alike. Each arm is a child
-   `capture_ab.py --arm MODE` that runs `run_grpo` unchanged, with `NRL_WIRE_METRICS_DIR` set so
-   the Gym servers and the vLLM worker count HTTP body bytes and per-call capture time
-   (`nemo_rl.token_capture.wire_metrics`). The child wraps `build_train_batch` to keep a reference
-   to each step's `TrainBatch` or `TrainPlan` and the groups it came from (no copy, no work inside
-   the step) and, after the run, counts trained tokens, checks every trained row for
+   `capture_ab.py --arm MODE` that runs `run_grpo` unchanged, with `NRL_INSTRUMENTATION` naming
+   `benchmarks/wire_metrics.py` and `NRL_WIRE_METRICS_DIR` set, so the Gym servers and the vLLM
+   worker count HTTP body bytes and per-call capture time. The child wraps `build_train_batch`
+   to keep a reference to each step's `TrainBatch` or `TrainPlan` and the groups it came from
+   (no copy, no work inside the step) and, after the run, counts trained tokens, checks every trained row for
    re-tokenization drift (`audit.retokenization_drift`) and measures the row bytes that went
    through the driver (pickled groups + what it sent the policy worker). Rows that went through
    the train partition never reach the driver: the child reads each plan's rows back with
@@ -127,6 +127,11 @@ TARGETS = {
 }
 # Server-side time per request reported for these `<server>:<route>` (see `route_times_ms`).
 ROUTE_TIMES = ("agent:run", "gate:model", "gate:control", "worker:model", "worker:tokenize", "resources:verify")
+# The library's instrumentation seam (nemo_rl/utils/instrumentation.py) loads this hook module in
+# every process of an arm; the hook module writes into NRL_WIRE_METRICS_DIR.
+INSTRUMENTATION_ENV = "NRL_INSTRUMENTATION"
+WIRE_METRICS_MODULE = "benchmarks.wire_metrics"
+WIRE_METRICS_DIR_ENV = "NRL_WIRE_METRICS_DIR"
 GATE_ROLE = "policy_model"  # the gate's Gym config key (nemo_gym_launch.GATE)
 WORKER_ROLE = "worker"
 RSS_INTERVAL_S = 0.5
@@ -140,7 +145,7 @@ ROLE_PATTERNS = (
     ("policy", "ray::PolicyWorker"),
     ("gym_servers", "responses_api_"),
     ("gym_servers", "nemo_rl.environments."),
-    ("gym_servers", "nemo_rl.token_capture.wire_metrics"),
+    ("gym_servers", "benchmarks.wire_metrics"),
 )
 SYNTHETIC_MARK = "[synthetic] data plane, ledger and finalizer pool up"
 SYN_TAIL, SYN_GEN = 24, 24  # tokens per synthetic call: rendered tail + generated
@@ -567,7 +572,7 @@ def arm_summary(arm_dir: Path, run: Mapping[str, Any], skip_steps: int, in_fligh
 def arm_main(args: argparse.Namespace) -> int:
     """Child: one run of the recipe (`run_grpo` unchanged) plus the post-run row checks."""
     import nemo_rl.algorithms.grpo_single_controller as sc
-    from nemo_rl.algorithms.grpo_config import load_master_config
+    from examples.arith.recipe import load_and_resolve
     from nemo_rl.token_capture.audit import retokenization_drift
     from nemo_rl.data.train_rows import TrainPlan
     from nemo_rl.data_plane.train_rows import read_train_batch
@@ -580,7 +585,8 @@ def arm_main(args: argparse.Namespace) -> int:
         f"grpo.num_generations_per_prompt={args.group_size}",
         *args.overrides,
     ]
-    cfg = load_master_config(args.config, overrides)
+    progress = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
+    cfg = load_and_resolve(args.config, overrides, progress=progress)  # model.path null: the tiny model
     batches: list[Any] = []
     driver_held: list[tuple[Any, Any]] = []  # (groups, what went to the policy): pickled after the run
     original, original_clear = sc.build_train_batch, sc.clear_train_rows
@@ -601,15 +607,12 @@ def arm_main(args: argparse.Namespace) -> int:
 
     # run_grpo looks these up in its module on every step, so this sees each step's batch.
     sc.build_train_batch, sc.clear_train_rows = observing, reading_then_clearing
-    asyncio.run(sc.run_grpo(cfg, progress=lambda m: print(m, file=sys.stderr, flush=True)))
+    asyncio.run(sc.run_grpo(cfg, progress=progress))
     batches = [planned[id(b)] if isinstance(b, TrainPlan) else b for b in batches]
 
     from transformers import AutoTokenizer
 
-    from nemo_rl.models.tiny_model import ensure_tiny_model
-
-    model_dir = Path(cfg.model.path) if cfg.model.path else ensure_tiny_model(cfg.model.tiny, progress=lambda m: None)
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    tokenizer = AutoTokenizer.from_pretrained(str(cfg.model.path))
     steps = []
     for index, (batch, (groups, sent)) in enumerate(zip(batches, driver_held), start=1):
         ids = list(batch.token_ids) if batch is not None else []
@@ -1379,10 +1382,15 @@ def _shown_path(path: Path) -> str:
 
 
 def _num_prompts(config: Path, overrides: Sequence[str]) -> int:
-    from nemo_rl.algorithms.grpo_config import load_master_config
+    from examples.arith.recipe import load_recipe
 
-    cfg = load_master_config(config, [f"logger.log_dir={REPO_ROOT / 'logs' / 'capture_ab_probe'}", *overrides])
-    return cfg.grpo.num_prompts_per_step
+    recipe = load_recipe(config, [f"logger.log_dir={REPO_ROOT / 'logs' / 'capture_ab_probe'}", *overrides])
+    return recipe.config.grpo.num_prompts_per_step
+
+
+def wire_metrics_env(directory: Path) -> dict[str, str]:
+    """The variables that turn the wire metrics on in every process of an arm, writing into `directory`."""
+    return {INSTRUMENTATION_ENV: WIRE_METRICS_MODULE, WIRE_METRICS_DIR_ENV: str(directory)}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -1425,7 +1433,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     shutil.rmtree(arm_dir, ignore_errors=True)  # the logger appends: never mix two runs
                     arm_dir.mkdir(parents=True)
                     _log(f"arm {mode} repeat {repeat}: starting")
-                env = {**os.environ, "NRL_WIRE_METRICS_DIR": str(arm_dir / "wire")}
+                env = {**os.environ, **wire_metrics_env(arm_dir / "wire")}
                 run = child(["--arm", mode, "--arm-dir", str(arm_dir), *_child_args(args)], arm_dir, env,
                             f"{mode} r{repeat}", f"[step {args.skip_steps + 1}] dispatching",
                             f"[step {args.steps}] training")
@@ -1440,7 +1448,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         syn_dir.mkdir(parents=True, exist_ok=True)
         if not args.summarize_only:
             _log("synthetic part: starting")
-        env = {k: v for k, v in os.environ.items() if k != "NRL_WIRE_METRICS_DIR"}
+        env = {k: v for k, v in os.environ.items() if k not in wire_metrics_env(syn_dir)}
         run = child(["--synthetic-dir", str(syn_dir), "--turns", ",".join(map(str, args.turns)),
                      "--finalizers", str(args.finalizers)], syn_dir, env, "synthetic", SYNTHETIC_MARK)
         syn = _load_json(syn_dir / "synthetic.json")

@@ -37,7 +37,7 @@ import aiohttp
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from capture_ab import engine_load, percentile  # noqa: E402  (a sibling script, not a package)
+from capture_ab import engine_load, percentile, wire_metrics_env  # noqa: E402  (a sibling script, not a package)
 
 MODES = ("capture", "plain")
 
@@ -123,16 +123,16 @@ def _completion_tokens(payload: dict) -> int:
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     from nemo_rl.data_plane import DataPlaneConfig
     from nemo_rl.algorithms.setup import start_stack
-    from nemo_rl.environments.arith_task import CALCULATOR_TOOL, SYSTEM_PROMPT, make_problems, user_prompt
+    from examples.arith.task import CALCULATOR_TOOL, SYSTEM_PROMPT, make_problems, user_prompt
+    from examples.arith.tiny_model import TinyModelConfig, ensure_tiny_model
     from nemo_rl.environments.nemo_gym import NemoGymConfig
     from nemo_rl.data.rollout_ids import rollout_id_for
     from nemo_rl.models.generation.vllm.config import GenerationConfig
-    from nemo_rl.models.tiny_model import TinyModelConfig, ensure_tiny_model
     from nemo_rl.token_capture.config import TokenCaptureConfig
 
     wire_dir = args.out / "wire"
     wire_dir.mkdir(parents=True, exist_ok=True)
-    os.environ["NRL_WIRE_METRICS_DIR"] = str(wire_dir)  # before Ray starts: the worker inherits it
+    os.environ.update(wire_metrics_env(wire_dir))  # before Ray starts: the worker inherits it
     model_dir = ensure_tiny_model(TinyModelConfig(), progress=_log)
     generation = GenerationConfig(num_workers=1)
     stack = await start_stack(model_dir=model_dir, log_dir=args.out / "logs", generation=generation,

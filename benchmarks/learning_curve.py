@@ -2,8 +2,9 @@
 
     uv run python benchmarks/learning_curve.py --out DIR [--steps N] [--seeds 1,2] [--config YAML] [--control] [key=value ...]
 
-For each seed k the loop runs in this process (`load_master_config` + `run_grpo`) with
-`grpo.seed=k` and `logger.log_dir=DIR/seed_<k>`; then:
+For each seed k the loop runs in this process (`load_and_resolve` from `examples/arith/recipe.py`,
+which builds the tiny model for a null `model.path`, then `run_grpo`) with `grpo.seed=k` and
+`logger.log_dir=DIR/seed_<k>`; then:
 - `DIR/summary.json`: `seeds`, `reward_first5`, `reward_last5` (one number per seed: the mean
   `reward/mean` of the first and of the last 5 logged steps), `rising` (one bool per seed, see
   `is_rising`), the per-step `rewards`, `steps`, the config, the overrides and `wall_time_s`;
@@ -150,7 +151,7 @@ def _log(msg: str) -> None:
 def run_seed(
     config: Path, seed: int, steps: int | None, out: Path, extra: Sequence[str], name: str = "seed"
 ) -> list[float]:
-    from nemo_rl.algorithms.grpo_config import load_master_config
+    from examples.arith.recipe import load_and_resolve
     from nemo_rl.algorithms.grpo_single_controller import run_grpo
 
     log_dir = out / f"{name}_{seed}"
@@ -158,9 +159,10 @@ def run_seed(
     overrides = [f"grpo.seed={seed}", f"logger.log_dir={log_dir}", *extra]
     if steps is not None:
         overrides.append(f"grpo.max_num_steps={steps}")
-    cfg = load_master_config(config, overrides)
+    progress = lambda m: print(f"[{name} {seed}] {m}", file=sys.stderr, flush=True)  # noqa: E731
+    cfg = load_and_resolve(config, overrides, progress=progress)  # model.path null: the tiny model
     _log(f"{name} {seed}: {cfg.grpo.max_num_steps} steps, log_dir={log_dir}")
-    path = asyncio.run(run_grpo(cfg, progress=lambda m: print(f"[{name} {seed}] {m}", file=sys.stderr, flush=True)))
+    path = asyncio.run(run_grpo(cfg, progress=progress))
     return step_rewards(Path(path).read_text().splitlines())
 
 

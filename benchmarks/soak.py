@@ -104,7 +104,7 @@ COMPONENT_PATTERNS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("policy", ("ray::PolicyWorker",)),
     ("gym_gate", ("nemo_rl.environments.capture_gate", "responses_api_models.")),
     ("gym_agent", ("responses_api_agents.", "nemo_rl.environments.compacting_agent")),
-    ("gym_resources", ("nemo_rl.environments.arith_resources", "resources_servers.")),
+    ("gym_resources", ("examples.arith.resources", "resources_servers.")),
 )
 COMPONENTS = ("driver", *(name for name, _ in COMPONENT_PATTERNS), OTHER)
 REQUIRED_COMPONENTS = (

@@ -20,9 +20,9 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from nemo_rl.environments import arith_task
-from nemo_rl.models.tiny_model import TinyModelConfig, build_tiny_model, ensure_tiny_model
-from nemo_rl.environments.arith_episodes import Sampling, run_episode, summarize
+from examples.arith import task as arith_task
+from examples.arith.episodes import Sampling, run_episode, summarize
+from examples.arith.tiny_model import TinyModelConfig, build_tiny_model, ensure_tiny_model
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -28,13 +28,14 @@ import uuid
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from nemo_rl.data.rows import KeptRollout
+from examples.arith.rows import build_row
+from examples.arith.task import make_problems
+from examples.arith.tiny_model import TinyModelConfig, ensure_tiny_model
 from nemo_rl.algorithms.setup import start_stack
+from nemo_rl.data.rows import KeptRollout
 from nemo_rl.data_plane import DataPlaneConfig
-from nemo_rl.environments.arith_task import make_problems
-from nemo_rl.environments.nemo_gym import NemoGymConfig, RowSampling, build_row
+from nemo_rl.environments.nemo_gym import NemoGymConfig, RowSampling
 from nemo_rl.models.generation.vllm.config import GenerationConfig
-from nemo_rl.models.tiny_model import TinyModelConfig, ensure_tiny_model
 from nemo_rl.token_capture.audit import audit_train_row, retokenization_drift
 from nemo_rl.token_capture.config import TokenCaptureConfig
 from nemo_rl.token_capture.finalizer import fetch_snapshots

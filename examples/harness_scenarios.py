@@ -72,17 +72,17 @@ from pathlib import Path
 from typing import Any
 
 import openai
+from examples.arith.rows import calculator_tool_output
+from examples.arith.task import CALCULATOR_TOOL, SYSTEM_PROMPT, make_problems, user_prompt
+from examples.arith.tiny_model import TinyModelConfig, ensure_tiny_model
 from nemo_gym.token_id_capture.fingerprint import assistant_fingerprint
 
 from nemo_rl.data.rows import KeptRollout, PlaceholderReason
 from nemo_rl.algorithms.setup import start_stack
 from nemo_rl.data_plane import DataPlaneConfig
-from nemo_rl.environments.arith_task import CALCULATOR_TOOL, SYSTEM_PROMPT, make_problems, user_prompt
 from nemo_rl.environments.nemo_gym import NemoGymConfig
-from nemo_rl.environments.nemo_gym_rows import calculator_tool_output
 from nemo_rl.experience.rollout_manager import RetentionError, RolloutManager, RolloutManagerConfig
 from nemo_rl.models.generation.vllm.config import GenerationConfig
-from nemo_rl.models.tiny_model import TinyModelConfig, ensure_tiny_model
 from nemo_rl.token_capture.audit import audit_train_row
 from nemo_rl.token_capture.config import TokenCaptureConfig
 from nemo_rl.token_capture.finalizer_pool import FinalizerPool, TQSourceFactory

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Interactive smoke test of token capture: a few GRPO steps of the tiny CPU capture recipe, run
 # here (inside a Slurm allocation, as one step on it; otherwise on this machine), ending with a
-# verdict read from the run's metrics.jsonl (nemo_rl/utils/verdict.py: a headline, then one line
-# per further health finding; thresholds in nemo_rl/utils/capture_health.py).
+# verdict read from the run's metrics.jsonl (nemo_rl/token_capture/verdict.py: a headline, then one line
+# per further health finding; thresholds in nemo_rl/token_capture/capture_health.py).
 #
 #   bash examples/launchers/smoke_capture.sh [--steps N] [--log-dir DIR] [-- overrides]
 #
@@ -66,6 +66,6 @@ rc=0
   2>&1 | tee "$log_dir/driver.log" || rc=$?
 (( rc == 0 )) || echo "[$prog] the driver exited with $rc (full log: $log_dir/driver.log)"
 verdict_rc=0
-"${uv_cmd[@]}" run python -m nemo_rl.utils.verdict "$log_dir" || verdict_rc=$?
+"${uv_cmd[@]}" run python -m nemo_rl.token_capture.verdict "$log_dir" || verdict_rc=$?
 if (( rc != 0 )); then exit "$rc"; fi
 exit "$verdict_rc"

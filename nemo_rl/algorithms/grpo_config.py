@@ -17,7 +17,6 @@ from nemo_rl.data_plane import DataPlaneConfig
 from nemo_rl.environments.nemo_gym import NemoGymConfig
 from nemo_rl.models.generation.vllm.config import GenerationConfig
 from nemo_rl.models.policy import LossConfig, PolicyConfig
-from nemo_rl.models.tiny_model import TinyModelConfig
 from nemo_rl.token_capture.config import TokenCaptureConfig
 from nemo_rl.models.policy.config import dtype_mismatch
 from nemo_rl.utils.checkpoint import CheckpointingConfig
@@ -54,8 +53,25 @@ class GRPOConfig(BaseModel):
 class ModelConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    path: str | None = Field(None, description="Local HF model folder; null builds the tiny model (tiny:).")
-    tiny: TinyModelConfig = TinyModelConfig()
+    path: str | None = Field(
+        None,
+        description=(
+            "Local HF model folder the policy trains and the workers serve. Null validates (a recipe may "
+            "leave the model to its entry point: examples/run_grpo_single_controller.py builds the example's "
+            "tiny model for it), but a run needs a folder."
+        ),
+    )
+
+
+def model_path(model: ModelConfig) -> Path:
+    """The model folder a run uses; a null `model.path` is a `ConfigError` naming the fix."""
+    if model.path is None:
+        raise ConfigError(
+            "model.path is null: a run needs a local HF model folder (fix: set model.path=<folder>, or start "
+            "the run from examples/run_grpo_single_controller.py, which builds the example's tiny model "
+            "for a null model.path)"
+        )
+    return Path(model.path)
 
 
 class ClusterConfig(BaseModel):

@@ -38,7 +38,7 @@ from pathlib import Path
 
 from nemo_rl.algorithms.errors import GRPOError, StaleWeightsError
 from nemo_rl.algorithms.grpo_checkpoint import POLICY_SUBDIR, ResumePoint, check_prompt_position, check_resumable
-from nemo_rl.algorithms.grpo_config import REFIT_DIR_KNOB, MasterConfig, policy_config, refit_root
+from nemo_rl.algorithms.grpo_config import REFIT_DIR_KNOB, MasterConfig, model_path, policy_config, refit_root
 from nemo_rl.algorithms.grpo_health import build_watch
 from nemo_rl.algorithms.refit import max_abs_diff, refit_to
 from nemo_rl.data_plane import DataPlane, DataPlaneClient, DataPlaneConfig, start_data_plane
@@ -65,7 +65,6 @@ from nemo_rl.models.generation.vllm.launcher import (
     worker_name,
 )
 from nemo_rl.models.policy.worker import RayPolicyClient
-from nemo_rl.models.tiny_model import ensure_tiny_model
 from nemo_rl.token_capture.config import TokenCaptureConfig
 from nemo_rl.token_capture.finalizer_pool import FinalizeOutcome, FinalizerPool, TQSourceFactory, TQTrainRowsFactory
 from nemo_rl.token_capture.judge import RolloutEvidence
@@ -408,7 +407,7 @@ async def setup(
     checkpoint restored (`restore_from_checkpoint`). Stops what it started on failure."""
     log_dir = Path(cfg.logger.log_dir)
     # Absolute: actors (on any node) resolve a relative path against their own working dir.
-    model_dir = (Path(cfg.model.path) if cfg.model.path else ensure_tiny_model(cfg.model.tiny, progress=progress)).resolve()
+    model_dir = model_path(cfg.model).resolve()
     pcfg = policy_config(cfg.policy, str(model_dir))
     # Before Ray or any venv: a GPU recipe on a host without enough GPUs fails here, by name.
     flavor = resolve_flavor(cfg.generation, extra_gpus=int(pcfg.device == "cuda"))

@@ -17,14 +17,15 @@ Contract:
   `max_output_tokens` exceeds the engine's `max_model_len` is dropped before training (counted
   and reported by `make_prompt_source`), never dispatched to fail. All rows dropped ->
   `GymDatasetError` naming the lengths and the fix (raise generation.vllm.max_model_len).
-- `ArithPromptSource(seed, sampling)` is the built-in arithmetic environment's source:
-  `build_row(p, sampling)` for `make_problems(seed * 100_003 + step, n)` (today's rows, unchanged).
-- `arith_pool(seed, size, sampling)` is a `PromptDataset` over a fixed pool of `size` problems
-  (`make_problems(seed * 100_003, size)`, the pool step 0 would draw): the arithmetic task as a
-  finite dataset, each problem revisited once per epoch.
+- `TaskPromptSource(task, seed, sampling)` is the source of a `GymTask` (`env.task`): step s
+  is `task.rows(seed * 100_003 + s, n, sampling)` (for the example arithmetic task, the rows
+  of `make_problems(seed * 100_003 + s, n)`).
+- `task_pool(task, seed, size, sampling)` is a `PromptDataset` over a fixed pool of `size` rows
+  (`task.rows(seed * 100_003, size, sampling)`, the pool step 0 would draw): the task as a
+  finite dataset, each row revisited once per epoch.
 - `make_prompt_source(env_cfg, ...)` picks the source the `env:` section names: `env.gym` unset ->
-  arithmetic (fresh problems per step, or `arith_pool` when `env.arith_problem_pool` is set),
-  set -> its dataset (resolved inside the installed Gym package at run time).
+  the task `env.task` names (fresh rows per step, or `task_pool` when `env.arith_problem_pool`
+  is set), set -> its dataset (resolved inside the installed Gym package at run time).
 """
 
 from __future__ import annotations
@@ -36,13 +37,12 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-from nemo_rl.environments.arith_task import make_problems
 from nemo_rl.environments.gym_servers import dataset_path, package_dir
 from nemo_rl.environments.nemo_gym_config import GymDatasetError, NemoGymConfig
-from nemo_rl.environments.nemo_gym_rows import RowSampling, build_row
+from nemo_rl.environments.task import GymTask, RowSampling, load_task
 
 PARAMS_FIELD = "responses_create_params"
-_ARITH_STEP_STRIDE = 100_003
+_TASK_STEP_STRIDE = 100_003
 _EPOCH_STRIDE = 1_000_003
 
 
@@ -134,22 +134,25 @@ class PromptDataset:
         return [apply_sampling(self._rows[i], self._sampling) for i in picks]
 
 
-class ArithPromptSource:
-    """The built-in arithmetic environment: generated problems as Gym rows."""
+class TaskPromptSource:
+    """A `GymTask`'s rows, drawn afresh every step."""
 
-    def __init__(self, seed: int, sampling: RowSampling) -> None:
+    def __init__(self, task: GymTask, seed: int, sampling: RowSampling) -> None:
+        self._task = task
         self._seed = seed
         self._sampling = sampling
 
     def batch(self, step: int, n: int) -> list[dict[str, Any]]:
         _check_step(step, n)
-        return [build_row(p, self._sampling) for p in make_problems(self._seed * _ARITH_STEP_STRIDE + step, n)]
+        # Deep copies: the rows are the callers' to mutate, whatever the task shares between calls.
+        return copy.deepcopy(self._task.rows(self._seed * _TASK_STEP_STRIDE + step, n, self._sampling))
 
 
-def arith_pool(seed: int, size: int, sampling: RowSampling) -> PromptDataset:
-    """A fixed pool of `size` arithmetic problems drawn from `seed`, walked in epochs."""
-    rows = [build_row(p, sampling) for p in make_problems(seed * _ARITH_STEP_STRIDE, size)]
-    return PromptDataset(rows, seed, sampling, source=f"<arith pool of {size}, seed {seed}>")
+def task_pool(task: GymTask, seed: int, size: int, sampling: RowSampling) -> PromptDataset:
+    """A fixed pool of `size` rows of `task` drawn from `seed`, walked in epochs."""
+    rows = task.rows(seed * _TASK_STEP_STRIDE, size, sampling)
+    source = f"<{task.resources_server.package} pool of {size}, seed {seed}>"
+    return PromptDataset(rows, seed, sampling, source=source)
 
 
 def chat_messages(params: Mapping[str, Any]) -> list[dict[str, str]]:
@@ -220,9 +223,10 @@ def make_prompt_source(
 ) -> PromptSource:
     """The prompt source the `env:` section names (see the module docstring)."""
     if env_cfg.gym is None:
+        task = load_task(env_cfg.task)
         if env_cfg.arith_problem_pool is None:
-            return ArithPromptSource(seed, sampling)
-        return arith_pool(seed, env_cfg.arith_problem_pool, sampling)
+            return TaskPromptSource(task, seed, sampling)
+        return task_pool(task, seed, env_cfg.arith_problem_pool, sampling)
     path = dataset_path(env_cfg.gym, package_dir(env_cfg.gym.resources_server))
     dataset = PromptDataset.from_jsonl(path, seed, sampling)
     from transformers import AutoTokenizer

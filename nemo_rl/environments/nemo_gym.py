@@ -1,10 +1,11 @@
 """The NeMo-Gym environment: start Gym's servers on loopback and dispatch rollouts to them.
 
 Contract:
-- `NemoGymEnvironment(config, ...)` resolves the resources server: our `arith_resources` by
-  default, or the Gym environment `config.gym` names (`gym_servers.resolve_gym_environment`:
-  a missing package/YAML/dataset or missing extra requirements raise a named error here,
-  before anything is launched).
+- `NemoGymEnvironment(config, ...)` resolves the resources server: the Gym environment
+  `config.gym` names (`gym_servers.resolve_gym_environment`: a missing package/YAML/dataset or
+  missing extra requirements raise a named error here, before anything is launched), else the
+  one of the task `config.task` names (`task.load_task`: `TaskLoadError` here; by default the
+  example arithmetic task's `arith_resources`).
 - `NemoGymEnvironment.start()` launches Gym's `vllm_model` gate (pointed at the worker's
   `base_url`), the resources server and the agent as plain subprocesses on
   127.0.0.1 with OS-picked ports (see `nemo_gym_launch`), concurrently, and waits for every
@@ -73,7 +74,7 @@ from nemo_rl.environments.nemo_gym_config import (
     NemoGymConfig,
     NemoGymError,
 )
-from nemo_rl.environments.nemo_gym_rows import RowSampling, build_row
+from nemo_rl.environments.task import RowSampling, load_task
 from nemo_rl.token_capture.config import TokenCaptureConfig
 
 __all__ = [
@@ -81,7 +82,6 @@ __all__ = [
     "NemoGymEnvironment",
     "NemoGymError",
     "RowSampling",
-    "build_row",
     "check_rollout_id",
     "ledger_files",
     "manifest_path",
@@ -143,7 +143,7 @@ def _quote(text: str) -> str:
 
 
 class NemoGymEnvironment:
-    """Gym's gate, our resources server and Gym's simple agent for one run (see module doc)."""
+    """Gym's gate, the resources server and the agent for one run (see module doc)."""
 
     def __init__(
         self,
@@ -159,7 +159,9 @@ class NemoGymEnvironment:
         self._log_dir = Path(log_dir).resolve()
         check_agent(config.agent)
         self._resources = (
-            resolve_gym_environment(config.gym, config.agent) if config.gym is not None else launch.ARITH
+            resolve_gym_environment(config.gym, config.agent)
+            if config.gym is not None
+            else load_task(config.task).resources_server
         )
         self._reward_key = config.gym.reward_key if config.gym is not None else REWARD_FIELD
         self._procs: dict[str, subprocess.Popen] = {}
@@ -241,7 +243,7 @@ class NemoGymEnvironment:
         # A trainer that exits without stop() must not leave servers behind (they run in their own sessions).
         atexit.register(self.stop)
         try:
-            specs = launch.server_specs(ports, wiring, self._cfg.agent, self._resources)
+            specs = launch.server_specs(ports, wiring, self._cfg.agent, resources_server=self._resources)
             for spec in specs:
                 log_path = self._log_dir / f"gym_{spec.name}.log"
                 env = launch.server_env(

@@ -8,7 +8,9 @@ Contract:
 - `env.gym` (`GymEnvironmentConfig`) names a NeMo-Gym environment the way Gym names it: the
   resources server package under `resources_servers/`, its Gym config YAML inside the package,
   a dataset JSONL in Gym's row format and the verify-result key that holds the reward. Unset,
-  the run uses the built-in arithmetic environment (our `arith_resources`, generated problems).
+  the run uses the task `env.task` names (`<module>:<attribute>`, loaded by
+  `nemo_rl.environments.task.load_task`; by default the example arithmetic task, whose
+  resources server is `arith_resources` and whose problems are generated).
   The agent stays `env.agent` (one default for both cases).
 - Every failure of the environment is a subclass of `NemoGymError` whose message names the
   server, the value and the fix; server start failures carry the tail of that server's log.
@@ -26,6 +28,9 @@ from nemo_rl.environments.gate_guard import GateGuardConfig
 
 # A Gym package name is one Python identifier (it is imported as `resources_servers.<name>.app`).
 _PACKAGE_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*$"
+# `env.task`: a dotted module path, a colon, an attribute name.
+_TASK_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$"
+DEFAULT_TASK = "examples.arith.gym_task:TASK"
 PACKAGE_DATASET_PREFIX = "package:"
 # Server keys the launcher sets itself (see nemo_gym_launch.build_global_config).
 WIRING_KEYS = frozenset(
@@ -164,7 +169,16 @@ class NemoGymConfig(BaseModel):
     log_tail_lines: int = Field(default=40, ge=1, description="Server-log lines quoted in a start error.")
     gym: GymEnvironmentConfig | None = Field(
         default=None,
-        description="A NeMo-Gym environment by name; null runs the built-in arithmetic environment.",
+        description="A NeMo-Gym environment by name; null runs the task `task` names.",
+    )
+    task: str = Field(
+        default=DEFAULT_TASK,
+        pattern=_TASK_PATTERN,
+        description=(
+            "With env.gym null: the task whose resources server and prompt rows the run uses, as "
+            "`<module>:<attribute>` (an object with `resources_server` and `rows(seed, count, sampling)`, "
+            "see nemo_rl.environments.task.GymTask); the default is the example arithmetic task."
+        ),
     )
     gate_guard: GateGuardConfig = Field(
         default_factory=GateGuardConfig,
@@ -174,9 +188,9 @@ class NemoGymConfig(BaseModel):
         default=None,
         ge=1,
         description=(
-            "Built-in arithmetic environment only: null draws fresh problems every step; N draws a "
-            "fixed pool of N problems once (from grpo.seed) and walks it in shuffled epochs like a "
-            "dataset, so each problem comes back every N / num_prompts_per_step steps."
+            "The `env.task` environment only (env.gym null): null draws fresh problems every step; N "
+            "draws a fixed pool of N problems once (from grpo.seed) and walks it in shuffled epochs "
+            "like a dataset, so each problem comes back every N / num_prompts_per_step steps."
         ),
     )
 
@@ -209,6 +223,10 @@ class GymServerStartError(NemoGymError):
 
 class GymEnvironmentNotFoundError(NemoGymError):
     """`env.gym` names a package, config YAML, block or dataset that does not exist."""
+
+
+class TaskLoadError(NemoGymError):
+    """`env.task` names no usable task (see `nemo_rl.environments.task.load_task`)."""
 
 
 class GymRequirementsError(NemoGymError):

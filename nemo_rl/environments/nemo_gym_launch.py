@@ -8,9 +8,10 @@ Contract:
   the resources server and the agent (`env.agent`: a Gym agent package by name, launched as
   `responses_api_agents.<name>.app` — `simple_agent` by default — or our `compacting_agent`;
   wired to both by name). The resources server is a
-  `ResourcesServer`: `ARITH` (our `arith_resources`, agent `arith_agent`) unless `env.gym` names
-  a Gym one, which `gym_servers.resolve_gym_environment` turns into the same shape (Gym's
-  instance names, `resources_servers.<pkg>.app`, the YAML's server and agent keys).
+  `ResourcesServer`: the one of the task `env.task` names (`task.load_task`; the example
+  arithmetic task's is `arith_resources`, agent `arith_agent`) unless `env.gym` names a Gym one,
+  which `gym_servers.resolve_gym_environment` turns into the same shape (Gym's instance names,
+  `resources_servers.<pkg>.app`, the YAML's server and agent keys).
 - Each process gets the whole resolved global config as `NEMO_GYM_CONFIG_DICT` (JSON, which
   OmegaConf reads as YAML) and its own top-level key as `NEMO_GYM_CONFIG_PATH`; servers find
   each other by those keys' `host`/`port`. `head_server` is present only because Gym's
@@ -48,15 +49,12 @@ from urllib.parse import urlsplit
 
 from nemo_rl.environments.gate_guard import GATE_GUARD_KEY, GateGuardConfig
 from nemo_rl.environments.nemo_gym_config import NemoGymConfig
-from nemo_rl.token_capture import wire_metrics
+from nemo_rl.utils import instrumentation
 
 LOOPBACK = "127.0.0.1"
 GATE = "policy_model"
-RESOURCES = "arith_resources"
-AGENT = "arith_agent"
 GATE_MODULE = "responses_api_models.vllm_model.app"
 CAPTURE_GATE_MODULE = "nemo_rl.environments.capture_gate"
-RESOURCES_MODULE = "nemo_rl.environments.arith_resources"
 AGENT_MODULE = "responses_api_agents.simple_agent.app"
 COMPACTING_AGENT_MODULE = "nemo_rl.environments.compacting_agent"
 # Agents this package ships; every other `env.agent` is a Gym agent package launched by name.
@@ -78,16 +76,6 @@ class ResourcesServer:
     block: Mapping[str, Any]  # its config keys besides host/port (entrypoint, domain, server keys)
     agent_name: str  # top-level key of the agent instance
     agent_block: Mapping[str, Any] = field(default_factory=dict)  # extra agent keys (no wiring)
-
-
-ARITH = ResourcesServer(
-    name=RESOURCES,
-    package="arith",
-    module=RESOURCES_MODULE,
-    # Gym's config model requires `entrypoint`; we launch by module (`server_specs`), so it is only a label.
-    block={"entrypoint": "arith_resources.py", "domain": "math"},
-    agent_name=AGENT,
-)
 
 
 @dataclass(frozen=True)
@@ -165,7 +153,7 @@ def build_global_config(
     worker_base_url: str | Sequence[str],
     ports: ServerPorts,
     capture: CaptureWiring | None,
-    resources_server: ResourcesServer = ARITH,
+    resources_server: ResourcesServer,
     gate_guard: GateGuardConfig = GateGuardConfig(),
 ) -> dict[str, Any]:
     """The resolved Gym global config shared by all three servers."""
@@ -225,7 +213,8 @@ def server_specs(
     ports: ServerPorts,
     capture: CaptureWiring | None = None,
     agent: str = "simple_agent",
-    resources_server: ResourcesServer = ARITH,
+    *,
+    resources_server: ResourcesServer,
 ) -> tuple[ServerSpec, ...]:
     return (
         ServerSpec(GATE, gate_module(capture), ports.gate),
@@ -240,9 +229,9 @@ def agent_module(agent: str) -> str:
 
 
 def server_command(python: str, spec: ServerSpec, launcher_pid: int | None = None) -> list[str]:
-    """`python -m <module>` (or wire_metrics' counting runner around it when the benchmark opts in),
+    """`python -m <module>` (or an instrumentation hook's runner around it when a benchmark opts in),
     wrapped by `parent_watch` so the server dies with `launcher_pid`."""
-    argv = wire_metrics.server_module_argv(spec.module)  # opt-in byte counting (benchmarks/capture_ab.py)
+    argv = instrumentation.server_module_argv(spec.module)  # opt-in byte counting (benchmarks/capture_ab.py)
     if launcher_pid is None:
         return [python, "-m", *argv]
     return [python, "-m", PARENT_WATCH_MODULE, str(launcher_pid), *argv]

@@ -63,7 +63,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from nemo_rl.data_plane import DataPlaneError
-from nemo_rl.token_capture import wire_metrics  # opt-in counters (benchmarks/capture_ab.py)
+from nemo_rl.utils import instrumentation  # opt-in counters (benchmarks/capture_ab.py)
 from nemo_rl.utils.lru import BoundedLRU
 
 LOGGER = logging.getLogger(__name__)
@@ -185,8 +185,8 @@ class StageWriter:
             waited = time.monotonic() - started
             self.stats["flushes"] += 1
             self.stats["flush_wait_s"] += waited
-        wire_metrics.add_counter("stage_flushes", 1)
-        wire_metrics.add_counter("stage_flush_wait_s", waited)
+        instrumentation.add_counter("stage_flushes", 1)
+        instrumentation.add_counter("stage_flush_wait_s", waited)
         return failures
 
     def _give_up(self, rollout_ids: set[str], timeout_s: float) -> None:
@@ -321,9 +321,9 @@ class StageWriter:
             if error is not None:
                 self.stats["failed_rows"] += len(batch)
             self._cv.notify_all()
-        wire_metrics.add_counter("stage_write_batches", 1)
-        wire_metrics.add_counter("stage_write_rows", len(batch))
-        wire_metrics.add_counter("stage_write_s", elapsed_s)
+        instrumentation.add_counter("stage_write_batches", 1)
+        instrumentation.add_counter("stage_write_rows", len(batch))
+        instrumentation.add_counter("stage_write_s", elapsed_s)
 
     def _call(self, fn: Callable[[], object], key: str) -> None:
         try:

@@ -81,7 +81,7 @@ from nemo_rl.data.staged_rows import (
 )
 from nemo_rl.data_plane import DataPlaneError, MissingKeysError
 from nemo_rl.data_plane.errors import format_keys
-from nemo_rl.token_capture import wire_metrics
+from nemo_rl.utils import instrumentation
 from nemo_rl.token_capture.stage_writer import StageWriter
 from nemo_rl.utils.lru import BoundedLRU
 
@@ -183,10 +183,10 @@ class TQTokenSink:
                 else:
                     self._writer.submit(record.rollout_id, key, row)
                 self._written.put(key, record.digest)
-        wire_metrics.add_call_cost("stage_s", time.perf_counter() - started)
-        if wire_metrics.active():
-            wire_metrics.add_counter("staged_bytes", row_nbytes(row))
-            wire_metrics.add_counter("staged_calls", 1)
+        instrumentation.add_call_cost("stage_s", time.perf_counter() - started)
+        if instrumentation.active():
+            instrumentation.add_counter("staged_bytes", row_nbytes(row))
+            instrumentation.add_counter("staged_calls", 1)
         return StageResult(ok=True, staging_key=key)
 
 
@@ -229,7 +229,7 @@ class TQTokenSource:
             ) from e
         finally:
             # Counted only inside a worker's call scope (the prefix fetch of a token-in call).
-            wire_metrics.add_call_cost("prefix_fetch_s", time.perf_counter() - started)
+            instrumentation.add_call_cost("prefix_fetch_s", time.perf_counter() - started)
 
     def fetch(self, staging_keys: list[str]) -> list[StagedCallBaseSnapshot]:
         """Exactly one validated base snapshot per key, in request order."""

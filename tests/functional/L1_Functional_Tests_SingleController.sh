@@ -2,7 +2,7 @@
 # L1 functional test of the single-controller GRPO loop on the tiny CPU recipe: the flag-off
 # (legacy) leg first, then the capture leg, 2 steps each, one venv cache shared by both legs,
 # each leg with its own logger.log_dir. What is asserted, and why: the docstring of
-# nemo_rl/utils/l1_checks.py, which this script calls on each leg and on the pair.
+# tests/functional/l1_checks.py, which this script calls on each leg and on the pair.
 #
 #   bash tests/functional/L1_Functional_Tests_SingleController.sh
 #
@@ -49,7 +49,7 @@ run_leg() {  # <name> <token_capture.enabled>
 check() {  # <what> <l1_checks arguments...>
   local what=$1
   shift
-  "${PY[@]}" -m nemo_rl.utils.l1_checks "$@" || failures+=("$what")
+  "${PY[@]}" -m tests.functional.l1_checks "$@" || failures+=("$what")
 }
 
 # The flag-off leg runs first: with a fresh cache it builds the vLLM venv, and the capture leg

@@ -37,13 +37,13 @@ from urllib.parse import urlsplit
 import aiohttp
 import psutil
 
+from examples.arith.tiny_model import TinyModelConfig, ensure_tiny_model
 from nemo_rl.data_plane import DataPlaneClient, DataPlaneConfig, start_data_plane
 from nemo_rl.data_plane import tq_backend
 from nemo_rl.distributed.ray_cluster import init_local_ray
 from nemo_rl.environments.nemo_gym import NemoGymConfig, NemoGymEnvironment
 from nemo_rl.models.generation.vllm.config import GenerationConfig
 from nemo_rl.models.generation.vllm.launcher import await_workers, spawn_workers
-from nemo_rl.models.tiny_model import TinyModelConfig, ensure_tiny_model
 from nemo_rl.token_capture.config import TokenCaptureConfig
 
 MESSAGES = [{"role": "user", "content": "What is 2 + 3? Use the calculator."}]

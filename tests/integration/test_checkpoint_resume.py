@@ -82,7 +82,7 @@ def test_sigkill_after_a_checkpoint_then_resume_continues_exactly(tmp_path: Path
     from nemo_rl.algorithms.grpo_checkpoint import batch_digest
     from nemo_rl.algorithms.grpo_config import load_master_config
     from nemo_rl.environments.datasets import make_prompt_source
-    from nemo_rl.environments.nemo_gym_rows import RowSampling
+    from nemo_rl.environments.task import RowSampling
 
     log_dir, ckpt = tmp_path / "logs", tmp_path / "ckpt"
     overrides = _overrides(log_dir, ckpt)

@@ -1,6 +1,6 @@
 """Runs the L1 functional test script (flag-off leg, then capture leg, then cross-leg checks).
 
-The script holds the assertions (through `nemo_rl/utils/l1_checks.py`); this wrapper lets the
+The script holds the assertions (through `tests/functional/l1_checks.py`); this wrapper lets the
 README's test command (and so CI) run it, and checks that both legs left the records the checks
 read. The script runs once per session (the `l1_legs` fixture in conftest.py), with 4 prompts per
 step; `test_grpo_single_controller.py` asserts the metrics contract on the same legs.

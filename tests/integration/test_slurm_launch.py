@@ -32,7 +32,7 @@ from pathlib import Path
 
 import pytest
 
-from nemo_rl.utils.verdict import ENGAGED, capture_verdict, read_metrics
+from nemo_rl.token_capture.verdict import ENGAGED, capture_verdict, read_metrics
 
 pytestmark = pytest.mark.integration
 

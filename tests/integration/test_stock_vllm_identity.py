@@ -39,10 +39,10 @@ from pathlib import Path
 
 import pytest
 
-from nemo_rl.environments import arith_task
+from examples.arith import task as arith_task
+from examples.arith.tiny_model import TinyModelConfig, ensure_tiny_model
 from nemo_rl.models.generation.vllm.config import GenerationConfig, VllmConfig
 from nemo_rl.models.generation.vllm.launcher import worker_env
-from nemo_rl.models.tiny_model import TinyModelConfig, ensure_tiny_model
 from nemo_rl.utils.venvs import REPO_ROOT, ensure_venv, venv_python, vllm_spec
 
 pytestmark = pytest.mark.integration

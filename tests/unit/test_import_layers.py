@@ -12,6 +12,8 @@ Contract:
   `KNOWN_UPWARD` (today's, until the Layout move); a `KNOWN_UPWARD` entry that no longer occurs
   fails too, so the list only shrinks. The architecture doc shows `LAYERS` and `KNOWN_UPWARD`
   as rendered here (`render_layers`, `render_known_upward`).
+- No `nemo_rl` module imports the repository's packages outside the library (`OUTSIDE_LIBRARY`:
+  the example task and its tiny model, benchmarks, tests), at any depth (`outside_imports`).
 """
 
 from __future__ import annotations
@@ -24,12 +26,8 @@ REPO = Path(__file__).resolve().parents[2]
 PACKAGE_ROOT = REPO / "nemo_rl"
 ARCHITECTURE_DOC = REPO / "docs" / "design-docs" / "architecture.md"
 
-# Lowest first, as shared/DESIGN.md's "Where things live" lists the target. Two choices of ours:
-# - `data` holds the cross-process records (Layout issue, item 1): it imports no other package.
-# - `models.tiny_model` is not in DESIGN.md: the issue moves it, with the arithmetic task, to an
-#   example-task package the library never imports. Until then it is the top layer, above
-#   `algorithms`, so it may use the library (the task in `environments`) while every library
-#   import of it shows up as upward (below).
+# Lowest first, as shared/DESIGN.md's "Where things live" lists the target. One choice of ours:
+# `data` holds the cross-process records (Layout issue, item 1): it imports no other package.
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("data",),
     ("utils",),
@@ -40,16 +38,14 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("environments",),
     ("experience",),
     ("algorithms",),
-    ("models.tiny_model",),
 )
+# Top-level packages of this repository outside the library: `nemo_rl` never imports them (the
+# example task is reached through `env.task`, benchmark hooks through NRL_INSTRUMENTATION).
+OUTSIDE_LIBRARY = ("examples", "benchmarks", "tests")
 
 # Today's upward imports: (importing module, imported package) -> where it goes in the Layout move.
 # Only ever delete entries; a new upward import is fixed, not listed.
 KNOWN_UPWARD: dict[tuple[str, str], str] = {
-    # The task and its tiny model are one example package; the library never imports it.
-    ("nemo_rl.environments.arith_episodes", "models.tiny_model"): "moves with tiny_model to the example-task package",
-    ("nemo_rl.algorithms.grpo_config", "models.tiny_model"): "the example passes its model; the recipe schema drops TinyModelConfig",
-    ("nemo_rl.algorithms.setup", "models.tiny_model"): "the example builds its model; setup takes a model path",
 }
 
 # (line, imported module) per importing module, every module named as dotted `nemo_rl.*`.
@@ -99,6 +95,21 @@ def import_map(root: Path) -> dict[str, list[tuple[int, str]]]:
         module = ".".join(parts[:-1] if is_package else parts)
         result[module] = imported_modules(module, is_package, path.read_text())
     return result
+
+
+def outside_imports(root: Path, outside: Sequence[str]) -> list[str]:
+    """`module:line imports name` for every absolute import, anywhere under `root`, of a package in `outside`."""
+    found: list[str] = []
+    for path in sorted(root.rglob("*.py")):
+        module = ".".join(path.relative_to(root.parent).with_suffix("").parts)
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = (
+                [alias.name for alias in node.names] if isinstance(node, ast.Import)
+                else [node.module] if isinstance(node, ast.ImportFrom) and not node.level and node.module
+                else []
+            )
+            found += [f"{module}:{node.lineno} imports {name}" for name in names if name.split(".")[0] in outside]
+    return sorted(found)
 
 
 def layer_index(layers: Sequence[Sequence[str]]) -> dict[str, int]:
@@ -155,6 +166,22 @@ def render_known_upward(known_upward: Mapping[tuple[str, str], str]) -> str:
 
 def test_nemo_rl_imports_run_down_the_layers() -> None:
     assert check_layers(import_map(PACKAGE_ROOT), LAYERS, KNOWN_UPWARD) == []
+
+
+def test_the_library_imports_no_example_benchmark_or_test_module() -> None:
+    assert outside_imports(PACKAGE_ROOT, OUTSIDE_LIBRARY) == []
+
+
+def test_outside_imports_are_found_at_any_depth(tmp_path: Path) -> None:
+    (tmp_path / "nemo_rl" / "algorithms").mkdir(parents=True)
+    (tmp_path / "nemo_rl" / "algorithms" / "setup.py").write_text(
+        "import os\nfrom nemo_rl.utils import config\ndef f():\n    from examples.arith.tiny_model import build\n"
+        "import benchmarks.wire_metrics as wm\n"
+    )
+    assert outside_imports(tmp_path / "nemo_rl", OUTSIDE_LIBRARY) == [
+        "nemo_rl.algorithms.setup:4 imports examples.arith.tiny_model",
+        "nemo_rl.algorithms.setup:5 imports benchmarks.wire_metrics",
+    ]
 
 
 def test_the_checker_names_an_upward_import_its_line_and_the_fix() -> None:

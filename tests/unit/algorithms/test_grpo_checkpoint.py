@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from examples.arith.gym_task import TASK as ARITH_TASK
 from nemo_rl.algorithms.grpo_checkpoint import (
     TRAINER_STATE_FILE,
     TrainerState,
@@ -22,8 +23,8 @@ from nemo_rl.algorithms.grpo_checkpoint import (
     write_trainer_state,
 )
 from nemo_rl.algorithms.grpo_single_controller import resumable_logs
-from nemo_rl.environments.datasets import ArithPromptSource, PromptDataset, arith_pool
-from nemo_rl.environments.nemo_gym_rows import RowSampling
+from nemo_rl.environments.datasets import PromptDataset, TaskPromptSource, task_pool
+from nemo_rl.environments.task import RowSampling
 from nemo_rl.utils.checkpoint import (
     CheckpointDirNotEmptyError,
     CheckpointingConfig,
@@ -42,8 +43,8 @@ DIGEST = "ab" * 32
 def _sources(seed: int):
     rows = [{"id": i, "responses_create_params": {"input": f"q{i}"}} for i in range(7)]
     return {
-        "arith": lambda: ArithPromptSource(seed, SAMPLING),
-        "arith_pool": lambda: arith_pool(seed, 5, SAMPLING),
+        "arith": lambda: TaskPromptSource(ARITH_TASK, seed, SAMPLING),
+        "arith_pool": lambda: task_pool(ARITH_TASK, seed, 5, SAMPLING),
         "dataset": lambda: PromptDataset(rows, seed, SAMPLING),
     }
 
@@ -83,7 +84,7 @@ def test_batch_digest_is_order_and_content_sensitive() -> None:
 
 def _state(step: int = 2, **changes) -> TrainerState:
     fields = dict(step=step, weight_version=step, masked_streak=0, seed=42, num_prompts_per_step=2,
-                  prompt_batch_digest=batch_digest(ArithPromptSource(42, SAMPLING).batch(step, 2)),
+                  prompt_batch_digest=batch_digest(TaskPromptSource(ARITH_TASK, 42, SAMPLING).batch(step, 2)),
                   policy_fingerprint=DIGEST, optimizer_fingerprint=DIGEST, policy_steps_taken=step,
                   engine_probe=(0.0, -1.5), rng=RNG)
     return TrainerState(**{**fields, **changes})
@@ -107,12 +108,12 @@ def test_check_resumable_names_the_changed_field() -> None:
 
 
 def test_check_prompt_position_refuses_other_prompts() -> None:
-    check_prompt_position(_state(), ArithPromptSource(42, SAMPLING).batch(2, 2))
+    check_prompt_position(_state(), TaskPromptSource(ARITH_TASK, 42, SAMPLING).batch(2, 2))
     with pytest.raises(CheckpointMismatchError, match="gives step 2 other prompts"):
-        check_prompt_position(_state(), ArithPromptSource(42, SAMPLING).batch(3, 2))
+        check_prompt_position(_state(), TaskPromptSource(ARITH_TASK, 42, SAMPLING).batch(3, 2))
     hotter = RowSampling(temperature=0.5, top_p=1.0, max_output_tokens=48)
     with pytest.raises(CheckpointMismatchError, match="gives step 2 other prompts"):
-        check_prompt_position(_state(), ArithPromptSource(42, hotter).batch(2, 2))
+        check_prompt_position(_state(), TaskPromptSource(ARITH_TASK, 42, hotter).batch(2, 2))
 
 
 def _commit(root: Path, step: int) -> Path:

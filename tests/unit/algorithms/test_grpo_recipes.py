@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from examples.arith.recipe import load_recipe
 from nemo_rl.algorithms.grpo_config import load_master_config, refit_root
 from nemo_rl.algorithms.grpo_single_controller import build_train_batch
 from nemo_rl.data.rows import GroupResult, KeptRollout, Placeholder, PlaceholderReason, RowOrigin, TrainRow
@@ -22,7 +23,7 @@ def test_example_configs_exist():
 @pytest.mark.parametrize("path", CHILD_RECIPES, ids=lambda p: p.name)
 def test_every_example_recipe_validates(path):
     needs = ["model.path=/models/any"] if path.name == "grpo_capture_gpu.yaml" else []  # a real model is mandatory
-    cfg = load_master_config(path, ["grpo.max_num_steps=1", *needs])
+    cfg = load_recipe(path, ["grpo.max_num_steps=1", *needs]).config  # as the example entry point loads it
     assert cfg.grpo.max_num_steps == 1
     assert cfg.logger.log_dir
 

@@ -29,7 +29,7 @@ TITLES = {
     "/venv/bin/python -m nemo_rl.environments.parent_watch 123 responses_api_models.vllm_model.app": "gym_gate",
     "/venv/bin/python -m nemo_rl.environments.parent_watch 123 responses_api_agents.simple_agent.app": "gym_agent",
     "/venv/bin/python -m nemo_rl.environments.parent_watch 123 nemo_rl.environments.compacting_agent": "gym_agent",
-    "/venv/bin/python -m nemo_rl.environments.parent_watch 123 nemo_rl.environments.arith_resources": "gym_resources",
+    "/venv/bin/python -m nemo_rl.environments.parent_watch 123 examples.arith.resources": "gym_resources",
     "/venv/bin/python -m nemo_rl.environments.parent_watch 1 resources_servers.example_multi_step.app": "gym_resources",
     "ray::IDLE": soak.OTHER,
     "/venv/lib/python3.11/site-packages/ray/core/src/ray/raylet/raylet --raylet_socket_name=/tmp/x": soak.OTHER,

@@ -24,6 +24,9 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from examples.arith.gym_task import RESOURCES_SERVER as ARITH
+from examples.arith.rows import build_row
+from examples.arith.task import SYSTEM_PROMPT, Problem, user_prompt
 from nemo_gym.openai_utils import (
     NeMoGymEasyInputMessage,
     NeMoGymFunctionCallOutput,
@@ -33,10 +36,9 @@ from nemo_gym.openai_utils import (
     NeMoGymResponseOutputText,
 )
 from nemo_rl.environments import nemo_gym_launch as launch
-from nemo_rl.environments.arith_task import SYSTEM_PROMPT, Problem, user_prompt
 from nemo_rl.environments.compacting_agent import CompactingAgent, CompactingAgentConfig, compact_history
 from nemo_rl.environments.nemo_gym_config import NemoGymConfig
-from nemo_rl.environments.nemo_gym_rows import RowSampling, build_row
+from nemo_rl.environments.task import RowSampling
 
 PROBLEM = Problem(expression="12 + 5 * 3", answer=27)
 ARGS = json.dumps({"expression": PROBLEM.expression})
@@ -297,14 +299,14 @@ async def test_agent_process_compacts_before_the_second_model_call(tmp_path: Pat
     ports = launch.ServerPorts(gate=model_port, resources=resources_port, agent=agent_port)
     wiring = launch.CaptureWiring(tmp_path / "ledger", "FAKE_CONTROL_TOKEN")
     config = launch.build_global_config(
-        NemoGymConfig(), worker_base_url="http://127.0.0.1:9/v1", ports=ports, capture=wiring
+        NemoGymConfig(), worker_base_url="http://127.0.0.1:9/v1", ports=ports, capture=wiring, resources_server=ARITH
     )
-    (agent_entry,) = config[launch.AGENT]["responses_api_agents"].values()
+    (agent_entry,) = config[ARITH.agent_name]["responses_api_agents"].values()
     assert agent_entry["token_id_capture"] is True
-    config[launch.AGENT] = {
+    config[ARITH.agent_name] = {
         "responses_api_agents": {"compacting_agent": agent_entry | {"compact_after_tool_results": 1}}
     }
-    spec = launch.ServerSpec(launch.AGENT, AGENT_MODULE, agent_port)
+    spec = launch.ServerSpec(ARITH.agent_name, AGENT_MODULE, agent_port)
     log_path = tmp_path / "agent.log"
     env = launch.server_env(
         dict(os.environ),

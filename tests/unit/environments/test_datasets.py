@@ -8,10 +8,12 @@ from pathlib import Path
 import pydantic
 import pytest
 
-from nemo_rl.environments.arith_task import make_problems
+from examples.arith.gym_task import TASK as ARITH_TASK
+from examples.arith.rows import build_row
+from examples.arith.task import make_problems
 from nemo_rl.environments.datasets import (
-    ArithPromptSource,
     PromptDataset,
+    TaskPromptSource,
     chat_messages,
     chat_tools,
     drop_overlong,
@@ -19,7 +21,7 @@ from nemo_rl.environments.datasets import (
 )
 from nemo_rl.environments.gym_servers import dataset_path, package_dir
 from nemo_rl.environments.nemo_gym_config import GymDatasetError, GymEnvironmentConfig, NemoGymConfig
-from nemo_rl.environments.nemo_gym_rows import RowSampling, build_row
+from nemo_rl.environments.task import RowSampling
 
 SAMPLING = RowSampling(temperature=0.7, top_p=0.9, max_output_tokens=32)
 
@@ -87,7 +89,7 @@ def test_batch_rejects_step_zero() -> None:
 
 
 def test_arith_source_is_todays_rows() -> None:
-    source = ArithPromptSource(42, SAMPLING)
+    source = TaskPromptSource(ARITH_TASK, 42, SAMPLING)
     expected = [build_row(p, SAMPLING) for p in make_problems(42 * 100_003 + 3, 2)]
     assert source.batch(3, 2) == expected
     assert make_prompt_source(NemoGymConfig(), seed=42, sampling=SAMPLING, model_dir="/nonexistent",

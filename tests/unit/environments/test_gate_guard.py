@@ -22,12 +22,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from omegaconf import OmegaConf
 
+from examples.arith import task as arith_task
+from examples.arith.gym_task import RESOURCES_SERVER as ARITH
+from examples.arith.tiny_model.corpus import task_conversation
+from examples.arith.tiny_model.tokenizer import train_tokenizer
 from nemo_gym.config_types import BaseServerConfig
 from nemo_gym import server_utils
 from nemo_gym.server_utils import ServerClient, get_first_server_config_dict
 from nemo_gym.token_id_capture.protocols import install_lineage_store
 from nemo_gym.token_id_capture.staging import StageResult, staging_key
-from nemo_rl.environments import arith_task
 from nemo_rl.environments import nemo_gym_launch as launch
 from nemo_rl.environments.capture_gate import (
     CaptureGateConfigError,
@@ -49,8 +52,6 @@ from nemo_rl.environments.nemo_gym_config import NemoGymConfig
 from nemo_rl.models.generation.vllm.custody import build_custody
 from nemo_rl.models.generation.vllm.server import Endpoint, build_app
 from nemo_rl.models.generation.vllm.serving import ChatService
-from nemo_rl.models.tiny_model.corpus import task_conversation
-from nemo_rl.models.tiny_model.tokenizer import train_tokenizer
 from responses_api_models.vllm_model.app import VLLMModelConfig
 
 BEARER_ENV = "GATE_GUARD_TEST_BEARER"
@@ -135,7 +136,7 @@ def test_worker_errors_map_to_the_gates_answers(status: int, content: bytes, ans
 def test_the_gate_reads_its_limits_and_bearer_or_refuses_to_start(tmp_path: Path) -> None:
     wiring = launch.CaptureWiring(tmp_path / "ledger", BEARER_ENV)
     config = launch.build_global_config(NemoGymConfig(), worker_base_url="http://127.0.0.1:9/v1",
-                                        ports=launch.ServerPorts(1001, 1002, 1003), capture=wiring, gate_guard=GUARD)
+                                        ports=launch.ServerPorts(1001, 1002, 1003), capture=wiring, gate_guard=GUARD, resources_server=ARITH)
     assert guard_config_from(config) == GUARD
     assert control_token_from(config, {BEARER_ENV: BEARER}) == BEARER
     with pytest.raises(CaptureGateConfigError, match=rf"the control bearer variable \${BEARER_ENV} is empty or unset"):
@@ -243,7 +244,7 @@ def tokenizer():
 def _gate_app(worker_url: str, ledger_dir: Path):
     wiring = launch.CaptureWiring(ledger_dir, BEARER_ENV)
     config = launch.build_global_config(NemoGymConfig(), worker_base_url=worker_url,
-                                        ports=launch.ServerPorts(1001, 1002, 1003), capture=wiring, gate_guard=GUARD)
+                                        ports=launch.ServerPorts(1001, 1002, 1003), capture=wiring, gate_guard=GUARD, resources_server=ARITH)
     global_config = OmegaConf.create(config)
     install_lineage_store(BranchingCaptureLedger(ledger_dir))
     server_config = VLLMModelConfig.model_validate(

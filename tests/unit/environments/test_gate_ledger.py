@@ -25,6 +25,7 @@ import openai
 import pytest
 from aiohttp import web
 
+from examples.arith.gym_task import RESOURCES_SERVER as ARITH
 from nemo_gym.token_id_capture.adapters.vllm import VLLMCaptureAdapter
 
 from nemo_gym.token_id_capture.fingerprint import FINGERPRINT_VERSION
@@ -436,9 +437,9 @@ async def test_capture_gate_process_admits_sdk_echoes_compaction_and_identical_r
     wiring = launch.CaptureWiring(ledger_dir=tmp_path / "ledger", control_token_env="GATE_TEST_BEARER")
     config = launch.build_global_config(
         NemoGymConfig(), worker_base_url=f"http://127.0.0.1:{worker.port}/v1",
-        ports=launch.ServerPorts(gate_port, spare1, spare2), capture=wiring,
+        ports=launch.ServerPorts(gate_port, spare1, spare2), capture=wiring, resources_server=ARITH
     )
-    spec = launch.server_specs(launch.ServerPorts(gate_port, spare1, spare2), wiring)[0]
+    spec = launch.server_specs(launch.ServerPorts(gate_port, spare1, spare2), wiring, resources_server=ARITH)[0]
     assert spec.module == "nemo_rl.environments.capture_gate"
     env = launch.server_env(
         os.environ, config_json=json.dumps(config), spec=spec, import_root=Path(__file__).resolve().parents[3],
@@ -514,8 +515,8 @@ def test_the_gate_reads_its_ledger_dir_and_refuses_configs_it_cannot_honour(tmp_
     wiring = launch.CaptureWiring(ledger_dir=tmp_path / "ledger", control_token_env="MY_BEARER")
     ports = launch.ServerPorts(1001, 1002, 1003)
     url = "http://127.0.0.1:9/v1"
-    captured = launch.build_global_config(NemoGymConfig(), worker_base_url=url, ports=ports, capture=wiring)
-    legacy = launch.build_global_config(NemoGymConfig(), worker_base_url=url, ports=ports, capture=None)
+    captured = launch.build_global_config(NemoGymConfig(), worker_base_url=url, ports=ports, capture=wiring, resources_server=ARITH)
+    legacy = launch.build_global_config(NemoGymConfig(), worker_base_url=url, ports=ports, capture=None, resources_server=ARITH)
     custom = {**captured, "token_id_capture": {**captured["token_id_capture"], "lineage_store": "pkg.mod:Store"}}
 
     assert ledger_dir_from_config(captured) == tmp_path / "ledger"

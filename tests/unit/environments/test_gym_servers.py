@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
+from examples.arith.gym_task import RESOURCES_SERVER as ARITH
 from nemo_gym.token_id_capture.config import token_id_capture_enabled_for_agent
 from nemo_rl.environments import nemo_gym_launch as launch
 from nemo_rl.environments.gym_servers import (
@@ -104,7 +105,7 @@ def test_global_config_keeps_the_capture_wiring_for_a_gym_server(tmp_path: Path)
     assert agent["model_server"] == {"type": "responses_api_models", "name": launch.GATE}
     assert token_id_capture_enabled_for_agent(config, rs.agent_name) is True
     assert config["token_id_capture"] == launch.capture_block(wiring)
-    specs = {s.name: s.module for s in launch.server_specs(PORTS, wiring, "simple_agent", rs)}
+    specs = {s.name: s.module for s in launch.server_specs(PORTS, wiring, "simple_agent", resources_server=rs)}
     assert specs == {
         launch.GATE: launch.CAPTURE_GATE_MODULE,
         rs.name: "resources_servers.example_single_tool_call.app",
@@ -114,9 +115,9 @@ def test_global_config_keeps_the_capture_wiring_for_a_gym_server(tmp_path: Path)
 
 def test_the_default_is_still_the_arithmetic_environment(tmp_path: Path) -> None:
     env = NemoGymEnvironment(NemoGymConfig(), TokenCaptureConfig(enabled=False), worker_base_url=WORKER, log_dir=tmp_path)
-    assert env.resources_server == launch.ARITH
-    assert launch.build_global_config(NemoGymConfig(), worker_base_url=WORKER, ports=PORTS, capture=None)[
-        launch.RESOURCES
+    assert env.resources_server == ARITH
+    assert launch.build_global_config(NemoGymConfig(), worker_base_url=WORKER, ports=PORTS, capture=None, resources_server=ARITH)[
+        ARITH.name
     ] == {"resources_servers": {"arith": {"entrypoint": "arith_resources.py", "domain": "math",
                                           "host": "127.0.0.1", "port": 1002}}}
 
@@ -168,10 +169,10 @@ def test_any_installed_gym_agent_is_selectable_by_name(tmp_path: Path) -> None:
     assert launch.agent_module("compacting_agent") == launch.COMPACTING_AGENT_MODULE
     assert launch.agent_module("simple_agent_with_compaction") == "responses_api_agents.simple_agent_with_compaction.app"
     cfg = NemoGymConfig(agent="simple_agent_with_compaction")
-    config = launch.build_global_config(cfg, worker_base_url=WORKER, ports=PORTS, capture=None, resources_server=launch.ARITH)
-    assert list(config[launch.AGENT]["responses_api_agents"]) == ["simple_agent_with_compaction"]
-    specs = {s.name: s.module for s in launch.server_specs(PORTS, None, cfg.agent)}
-    assert specs[launch.AGENT] == "responses_api_agents.simple_agent_with_compaction.app"
+    config = launch.build_global_config(cfg, worker_base_url=WORKER, ports=PORTS, capture=None, resources_server=ARITH)
+    assert list(config[ARITH.agent_name]["responses_api_agents"]) == ["simple_agent_with_compaction"]
+    specs = {s.name: s.module for s in launch.server_specs(PORTS, None, cfg.agent, resources_server=ARITH)}
+    assert specs[ARITH.agent_name] == "responses_api_agents.simple_agent_with_compaction.app"
 
 
 def test_an_unknown_or_unsatisfied_agent_fails_before_launch_naming_env_agent() -> None:

@@ -1,4 +1,4 @@
-"""Pure logic of the Gym environment: config generation, rows, tool text, errors, retire."""
+"""Pure logic of the Gym environment: config generation, row sampling, errors, retire."""
 
 from __future__ import annotations
 
@@ -7,20 +7,14 @@ from pathlib import Path
 
 import pytest
 from aiohttp import web
-from hypothesis import given
-from hypothesis import strategies as st
 from pydantic import ValidationError
 
+from examples.arith.gym_task import RESOURCES_SERVER as ARITH
+from examples.arith.rows import build_row
+from examples.arith.task import Problem
 from nemo_gym.token_id_capture.config import TokenIdCaptureConfig, token_id_capture_enabled_for_agent
 from nemo_gym.token_id_capture.staging.records import RolloutManifest
 from nemo_rl.environments import nemo_gym_launch as launch
-from nemo_rl.environments.arith_task import (
-    CALCULATOR_TOOL_RESPONSES,
-    SYSTEM_PROMPT,
-    CalculatorError,
-    Problem,
-    calculate,
-)
 from nemo_rl.environments.nemo_gym import (
     NemoGymConfig,
     NemoGymEnvironment,
@@ -41,14 +35,7 @@ from nemo_rl.environments.nemo_gym_config import (
     ManifestServerError,
     ManifestTimeoutError,
 )
-from nemo_rl.environments.nemo_gym_rows import (
-    InvalidGroundTruthError,
-    RowSampling,
-    build_row,
-    calculator_tool_output,
-    final_assistant_text,
-    problem_from_fields,
-)
+from nemo_rl.environments.task import RowSampling
 from nemo_rl.token_capture.config import TokenCaptureConfig
 
 PORTS = launch.ServerPorts(gate=1001, resources=1002, agent=1003)
@@ -103,15 +90,15 @@ def _expected_config(capture: bool) -> dict:
 
 
 def test_legacy_config_echoes_tokens_and_has_no_capture_block() -> None:
-    config = launch.build_global_config(NemoGymConfig(), worker_base_url=WORKER, ports=PORTS, capture=None)
+    config = launch.build_global_config(NemoGymConfig(), worker_base_url=WORKER, ports=PORTS, capture=None, resources_server=ARITH)
     assert config == _expected_config(capture=False)
     assert TokenIdCaptureConfig.model_validate(config).enabled is False
-    assert token_id_capture_enabled_for_agent(config, launch.AGENT) is False
+    assert token_id_capture_enabled_for_agent(config, ARITH.agent_name) is False
 
 
 def test_capture_config_is_the_contract_block_and_gym_accepts_it(tmp_path: Path) -> None:
     wiring = launch.CaptureWiring(ledger_dir=tmp_path / "ledger", control_token_env="MY_BEARER")
-    config = launch.build_global_config(NemoGymConfig(), worker_base_url=WORKER, ports=PORTS, capture=wiring)
+    config = launch.build_global_config(NemoGymConfig(), worker_base_url=WORKER, ports=PORTS, capture=wiring, resources_server=ARITH)
     expected = _expected_config(capture=True)
     expected["token_id_capture"] = {
         "enabled": True,
@@ -126,12 +113,12 @@ def test_capture_config_is_the_contract_block_and_gym_accepts_it(tmp_path: Path)
     assert config == expected
     parsed = TokenIdCaptureConfig.model_validate(config).token_id_capture
     assert (parsed.sink, parsed.lineage_store, parsed.control_auth_token_env) == (None, None, "MY_BEARER")
-    assert token_id_capture_enabled_for_agent(config, launch.AGENT) is True
+    assert token_id_capture_enabled_for_agent(config, ARITH.agent_name) is True
 
 
 def test_config_knobs_reach_the_servers() -> None:
     cfg = NemoGymConfig(agent_max_steps=7, model_name="tiny", worker_api_key="k")
-    config = launch.build_global_config(cfg, worker_base_url=WORKER, ports=PORTS, capture=None)
+    config = launch.build_global_config(cfg, worker_base_url=WORKER, ports=PORTS, capture=None, resources_server=ARITH)
     gate = config["policy_model"]["responses_api_models"]["vllm_model"]
     assert (gate["model"], gate["api_key"]) == ("tiny", "k")
     assert config["arith_agent"]["responses_api_agents"]["simple_agent"]["max_steps"] == 7
@@ -187,37 +174,19 @@ def test_server_env_drops_inherited_gym_variables(tmp_path: Path) -> None:
 
 
 def test_server_specs_name_our_module_not_a_gym_package(tmp_path: Path) -> None:
-    modules = {s.name: s.module for s in launch.server_specs(PORTS)}
+    modules = {s.name: s.module for s in launch.server_specs(PORTS, resources_server=ARITH)}
     assert modules == {
         "policy_model": "responses_api_models.vllm_model.app",
-        "arith_resources": "nemo_rl.environments.arith_resources",
+        "arith_resources": "examples.arith.resources",
         "arith_agent": "responses_api_agents.simple_agent.app",
     }
-    assert launch.server_specs(PORTS, None) == launch.server_specs(PORTS)
+    assert launch.server_specs(PORTS, None, resources_server=ARITH) == launch.server_specs(PORTS, resources_server=ARITH)
     wiring = launch.CaptureWiring(ledger_dir=tmp_path / "ledger", control_token_env="MY_BEARER")
-    captured = {s.name: s.module for s in launch.server_specs(PORTS, wiring)}
+    captured = {s.name: s.module for s in launch.server_specs(PORTS, wiring, resources_server=ARITH)}
     assert captured == {**modules, "policy_model": "nemo_rl.environments.capture_gate"}
 
 
-# --- rows, tool text, final text ---------------------------------------------------------
-
-
-def test_build_row_carries_prompt_tool_sampling_and_ground_truth() -> None:
-    row = build_row(Problem("12 + 5", 17), SAMPLING)
-    assert row == {
-        "responses_create_params": {
-            "input": [
-                {"role": "system", "content": SYSTEM_PROMPT},
-                {"role": "user", "content": "What is 12 + 5?"},
-            ],
-            "tools": [CALCULATOR_TOOL_RESPONSES],
-            "temperature": 0.7,
-            "top_p": 0.9,
-            "max_output_tokens": 128,
-        },
-        "expression": "12 + 5",
-        "answer": 17,
-    }
+# --- row sampling ----------------------------------------------------------------------------
 
 
 def test_row_sampling_is_strict() -> None:
@@ -225,45 +194,6 @@ def test_row_sampling_is_strict() -> None:
         RowSampling(temperature=0.7, top_p=1.5, max_output_tokens=8)
     with pytest.raises(ValidationError):
         RowSampling(temperature=0.7, top_p=1.0, max_output_tokens="8")
-
-
-def test_ground_truth_mismatch_is_rejected() -> None:
-    assert problem_from_fields("2 * 3", 6) == Problem("2 * 3", 6)
-    with pytest.raises(InvalidGroundTruthError, match=r"expression='2 \* 3' and answer=7"):
-        problem_from_fields("2 * 3", 7)
-    with pytest.raises(InvalidGroundTruthError, match="unexpected character"):
-        problem_from_fields("2 / 3", 0)
-
-
-def test_calculator_tool_output_examples() -> None:
-    assert calculator_tool_output("12 + 5 * 3") == "27"
-    assert calculator_tool_output("3 - 10") == "-7"
-    assert calculator_tool_output("") == "error: calculator: expression '' is not `int (op int)*`"
-
-
-@given(st.text(max_size=40))
-def test_calculator_tool_output_never_raises(expression: str) -> None:
-    out = calculator_tool_output(expression)
-    try:
-        expected = str(calculate(expression))
-    except CalculatorError as e:
-        expected = f"error: {e}"
-    assert out == expected
-
-
-def _msg(text: str) -> dict:
-    return {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": text, "annotations": []}]}
-
-
-def test_final_assistant_text() -> None:
-    call = {"type": "function_call", "name": "calculator", "arguments": "{}", "call_id": "c"}
-    result = {"type": "function_call_output", "call_id": "c", "output": "17"}
-    reasoning = {"type": "reasoning", "summary": []}
-    assert final_assistant_text([call, result, _msg("The answer is 17.")]) == "The answer is 17."
-    assert final_assistant_text([_msg("The answer is "), reasoning, _msg("17.")]) == "The answer is 17."
-    assert final_assistant_text([_msg("I will call"), call]) == ""
-    assert final_assistant_text([call, result]) == ""
-    assert final_assistant_text([]) == ""
 
 
 # --- rollout ids, manifest parsing, retire, errors ----------------------------------------
@@ -346,7 +276,7 @@ def test_start_error_message_names_server_reason_log_and_tail(tmp_path: Path) ->
 def test_interpolation_syntax_is_rejected(tmp_path: Path) -> None:
     wiring = launch.CaptureWiring(ledger_dir=tmp_path / "${oops}", control_token_env="X")
     with pytest.raises(ValueError, match=r"token_id_capture.dir=.*contains '\$\{'"):
-        launch.build_global_config(NemoGymConfig(), worker_base_url=WORKER, ports=PORTS, capture=wiring)
+        launch.build_global_config(NemoGymConfig(), worker_base_url=WORKER, ports=PORTS, capture=wiring, resources_server=ARITH)
 
 
 # --- HTTP status -> named error, against an in-process fake gate/agent --------------------
@@ -365,7 +295,7 @@ def _attach(env: NemoGymEnvironment, *, gate: int = 1, agent: int = 2) -> None:
     # Point a never-started environment at a fake server (the Gym servers are not under test here).
     env._ports = launch.ServerPorts(gate=gate, resources=3, agent=agent)
     env._bearer = "good"
-    env._log_paths = {name: env._log_dir / f"gym_{name}.log" for name in (launch.GATE, launch.RESOURCES, launch.AGENT)}
+    env._log_paths = {name: env._log_dir / f"gym_{name}.log" for name in (launch.GATE, ARITH.name, ARITH.agent_name)}
 
 
 @pytest.mark.parametrize(

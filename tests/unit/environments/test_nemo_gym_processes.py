@@ -26,6 +26,9 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from examples.arith.gym_task import RESOURCES_SERVER as ARITH
+from examples.arith.rows import build_row
+from examples.arith.task import Problem, final_answer_text
 from nemo_gym.token_id_capture.adapters.vllm import VLLMCaptureAdapter
 from nemo_gym.token_id_capture.staging.capture import RolloutTokenCapture
 from nemo_gym.token_id_capture.staging.records import (
@@ -35,12 +38,10 @@ from nemo_gym.token_id_capture.staging.records import (
     staging_key,
 )
 from nemo_rl.environments import nemo_gym_launch as launch
-from nemo_rl.environments.arith_task import Problem, final_answer_text
 from nemo_rl.environments.nemo_gym import (
     NemoGymConfig,
     NemoGymEnvironment,
     RowSampling,
-    build_row,
 )
 from nemo_rl.environments.nemo_gym_config import GymServerStartError, ManifestAuthError
 from nemo_rl.token_capture.config import TokenCaptureConfig
@@ -279,7 +280,7 @@ async def test_start_failure_names_the_server_and_quotes_its_log(tmp_path: Path,
         ports: launch.ServerPorts,
         capture: launch.CaptureWiring | None = None,
         agent: str = "simple_agent",
-        resources_server: launch.ResourcesServer = launch.ARITH,
+        resources_server: launch.ResourcesServer = ARITH,
     ) -> tuple[launch.ServerSpec, ...]:
         return (launch.ServerSpec(launch.GATE, "nemo_rl.environments.no_such_module", ports.gate),)
 

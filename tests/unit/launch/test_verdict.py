@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from nemo_rl.utils.verdict import (
+from nemo_rl.token_capture.verdict import (
     DEGRADED,
     ENGAGED,
     NOT_ENGAGED,
@@ -79,7 +79,7 @@ def test_an_unknown_placeholder_reason_degrades(tmp_path: Path, capsys: pytest.C
     assert _verdict_of(tmp_path, lines, capsys) == (1, (
         "capture DEGRADED: finalize/placeholders/brand_new_reason=1 (unclassified reason: no tolerance) in step 2: a "
         "placeholder reason the health thresholds do not know; it is never passed silently; look at "
-        "nemo_rl/utils/capture_health.py CaptureHealthThresholds: classify the reason\n"))
+        "nemo_rl/token_capture/capture_health.py CaptureHealthThresholds: classify the reason\n"))
 
 
 def test_environment_weather_above_its_bound_degrades_with_every_finding(

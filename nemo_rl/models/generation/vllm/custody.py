@@ -48,7 +48,7 @@ from nemo_rl.data_plane.errors import DataPlaneError
 from nemo_rl.models.generation.vllm.chat import SamplingRequest, TailRenderError
 from nemo_rl.models.generation.vllm.prefix_cache import PrefixCache, PrefixError, PrefixMismatchError
 from nemo_rl.models.generation.vllm.registry import AdmittedCalls, ServedRegistry, request_digest
-from nemo_rl.token_capture import wire_metrics  # opt-in per-call cost (benchmarks/capture_ab.py)
+from nemo_rl.utils import instrumentation  # opt-in per-call cost (benchmarks/capture_ab.py)
 from nemo_rl.token_capture.config import TokenCaptureConfig
 from nemo_rl.data.served import ServedCall, has_assistant_turn
 from nemo_rl.token_capture.stage_writer import ParentRows, StageWriter
@@ -192,7 +192,7 @@ class CustodyCore:
     ) -> dict:
         """The reply to one admitted call (its `ng_commit_coords` included), or a replay of it."""
         admission = self._validate_admission(raw_admission)
-        wire_metrics.set_call_fact("capture", 1.0)  # admitted (the benchmarks split calls by path)
+        instrumentation.set_call_fact("capture", 1.0)  # admitted (the benchmarks split calls by path)
         key = (admission.rollout_id, admission.model_call_id)
         replay = await self._claim_or_replay(key, request_digest(body), admission)
         if replay is not None:
@@ -377,7 +377,7 @@ class CustodyCore:
         rows = self._stage_barrier.wait_keys(parents, 0.0)
         if rows.lost:
             rows = await asyncio.to_thread(self._stage_barrier.wait_keys, parents, self._stage_flush_timeout_s)
-        wire_metrics.add_call_cost("parent_wait_s", time.perf_counter() - started)
+        instrumentation.add_call_cost("parent_wait_s", time.perf_counter() - started)
         if rows.lost:
             self.stats["parents_not_durable"] += 1
             raise ApiError(
@@ -480,7 +480,7 @@ class CustodyCore:
             cum_len=coords.cum_len,
             chain_hash=coords.chain_hash,
         )
-        wire_metrics.add_call_cost("prefix_seed_s", time.perf_counter() - started)
+        instrumentation.add_call_cost("prefix_seed_s", time.perf_counter() - started)
         if not accepted:  # the engine's ids do not hash to what Gym staged: a bug, never a silent one
             self.stats["prefix_seed_rejected"] += 1
             LOGGER.error(

@@ -34,7 +34,7 @@ from aiohttp import web
 from nemo_rl.data.errors import ApiError
 from nemo_rl.data.request_rules import RequestFieldError, bearer_status, parse_json_body
 from nemo_rl.models.generation.vllm.serving import ChatService
-from nemo_rl.token_capture import wire_metrics  # opt-in body/latency counters (benchmarks/capture_ab.py)
+from nemo_rl.utils import instrumentation  # opt-in body/latency counters (benchmarks/capture_ab.py)
 
 LOGGER = logging.getLogger(__name__)
 
@@ -165,7 +165,7 @@ def build_app(
             return _error(unavailable)
         return await handler(request)
 
-    app = web.Application(client_max_size=max_request_bytes, middlewares=[*wire_metrics.aiohttp_middlewares(), errors, gate])
+    app = web.Application(client_max_size=max_request_bytes, middlewares=[*instrumentation.aiohttp_middlewares(), errors, gate])
     app.router.add_post("/v1/chat/completions", chat)
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/v1/tokenize", tokenize)

@@ -128,7 +128,7 @@ from nemo_rl.models.generation.vllm.engine import (
 )
 from nemo_rl.models.generation.vllm.prefix_cache import PrefixCache
 from nemo_rl.data.request_rules import RequestFieldError, check_chat_request
-from nemo_rl.token_capture import wire_metrics  # opt-in per-call cost (benchmarks/capture_ab.py)
+from nemo_rl.utils import instrumentation  # opt-in per-call cost (benchmarks/capture_ab.py)
 from nemo_rl.data.served import ServedCall
 
 LOGGER = logging.getLogger(__name__)
@@ -214,7 +214,7 @@ class ChatService:
         return self.custody.capture if self.custody is not None else None
 
     def install_token_capture(self, capture: Any) -> None:
-        """Swap the custody core's capture (`wire_metrics.time_capture_calls` wraps it)."""
+        """Swap the custody core's capture (`instrumentation.time_capture_calls` wraps it)."""
         if self.custody is None:
             raise RuntimeError("install_token_capture on a ChatService without custody (token capture is off)")
         self.custody.install_token_capture(capture)
@@ -333,10 +333,10 @@ class ChatService:
         started = time.perf_counter()
         try:
             result = await self._engine.generate(prompt_ids, sampling, new_request_id())
-            wire_metrics.add_call_cost("generate_s", time.perf_counter() - started)  # the engine's part, both paths
-            wire_metrics.set_call_fact("generate_t0_s", started)
-            wire_metrics.set_call_fact("prompt_tokens", len(prompt_ids))
-            wire_metrics.set_call_fact("generated_tokens", len(result.token_ids))
+            instrumentation.add_call_cost("generate_s", time.perf_counter() - started)  # the engine's part, both paths
+            instrumentation.set_call_fact("generate_t0_s", started)
+            instrumentation.set_call_fact("prompt_tokens", len(prompt_ids))
+            instrumentation.set_call_fact("generated_tokens", len(result.token_ids))
             return result
         except InvalidChatRequest as e:
             raise ApiError("invalid_request", str(e)) from e

@@ -180,10 +180,10 @@ class VllmGenerationWorker:
         if self._engine is None or self.base_url is None:
             raise WorkerError("serve called before bind and start_engine")
         if self._endpoint.service is None:
-            from nemo_rl.token_capture import wire_metrics
+            from nemo_rl.utils import instrumentation
 
             self._service = await self._build_service()
-            wire_metrics.time_capture_calls(self._service)  # opt-in per-call capture timing (benchmarks/capture_ab.py)
+            instrumentation.time_capture_calls(self._service)  # opt-in per-call capture timing (benchmarks/capture_ab.py)
             self._endpoint.service = self._service
         return self.base_url
 

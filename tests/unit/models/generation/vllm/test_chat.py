@@ -12,7 +12,10 @@ import json
 
 import pytest
 
-from nemo_rl.environments import arith_task
+from examples.arith import task as arith_task
+from examples.arith.tiny_model.chat_template import CHATML, FAMILIES, LLAMA3, TemplateFamily
+from examples.arith.tiny_model.corpus import TASK_TOOLS, task_conversation
+from examples.arith.tiny_model.tokenizer import train_tokenizer
 from nemo_rl.models.generation.vllm.chat import (
     TOOL_CALL_PARSERS,
     TailRenderError,
@@ -33,9 +36,6 @@ from nemo_rl.models.generation.vllm.chat import (
     tail_boundary,
 )
 from nemo_rl.models.generation.vllm.config import GenerationConfig
-from nemo_rl.models.tiny_model.chat_template import CHATML, FAMILIES, LLAMA3, TemplateFamily
-from nemo_rl.models.tiny_model.corpus import TASK_TOOLS, task_conversation
-from nemo_rl.models.tiny_model.tokenizer import train_tokenizer
 
 PROBLEM = arith_task.Problem("12 + 5", 17)
 

@@ -14,6 +14,10 @@ from dataclasses import dataclass
 
 import pytest
 
+from examples.arith import task as arith_task
+from examples.arith.tiny_model.chat_template import LLAMA3
+from examples.arith.tiny_model.corpus import task_conversation
+from examples.arith.tiny_model.tokenizer import train_tokenizer
 from nemo_gym.token_id_capture.staging import (
     CallRecord,
     RolloutReceipt,
@@ -26,16 +30,12 @@ from nemo_gym.token_id_capture.staging import (
 from nemo_rl.data.served import ServedCall
 from nemo_rl.data_plane import MissingKeysError
 from nemo_rl.data_plane.errors import DataPlaneTimeoutError
-from nemo_rl.environments import arith_task
 from nemo_rl.models.generation.vllm.chat import normalize_messages, render_root_prompt
 from nemo_rl.data.errors import ApiError
 from nemo_rl.models.generation.vllm.prefix_cache import PrefixCache
 from nemo_rl.models.generation.vllm.custody import build_custody, build_tq_custody
 from nemo_rl.models.generation.vllm.registry import ServedRegistry
 from nemo_rl.models.generation.vllm.serving import ChatService, context_overflow_message
-from nemo_rl.models.tiny_model.chat_template import LLAMA3
-from nemo_rl.models.tiny_model.corpus import task_conversation
-from nemo_rl.models.tiny_model.tokenizer import train_tokenizer
 from nemo_rl.token_capture.config import TokenCaptureConfig
 from nemo_rl.token_capture.staging import StagedKeysMissingError
 

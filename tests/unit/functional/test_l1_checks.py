@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from nemo_rl.utils import l1_checks
-from nemo_rl.utils.capture_health import health_findings
-from nemo_rl.utils.l1_checks import (
+from tests.functional import l1_checks
+from nemo_rl.token_capture.capture_health import health_findings
+from tests.functional.l1_checks import (
     L1DataError,
     check_metrics_lines,
     check_venv_record,
@@ -18,7 +18,7 @@ from nemo_rl.utils.l1_checks import (
     first_difference,
 )
 from nemo_rl.utils.venvs import spec_hash, vllm_spec
-from nemo_rl.utils.verdict import capture_verdict
+from nemo_rl.token_capture.verdict import capture_verdict
 from tests.metrics_lines import healthy_line
 
 CPU_HASH = spec_hash(vllm_spec("cpu"))
@@ -55,7 +55,7 @@ def test_each_capture_violation_is_named(changes, problem):
 
 
 # Each health failure the smoke verdict flags fails the L1 leg with the same words (one judgement,
-# one set of thresholds: nemo_rl.utils.capture_health).
+# one set of thresholds: nemo_rl.token_capture.capture_health).
 HEALTH_TRIPS = {
     "transport placeholder": {"finalize/placeholders/staged_record_missing": 1.0, "finalize/placeholders": 1.0,
                               "finalize/kept_rollouts": 7.0, "finalize/rows": 7.0, "finalize/invalid_row_rate": 0.125},

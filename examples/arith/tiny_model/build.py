@@ -34,15 +34,15 @@ import transformers
 from transformers import GenerationConfig
 from transformers.utils.chat_template_utils import render_jinja_template
 
-from nemo_rl.environments import arith_task
-from nemo_rl.models.tiny_model import chat_template, config, corpus, encoding, sft
-from nemo_rl.models.tiny_model import tokenizer as tokenizer_module
-from nemo_rl.models.tiny_model.chat_template import FAMILIES, TemplateFamily
-from nemo_rl.models.tiny_model.config import TinyModelConfig, config_digest
-from nemo_rl.models.tiny_model.corpus import TASK_TOOLS, english_text, task_conversation
-from nemo_rl.models.tiny_model.encoding import encode_transcripts
-from nemo_rl.models.tiny_model.sft import deterministic_torch, init_model, train_sft
-from nemo_rl.models.tiny_model.tokenizer import train_tokenizer
+from examples.arith import task as arith_task
+from examples.arith.tiny_model import chat_template, config, corpus, encoding, sft
+from examples.arith.tiny_model import tokenizer as tokenizer_module
+from examples.arith.tiny_model.chat_template import FAMILIES, TemplateFamily
+from examples.arith.tiny_model.config import TinyModelConfig, config_digest
+from examples.arith.tiny_model.corpus import TASK_TOOLS, english_text, task_conversation
+from examples.arith.tiny_model.encoding import encode_transcripts
+from examples.arith.tiny_model.sft import deterministic_torch, init_model, train_sft
+from examples.arith.tiny_model.tokenizer import train_tokenizer
 
 CACHE_ENV = "NRL_CACHE_DIR"
 WEIGHTS_FILE = "model.safetensors"

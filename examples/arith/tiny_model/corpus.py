@@ -19,7 +19,7 @@ import importlib.util
 import json
 from pathlib import Path
 
-from nemo_rl.environments import arith_task
+from examples.arith import task as arith_task
 
 TASK_TOOLS: list[dict] = [arith_task.CALCULATOR_TOOL]
 

@@ -21,9 +21,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
-
-from nemo_rl.environments.arith_task import (
+from examples.arith.task import (
     CALCULATOR_TOOL_RESPONSES,
     SYSTEM_PROMPT,
     CalculatorError,
@@ -31,6 +29,7 @@ from nemo_rl.environments.arith_task import (
     calculate,
     user_prompt,
 )
+from nemo_rl.environments.task import RowSampling
 
 # Extra /run fields that carry the ground truth to /verify.
 EXPRESSION_FIELD = "expression"
@@ -40,16 +39,6 @@ TOOL_ERROR_PREFIX = "error: "
 
 class InvalidGroundTruthError(ValueError):
     """A dataset row's `answer` does not match its `expression`."""
-
-
-class RowSampling(BaseModel):
-    """Per-request sampling the agent sends with every model call of one rollout."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
-
-    temperature: float = Field(ge=0.0, allow_inf_nan=False)
-    top_p: float = Field(gt=0.0, le=1.0, allow_inf_nan=False)
-    max_output_tokens: int = Field(ge=1)
 
 
 def build_row(problem: Problem, sampling: RowSampling) -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """Behaviour check of a tiny model on the arithmetic tool task with HF `generate`.
 
-It lives with the task (not in `models/tiny_model`) so that the model package knows no task.
+It lives beside `tiny_model/` (not in it) so that the model package needs only the task spec.
 
 Contract:
 - `run_episode(model, tokenizer, problem, sampling)` plays one two-call rollout the way the
@@ -22,10 +22,10 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from nemo_rl.environments import arith_task
-from nemo_rl.models.tiny_model.chat_template import EOS_TOKEN, TOOL_CALL_PATTERN
-from nemo_rl.models.tiny_model.corpus import TASK_TOOLS
-from nemo_rl.models.tiny_model.encoding import render
+from examples.arith import task as arith_task
+from examples.arith.tiny_model.chat_template import EOS_TOKEN, TOOL_CALL_PATTERN
+from examples.arith.tiny_model.corpus import TASK_TOOLS
+from examples.arith.tiny_model.encoding import render
 
 _TOOL_CALL_RE = re.compile(TOOL_CALL_PATTERN, re.DOTALL)
 

@@ -23,8 +23,8 @@ import torch
 import torch.nn.functional as F
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from nemo_rl.models.tiny_model.config import TinyModelConfig
-from nemo_rl.models.tiny_model.encoding import EncodedTranscript
+from examples.arith.tiny_model.config import TinyModelConfig
+from examples.arith.tiny_model.encoding import EncodedTranscript
 
 
 class SFTError(RuntimeError):

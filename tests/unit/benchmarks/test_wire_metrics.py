@@ -11,7 +11,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
-from nemo_rl.token_capture import wire_metrics as wm
+from benchmarks import wire_metrics as wm
 
 
 @pytest.fixture
@@ -54,7 +54,7 @@ def test_everything_is_off_without_the_variable(monkeypatch: pytest.MonkeyPatch)
 
 def test_launcher_runs_the_counting_runner_when_on(fresh: Path) -> None:
     assert wm.server_module_argv("nemo_rl.environments.capture_gate") == [
-        "nemo_rl.token_capture.wire_metrics", "nemo_rl.environments.capture_gate"]
+        "benchmarks.wire_metrics", "nemo_rl.environments.capture_gate"]
 
 
 def test_flushed_file_holds_http_counters_and_calls(fresh: Path) -> None:

@@ -7,7 +7,7 @@ Contract:
   threshold), `DEGRADED` (capture ran, but a health signal is out of bounds), `UNJUDGED`
   (capture ran, but the metrics lack a signal the judgement needs: never a pass),
   `NOT_ENGAGED` (no captured row was trained). `Verdict.line()` is the headline;
-  `Verdict.findings` the violated expectations (`nemo_rl.utils.capture_health.Finding`), each
+  `Verdict.findings` the violated expectations (`nemo_rl.token_capture.capture_health.Finding`), each
   naming the metric, the value, the threshold and what to look at.
 - The rules, first match wins:
   1. no step line -> NOT_ENGAGED (the run finished no step);
@@ -27,7 +27,7 @@ Contract:
      abandoned retries) are appended, or named as not logged.
 - `read_metrics(log_dir)` parses `<log_dir>/metrics.jsonl`; a missing file is an empty list
   (rule 1 names it), an unparsable line is a `VerdictError` naming the file and line number.
-- CLI: `python -m nemo_rl.utils.verdict LOG_DIR` prints the headline (with the first finding),
+- CLI: `python -m nemo_rl.token_capture.verdict LOG_DIR` prints the headline (with the first finding),
   then one `  - ` line per further finding; exit 0 for ENGAGED, 1 for DEGRADED, UNJUDGED or NOT_ENGAGED, 2 when the file cannot
   be read.
 """
@@ -41,7 +41,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from nemo_rl.utils.capture_health import (
+from nemo_rl.token_capture.capture_health import (
     PLACEHOLDER_REASON_PREFIX,
     Finding,
     health_findings,
@@ -165,7 +165,7 @@ def capture_verdict(lines: Sequence[Mapping], source: str = METRICS_FILE) -> Ver
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m nemo_rl.utils.verdict", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m nemo_rl.token_capture.verdict", description=__doc__.splitlines()[0])
     parser.add_argument("log_dir", help=f"the run's logger.log_dir (holds {METRICS_FILE})")
     args = parser.parse_args(argv)
     try:

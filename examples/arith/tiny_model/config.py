@@ -20,7 +20,7 @@ import json
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from nemo_rl.models.tiny_model.chat_template import TemplateFamilyName
+from examples.arith.tiny_model.chat_template import TemplateFamilyName
 
 # Local English text for the tokenizer: docstrings parsed from the source files of these
 # pure-Python standard-library modules (about 0.45 MB, enough to fill a 4096-token vocabulary).

@@ -16,8 +16,14 @@ from jinja2.exceptions import TemplateError
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
-from nemo_rl.environments import arith_task
-from nemo_rl.models.tiny_model import (
+from examples.arith import task as arith_task
+from examples.arith.episodes import Sampling, parse_calculator_call, run_episode
+from examples.arith.tiny_model.build import cache_folder, cache_key, default_cache_root
+from examples.arith.tiny_model.chat_template import LLAMA3, SPECIAL_TOKENS, TOOL_TOKENS
+from examples.arith.tiny_model.corpus import TASK_TOOLS, CorpusError, english_text, task_conversation
+from examples.arith.tiny_model.encoding import encode_transcript, render
+from examples.arith.tiny_model.sft import collate, deterministic_torch, init_model, masked_loss
+from examples.arith.tiny_model import (
     GENERATION_PROMPT,
     TURN_END,
     TinyModelBuildError,
@@ -26,12 +32,6 @@ from nemo_rl.models.tiny_model import (
     config_digest,
     ensure_tiny_model,
 )
-from nemo_rl.environments.arith_episodes import Sampling, parse_calculator_call, run_episode
-from nemo_rl.models.tiny_model.build import cache_folder, cache_key, default_cache_root
-from nemo_rl.models.tiny_model.chat_template import LLAMA3, SPECIAL_TOKENS, TOOL_TOKENS
-from nemo_rl.models.tiny_model.corpus import TASK_TOOLS, CorpusError, english_text, task_conversation
-from nemo_rl.models.tiny_model.encoding import encode_transcript, render
-from nemo_rl.models.tiny_model.sft import collate, deterministic_torch, init_model, masked_loss
 
 SMALL = TinyModelConfig(
     vocab_size=512,

@@ -5,19 +5,19 @@ Contract:
   `/verify` wrapping, session middleware, health routes and config loading
   (`NEMO_GYM_CONFIG_DICT` / `NEMO_GYM_CONFIG_PATH`). It needs no Ray (`ray_enabled = False`).
 - `POST /calculator` with `{"expression": str}` answers 200 with the plain-text tool result
-  (`nemo_gym_rows.calculator_tool_output`): the integer, or `error: <reason>`. A calculator
+  (`rows.calculator_tool_output`): the integer, or `error: <reason>`. A calculator
   error is a tool result the model sees, never an HTTP error, so the agent keeps going.
-- `POST /verify` scores the final assistant text of the rollout with `arith_task.verify`
+- `POST /verify` scores the final assistant text of the rollout with `task.verify`
   against the problem carried in the /run body's extra fields `expression` and `answer`
-  (see `nemo_gym_rows.build_row`). A row whose answer disagrees with its expression is refused
+  (see `rows.build_row`). A row whose answer disagrees with its expression is refused
   (HTTP 422 naming `answer`, FastAPI's shape) instead of being scored, so the rollout fails loudly.
 - Bad input on every route is a 4xx naming the field: FastAPI's 422 for malformed JSON, wrong
   types and missing fields (Gym's validation handler), 413 `request_too_large` for a body above
   `max_body_bytes` (`gate_guard.BodyLimitMiddleware`, before anything is parsed).
-- The handlers are thin shells over the pure functions in `nemo_gym_rows`.
+- The handlers are thin shells over the pure functions in `rows`.
 
-Launch: `python -m nemo_rl.environments.arith_resources` with Gym's config env variables set
-(see `nemo_gym_launch.server_env`).
+Launch: `python -m examples.arith.resources` with Gym's config env variables set
+(see `nemo_rl.environments.nemo_gym_launch.server_env`; `gym_task.RESOURCES_SERVER` names it).
 """
 
 from __future__ import annotations
@@ -26,20 +26,20 @@ from fastapi import FastAPI, HTTPException
 from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from examples.arith.rows import (
+    InvalidGroundTruthError,
+    calculator_tool_output,
+    final_assistant_text,
+    problem_from_fields,
+)
+from examples.arith.task import verify as verify_final_text
 from nemo_gym.base_resources_server import (
     BaseResourcesServerConfig,
     BaseVerifyRequest,
     BaseVerifyResponse,
     SimpleResourcesServer,
 )
-from nemo_rl.environments.arith_task import verify as verify_final_text
 from nemo_rl.environments.gate_guard import BodyLimitMiddleware
-from nemo_rl.environments.nemo_gym_rows import (
-    InvalidGroundTruthError,
-    calculator_tool_output,
-    final_assistant_text,
-    problem_from_fields,
-)
 
 
 class ArithResourcesServerConfig(BaseResourcesServerConfig):

@@ -2,8 +2,8 @@
 
 Contract:
 - `THRESHOLDS` (a frozen, validated `CaptureHealthThresholds`) is the only copy of every health
-  threshold; `nemo_rl.utils.verdict` (the smoke script's one-line verdict) and
-  `nemo_rl.utils.l1_checks` (the L1 functional test) both judge through `health_findings`, so
+  threshold; `nemo_rl.token_capture.verdict` (the smoke script's one-line verdict) and
+  `tests.functional.l1_checks` (the L1 functional test) both judge through `health_findings`, so
   they cannot disagree.
 - `health_findings(lines, capture=..., thresholds=THRESHOLDS) -> list[Finding]` is pure over
   the parsed step lines (one dict per step, as `MetricsLogger` writes them); an empty list means
@@ -254,7 +254,7 @@ def _placeholder_findings(lines: Sequence[Mapping[str, Any]], dispatched: float,
             findings.append(Finding(
                 metric, str(count), "unclassified reason: no tolerance", f"in {_steps(where[reason])}",
                 "a placeholder reason the health thresholds do not know; it is never passed silently",
-                "nemo_rl/utils/capture_health.py CaptureHealthThresholds: classify the reason",
+                "nemo_rl/token_capture/capture_health.py CaptureHealthThresholds: classify the reason",
             ))
         elif klass == "zero" and count > 0:
             findings.append(Finding(

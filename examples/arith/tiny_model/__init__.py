@@ -7,17 +7,17 @@ Public API: `TinyModelConfig`, `build_tiny_model(cfg, out_dir, progress)`,
 (defaults), chat_template (rendering rules), tokenizer (BPE), corpus (task transcripts),
 encoding (capture-path token encoding), sft (initialisation and warm start), build (artefact
 and cache). The HF `generate` check of the two-call tool loop lives with the task
-(`nemo_rl.environments.arith_episodes`): this package imports no task module.
+(`examples.arith.episodes`): this package uses only the task spec (`examples.arith.task`).
 """
 
-from nemo_rl.models.tiny_model.build import (
+from examples.arith.tiny_model.build import (
     TinyModelBuildError,
     build_tiny_model,
     cache_folder,
     cache_key,
     ensure_tiny_model,
 )
-from nemo_rl.models.tiny_model.chat_template import (
+from examples.arith.tiny_model.chat_template import (
     CHAT_TEMPLATE,
     CHATML,
     EOS_TOKEN,
@@ -29,7 +29,7 @@ from nemo_rl.models.tiny_model.chat_template import (
     TURN_END,
     TemplateFamily,
 )
-from nemo_rl.models.tiny_model.config import TinyModelConfig, config_digest
+from examples.arith.tiny_model.config import TinyModelConfig, config_digest
 
 __all__ = [
     "CHATML",

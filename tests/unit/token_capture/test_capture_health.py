@@ -6,7 +6,7 @@ import pytest
 from pydantic import ValidationError
 
 from nemo_rl.data.rows import PlaceholderReason
-from nemo_rl.utils.capture_health import THRESHOLDS, CaptureHealthThresholds, Finding, health_findings
+from nemo_rl.token_capture.capture_health import THRESHOLDS, CaptureHealthThresholds, Finding, health_findings
 from tests.metrics_lines import healthy_line, with_placeholders
 
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from transformers import PreTrainedTokenizerBase
 
-from nemo_rl.models.tiny_model.chat_template import CHATML, TemplateFamily
+from examples.arith.tiny_model.chat_template import CHATML, TemplateFamily
 
 
 class TemplateInvariantError(ValueError):

@@ -13,7 +13,7 @@ Checks of one leg (`leg`), from `<log_dir>/metrics.jsonl` and `<log_dir>/run_inf
 - always-N: `rollouts/dispatched > 0` and `rollouts/dispatched == finalize/kept_rollouts +
   finalize/placeholders`, and `finalize/rows >= finalize/kept_rollouts` (a kept rollout trains
   one row per verified chain, so rows equal kept rollouts only on an unbranched tool loop);
-- capture health, both legs: every finding of `nemo_rl.utils.capture_health.health_findings`
+- capture health, both legs: every finding of `nemo_rl.token_capture.capture_health.health_findings`
   (the same judgement and the same `THRESHOLDS` as the smoke script's verdict: every
   placeholder reason against its class's threshold, an unclassified reason included,
   `invalid_row_rate`, the kept generated-token fraction, `token_mult_prob_error`, and on the
@@ -47,8 +47,8 @@ Checks across the legs (`compare`):
   not comparable; at least one rollout must be compared.
 
 CLI (exit status 0 iff every check passed; one line per check, then a PASS/FAIL line):
-    python -m nemo_rl.utils.l1_checks leg --log-dir DIR --mode {capture,legacy} --steps N
-    python -m nemo_rl.utils.l1_checks compare --legacy DIR --capture DIR
+    python -m tests.functional.l1_checks leg --log-dir DIR --mode {capture,legacy} --steps N
+    python -m tests.functional.l1_checks compare --legacy DIR --capture DIR
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
-from nemo_rl.utils.capture_health import health_findings
+from nemo_rl.token_capture.capture_health import health_findings
 from nemo_rl.utils.logger import FIRST_CALL_PROMPTS_FILE, METRICS_FILE, RUN_INFO_FILE, read_jsonl_objects
 from nemo_rl.utils.venvs import spec_hash, venv_folder_name, vllm_spec
 

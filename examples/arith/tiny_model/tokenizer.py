@@ -27,7 +27,7 @@ from tokenizers import AddedToken, Regex, Tokenizer, models, normalizers, pre_to
 from transformers import PreTrainedTokenizerFast, Qwen2Tokenizer
 from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX as QWEN2_SPLIT_PATTERN
 
-from nemo_rl.models.tiny_model.chat_template import CHATML, TemplateFamily
+from examples.arith.tiny_model.chat_template import CHATML, TemplateFamily
 
 
 class TokenizerBuildError(RuntimeError):

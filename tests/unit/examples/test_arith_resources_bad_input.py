@@ -18,10 +18,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from omegaconf import OmegaConf
 
+from examples.arith.gym_task import RESOURCES_SERVER as ARITH
+from examples.arith.resources import ArithResourcesServer, ArithResourcesServerConfig
 from nemo_gym.config_types import BaseServerConfig
 from nemo_gym.server_utils import ServerClient, _validation_exception_handler, get_first_server_config_dict
 from nemo_rl.environments import nemo_gym_launch as launch
-from nemo_rl.environments.arith_resources import ArithResourcesServer, ArithResourcesServerConfig
 from nemo_rl.environments.nemo_gym_config import NemoGymConfig
 
 RESPONSE = {"id": "resp_1", "created_at": 1, "model": "tiny", "object": "response", "output": [],
@@ -31,12 +32,12 @@ VERIFY = {"responses_create_params": {"input": []}, "response": RESPONSE, "expre
 
 def _app(max_body_bytes: int = 64 * 1024):
     config = launch.build_global_config(NemoGymConfig(), worker_base_url="http://127.0.0.1:9/v1",
-                                        ports=launch.ServerPorts(1001, 1002, 1003), capture=None)
-    config[launch.RESOURCES]["resources_servers"]["arith"]["max_body_bytes"] = max_body_bytes
+                                        ports=launch.ServerPorts(1001, 1002, 1003), capture=None, resources_server=ARITH)
+    config[ARITH.name]["resources_servers"]["arith"]["max_body_bytes"] = max_body_bytes
     global_config = OmegaConf.create(config)
-    block = OmegaConf.to_container(get_first_server_config_dict(global_config, launch.RESOURCES), resolve=True)
+    block = OmegaConf.to_container(get_first_server_config_dict(global_config, ARITH.name), resolve=True)
     server = ArithResourcesServer(
-        config=ArithResourcesServerConfig.model_validate(block | {"name": launch.RESOURCES}),
+        config=ArithResourcesServerConfig.model_validate(block | {"name": ARITH.name}),
         server_client=ServerClient(head_server_config=BaseServerConfig.model_validate(config["head_server"]),
                                    global_config_dict=global_config),
     )

@@ -1,10 +1,12 @@
-"""Opt-in wire metrics for the capture A/B benchmark: HTTP body bytes and per-call capture time.
+"""Wire metrics for the capture A/B benchmark: HTTP body bytes and per-call capture time.
 
-Off unless `NRL_WIRE_METRICS_DIR` names a directory (`benchmarks/capture_ab.py` sets it for the
-runs it measures); off, every hook below is a no-op that adds no middleware, no thread and no
-file. It is an environment variable, not a recipe key, because it must reach processes the
-benchmark does not configure directly (the Gym servers, the vLLM worker actor) and it changes
-nothing about what a run computes.
+A hook module of the library's instrumentation seam (`nemo_rl/utils/instrumentation.py`):
+`benchmarks/capture_ab.py` sets `NRL_INSTRUMENTATION=benchmarks.wire_metrics` and
+`NRL_WIRE_METRICS_DIR=<dir>` for the runs it measures, and every process of the run (the Gym
+servers, the vLLM worker actor) then calls the hooks below. Without `NRL_WIRE_METRICS_DIR` every
+hook is a no-op that adds no middleware, no thread and no file. Both are environment variables,
+not recipe keys, because they must reach processes the benchmark does not configure directly,
+and they change nothing about what a run computes.
 
 Contract (on):
 - One `WireMetrics` per process (`process_metrics(role)`), written atomically as
@@ -20,7 +22,7 @@ Contract (on):
   of the agent -> gate and gate -> worker links), else the path's last segment (`run`,
   `verify`, `tokenize`, a tool name, ...). Rollout ids in paths never become classes.
 - Gym servers (uvicorn/Starlette apps): `server_module_argv(module)` is the one hook in the
-  launcher; on, it runs `python -m nemo_rl.token_capture.wire_metrics <module>`, which wraps
+  launcher; on, it runs `python -m benchmarks.wire_metrics <module>`, which wraps
   the ASGI app Gym hands to `uvicorn.run` in `CountingASGI` and then runs `<module>` as
   `__main__`. The role is the server's Gym config key (`NEMO_GYM_CONFIG_PATH`).
 - The vLLM worker (aiohttp): `aiohttp_middlewares()` returns one outermost middleware that
@@ -339,6 +341,6 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     # Through the canonical module, so the counters live in one module object whatever runpy does to __main__.
-    from nemo_rl.token_capture.wire_metrics import main as _main
+    from benchmarks.wire_metrics import main as _main
 
     _main()

@@ -1,0 +1,71 @@
+"""How an example recipe asks for the tiny model: `model.path: null` and an optional `model.tiny:`.
+
+Contract:
+- The library's recipe schema (`nemo_rl.algorithms.grpo_config.MasterConfig`) knows no tiny
+  model: `model.path` is a local HF model folder, and a run refuses a null one. The example entry
+  points load recipes with `load_recipe(path, overrides)`: the same `defaults:` chain and
+  Hydra-style overrides, plus the example's own `model.tiny:` block (`TinyModelConfig`; every key
+  optional, and `model.tiny.<key>=...` overrides need no `+`). The block is validated as
+  `model.tiny` (errors name the key, the value and the fix), taken out, and the rest is
+  validated by the library's `validate_master`.
+- `resolve_model(recipe, progress)` is the library config ready to run: `model.path` as the
+  recipe states it, or for a null path the tiny model built from `model.tiny` into the
+  content-keyed cache on first use (`ensure_tiny_model`), its folder set as `model.path`.
+  With a path set, `model.tiny` is not used (the recipe trains that folder's model).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from examples.arith.tiny_model import TinyModelConfig, ensure_tiny_model
+from nemo_rl.algorithms.grpo_config import MasterConfig, ModelConfig, validate_master
+from nemo_rl.utils.config import load_config, validate_section
+
+TINY_KEY = "tiny"
+TINY_SECTION = f"model.{TINY_KEY}"
+
+
+class ExampleModelConfig(ModelConfig):
+    """The library's `model:` section plus the example's `tiny:` block (declares override keys)."""
+
+    tiny: TinyModelConfig = TinyModelConfig()
+
+
+class ExampleRecipeSchema(MasterConfig):
+    """The recipe keys an example entry point accepts (used to check overrides, not to validate)."""
+
+    model: ExampleModelConfig
+
+
+@dataclass(frozen=True)
+class ExampleRecipe:
+    config: MasterConfig  # validated by the library; model.path as the recipe states it
+    tiny: TinyModelConfig  # the recipe's model.tiny block (defaults when absent)
+
+
+def load_recipe(path: str | Path, overrides: Sequence[str] = ()) -> ExampleRecipe:
+    """The recipe at `path` with `overrides`, split into the library config and `model.tiny`."""
+    raw = load_config(path, list(overrides), schema=ExampleRecipeSchema)
+    model = raw.get("model")
+    tiny_block = model.pop(TINY_KEY, None) if isinstance(model, dict) else None
+    tiny = validate_section(TinyModelConfig, tiny_block or {}, TINY_SECTION)
+    return ExampleRecipe(config=validate_master(raw), tiny=tiny)
+
+
+def resolve_model(recipe: ExampleRecipe, progress: Callable[[str], None] = print) -> MasterConfig:
+    """The library config with `model.path` set (the tiny model built on first use for a null path)."""
+    cfg = recipe.config
+    if cfg.model.path is not None:
+        return cfg
+    folder = ensure_tiny_model(recipe.tiny, progress=progress)
+    return cfg.model_copy(update={"model": cfg.model.model_copy(update={"path": str(folder)})})
+
+
+def load_and_resolve(
+    path: str | Path, overrides: Sequence[str] = (), progress: Callable[[str], None] = print
+) -> MasterConfig:
+    """`resolve_model(load_recipe(path, overrides))`: what an example entry point runs."""
+    return resolve_model(load_recipe(path, overrides), progress)

@@ -1,0 +1,73 @@
+"""The seam between the Gym environment and a task that ships its own resources server.
+
+Contract:
+- `env.task` names the task as `<module>:<attribute>` (the default is the example arithmetic
+  task, `examples.arith.gym_task:TASK`); it is used only when `env.gym` is null. The library
+  never imports a task by name: only `load_task` does, from that string.
+- A task implements `GymTask`: `resources_server`, the `ResourcesServer` the launcher starts
+  (`python -m <module>` with Gym's config, the agent wired to it), and `rows(seed, count,
+  sampling)`, `count` agent `/run` bodies that are a pure function of `seed` and carry the
+  recipe's `sampling` in their `responses_create_params`.
+- `load_task(spec)` imports the module and returns the attribute. A spec that is not
+  `<module>:<attribute>`, a module that cannot be imported, a missing attribute or an object
+  without `resources_server` and `rows` raise `TaskLoadError` naming `env.task`, the value and
+  the fix.
+- `RowSampling` is the per-request sampling the rows carry (every task and dataset uses it).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any, Protocol, runtime_checkable
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from nemo_rl.environments.nemo_gym_config import TaskLoadError
+from nemo_rl.environments.nemo_gym_launch import ResourcesServer
+
+TASK_FIELD = "env.task"
+
+
+class RowSampling(BaseModel):
+    """Per-request sampling the agent sends with every model call of one rollout."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    temperature: float = Field(ge=0.0, allow_inf_nan=False)
+    top_p: float = Field(gt=0.0, le=1.0, allow_inf_nan=False)
+    max_output_tokens: int = Field(ge=1)
+
+
+@runtime_checkable
+class GymTask(Protocol):
+    """A task run on our own Gym resources server (see the module docstring)."""
+
+    @property
+    def resources_server(self) -> ResourcesServer: ...
+
+    def rows(self, seed: int, count: int, sampling: RowSampling) -> list[dict[str, Any]]: ...
+
+
+def load_task(spec: str) -> GymTask:
+    """The task object `spec` (`<module>:<attribute>`) names; `TaskLoadError` when it cannot be used."""
+    module_name, sep, attribute = spec.partition(":")
+    if not sep or not module_name or not attribute:
+        raise TaskLoadError(
+            f"{TASK_FIELD}={spec!r} is not '<module>:<attribute>' (fix: e.g. {TASK_FIELD}=examples.arith.gym_task:TASK)"
+        )
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise TaskLoadError(
+            f"{TASK_FIELD}={spec!r}: module {module_name!r} cannot be imported ({e}); fix: run from the "
+            f"repository (its root on PYTHONPATH) or name an installed module"
+        ) from e
+    if not hasattr(module, attribute):
+        raise TaskLoadError(f"{TASK_FIELD}={spec!r}: module {module_name!r} has no attribute {attribute!r}")
+    task = getattr(module, attribute)
+    if not isinstance(task, GymTask):
+        raise TaskLoadError(
+            f"{TASK_FIELD}={spec!r} is a {type(task).__name__}, not a task: it needs `resources_server` "
+            "and `rows(seed, count, sampling)` (nemo_rl.environments.task.GymTask)"
+        )
+    return task
