@@ -24,6 +24,7 @@ def test_without_the_variable_every_hook_does_nothing(fresh: pytest.MonkeyPatch)
     assert instrumentation.server_module_argv("resources_servers.x.app") == ["resources_servers.x.app"]
     assert instrumentation.active() is False
     instrumentation.add_call_cost("stage_s", 1.0)
+    instrumentation.set_call_fact("generated_tokens", 3)
     instrumentation.add_counter("staged_bytes", 10)
     instrumentation.time_capture_calls(object())
 
@@ -32,6 +33,7 @@ def test_the_named_module_receives_every_hook_call(fresh: pytest.MonkeyPatch) ->
     calls: list[tuple] = []
     module = types.ModuleType("nrl_test_hooks")
     module.add_call_cost = lambda part, seconds: calls.append(("cost", part, seconds))
+    module.set_call_fact = lambda name, value: calls.append(("fact", name, value))
     module.add_counter = lambda name, value: calls.append(("counter", name, value))
     module.active = lambda: True
     module.aiohttp_middlewares = lambda role="worker": [role]
@@ -40,9 +42,11 @@ def test_the_named_module_receives_every_hook_call(fresh: pytest.MonkeyPatch) ->
     fresh.setitem(sys.modules, "nrl_test_hooks", module)
     fresh.setenv(instrumentation.ENV_MODULE, "nrl_test_hooks")
     instrumentation.add_call_cost("stage_s", 0.5)
+    instrumentation.set_call_fact("generated_tokens", 3)
     instrumentation.add_counter("staged_calls", 1)
     instrumentation.time_capture_calls("svc")
-    assert calls == [("cost", "stage_s", 0.5), ("counter", "staged_calls", 1), ("timed", "svc")]
+    assert calls == [("cost", "stage_s", 0.5), ("fact", "generated_tokens", 3), ("counter", "staged_calls", 1),
+                     ("timed", "svc")]
     assert instrumentation.active() is True
     assert instrumentation.aiohttp_middlewares() == ["worker"]
     assert instrumentation.server_module_argv("m") == ["runner", "m"]
@@ -59,5 +63,5 @@ def test_an_unimportable_or_incomplete_module_fails_naming_the_variable(fresh: p
     partial = types.ModuleType("nrl_partial_hooks")
     partial.add_call_cost = lambda part, seconds: None
     fresh.setitem(sys.modules, "nrl_partial_hooks", partial)
-    with pytest.raises(instrumentation.InstrumentationError, match=r"lacks the hook\(s\) \['add_counter', 'active'"):
+    with pytest.raises(instrumentation.InstrumentationError, match=r"lacks the hook\(s\) \['set_call_fact', 'add_counter', 'active'"):
         instrumentation.load_hooks("nrl_partial_hooks")
