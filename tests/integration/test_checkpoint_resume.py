@@ -46,6 +46,7 @@ STEPS = 3
 KILL_AFTER = 1  # the step whose checkpoint is complete when the driver is killed
 PROMPTS_PER_STEP = 4  # 4 groups: a step whose every group has equal rewards (no gradient) is unlikely
 RUN_DEADLINE_S = 1800
+LINGER_S = 15.0  # how long a process of an exited run may take to go before it counts as left behind
 
 
 def _overrides(log_dir: Path, ckpt: Path) -> list[str]:
@@ -131,7 +132,12 @@ def test_sigkill_after_a_checkpoint_then_resume_continues_exactly(tmp_path: Path
                              capture_output=True, text=True, timeout=RUN_DEADLINE_S)
     part2_s = time.monotonic() - t1
     assert resumed.returncode == 0, f"exit {resumed.returncode}\n{resumed.stdout[-4000:]}\n{resumed.stderr[-6000:]}"
-    assert _tagged(tag) == set(), "the resumed run left a process behind"
+    # Ray stops its daemons asynchronously: on a loaded host one may still be exiting when the driver returns.
+    linger_end = time.monotonic() + LINGER_S
+    while _tagged(tag) and time.monotonic() < linger_end:
+        time.sleep(0.5)
+    left = {pid: _command(pid) for pid in _tagged(tag)}
+    assert left == {}, f"the resumed run left processes behind {LINGER_S:g}s after it exited: {left}"
     print(f"[test] part 2 (resume + {STEPS - KILL_AFTER} steps) took {part2_s:.0f}s")
     said = resumed.stdout
     assert f"dispatched_prompts.jsonl: dropped {PROMPTS_PER_STEP} record(s) after step {KILL_AFTER}" in said
