@@ -6,8 +6,8 @@ rollout ids, the control routes' bearer (never logged or echoed), body size, JSO
 request rules (`request_rules`, with the worker's `max_model_len`, read once from the worker);
 every refusal is a JSON error naming its type and field. A request it lets through is replayed
 to the app byte for byte; everything else passes untouched.
-Which holes of Gym's gate it closes, and every answer: docs/design-docs/token-capture-reliability.md,
-"The gate guard".
+Which holes of Gym's gate it closes, and every answer:
+docs/design-docs/token-capture-reliability.md, "The gate guard".
 """
 
 from __future__ import annotations
