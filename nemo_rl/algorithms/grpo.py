@@ -1,33 +1,13 @@
 """GRPO math: group-normalised advantages, the clipped surrogate loss, train/generation mismatch.
 
-Pure functions; no model, no Ray, no I/O.
-
-Contract and invariants:
-- `compute_group_advantages`: samples come in consecutive groups of `group_size` (one group per
-  prompt). Per group, the baseline is the mean reward over its VALID samples; with `normalize`
-  the centred reward is divided by (sample std over the valid samples, Bessel-corrected, + eps),
-  as `torch.std` computes it. Invalid samples (masked placeholders) get advantage exactly 0.0 and
-  never enter the statistics. A group whose valid rewards are all equal (including a group with
-  zero or one valid sample) has no learning signal: all its advantages are exactly 0.0.
-- `grpo_clipped_loss`: PPO-style clipped surrogate per token,
-      ratio = exp(curr - prev),  clipped = clamp(ratio, 1 - ratio_clip_min, 1 + ratio_clip_max),
-      per_token = max(-A * ratio, -A * clipped),
-  reduced as a TOKEN-LEVEL mean: sum over every masked token of the batch divided by the number
-  of masked tokens in the batch (long sequences weigh more than short ones; each generated token
-  weighs the same). When the batch is split into micro-batches, pass the whole batch's token
-  count as `normalizer` so the micro-batch losses (and their gradients) sum to the batch loss.
-  `prev` is the policy's own logprobs recomputed before the update (the on-policy ratio); the
-  generation logprobs never enter the loss, they only feed the mismatch metrics.
-- `ClippedPGLossFn` is `grpo_clipped_loss` as the policy's `LossFn`
-  (`nemo_rl.models.policy.loss`): a frozen dataclass of the two clip bounds, built from the
-  recipe's `loss_fn:` section with `from_config`, picklable into the Ray policy actor. It
-  reports the "loss" and "clip_fraction" shares; the policy sums them over micro-batches.
-- `token_mult_prob_error` / `gen_kl_error` (the trainer/sampler agreement metrics) live in
-  `nemo_rl.models.policy.mismatch` and are re-exported here unchanged.
-- Positions outside the mask never influence any result, even if they hold inf or nan.
-- An all-zero mask is an `EmptyMaskError`: a mean over no tokens has no value.
-  `GRPOInputError` is the policy's `LossInputError` (one class for every inconsistent loss
-  input, whoever raises it), and `EmptyMaskError` is a subclass of it.
+Pure functions; no model, no Ray, no I/O. `compute_group_advantages`, `grpo_clipped_loss` and
+`ClippedPGLossFn` (the policy's `LossFn`, picklable into the policy actor); the mismatch metrics
+are re-exported from `nemo_rl.models.policy.mismatch`.
+Invariants: invalid samples (placeholders) get advantage exactly 0.0 and never enter the
+statistics; a group without signal is all 0.0; the loss is a token-level mean over the whole
+batch's masked tokens (pass `normalizer` per micro-batch); generation logprobs never enter the
+loss; positions outside the mask never influence a result; an all-zero mask is `EmptyMaskError`.
+Formulas: docs/design-docs/policy.md, "GRPO math".
 """
 
 from __future__ import annotations

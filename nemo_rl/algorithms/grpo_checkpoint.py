@@ -1,30 +1,14 @@
 """What a GRPO checkpoint holds besides the policy, and how a run finds the one to resume from.
 
-A checkpoint `step_<k>` (written through `nemo_rl.utils.checkpoint.commit_checkpoint`) holds:
-- `policy/`: `PolicyCore.save_state` (weights, AdamW state with its step counter, the policy
-  process's torch RNG state, both fingerprints);
-- `trainer_state.json`: a `TrainerState`: the step k, the weight version the engines served when
-  k ended, the masked-step streak, the driver's Python/numpy/torch RNG states, the engine's probe
-  logprobs at save time, and the dataloader position.
-
-The dataloader position IS the step: every prompt source (`nemo_rl.environments.datasets`) is a
-pure function of (seed, step) — step s dispatches `batch(s, num_prompts_per_step)` — so a run
-resumed from k dispatches batch(k+1, n), batch(k+2, n), ... exactly as an uninterrupted run
-would: no group dropped, none repeated. What can break that is a different seed, batch size or
-dataset, so the state records `seed`, `num_prompts_per_step` and a digest of step k's batch, and
-`check_resumable` / `check_prompt_position` refuse a recipe that would dispatch other prompts.
-
-`prepare_checkpointing(cfg)` runs before anything starts: it removes leftovers of a killed
-writer, and either picks the newest complete checkpoint (`checkpointing.resume=latest`; none:
-`NoCheckpointError`) or, for a run that does not resume, refuses a checkpoint_dir that already
-holds checkpoints (`CheckpointDirNotEmptyError`: resuming by accident or overwriting a run are
-both worse than a clear stop). On resume it also cuts the run's JSONL logs back to step k (the
-steps after k are redone), so `metrics.jsonl` continues with step k+1 exactly once.
-
-No checkpoint with `resume=latest` is an error, not a fresh start: a mistyped checkpoint_dir
-would otherwise silently retrain from step 1 next to the real run's checkpoints. A requeue
-script that cannot know whether the first attempt got as far as a checkpoint checks the folder
-(`latest_complete_step`) before adding the override.
+A checkpoint `step_<k>` holds `policy/` (`PolicyCore.save_state`) and `trainer_state.json` (a
+`TrainerState`: step, served weight version, masked-step streak, driver RNG states, the engine's
+probe logprobs, the dataloader position). The dataloader position IS the step (prompt sources
+are pure in (seed, step)), so `check_resumable` / `check_prompt_position` refuse a recipe that
+would dispatch other prompts. `prepare_checkpointing` runs before anything starts: it removes
+leftovers, picks the newest complete checkpoint or refuses a folder that already holds some,
+and cuts the JSONL logs back to step k.
+Invariant: `resume=latest` without a checkpoint is `NoCheckpointError`, never a fresh start.
+See docs/design-docs/token-capture-reliability.md, "What a GRPO checkpoint holds".
 """
 
 from __future__ import annotations

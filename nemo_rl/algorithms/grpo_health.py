@@ -1,39 +1,14 @@
 """What the GRPO loop does when a component dies (`token_capture.on_component_failure`).
 
-Contract (both paths: capture on, and Gym's legacy token echo with `token_capture.enabled=false`;
-the knobs `on_component_failure`, `component_check_interval_s`, `component_probe_timeout_s` and
-`max_consecutive_masked_steps` live under `token_capture` and apply to both):
-- `build_watch(stack, pool, cfg, progress)` watches every component the run started: the Gym
-  servers (`gate`, agent, resources server), the vLLM workers and each worker's engine-core
-  process (`vllm_worker_<i>/engine_core`), the TransferQueue controller and storage units (all
-  on the rollout path) and the finalizer actors (off the path). The legacy path has no
-  TransferQueue and no finalizers: its watch holds the Gym servers, the workers and their
-  engine cores. A death is printed at once (`[health] ... died: ...`), once, with what happens next.
-- During a step (`ComponentWatch.watching()`), the rollout manager ends every in-flight run at
-  the first rollout-path death: each becomes a `component_failed` placeholder naming it, so the
-  step is accounted (dispatched == kept + placeholders) and logged, never stalled.
-- A dead finalizer actor is taken out of the pool's rotation as soon as the watch finds it (its
-  queued items fail as `finalizer_unavailable` placeholders or go to its replacement).
-- `abort`: at the end of that step (after its metrics line) `check_abort` raises
-  `ComponentFailedError` naming every component that died in it, finalizers found dead by the
-  pool included. Nothing of the step is trained.
-- `continue`: before each step `recover` restarts dead Gym servers on their ports and takes
-  dead finalizer actors out of rotation (the pool replaces them); a vLLM worker (or its engine
-  core) or a TransferQueue actor cannot be restarted under a live run (weights, staged data).
-  While one is dead, `untrainable` masks the step: every kept rollout becomes a
-  `component_failed` placeholder (no train, no refit against a dead worker), so the masked-step
-  streak ends the run with `MaskedStepsError` after `token_capture.max_consecutive_masked_steps`.
-  On the legacy path this is the same minus what it lacks: a dead Gym server is restarted (the
-  legacy gate keeps no state), a dead worker masks steps.
-- A refit that fails after the step's rollouts (a worker or its engine core died between the
-  rollouts and the refit, before any watch round saw it): `refit_deaths` runs a round at once;
-  when it finds rollout-path components dead, the failure is theirs, named, not a traceback:
-  `abort` raises `ComponentFailedError` (`refit_failure_error`, after the step's metrics line;
-  the step was trained, the engines were not refit), `continue` skips the refit and masks the
-  following steps as above. A refit failure with every component alive propagates unchanged.
-- `component_metrics`: `component/deaths` (this step), `component/down` (rollout-path
-  components dead at the step's end), `component/restarts` (Gym servers restarted before it),
-  `finalize/replaced_workers` (finalizer actors replaced during it).
+Owns `build_watch` (every component the run started, on the capture and the legacy path),
+`check_abort`, `recover`, `untrainable`, `refit_deaths` and `component_metrics`. Promises: a
+death is printed once, at once; in-flight rollouts end as `component_failed` placeholders, so
+the step is accounted, never stalled; `abort` raises `ComponentFailedError` after the step's
+metrics line; `continue` restarts dead Gym servers and finalizers and masks steps while a worker,
+engine core or TransferQueue actor is dead (never restarted under a live run).
+Invariant: a refit failure is a death only when a round finds a rollout-path component dead;
+with every component alive it propagates unchanged.
+See docs/design-docs/token-capture-reliability.md, "What the loop does about a death".
 """
 
 from __future__ import annotations

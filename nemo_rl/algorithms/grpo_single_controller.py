@@ -1,59 +1,14 @@
 """Single-controller GRPO on Ray, training on exactly the tokens the policy sampled.
 
-The loop is three readable pieces, `rollout_step` (dispatch + accounting), `train_step` and
-`refit_step`, each returning its metrics; `run_grpo` strings them together over the `GRPORun`
-that `nemo_rl.algorithms.setup.setup` started (stack, records, resume) and stops everything on exit.
-
-Contract of one step (`run_grpo`):
-1. take `num_prompts_per_step` rows from the prompt source `env:` names (deterministic in seed and step);
-2. dispatch one group of N rollouts per problem through the `RolloutManager` (receipt mode when
-   `token_capture.enabled`, Gym's legacy token echo otherwise); every group comes back with
-   exactly N entries, rows or typed placeholders;
-3. group-normalised advantages over the kept ROLLOUTS (placeholders get 0 and are not trained);
-   every row of a kept rollout (one per verified chain) carries its rollout's advantage;
-4. one GRPO train step on the policy worker (loss mask = generated tokens only), which also
-   reports `token_mult_prob_error` / `gen_kl_error` of its logprobs against the generation's.
-   Legacy rows (and capture rows with `token_capture.train_partition=null`) reach it as a
-   `TrainBatch` argument; capture rows with a train partition stay in TransferQueue: the
-   finalizers wrote them there and returned `RowRef`s, the driver sends a `TrainPlan` (keys,
-   digests, advantages) and the worker reads and digest-checks the rows itself
-   (`data_plane.train_rows`). After the step the driver clears the plan's keys and any key a
-   masked rollout left (`retention/train_keys_cleared`, `retention/train_keys_stray`,
-   `retention/train_keys_remaining`, 0 when retention kept up);
-5. refit every vLLM worker to version `step` (`refit.refit_to`); the version each worker reports
-   back is the one the next step's rows must carry (checked from the rows, per call); a probe
-   sequence is then scored by engine and trainer to prove the engine serves the new weights;
-6. log one metrics line (stdout, `<log_dir>/metrics.jsonl`, TensorBoard when enabled); with
-   `logger.dump_first_call_prompt_ids`, also append the step's first-call prompt records
-   (`first_call_prompt_records`) to `<log_dir>/first_call_prompt_ids.jsonl`.
-Every step also appends one record per dispatched group (step, group, prompt digest) to
-`<log_dir>/dispatched_prompts.jsonl`: the prompt sequence of the run, across resumes.
-Invariant checked every step: `rollouts/dispatched == finalize/kept_rollouts + finalize/placeholders`.
-A step whose rollouts are all placeholders is logged loudly, counted (`steps/masked_consecutive`)
-and skipped (no train, no refit); `token_capture.max_consecutive_masked_steps` such steps in a row
-raise `MaskedStepsError`.
-
-Component deaths (both paths, capture on or off; `nemo_rl.algorithms.grpo_health`): a watch polls
-every component the run has while a step runs, and once more as the step's rollouts end; the
-first rollout-path death ends the in-flight rollouts as `component_failed` placeholders naming
-it. `token_capture.on_component_failure=abort` stops the run with `ComponentFailedError` after
-that step's metrics line; `continue` restarts dead Gym servers before the next step, replaces
-finalizer actors, and masks steps while a vLLM worker (or its engine core) or a TransferQueue
-actor stays dead (the masked-step streak then ends the run). A refit that fails because a worker
-or its engine core died after the rollouts is named the same way (`grpo_health.refit_deaths`):
-`abort` raises `ComponentFailedError` after the step's metrics line, `continue` skips the refit.
-Every step logs `component/*`; capture steps also `retention/staged_keys_remaining` and
-`retention/ledger_files_remaining` (0 when retention kept up).
-
-Checkpoint and resume (`checkpointing:`; what a checkpoint holds: `nemo_rl.algorithms.grpo_checkpoint`):
-after step k's metrics line, when `should_save(k, save_period, max_num_steps)`, `save_checkpoint`
-writes `step_<k>` atomically. With `checkpointing.resume=latest`, `run_grpo` picks the newest
-complete checkpoint before anything starts; `setup` restores it (policy + optimizer checked bit
-for bit, step k's prompts checked, every engine refit with `refit.refit_to` at the saved weight
-version so step k+1's rows carry it, as in an uninterrupted run; the driver's RNG states), and the
-loop continues at step k+1; that step's metrics line carries `resume/*` (the step resumed from,
-the engine's probe now vs at save time). A checkpoint of the last step (or later) leaves nothing
-to run: the run says so and starts nothing.
+Owns the loop: `rollout_step` (dispatch + accounting), `train_step` and `refit_step`, each
+returning its metrics; `run_grpo` strings them together over the `GRPORun` that
+`nemo_rl.algorithms.setup.setup` started, and stops everything on exit.
+Invariants: every step `rollouts/dispatched == finalize/kept_rollouts + finalize/placeholders`;
+only generated tokens of kept rollouts are in the loss; the rows of step k+1 carry the weight
+version every worker reported after step k's refit. A step with nothing to train is skipped and
+counted; too many in a row raise `MaskedStepsError`. Component deaths follow
+`token_capture.on_component_failure` (`grpo_health`); checkpoints are `grpo_checkpoint`'s.
+See docs/design-docs/token-capture-receipts.md, "One step of the loop".
 """
 
 from __future__ import annotations

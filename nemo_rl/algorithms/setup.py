@@ -1,27 +1,14 @@
 """The driver's set-up: the stack brought up in order, the run's records, and the resumed state.
 
-Contract:
-- `start_stack` starts or joins Ray (a private local cluster of `num_cpus` CPUs, or the cluster
-  `RAY_ADDRESS` names, which must offer them; stopping a joined stack only disconnects; several
-  nodes only with node-IP binds, else `MultiNodeBindError`: `distributed.topology.check_cluster_binds`),
-  then spawns the vLLM workers in their flavored venv (ports open at once, answering 503) and,
-  while the engines load, the TransferQueue data plane (only with token capture: the staging
-  partition lives there) and the Gym servers pointed at the first worker; last, the workers serve.
-  Placement: driver and Gym servers on the driver's node, workers as `generation.vllm.placement`
-  plans them, other actors wherever Ray has room. Each step prints `[stack] <step> up in <s>s`
-  (`vllm_workers` counts from spawn) under its own deadline. `Stack.stop()` tears down exactly
-  what was started, in reverse order, idempotently; a failed step stops what came before it.
-- `setup(cfg, progress, resume)` returns a `GRPORun`: model, prompt source, stack, policy,
-  finalizer pool, component watch and rollout manager. Before the first step the refit folder
-  (`grpo.refit_dir`) is proven shared (the policy and every worker read a driver-written marker)
-  and `<log_dir>/run_info.json` records `generation/venv` (`venv_record`), `placement`
-  (`placement_record`: nodes, per worker the planned and measured node and base URL, the measured
-  node of every other actor) and `components` (pids by component name). With `resume`, the
-  checkpoint is restored (`restore_from_checkpoint`: policy + optimizer checked against the
-  recorded fingerprints, every engine refit with `refit_to` at the saved weight version, RNG
-  states) and recorded under `resume`. Anything started is stopped on failure.
-- Inside coroutines, every blocking Ray call runs off the event loop (`asyncio.to_thread`); only
-  `ray.init` runs on the main thread, where it installs its SIGTERM handler.
+`start_stack` starts or joins Ray, spawns the vLLM workers, starts the data plane (capture only)
+and the Gym servers while the engines load, then lets the workers serve; every step has its own
+deadline. `setup(cfg, progress, resume)` returns a `GRPORun`, proves the refit folder shared,
+writes `<log_dir>/run_info.json` (venv, placement, components) and, with `resume`, restores
+the checkpoint (fingerprints checked, every engine refit to the saved version).
+Invariants: `Stack.stop()` tears down exactly what was started, in reverse order, idempotently,
+and a failure stops what came before it; inside coroutines no blocking Ray call runs on the
+event loop (only `ray.init` runs on the main thread).
+See docs/design-docs/distributed.md, "The driver's stack".
 """
 
 from __future__ import annotations

@@ -1,37 +1,13 @@
 """What a chat request must look like before anything is generated, staged or ledgered (pure).
 
-One set of rules for every HTTP surface that takes a chat request: the vLLM worker's OpenAI
-endpoint (`serving.ChatService`) and our capture gate in front of Gym's model server
-(`nemo_rl.environments.gate_guard`), so a request the worker would refuse is refused at the gate
-before Gym's capture middleware records anything for it.
-
-Contract:
-- `parse_json_body(raw)` is strict JSON: invalid UTF-8, invalid JSON, `NaN` / `Infinity` and
-  nesting deeper than the parser allows are `RequestFieldError(field="body")`.
-- `check_chat_request(body, max_model_len=L)` raises `RequestFieldError(field, message)` for the
-  first field the body gets wrong, and returns None otherwise. `field` is the JSON path
-  (`messages[2].content[0].text`, `max_tokens`); the message names the value (cut to
-  `_MAX_VALUE_CHARS`) and the fix. Rules:
-  - `messages`: a non-empty list of objects whose `role` is system/developer/user/assistant/tool;
-    `content` is null, a string or a list of text parts (`{"type": "text"|"input_text"|
-    "output_text", "text": str}`; other part types are refused, never silently dropped); `name`
-    and `tool_call_id` are strings; an assistant's `tool_calls` is a list of
-    `{"function": {"name": str, "arguments": str|object}}` (`id` a string, `type` "function").
-  - `tools`: null or a list of `{"type": "function", "function": {"name": non-empty str,
-    "parameters": object, "description": str}}` (the last two optional).
-  - `max_tokens` / `max_completion_tokens`: null or an integer in 1..L-1 (a prompt takes at
-    least one token of the L-token context); the message names the field and L.
-  - `temperature`: a finite number >= 0; `top_p`: a number in (0, 1]; `seed`: an int64;
-    `n`: 1; `stream`: false; `logprobs` / `return_token_ids`: booleans; `top_logprobs`: an
-    integer >= 0; `model`: a string; `required_prefix_token_ids`: a list of integers >= 0.
-    null is accepted wherever a field is optional (OpenAI clients send explicit nulls).
-  - Unknown keys are left to the caller (the worker ignores them; the gate also applies Gym's
-    own request model, which forbids them).
-- `check_sampling_fields(body, token_fields, max_model_len)` applies the numeric rules alone, for
-  the Responses (`max_output_tokens`) and Messages (`max_tokens`) routes of the gate.
-- JSON booleans are never numbers here (`True` is not `max_tokens=1`).
-- `bearer_status(authorization, token)` authorizes control routes: None (allowed), 401 (no
-  bearer credential) or 403 (a wrong one), compared in constant time.
+One set of rules for every HTTP surface that takes a chat request: the vLLM worker's endpoint
+(`serving.ChatService`) and our capture gate (`gate_guard`), so a request the worker would refuse
+is refused at the gate before Gym's capture middleware records anything for it.
+`parse_json_body` is strict JSON; `check_chat_request` and `check_sampling_fields` raise
+`RequestFieldError` naming the first field at fault (its JSON path) and the fix;
+`bearer_status` authorizes control routes in constant time (None, 401 or 403).
+Invariants: a part or value is refused, never silently dropped; JSON booleans are never numbers.
+Every rule: docs/design-docs/token-capture-reliability.md, "The chat-request rules".
 """
 
 from __future__ import annotations

@@ -1,19 +1,13 @@
 """The one rollout-id rule: how the driver mints ids and which ids every process accepts.
 
-Contract:
-- A usable rollout id is 1..`max_chars` ASCII letters, digits, '.', '_' or '-', starting with a
-  letter or digit. An id becomes a URL path segment (`/ng-rollout/<id>/...`), the stem of Gym's
-  ledger file names and the prefix of staging keys: the charset is Gym's own
-  (`validate_rollout_id`), narrowed so that no id is `.`/`..` or starts like an option, and bounded.
-- `MAX_ROLLOUT_ID_CHARS` (200) is the ceiling of every limit (a ledger file name, id plus suffix,
-  stays under 255 bytes); `DEFAULT_MAX_ROLLOUT_ID_CHARS` (128) is the default limit, the gate's
-  default too, so every minted id passes a gate left at its default.
-- `check_rollout_id(rollout_id, max_chars)` returns the id or raises `RolloutIdError` (a
-  `ValueError`) whose message is `"<problem>; <rule>"`; callers map it to their own named error.
-- `rollout_id_for(run_id, step, group_index, sample_index, attempt)` mints
-  `"<run_id>-s<step>-g<group>-i<index>-a<attempt>"` and checks it at the default limit: distinct
-  (step, group, index, attempt) give distinct ids within a run (Gym appends to the ledger of a
-  reused id, so every attempt needs a fresh one).
+A usable id is 1..`max_chars` ASCII letters, digits, '.', '_' or '-', starting with a letter or
+digit (Gym's charset, narrowed: never `.`/`..` or option-like). It becomes a URL path segment, a
+ledger file stem and a staging-key prefix. `check_rollout_id` returns the id or raises
+`RolloutIdError` (a `ValueError`); `rollout_id_for` mints
+`"<run_id>-s<step>-g<group>-i<index>-a<attempt>"` and checks it at the default limit.
+Invariant: distinct (step, group, index, attempt) give distinct ids within a run, and every
+minted id passes a gate left at its default limit.
+See docs/design-docs/token-capture-receipts.md, "Rollout ids".
 """
 
 from __future__ import annotations

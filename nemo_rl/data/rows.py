@@ -1,42 +1,14 @@
 """Training rows, kept rollouts, masked placeholders and GRPO groups: the judge's output types.
 
-Contract:
-- Every dispatched rollout ends as exactly one `KeptRollout` (one or more trainable `TrainRow`s,
-  one per verified chain, all sharing the rollout's reward and advantage) or one `Placeholder`
-  (masked out of the loss, carrying a typed `PlaceholderReason` and a free-text detail).
-- A `GroupResult` holds exactly N entries, entry i having `sample_index == i`, all in one group,
-  with distinct rollout ids, so `kept + placeholders == dispatched` holds by construction.
-- Within a kept rollout, a generated token is in the loss at most once: rows are distinct
-  chains, and `KeptRollout` rejects two rows whose loss spans cover the same call.
-- A verdict's `RolloutYield` says where the rollout's served generated tokens went (kept,
-  unverifiable by reason, abandoned retries apart) and carries its `CallLineage` (token-in
-  calls, unresolved continuations, branches: the capture-health figures), for kept rollouts and
-  placeholders alike.
-
-Invariants checked at construction (a violation raises `RowInvariantError`):
-- RolloutYield / CallLineage: counts are non-negative ints; abandoned retry tokens are 0 without
-  a served report.
-- TrainRow: token_ids, token_mask and generation_logprobs have equal, non-zero lengths; token ids
-  are non-negative ints; mask values are exactly 0.0 or 1.0 with at least one 1.0; logprobs are
-  finite and exactly 0.0 wherever the mask is 0.0; the first `prompt_len` tokens are masked out;
-  the per-call tuples (model_call_ids, weight_versions) align; reward is finite.
-- `call_spans[i] = (start, end)` is call i's contiguous token span (calls in chain order, covering
-  the row exactly); `token_weight_versions` expands the per-call versions over those spans.
-- `routed_experts` (R3 router replay) is None when no call of the row staged routes, else an
-  int16 ndarray `[len(token_ids), L, K]` (L, K >= 1) holding expert ids in [0, 32767] and the
-  sentinel -1 where a token has no route; it is stored as a read-only view. It is excluded from
-  equality and hashing (`compare=False`): rows compare by their tokens, and ndarray `==` is
-  elementwise, which would make `TrainRow.__eq__` raise.
-- `RowRef` is a capture row whose payload (token_ids, token_mask, generation_logprobs,
-  routed_experts) lives in the TransferQueue train partition (`data_plane.train_rows`): it keeps
-  what the driver's metrics and checks read (lengths, prompt_len, loss-token count, calls,
-  versions, modes, spans, the R3 `RouteCoverage`, the owned calls), the partition key and the
-  payload's digest, and the prompt ids only when `logger.dump_first_call_prompt_ids` asked for
-  them. A kept rollout's rows are all `TrainRow`s or all `RowRef`s.
-- Capture rows count every chain call as token_in or text root
-  (`token_in_calls + text_root_calls == len(model_call_ids)`), carry an int weight version per
-  call and name the terminal selection method. Legacy (token-echo) rows know neither modes,
-  weight versions nor terminal selection: counts are 0, versions None, selection None.
+Every dispatched rollout ends as exactly one `KeptRollout` (one `TrainRow` or `RowRef` per
+verified chain, sharing the rollout's reward and advantage) or one `Placeholder` (typed
+`PlaceholderReason` and a detail); a `GroupResult` holds exactly N entries, entry i with
+`sample_index == i`, so kept + placeholders == dispatched by construction.
+Invariants, checked at construction (`RowInvariantError`): within a kept rollout a generated
+token is in the loss at most once; a row's tokens, mask and logprobs align, the prompt is
+masked and logprobs are 0.0 where the mask is; per-call spans cover the row exactly.
+Every field's invariant: docs/design-docs/token-capture-receipts.md, "Row types and their
+invariants".
 """
 
 from __future__ import annotations

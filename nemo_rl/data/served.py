@@ -1,23 +1,13 @@
 """What the generation workers served, per rollout: the worker-side witness of every admitted call.
 
-Contract:
-- A `ServedCall` is written by the vLLM worker for every call that arrived with an `ng_capture`
-  admission and produced a completion, whether or not its delta was staged. It is the only
-  source of (a) the generated-token count the yield metric divides by (the workers' own
-  counters, never the ledger) and (b) the parent of a call that was served but not staged
-  (Gym's failure rows carry no parent), so the judge can poison exactly the chain it was on.
-- `staged` is True exactly when the call's delta is durable in the staging store and the
-  response carried `disposition="staged"` coordinates; otherwise `failure` names why.
-- `unresolved_continuation` is True exactly for a `text` admission (the gate's lineage decision:
-  a new root) whose request history holds an assistant turn (`has_assistant_turn`, the worker's
-  observation of the messages it rendered): the conversation continued, but the gate found no
-  captured parent, because the harness re-rendered or edited what the model said. A `token_in`
-  call is a resolved continuation and never carries the flag; a root whose history has no
-  assistant turn (first call, compaction summary, sub-agent) is not a continuation at all.
-- `has_assistant_turn(messages)` applies Gym's own rule for "the request has assistant
-  output" (`assistant_fingerprint` is empty exactly when no item is assistant-authored: role
-  `assistant`, or a Responses `function_call` item), without hashing the conversation.
-- Records cross the Ray boundary as plain dicts (`to_wire` / `from_wire`).
+A `ServedCall` is written by the vLLM worker for every admitted call that produced a completion,
+staged or not. It is the only source of the generated-token count the yield divides by (the
+workers' own counters) and of the parent of a served-but-unstaged call, so the judge can drop
+exactly the chain it was on. Invariants: `staged` is True exactly when the delta is durable and
+the reply carried staged coordinates (else `failure` says why); `unresolved_continuation` is
+True exactly for a `text` admission whose history holds an assistant turn (Gym's own rule,
+`has_assistant_turn`). Records cross Ray as plain dicts (`to_wire` / `from_wire`).
+See docs/design-docs/token-capture-receipts.md, "The served witness".
 """
 
 from __future__ import annotations

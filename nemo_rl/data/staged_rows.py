@@ -1,18 +1,12 @@
 """The staged-row codec: one staged call (Gym's `StagedCallRecord`) as one data-plane row, and back.
 
-Contract:
-- Row layout: `token_ids_delta` int64 tensor; `token_mask_delta` and `generation_log_probs_delta`
-  float64 tensors (exact for every Python float, so the values and the float32-packed digest
-  round-trip bit for bit); `header` = JSON of every other base field (versions, ids, lengths,
-  weight version, digests, hashes); `extras` = JSON of `record.extras` (`null` when absent; Gym
-  restricts extras to JSON types). A base read (`BASE_FIELDS`) never moves `extras`.
-- `record_to_row` refuses a token id above int64 max (`ValueError`). `row_to_snapshot` /
-  `row_to_record` validate a stored row with Gym's own models (which recompute the digests) and
-  require it to describe the key it was read under; `verified_extras` checks an extras payload
-  against the header's `extras_digest` and, when given, the caller's committed digest.
-- Failures are `StagedRecordInvalidError` naming the key (`ExtrasDigestMismatchError` for an
-  extras digest); both are `StagingFetchError`s, the base of every failure to fetch a staged
-  record (the I/O side, `nemo_rl.token_capture.staging`, adds missing keys and an unavailable store).
+Row: `token_ids_delta` int64, mask and logprobs float64 (bit-exact round trip), `header` (JSON
+of every other base field) and `extras` (JSON, never moved by a base read). Decoding validates a
+stored row with Gym's own models (which recompute the digests) and requires it to describe the
+key it was read under; extras are checked against their digests. Failures are
+`StagedRecordInvalidError` naming the key (`ExtrasDigestMismatchError` for extras), both
+`StagingFetchError`s.
+See docs/design-docs/vllm-worker-capture.md, "The staged-row codec".
 """
 
 from __future__ import annotations

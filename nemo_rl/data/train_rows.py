@@ -1,19 +1,12 @@
 """The train-row codec and `TrainPlan`: what the finalizer stores, the driver plans and the policy reads.
 
-With `token_capture.train_partition` set, a kept row's payload travels finalizer -> data plane ->
-policy worker, past the driver, which keeps a `rows.RowRef` and sends the policy worker a
-`TrainPlan`. The I/O is `nemo_rl.data_plane.train_rows`; this module is the pure part.
-
-Contract:
-- Key of a row: `train_key(rollout_id, chain_index)` = `"<rollout_id>#<chain_index>"` (unique per
-  row: rollout ids are unique per run, chain indexes per rollout).
-- Payload (`row_payload`, one data-plane row per `TrainRow`): `token_ids` int64, `token_mask` and
-  `generation_logprobs` float64 (exact for every Python float, so the batch is bit for bit the
-  driver-built one), `routed_experts` bytes (the int16 `[n, L, K]` array, little-endian, C order;
-  b"" when the row has none) and `meta` (JSON: the key and the routes' shape or null).
-- `payload_digest(fields)`: sha256 over `meta` (which names the key, so a row read under another
-  key fails) and the little-endian bytes of each array, length-prefixed, in a fixed order.
-- `TrainPlan`: partition, keys (unique), digests (sha256 hex) and one finite advantage per key.
+With `token_capture.train_partition` set a kept row's payload goes finalizer -> data plane ->
+policy worker, past the driver, which keeps a `RowRef` and sends a `TrainPlan` (partition, unique
+keys, digests, one finite advantage per key). Pure part; the I/O is `nemo_rl.data_plane.train_rows`.
+Invariants: `train_key` is unique per row; float payloads are float64, so the batch is bit for
+bit the driver-built one; `payload_digest` covers `meta`, which names the key, so a row read
+under another key fails.
+Layout: docs/design-docs/token-capture-receipts.md, "The train-row codec and `TrainPlan`".
 """
 
 from __future__ import annotations

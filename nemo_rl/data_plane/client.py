@@ -1,34 +1,13 @@
 """`DataPlaneClient`: a synchronous, deadline-bounded handle on the shared data plane.
 
-Contract:
-- `DataPlaneClient.attach(cfg)` (from a coroutine: `await DataPlaneClient.attach_async(cfg)`, which
-  runs no `ray.get` and never blocks the event loop) works in any process of the Ray job (the driver, actors in this
-  venv, actors in another venv with the same ray/transferqueue versions) once the owner ran
-  `start_data_plane`. Finding the controller and the storage handshake are bounded by
-  `cfg.call_timeout_s` (the one-time import of transfer_queue in the process is not).
-- Every call is bounded: TQ's async API runs under `asyncio.wait_for` on a private event-loop
-  thread, and the calling thread additionally waits on the result with the same deadline plus
-  a short grace, so even a loop blocked inside TQ cannot hang the caller. A missed deadline
-  raises `DataPlaneTimeoutError` naming the operation, partition and deadline.
-- Weather vs bugs: only a failure the data plane's transport can cause is a `DataPlaneError`
-  (recoverable; callers turn it into a placeholder or retry): the deadline above, a closed
-  client, an unreadable key (`MissingKeysError`), and a TQ transport failure
-  (`DataPlaneTransportError`, chained from the ZeroMQ error or TQ's storage-unit timeout found
-  by `tq_backend.transport_failure`). Every other exception raised inside a TQ call (a
-  `TypeError` or `KeyError` from TQ or from decoding its answer, a controller's or storage
-  unit's error reply, which TQ raises as `RuntimeError`) propagates UNCHANGED, with a note
-  naming the operation and partition, so it fails the step with its own type and traceback. It
-  is propagated rather than wrapped because a wrapper of a new type would still have to be
-  told apart by every caller, while an unchanged exception cannot be mistaken for weather by
-  any `except DataPlaneError` and keeps the frame where it was raised at the top of the
-  report. Bad arguments are `DataPlaneUsageError`s (`ValueError`), raised before any call.
-- Methods are thread-safe (calls from many threads run concurrently on the one loop).
-- `get` returns exactly one row per requested key, in request order (repeated keys repeat the
-  row); any key that is not readable raises `MissingKeysError` naming partition and keys.
-- A write has completed (readable by any other client) when `put`/`put_many` returns.
-- `close()` detaches this client only (its sockets and threads); it never stops the shared
-  controller or storage units, so other clients keep working. After close, calls raise
-  `DataPlaneClosedError`. Field values follow `nemo_rl.data_plane.fields`.
+Works in any process of the Ray job once the owner ran `start_data_plane` (`attach`, or
+`attach_async` from a coroutine, which never blocks the event loop). Promises: every call is
+bounded, even if TQ's loop blocks (`DataPlaneTimeoutError`); methods are thread-safe; `get`
+returns exactly one row per key in request order or raises `MissingKeysError`; a write is
+readable by every client once `put` / `put_many` returns; `close()` detaches this client only.
+Invariant (weather vs bugs): only what the transport can cause is a `DataPlaneError`; every
+other exception from TQ propagates unchanged, with a note naming the operation and partition.
+See docs/design-docs/distributed.md, "The data-plane client".
 """
 
 from __future__ import annotations

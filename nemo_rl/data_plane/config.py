@@ -1,18 +1,11 @@
 """`DataPlaneConfig`: the one and only home of data-plane (TransferQueue) defaults.
 
-Contract:
-- Immutable, rejects unknown keys, strict types; every other data-plane module reads these
-  fields and never carries its own fallback value.
-- Deadlines are finite and > 0. `call_timeout_s` bounds every client call (put/get/list/clear
-  and attach); `startup_timeout_s` bounds starting the controller and storage actors.
-- The `tq_*` knobs are TransferQueue settings that TQ reads from environment variables once,
-  when `transfer_queue` is first imported in a process; `nemo_rl.data_plane.tq_backend` turns
-  them into those variables (for this process and for the TQ actors it starts).
-- `bind` decides which address TQ's ZeroMQ sockets (and its metrics exporter) listen on. TQ has
-  no bind knob of its own: it binds to what Ray reports as the node's IP in the actor's process.
-  `loopback` (the single-machine default) makes that 127.0.0.1 in the TQ actors, so nothing TQ
-  opens is reachable from other hosts (TQ carries pickled data without authentication);
-  `node_ip` keeps TQ's own choice (Ray's node IP) for a multi-node cluster on a trusted network.
+Immutable, rejects unknown keys, strict types; no other data-plane module carries a fallback
+value. Deadlines are finite and > 0 (`call_timeout_s` per client call, `startup_timeout_s` for
+the actors). The `tq_*` knobs become TQ's import-time environment variables (`tq_backend`).
+`bind`: `loopback` (default) keeps every TQ socket on 127.0.0.1 (TQ carries pickled data
+without authentication); `node_ip` keeps Ray's node IP for a trusted multi-node cluster.
+See docs/design-docs/distributed.md, "Data-plane settings".
 """
 
 from __future__ import annotations

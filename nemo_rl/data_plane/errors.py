@@ -1,17 +1,12 @@
 """Named data-plane errors, split into weather (recoverable) and bugs (never recoverable).
 
-Contract:
-- `DataPlaneError` and its subclasses are data-plane WEATHER: a missed deadline, a TransferQueue
-  transport failure (`DataPlaneTransportError`: a ZeroMQ error, TQ's own storage-unit timeout),
-  a dead or absent component, an unreadable key (`MissingKeysError`), a closed client; and, at
-  attach time only, a config the process cannot honour (`DataPlaneConfigError`). Callers may turn these into placeholders or retry the batch.
-- A bug is never a `DataPlaneError`, so no caller can mask it as weather: a bad argument or row
-  from the caller is a `DataPlaneUsageError` (a `ValueError`; `FieldEncodingError` is one); an
-  answer from TQ that breaks this package's decode contract is a `DataPlaneDecodeError`; any
-  other exception raised inside a TQ call (a `TypeError`, `KeyError`, a component's error
-  reply, ...) propagates unchanged (see `nemo_rl.data_plane.client`).
-- Each error names the operation, the partition and (where it applies) the keys, the deadline
-  or the field, plus what to do about it. TQ exceptions are chained (`raise ... from e`).
+`DataPlaneError` and its subclasses are WEATHER: a missed deadline, a transport failure
+(`DataPlaneTransportError`), a dead or absent component, an unreadable key (`MissingKeysError`),
+a closed client, and at attach time a config the process cannot honour. Callers may turn them
+into placeholders or retry. A bug is never a `DataPlaneError`: bad caller input is a
+`DataPlaneUsageError` (a `ValueError`), an undecodable TQ answer a `DataPlaneDecodeError`, and
+anything else raised inside a TQ call propagates unchanged (`client`). Each error names the
+operation, the partition and what to do; TQ exceptions are chained.
 """
 
 from __future__ import annotations

@@ -1,16 +1,11 @@
 """The owner side: start the TransferQueue deployment once per Ray job, stop it once.
 
-Contract:
-- `start_data_plane(cfg)` runs in the driver after Ray is up (`init_local_ray`). It starts one
-  controller and `cfg.num_storage_units` storage units (all `num_cpus=0`), bounded by
-  `cfg.startup_timeout_s`, and returns the `DataPlane` that owns them. A data plane already
-  running in the cluster is an error, never silently shared.
-- `DataPlane.shutdown()` kills exactly the actors this `DataPlane` started, once; it is the only
-  call in the package that stops the controller. Clients' `close()` never does. Call it only
-  when no process still needs the data (the owner decides; clients then fail by deadline or
-  with `DataPlaneUnavailableError`, never hang).
-- `probes()`: a liveness probe per actor (`tq_controller`, `tq_storage_unit_<i>`, rollout path:
-  every staged call goes through them); `actors()` the same actors by those names.
+`start_data_plane(cfg)` (driver, after Ray is up) starts one controller and
+`cfg.num_storage_units` storage units (`num_cpus=0`) within `cfg.startup_timeout_s` and returns
+the `DataPlane` that owns them; a data plane already running is an error, never silently
+shared. `DataPlane.shutdown()` kills exactly its own actors, once, and is the only call that
+stops the controller (clients then fail by deadline or `DataPlaneUnavailableError`, never hang).
+`probes()` gives a rollout-path probe per actor (`tq_controller`, `tq_storage_unit_<i>`).
 """
 
 from __future__ import annotations

@@ -1,30 +1,13 @@
 """The one module that imports `transfer_queue` (TQ 0.1.11); every TQ sharp edge is owned here.
 
-Contract:
-- `prepare_process(cfg)` must run before TQ is used in a process: TQ reads its knobs from
-  environment variables once, at import, so this sets them from `DataPlaneConfig` and only then
-  imports TQ. If TQ was already imported with other values, it raises `DataPlaneConfigError`
-  (the knobs cannot change inside a running process).
-- `start_actors` creates the controller and the storage units with `num_cpus=0` (TQ's own
-  `tq.init()` reserves 1 CPU each, which never schedules on a 2-CPU cluster and hangs silently),
-  under the well-known names `tq.init()` looks up, and waits for them with a deadline.
-- Client side: each `new_client` is a private `AsyncTransferQueueClient` (never TQ's
-  process-global one, whose `tq.close()` kills the shared controller). The async row functions
-  mirror TQ's kv_* helpers on that private client and add what TQ leaves out: reads check that
-  every requested key and field came back (TQ's kv_batch_get silently drops missing keys).
-- Deadlines are NOT applied here; `nemo_rl.data_plane.client` runs these coroutines under
-  `asyncio.wait_for` on its own event-loop thread.
-- Failure classes (see `nemo_rl.data_plane.errors`): `transport_failure(e)` finds the transport
-  failure behind an exception a TQ call raised (ZeroMQ's `ZMQError`, `zmq.Again` included; TQ's
-  `StorageUnitTimeout`; a builtin `TimeoutError`), walking only the explicit `raise ... from`
-  chain TQ builds when it wraps a cause in its own `RuntimeError`, so a bug raised while
-  handling a transport error is still a bug. TQ's documented clear-vs-read race
-  (`StorageKeyNotFoundError`: a key cleared between its metadata and its data read) becomes
-  `MissingKeysError` for the keys now absent. An answer this module cannot decode as its
-  contract says (a column with the wrong number of values, fewer keys registered than asked)
-  is a `DataPlaneDecodeError`, never weather.
-- Encoding on the wire: tensor fields travel as jagged nested tensors (one row per key, dtype
-  kept), str/bytes fields as TQ non-tensor stacks (pickled by TQ).
+`prepare_process(cfg)` sets TQ's import-time knobs before importing it (other values already
+imported: `DataPlaneConfigError`); `start_actors` creates the controller and storage units with
+`num_cpus=0`, under a deadline; each `new_client` is private (never TQ's process-global one).
+Promises: reads check that every requested key and field came back (TQ silently drops missing
+keys); failures are classified (`transport_failure` walks only the explicit cause chain, so a
+bug raised while handling a transport error stays a bug; an undecodable answer is
+`DataPlaneDecodeError`, never weather). Deadlines are not applied here but by the client.
+See docs/design-docs/distributed.md, "The TransferQueue backend".
 """
 
 from __future__ import annotations

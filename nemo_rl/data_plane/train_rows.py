@@ -1,20 +1,12 @@
 """The train partition's I/O: kept rows written by a finalizer, read by the policy worker, cleared by the driver.
 
-The records and the codec (`TrainPlan`, `train_key`, `row_payload`, `payload_digest`) are
-`nemo_rl.data.train_rows`; this module moves them through a `DataPlaneClient`.
-
-Contract:
-- `store_rows(client, partition, kept, timeout_s, carry_prompt_ids)`: ONE `put_many` for all rows
-  of a kept rollout, then the same `KeptRollout` with `RowRef` rows (prompt ids kept only with
-  `carry_prompt_ids`). `store_many_rows` does the same for several kept rollouts (a finalizer's
-  share of a group) in ONE `put_many`. A data-plane failure raises `DataPlaneError` (the finalizer
-  makes it the `data_plane_error` verdict of every rollout of that put).
-- `read_train_batch(client, plan)`: ONE `get` of every key; each payload's digest is recomputed and
-  must equal the plan's, else `TrainRowDigestError` (a `PolicyWorkerError`: the policy worker
-  raises it as is) naming the key and both digests (nothing is trained); a missing key raises the
-  data plane's `MissingKeysError`. The batch is the very `TrainBatch` the driver would have built
-  from the `TrainRow`s.
-- `TrainRowCleaner`: `clear(keys)` (absent keys ignored) and `remaining()` (one bounded list).
+Records and codec live in `nemo_rl.data.train_rows`; this module moves them through a
+`DataPlaneClient`. `store_rows` / `store_many_rows` write a finalizer's kept rows in ONE
+`put_many` and return `RowRef`s; `read_train_batch` reads a plan's keys in ONE `get` and
+recomputes every digest (`TrainRowDigestError` naming key and digests: nothing is trained);
+`TrainRowCleaner` clears and counts what remains. Data-plane failures stay `DataPlaneError`s.
+Invariant: the batch read is the very `TrainBatch` the driver would have built from the rows.
+See docs/design-docs/token-capture-receipts.md, "The train partition's I/O".
 """
 
 from __future__ import annotations

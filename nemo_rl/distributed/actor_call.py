@@ -1,19 +1,11 @@
 """One way to wait for Ray actor calls: bounded, and failing with the actor's name and a verdict.
 
-Contract:
-- `call_with_deadline(refs, actor=, op=, timeout_s=)` blocks (never from a coroutine: use
-  `await_with_deadline`, which awaits the refs and never blocks the event loop) for one ref or a
-  list of refs, at most `timeout_s` (`deadline_left(deadline)` turns a shared deadline into it).
-- Every failure is an `ActorCallError` naming `actor` and `op`, with `recoverable` saying what a
-  caller may do next:
-  - `ActorCallTimeoutError` (recoverable): no answer within the deadline; the actor may be busy;
-  - `ActorDiedError` (recoverable): the actor process is gone (killed, OOM, crashed); a
-    replacement actor can take its work;
-  - `ActorRaisedError` (fatal): the method itself raised (a bug or a refused input); calling
-    again does the same. `.cause` is Ray's task error, an instance of the actor's own exception
-    class, so a caller can re-raise it to keep its domain error.
-- Ray re-raises an actor's `TimeoutError` as a `RayTaskError` that is also a `TimeoutError`: it is
-  classified as raised (fatal) before any deadline branch can misread it.
+`call_with_deadline` (blocking) and `await_with_deadline` (from a coroutine, never blocking the
+event loop) wait at most `timeout_s`. Every failure is an `ActorCallError` naming actor and op,
+with `recoverable` saying what a caller may do: timeout and a dead actor are recoverable, a
+method that raised is fatal (`.cause` keeps the actor's own exception). Invariant: an actor's
+own `TimeoutError` is classified as raised before any deadline branch can misread it.
+See docs/design-docs/distributed.md, "Waiting for actor calls".
 """
 
 from __future__ import annotations

@@ -1,36 +1,13 @@
 """Liveness of a run's components, checked on a cadence while a step runs: deaths are named.
 
-A component that dies mid-step (SIGKILL, OOM killer, a crash) must never turn into a silent
-stall or a pile of anonymous `run_failed` placeholders after a 10-minute deadline. This module
-says, within about one check interval, which component died and how.
-
-Contract:
-- A component is named by a `Component` (kind, index, part: "gate", "vllm_worker_0",
-  "vllm_worker_0/engine_core", "tq_storage_unit_0", "finalizer_1_r2"; `Component.parse` reads a
-  name back, `any_down(names, kind)` asks a watch's `down()` about a kind).
-- A `Probe` is a component's name, its
-  `role` and an async `check()` that returns None while the component lives, or a one-line
-  description of its death. `role` says what a death does to rollouts in flight:
-  `ROLLOUT_PATH` (Gym servers, vLLM workers, TransferQueue actors: every rollout depends on
-  them; a death there fails the rollouts in flight at once) or `OFF_PATH` (finalizer actors,
-  the policy worker: no rollout waits on them while it runs).
-- `ComponentWatch(probes, interval_s, probe_timeout_s)`: `probes()` is called every round, so a
-  restarted or replaced component is watched as it is now. `poll()` runs one round (probes
-  concurrently; a probe that does not answer within `probe_timeout_s` counts as alive: a busy
-  component is not a dead one, and every call into it has its own deadline). A newly dead
-  component is recorded once as a `ComponentDeath` and reported through `on_death`.
-- `down()`: the rollout-path components dead now (name -> description); `rollout_path_down` is
-  an asyncio.Event set while that is non-empty (what in-flight runs race against).
-  `recovered(name)` clears a component after it was restarted.
-- `take_deaths()`: deaths recorded since the last call (the step's `component/deaths`).
-- `watching()` is an async context manager polling every `interval_s` in a background task
-  while the body runs; the task is cancelled and awaited on exit.
-- Ray actors are probed with `ray_actor_probe` (`__ray_ready__`, bounded): `RayActorError`
-  means dead; processes we started with `process_probe` (`Popen.poll()`); a process a Ray actor
-  started itself (vLLM's engine core under its worker actor) with `actor_children_probe`: the
-  actor reports its children (`ChildProcess`: name, pid, exit code, read by the parent, which
-  alone can reap it) and any child with an exit code is dead. When the actor itself is gone that
-  probe says nothing: the actor's own probe names that death, once.
+A component that dies mid-step must never become a silent stall or a pile of anonymous
+placeholders after a long deadline: this module says, within about one check interval, which
+component died and how. Owns `Component` names, `Probe`s (Ray actors, our processes, an actor's
+own children such as vLLM's engine core) and `ComponentWatch` (`poll`, `watching`, `down`,
+`rollout_path_down`, `take_deaths`). Invariants: a probe that does not answer in time counts as
+alive (busy is not dead); each death is recorded once; only `ROLLOUT_PATH` deaths end rollouts
+in flight; probes are re-read every round, so a replacement is watched as it is now.
+See docs/design-docs/distributed.md, "Liveness of a run's components".
 """
 
 from __future__ import annotations

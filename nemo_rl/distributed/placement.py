@@ -1,24 +1,12 @@
 """Where the vLLM generation workers run: a placement plan over the cluster's alive nodes.
 
-Contract:
-- `plan_worker_placement(num_workers, nodes, placement, gpus_per_worker)` is pure. With
-  `placement="spread"` worker i goes to the i-th node of `nodes` round-robin (`nodes` come
-  ordered by `order_nodes`: the driver's node first, then the others by IP and node id, so the
-  plan is the same on every run of the same cluster), skipping nodes that have no room: a
-  worker that reserves `gpus_per_worker` > 0 GPUs fits `GPU // gpus_per_worker` times on a node;
-  a CPU worker (0 GPUs) reserves nothing and fits anywhere. Not enough room raises
-  `PlacementError` naming the knobs. With `placement="ray"` every entry is None: Ray's own
-  scheduler decides (no pinning).
-- `node_affinity(node_id)` turns one plan entry into the actor `.options(...)` that pin it there
-  (a hard `NodeAffinitySchedulingStrategy`: an actor whose node dies is not silently moved), or
-  `{}` for None.
-- `alive_nodes(driver_node_id)` reads the cluster's alive nodes (one GCS call) in that order;
-  `actor_node_ids(handles, timeout_s)` measures where actors actually run (one bounded call,
-  `nemo_rl.distributed.actor_call`).
-- What runs where (docs/guides/launching.md, "Multi-node"): the driver and its Gym servers on the
-  node the driver was started on (ultra_launch.sh: the head); the vLLM workers by this plan; the
-  policy, the finalizers and the TransferQueue actors wherever Ray has room (they reach each
-  other through Ray and TQ only, so any node works with `data_plane.bind=node_ip`).
+`plan_worker_placement` is pure: `spread` puts worker i on the i-th node with room, round-robin
+over nodes in a fixed order (the driver's node first), so a cluster gets the same plan every
+run; `ray` leaves scheduling to Ray. Not enough room is a `PlacementError` naming the knobs.
+`node_affinity` pins an actor hard (an actor whose node dies is never silently moved);
+`alive_nodes` and `actor_node_ids` read the cluster and measure where actors run (bounded).
+What runs where: docs/guides/launching.md ("Multi-node"); the contract in full:
+docs/design-docs/distributed.md, "Where the vLLM workers run".
 """
 
 from __future__ import annotations

@@ -1,37 +1,14 @@
 """Ray for this driver: a private single-node cluster it owns, or an existing cluster it joins.
 
-Contract:
-- `init_local_ray(num_cpus, temp_dir=None)` starts a NEW local Ray instance (`address="local"`;
-  it never joins a cluster another process started) with its own temp dir, `private_env` set in
-  this process (`RAY_TMPDIR` = that dir), every Ray socket on 127.0.0.1 (see `private_env`), no dashboard, and a job `runtime_env` whose `env_vars` put the repo
-  root first on `PYTHONPATH`, so every actor of the job (including actors that run in another
-  venv) can import `nemo_rl`.
-- `connect_ray(address, min_cpus, max_nodes=None)` joins the cluster at `address` (`host:port`
-  of its GCS; e.g. the one `ultra_launch.sh` starts inside a Slurm job) with the same job
-  `runtime_env`. It joins only a cluster it is told about: `"auto"`, `"local"` and `ray://`
-  addresses are rejected, so it can never pick up someone else's cluster on a shared host. It
-  probes the GCS port first (bounded by `connect_timeout_s`), then checks that the cluster offers
-  at least `min_cpus` CPUs and, when given, at most `max_nodes` alive nodes; on any failure it
-  disconnects and raises `RayClusterError` naming the address, what was found and the fix.
-- `start_or_join_ray(num_cpus, address)`: `address=None` starts a private cluster, otherwise
-  joins. `ray_address_from_env(environ)` reads the address a launcher gave (`RAY_ADDRESS`,
-  Ray's own variable; empty or unset = none).
-- `RayClusterHandle.shutdown()` is idempotent and only ever undoes what this process did. For a
-  private cluster it stops that instance (`ray.shutdown()` in the process that started it),
-  restores the variables `private_env` replaced and removes the temp dir when `init_local_ray` created it.
-  For a joined cluster (`joined=True`) it only disconnects this driver: the cluster, its nodes
-  and its temp dirs belong to whoever started them. Neither path ever runs `ray stop` (which
-  would kill every Ray on the host).
-- Ray keeps Unix-domain sockets under the temp dir and `AF_UNIX` paths are limited to 107
-  bytes, so the temp dir must be short: a dir longer than `MAX_TEMP_DIR_CHARS` is rejected
-  up front rather than failing later inside Ray with an opaque socket error.
-- Starting or joining while Ray is already initialized in this process is an error
-  (`RayClusterError`): silently reusing another connection would break both invariants above.
-- `wait_for_nodes(address, expected, timeout_s, watch)` (also `python -m
-  nemo_rl.distributed.ray_cluster wait-for-nodes ...`, used by `ultra_launch.sh`) returns once
-  `expected` nodes are alive in the cluster, and raises `RayClusterError` naming how many
-  joined when `timeout_s` passes first, or as soon as a watched process (a node's launcher)
-  has exited.
+Owns `init_local_ray`, `connect_ray`, `start_or_join_ray`, `RayClusterHandle` and
+`wait_for_nodes` (also a CLI for `ultra_launch.sh`). Promises: a private cluster is a NEW local
+instance with its own short temp dir and every socket on 127.0.0.1; a join goes only to the
+address it is told (`"auto"`, `"local"` and `ray://` are refused), is probed and checked for CPUs
+and nodes; every actor of the job can import `nemo_rl`. Refuses to start or join while Ray is
+already initialized, and fails with `RayClusterError` naming the address and the fix.
+Invariant: `shutdown()` is idempotent and only undoes what this process did; nothing here ever
+runs `ray stop`.
+See docs/design-docs/distributed.md, "The Ray cluster".
 """
 
 from __future__ import annotations

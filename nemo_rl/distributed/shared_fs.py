@@ -1,17 +1,11 @@
 """Folders that several nodes must see: prove it at start-up, fail by name when they do not.
 
-Contract:
-- Paths handed from one actor to another (the refit weights folder, `grpo.refit_dir`: the policy
-  writes, every vLLM worker reads; the model folder, `model.path`) are plain filesystem paths.
-  On one node that always works; on several nodes the folder must be on a filesystem every node
-  mounts at the same path. Nothing here copies files between nodes.
-- `write_probe(folder)` (driver) creates `folder` and writes a marker file holding a fresh random
-  token; `check_probe(probe, knob, where)` (any actor) reads it back and raises `SharedDirError`
-  naming the folder, the knob that sets it, the reader (`where`, e.g. the worker and its node IP)
-  and the fix when the file is absent or holds another token (a same-named local folder on that
-  node). `remove_probe(probe)` deletes the marker.
-- `require_dir(path, knob, where)` raises `SharedDirError` (same naming) when `path` is not a
-  folder visible to this process: the check a worker runs before reading weights or a model.
+Paths handed between actors (the refit folder `grpo.refit_dir`, the model folder `model.path`)
+are plain filesystem paths; on several nodes they must be on a filesystem every node mounts at
+the same path, and nothing here copies files. `write_probe` (driver) writes a marker with a
+fresh random token; `check_probe` (any actor) reads it back; `require_dir` checks a folder is
+visible. Every failure is a `SharedDirError` naming the folder, the knob that sets it, the
+reader and the fix (a same-named local folder on another node is caught by the token).
 """
 
 from __future__ import annotations

@@ -1,22 +1,12 @@
 """Which addresses the stack's endpoints listen on, and whether a cluster fits those choices.
 
-Contract:
-- Two knobs decide what other nodes can reach: `generation.vllm.bind` (the vLLM worker's HTTP
-  endpoint, which the Gym gate on the driver's node calls) and `data_plane.bind` (TransferQueue's
-  sockets, which workers, finalizers and the policy on every node use). Both are `Bind`:
-  `loopback` (127.0.0.1, the default: nothing leaves the host) or `node_ip` (the IP Ray reports
-  for the node the process runs on; multi-node clusters on a trusted network only, since neither
-  the worker's generation routes nor TQ have authentication).
-- `listen_host(bind, node_ip)` is the host a server binds AND advertises: one address, so the
-  URL handed to a caller is exactly where the socket listens (never 0.0.0.0, never a guess).
-  `http_base_url(host, port)` formats it (IPv6 in brackets).
-- `check_cluster_binds(alive_nodes, ...)` accepts any single-node cluster, and a cluster of more
-  nodes only when every endpoint another node must reach binds `node_ip`; otherwise it raises
-  `MultiNodeBindError` naming each knob at fault, its value and the fix. `data_plane.bind`
-  matters only when the data plane runs (`data_plane_used`: token capture on).
-- Pure and Ray-free (config modules import `Bind` from here).
-- What stays on loopback whatever the knobs: the Gym servers (gate, resources, agent). They are
-  subprocesses of the driver and only the driver and they themselves call them.
+Two knobs, `generation.vllm.bind` and `data_plane.bind`, are each `loopback` (the default) or
+`node_ip` (trusted networks only: neither endpoint authenticates generation or TQ traffic).
+`listen_host` is the host a server binds AND advertises, one address, never 0.0.0.0 or a guess.
+`check_cluster_binds` accepts a multi-node cluster only when every endpoint another node must
+reach binds `node_ip`, else `MultiNodeBindError` naming each knob and the fix. The Gym servers
+stay on loopback whatever the knobs. Pure and Ray-free.
+See docs/design-docs/distributed.md, "Which addresses endpoints listen on".
 """
 
 from __future__ import annotations

@@ -1,47 +1,15 @@
 """Our capture gate: Gym's `vllm_model` server with our ledger policy and request normalisation.
 
-Launch: `python -m nemo_rl.environments.capture_gate` with Gym's config variables set
-(`NEMO_GYM_CONFIG_DICT`, `NEMO_GYM_CONFIG_PATH`, see `nemo_gym_launch.server_env`) and a
-`token_id_capture` block with `enabled`, `external_staging` and a `dir`. With capture off the
-launcher runs Gym's own module instead, and this one refuses to start.
-
-What it changes, and why each relaxation is safe:
-- Ledger: `BranchingCaptureLedger(dir)` is installed with Gym's `install_lineage_store`.
-  Gym's `install_model_call_capture` uses it as the capture ledger because no `lineage_store`
-  is configured (configuring one would win over ours, so that is refused). It reads and writes
-  the same files as Gym's default `FileLineageStore(dir)`, so the manifest route and retention
-  are unchanged.
-- Identical siblings (an identical retry leaves two rows with one fingerprint): the
-  continuation resolves to the first committed sibling instead of being poisoned as ambiguous.
-  This is safe because the worker serves the child from that sibling's staged ids, and the
-  request echoes that sibling's exact text. So the child's tokens are what the engine saw and
-  sampled. The other sibling is a dead branch in the manifest, which verification already
-  tolerates.
-- Rewritten history (compaction, stripped reasoning, re-serialised tool calls, a sub-agent):
-  the call becomes a new `text` root (a branch) in the same rollout instead of being poisoned.
-  This is safe because a text call has no parent ids: the worker renders the whole
-  conversation, so earlier generated text is prompt (masked) and the row holds exactly what
-  the engine saw. Nothing claims a lineage that was not proven.
-- Request normalisation (`gate_normalize.normalize_chat_request`), an outer ASGI middleware on
-  POST `.../chat/completions`: it drops null response-only fields that the official `openai`
-  client echoes on assistant messages (`annotations`, and null `refusal` / `audio` /
-  `function_call` / `tool_calls`). It runs before Gym's capture middleware and request
-  validation. This is safe because Gym's fingerprint and context digest read only role,
-  content, tool calls and tool results, so lineage is unchanged. Bodies that need no change, or
-  are not JSON, pass through byte for byte.
-- Input validation (`gate_guard.GateGuardMiddleware`, outermost of our middlewares, limits from
-  the `nrl_gate_guard` block of the global config): bad rollout ids, oversized or malformed
-  bodies, requests Gym's request models reject and chat requests the worker would refuse
-  (`request_rules`, with the worker's `max_model_len`) are named 4xx answers before Gym's capture
-  middleware records anything; control routes answer 401 without and 403 with a wrong bearer.
-  This is safe because a request the guard lets through reaches Gym byte for byte.
-- Worker errors (`setup_exception_middleware`): Gym answers every worker error with HTTP 500.
-  We answer a worker 4xx with the same status and the worker's error body, a worker 503 (starting,
-  failed, staging unavailable, generation timeout) with 503 and that body, and anything else with
-  502 `upstream_error` quoting the worker's status. Gym's own handling of context overflow
-  (a synthetic completion) happens inside the handler and is unchanged.
-- Multi-worker gates (`num_workers > 1`) are refused: uvicorn workers import Gym's module by
-  entrypoint, so they would run without this policy.
+Launched as `python -m nemo_rl.environments.capture_gate` with Gym's config variables and a
+`token_id_capture` block (`enabled`, `external_staging`, `dir`); it refuses to start with capture
+off, with a configured `lineage_store` (it would win over ours) or with `num_workers > 1`.
+Owns what changes at the gate: `BranchingCaptureLedger` (identical siblings resolve to one,
+a rewritten history opens a `text` branch instead of poisoning), request normalisation, the
+input guard, and worker-error mapping (4xx and 503 keep the worker's status and body, anything
+else is 502 `upstream_error`). Gym's installed code is never edited.
+Invariant: every relaxation keeps the staged ids exactly what the engine saw; a request the
+guard and normaliser let through reaches Gym with its lineage unchanged.
+Why each relaxation is safe: docs/design-docs/token-capture-receipts.md, "Our gate policy".
 """
 
 from __future__ import annotations

@@ -1,40 +1,14 @@
 """A Gym agent that compacts its history mid-rollout: a real compacting harness for the yield tests.
 
-Why it exists: real harnesses (SWE agents, long-horizon tool users) rewrite their conversation
-mid-rollout: they drop old tool calls and results and replace them with a summary. A model
-call made after such a rewrite carries history the gate never served, so its parent cannot be
-resolved; our gate must turn that into a new chain (a branch) instead of poisoning the rollout.
-Gym's `simple_agent_with_compaction` does this only against a model server that implements its
-compaction contract, so this module is our own compacting agent that works against any
-`/v1/responses` model server (Gym's `vllm_model` gate, our `capture_gate`, a test fake).
-
-Contract:
-- Run as `python -m nemo_rl.environments.compacting_agent` with Gym's config variables
-  (`NEMO_GYM_CONFIG_DICT` / `NEMO_GYM_CONFIG_PATH`), like `responses_api_agents.simple_agent.app`.
-- Config (`CompactingAgentConfig`) is simple_agent's (`resources_server`, `model_server`,
-  `max_steps`, `token_id_capture`, ...) plus `compact_after_tool_results: int = 1` (>= 1).
-- `CompactingAgent` subclasses Gym's `SimpleAgent` and overrides only `_create_episode`
-  (simple_agent's loop builds each request inline as `body.input + new_outputs`, so there is no
-  smaller hook). `/run` is simple_agent's own: seed_session on the resources server, the tool
-  loop through the agent's `/v1/responses`, then `/verify` with `{**run body, "response": ...}`.
-- The loop is simple_agent's minus trajectory collection: POST `model_url_path` (unchanged, so
-  `/ng-rollout/<id>/training-token-capture/v1/responses` when capture is on) with the current
-  conversation, execute every `function_call` against the resources server (`POST /<name>` with
-  the parsed arguments and the session cookies; bad JSON arguments become an error tool
-  output), stop on a turn without tool calls, on `incomplete_details`, or after `max_steps`.
-- Compaction: once `compact_after_tool_results` tool results have been appended since the last
-  compaction (checked after each turn's tool calls ran), the conversation becomes
-  `compact_history(original input, everything produced so far)`: the original system /
-  developer / user messages, then ONE user message summarising every tool call so far and its
-  result (`Summary of the work so far: you called calculator({...}) and it returned 27.
-  Continue.`). Assistant function_call items, function_call_output items, reasoning and
-  assistant text are dropped.
-- The returned response is the last model response (its `id` is the terminal witness) with
-  `output` set, as in simple_agent, to every item the rollout produced in order (uncompacted):
-  its trailing model-authored block is the last call's own output, and `/verify` scores the
-  last assistant message.
-- Not supported: agent sessions (`in_session` / direct tool access grants), and trajectory
-  observability (`_ng_trajectory` is not emitted; `/run` then simply has none to attach).
+Real harnesses rewrite their conversation mid-rollout (old tool calls replaced by a summary), so
+a later call's parent cannot be resolved and our gate must open a branch instead of poisoning
+the rollout. Gym's own compacting agent needs a model server with its compaction contract; this
+one works against any `/v1/responses` server. `CompactingAgent` subclasses Gym's `SimpleAgent`
+and overrides only `_create_episode`: after `compact_after_tool_results` tool results the
+history becomes the original input plus ONE user message summarising every tool call so far.
+The returned response is the last model response with every item the rollout produced, in order.
+Not supported: agent sessions and trajectory observability.
+See docs/design-docs/gym-environment.md, "The compacting agent".
 """
 
 from __future__ import annotations

@@ -1,31 +1,14 @@
 """Prompt sources: the rows the GRPO loop dispatches each step (the loop knows no task).
 
-Contract:
-- A `PromptSource` has `batch(step, n) -> list[dict]`: the agent `/run` bodies of step `step`
-  (1-based, as the loop counts), `n` of them, deterministic in (seed, step). Every returned row
-  is a fresh deep copy: callers may mutate it.
-- `PromptDataset(rows, seed, sampling)` walks its rows in epochs: epoch e is a permutation of
-  all rows drawn from (seed, e); step s takes the global positions (s-1)*n .. s*n-1 of the
-  concatenated epochs, so every row is used once before any repeats. The recipe's sampling
-  (temperature, top_p, max_output_tokens) is set onto each row's `responses_create_params`
-  (replacing the row's own values: GRPO's ratio needs the sampling the recipe states); the
-  source rows are never mutated.
-- `PromptDataset.from_jsonl(path, seed, sampling)` reads Gym's row format: one JSON object per
-  non-blank line with a `responses_create_params` object holding an `input`. A bad line raises
-  `GymDatasetError` naming the file and the 1-based line.
-- `fits_context(...)`/`drop_overlong(...)`: a row whose rendered prompt plus
-  `max_output_tokens` exceeds the engine's `max_model_len` is dropped before training (counted
-  and reported by `make_prompt_source`), never dispatched to fail. All rows dropped ->
-  `GymDatasetError` naming the lengths and the fix (raise generation.vllm.max_model_len).
-- `TaskPromptSource(task, seed, sampling)` is the source of a `GymTask` (`env.task`): step s
-  is `task.rows(seed * 100_003 + s, n, sampling)` (for the example arithmetic task, the rows
-  of `make_problems(seed * 100_003 + s, n)`).
-- `task_pool(task, seed, size, sampling)` is a `PromptDataset` over a fixed pool of `size` rows
-  (`task.rows(seed * 100_003, size, sampling)`, the pool step 0 would draw): the task as a
-  finite dataset, each row revisited once per epoch.
-- `make_prompt_source(env_cfg, ...)` picks the source the `env:` section names: `env.gym` unset ->
-  the task `env.task` names (fresh rows per step, or `task_pool` when `env.arith_problem_pool`
-  is set), set -> its dataset (resolved inside the installed Gym package at run time).
+A `PromptSource` has `batch(step, n)`: the agent `/run` bodies of step `step`, deterministic in
+(seed, step), each a fresh deep copy. `PromptDataset` walks its rows in seeded epochs (every row
+once before any repeats) and sets the recipe's sampling onto each row; `TaskPromptSource` and
+`task_pool` draw from a `GymTask`; `make_prompt_source` picks what the `env:` section names.
+Refuses a bad dataset line (`GymDatasetError` naming file and line); a row whose prompt plus
+`max_output_tokens` exceeds `max_model_len` is dropped and counted, never dispatched to fail,
+and all rows dropped is an error naming the fix.
+Invariant: the dataloader position is the step, which is what makes resume exact.
+See docs/design-docs/gym-environment.md, "Prompt sources".
 """
 
 from __future__ import annotations

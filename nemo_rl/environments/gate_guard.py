@@ -1,33 +1,13 @@
 """Our validation in front of Gym's model server (the capture gate): bad input is a named 4xx
 before Gym's code sees it, so nothing is ledgered for it and nothing reaches the worker.
 
-Gym 0.7.0's gate answers HTTP 500 for a rollout id it cannot use (spaces, overlong: its
-capture middleware raises), turns a worker 400 that mentions "context length" or "max_tokens"
-into a synthetic 200 (so a negative or huge `max_tokens` looked served), forwards bodies of any
-size, and maps every other worker error to 500. `GateGuardMiddleware` (pure ASGI, outside Gym's
-middlewares) closes those holes without touching Gym's installed code.
-
-Contract (all answers are JSON `{"error": {"message", "type", "param", "code"}}`):
-- Rollout ids, in `/ng-rollout/<id>/...` and in the manifest route, read from the raw
-  (still percent-encoded) path: the one rule of `nemo_rl.data.rollout_ids` (Gym's charset, first
-  character a letter or digit, so no `.`/`..`), at most `max_rollout_id_chars` -> else 400
-  `invalid_rollout_id`, param `rollout_id`.
-- Control routes (`/training-token-capture/control/...`): 401 `control_auth_required` without a
-  bearer credential, 403 `control_auth_invalid` with a wrong one (constant-time,
-  `request_rules.bearer_status`), checked before anything else about the request. Gym checks
-  the bearer again behind us. The token is never logged or echoed.
-- Generating POSTs (`/v1/chat/completions`, `/v1/responses`, `/v1/messages`, with or without the
-  rollout prefix): a `Content-Length` or a streamed body above `max_body_bytes` is 413
-  `request_too_large` (not read further); invalid JSON 400 `invalid_json`; a body Gym's own
-  request model rejects, or that cannot be converted to a chat request, 400 `invalid_request`
-  naming the field (Gym would have answered 422, after recording a failed call); a converted
-  chat request that breaks the worker's rules (`request_rules.check_chat_request`, with the
-  worker's `max_model_len`) 400 `invalid_request` naming the field and, for token counts, the
-  context limit. Then the original bytes are replayed to the app unchanged.
-- The context limit is read once from the worker's `GET /v1/models` (`max_model_len`), within
-  `context_probe_timeout_s`; until a worker answers, generating requests get 503
-  `upstream_unavailable` naming the URLs tried (the worker is still starting or is down).
-- Everything else (health, other methods, non-HTTP scopes) passes through untouched.
+`GateGuardMiddleware` (pure ASGI, outside Gym's middlewares, Gym's code untouched) checks
+rollout ids, the control routes' bearer (never logged or echoed), body size, JSON and the chat
+request rules (`request_rules`, with the worker's `max_model_len`, read once from the worker);
+every refusal is a JSON error naming its type and field. A request it lets through is replayed
+to the app byte for byte; everything else passes untouched.
+Which holes of Gym's gate it closes, and every answer:
+docs/design-docs/token-capture-reliability.md, "The gate guard".
 """
 
 from __future__ import annotations

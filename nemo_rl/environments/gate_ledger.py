@@ -1,43 +1,14 @@
 """The capture ledger our gate installs: Gym's `FileLineageStore` with a branching resolution policy.
 
-Contract:
-- `BranchingCaptureLedger(dir)` is a `FileLineageStore` over the same directory and file
-  layout (`<rollout>.lineage.jsonl`, the token store's flock). Rows are built by Gym's own
-  `record` / `record_failure`, and the manifest is built by Gym's own code. Parent resolution
-  (`_resolve`, `_resolve_row`) changes, and rows go to the file without their cumulative
-  `staging_chain` (`ledger_chain.py`: flat bytes per call; `_read` restores the chains, so every
-  reader above the file sees Gym's rows).
-- How Gym 0.7.0 resolves, which we keep: `FileLineageStore._resolve` first asks
-  `IncrementalLineageStore._resolve`, the index over `TokenEntry` JSONL written by Gym's local
-  capture. That index is empty under external staging. It answers ROOT when the request has no
-  assistant output and otherwise UNRESOLVED. Only on UNRESOLVED are the ledger rows searched
-  (`_resolve_row`). We keep both stages and the order.
-- Which ledger row a request continues (`select_parent_row`, pure): candidates are committed
-  rows whose `fingerprint` (same `fingerprint_version`) equals the request's assistant
-  fingerprint and whose recorded context (`context_len` items, `context_digest`) is a prefix of
-  the request. Failure rows have no fingerprint and are never candidates. Among several
-  candidates, the longest recorded context wins (it explains more of the request). On a tie
-  (identical siblings, e.g. an identical retry), the row committed first in ledger order wins.
-  Gym returns None for more than one fingerprint match, even when only one continues the
-  context.
-- Why the first committed sibling: the ledger is append-only, so the first matching row never
-  changes as rows are added. Every instance that reads the same file, in any process, picks
-  the same row. The smallest `model_call_id` would also be deterministic, but a later
-  sibling with a smaller uuid would change the answer for later requests.
-- Why choosing a sibling is exact: the worker serves the child from the chosen row's staged
-  ids (`staging_chain`), and that row's text is what the request echoes. So the child row is
-  the true prompt and sampled tokens whichever sibling was chosen. The other sibling stays in
-  the manifest as a dead branch.
-- A continuation with no candidate (history rewritten: compaction, stripped reasoning,
-  re-serialised tool calls, a sub-agent's own conversation) resolves ROOT with reason
-  `branch:<why>` when `branch_unresolved` is true (the default). Gym's `resolve_parent` then
-  admits it as a new `text` chain in the same rollout. The worker renders the whole
-  conversation, so earlier generated text is prompt (masked) in that branch, and the
-  recorded tokens are still what the engine saw. With `branch_unresolved=False` the answer is
-  Gym's UNRESOLVED, and `resolve_parent` poisons the call (`unresolved_parent`).
-- Branches are counted per reason (`branch_counts()`) and logged at INFO.
-- Errors are not converted: a corrupt ledger row raises, as in Gym, and `resolve_parent` fails
-  the call closed.
+`BranchingCaptureLedger(dir)` reads and writes Gym's files and rows (Gym's own `record`,
+`record_failure` and manifest); only parent resolution changes, and rows are stored without
+their cumulative `staging_chain` (`ledger_chain.py`; `_read` restores it). Gym's two-stage order
+is kept; among ledger rows `select_parent_row` (pure) picks the candidate with the longest
+recorded context, the first committed on a tie. A continuation with no candidate is a new
+`text` branch (`branch:<why>`) unless `branch_unresolved=False`. Errors are not converted: a
+corrupt ledger row raises and the call fails closed.
+Invariant: the ledger is append-only, so every reader in any process picks the same parent.
+Why each choice is exact: docs/design-docs/token-capture-receipts.md, "The gate's ledger".
 """
 
 from __future__ import annotations

@@ -1,30 +1,13 @@
 """Make an assistant turn echoed by the official `openai` client acceptable to Gym's gate.
 
-Contract:
-- `normalize_chat_request(body)` is pure. It returns `body` itself when nothing needs to
-  change, and otherwise a copy with only these keys removed, and only from `role: assistant`
-  items of `messages`:
-  - `RESPONSE_ONLY_MESSAGE_FIELDS`: fields of the SDK's response model `ChatCompletionMessage`
-    that its request TypedDict `ChatCompletionAssistantMessageParam` does not declare. With
-    openai 2.x this is `annotations`. They are removed when null or an empty list. Gym's
-    request model (`NeMoGymChatCompletionCreateParamsNonStreaming`) forbids them, so the 422
-    on turn 2 comes from these.
-  - `ECHOED_NULL_MESSAGE_FIELDS`: response fields whose default is null and that the request
-    side also declares, except `content`. These are `audio`, `function_call`, `refusal` and
-    `tool_calls`. They are removed only when null. Gym accepts them, but would forward the
-    nulls to the worker, whose chat template would see a key that Gym's own echo never sends.
-    `content: null` is kept: it is the canonical form of a tool-call-only turn.
-  - The same derivation for tool calls (`ChatCompletionMessageFunctionToolCall` and
-    `ChatCompletionMessageCustomToolCall` against their request TypedDicts) finds no
-    response-only field in openai 2.x. It is still applied, so an SDK upgrade that adds one
-    is handled without code changes.
-- The sets are derived from the installed SDK's types at import time, not written out by hand.
-- Other values are not touched: content, tool-call ids, names and argument strings, every
-  other message and every top-level field. So Gym's lineage fingerprint and context digest
-  (which read only role, content, tool calls and tool results) are unchanged.
-- A body that is not a dict, or has no list of `messages`, is returned unchanged, and Gym
-  answers it as it would. The Responses route needs no normalisation; see
-  `tests/unit/environments/test_gate_normalize.py`.
+`normalize_chat_request(body)` is pure: it returns `body` itself when nothing needs to change,
+else a copy without the response-only fields (when null or empty) and the echoed null fields
+of `role: assistant` messages. The field sets are derived from the installed SDK's types at
+import time, not written out by hand, so an SDK upgrade that adds one is handled.
+Invariant: nothing Gym's lineage fingerprint or context digest reads is touched (role, content,
+tool calls, tool results); `content: null` is kept, and a body that is not a dict with a list
+of `messages` is returned unchanged.
+Which fields, and why: docs/design-docs/token-capture-receipts.md, "Request normalisation".
 """
 
 from __future__ import annotations

@@ -1,26 +1,11 @@
 """Resolve `env.gym` (a Gym environment named as Gym names it) into what the launcher starts.
 
-Contract:
-- `package_dir(name)` is the installed `resources_servers/<name>` folder; it must hold `app.py`
-  (launched as `python -m resources_servers.<name>.app`), else `GymEnvironmentNotFoundError`.
-- `resources_block(doc, package)` finds the one top-level instance of the Gym config YAML whose
-  `resources_servers` section has the key `package`, and returns (instance name, its keys).
-  `agent_block(doc, instance, agent_type)` returns the keys of the `agent_type` instance (default
-  `simple_agent`) wired to it (`resources_server.name == instance`) minus the launcher's wiring
-  keys, or `{}` if the YAML wires none.
-- `check_agent(name)`: `env.agent` is our `compacting_agent` or an installed Gym agent package
-  (`responses_api_agents/<name>/app.py`) whose `requirements.txt` this venv satisfies; else
-  `GymEnvironmentNotFoundError` / `GymRequirementsError`, before anything is launched. Nothing else of the YAML (datasets, environment servers) is used.
-- `missing_requirements(path)` lists the requirements of a server's `requirements.txt` that this
-  venv does not satisfy, by DISTRIBUTION name (importlib.metadata), with the installed version
-  when it fails the specifier. Editable/option lines (`-e nemo-gym[dev] @ ../../`, `-r ...`) and
-  Gym itself are skipped; a line that is not a PEP 508 requirement is reported as such.
-- `dataset_path(cfg, package_dir)` resolves `package:<rel>` inside the package, or an absolute path;
-  a missing file is `GymEnvironmentNotFoundError`.
-- `resolve_gym_environment(cfg)` does all of the above (requirements first, then the dataset's
-  existence, then the YAML) and raises `GymRequirementsError` (listing every missing package)
-  before anything is launched.
-Files are only read, never copied: rows and configs stay in the installed package.
+`resolve_gym_environment(cfg)` finds the installed resources-server package, the agent wired to
+it in the Gym config YAML, and the dataset (`package:<rel>` or an absolute path), and checks
+that this venv satisfies their `requirements.txt`. Promises: every problem is a named error
+(`GymEnvironmentNotFoundError`, `GymRequirementsError` listing every missing package) raised
+before anything is launched; files are only read, never copied.
+See docs/design-docs/gym-environment.md, "Resolving `env.gym`".
 """
 
 from __future__ import annotations

@@ -1,26 +1,13 @@
 """Ledger rows on disk without cumulative staging chains: flat bytes per call however long the rollout.
 
-Gym's custody row stores the call's whole `staging_chain` (every staging key from the chain's
-root to this call), so a rollout of T calls writes O(T^2) keys and the bytes per call grow with
-the rollout. The chain is redundant on disk: the gate builds a committed row's chain as the
-parent row's chain plus the row's own key, and the parent row is always committed (and written)
-before any child can be admitted.
-
-Contract (pure functions; `BranchingCaptureLedger` applies them at its file boundary):
-- `compact_row(row, chains)` is what goes to the file. When the row's chain is exactly
-  `chains[parent] + [staging_key]` (a `token_in` row whose parent's chain is known) or exactly
-  `[staging_key]` (a `text` row: a chain root), the chain is dropped and `CHAIN_MARKER: True`
-  written instead. Any other row (a failure row, a legacy row, a chain that does not follow that
-  rule) is written unchanged, so writing compact is lossless for every row.
-- `expand_rows(rows)` restores, in place and in file order, the `staging_chain` of every row
-  that carries the marker, from the chain of the row its `parent_call_id` names (already
-  expanded: parents precede children in the append-only file). A marked row whose parent row is
-  absent or has no chain raises `LedgerChainError` naming the rollout and both calls (a corrupt
-  ledger fails closed, as Gym's own reader does).
-- Round trip: `expand_rows([compact_row(r, chains so far) for r in rows])` equals `rows` for
-  every row sequence in commit order (property-tested).
-- Only our ledger reads these files back; Gym's plain `FileLineageStore` would read a marked
-  row's chain as empty.
+Gym's row stores the call's whole `staging_chain`, so a rollout of T calls writes O(T^2) keys;
+the chain is redundant on disk because a committed row's chain is its parent's plus its own key.
+Pure functions applied by `BranchingCaptureLedger` at its file boundary: `compact_row` drops a
+chain that follows that rule (writing `CHAIN_MARKER` instead) and writes any other row
+unchanged; `expand_rows` restores chains in file order. A marked row whose parent is absent
+raises `LedgerChainError` (fail closed).
+Invariant: `expand_rows` of the compacted rows equals the rows (lossless, property-tested).
+Only our ledger reads these files back. See docs/design-docs/token-capture-receipts.md.
 """
 
 from __future__ import annotations

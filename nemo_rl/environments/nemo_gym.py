@@ -1,41 +1,14 @@
 """The NeMo-Gym environment: start Gym's servers on loopback and dispatch rollouts to them.
 
-Contract:
-- `NemoGymEnvironment(config, ...)` resolves the resources server: the Gym environment
-  `config.gym` names (`gym_servers.resolve_gym_environment`: a missing package/YAML/dataset or
-  missing extra requirements raise a named error here, before anything is launched), else the
-  one of the task `config.task` names (`task.load_task`: `TaskLoadError` here; by default the
-  example arithmetic task's `arith_resources`).
-- `NemoGymEnvironment.start()` launches Gym's `vllm_model` gate (pointed at the worker's
-  `base_url`), the resources server and the agent as plain subprocesses on
-  127.0.0.1 with OS-picked ports (see `nemo_gym_launch`), concurrently, and waits for every
-  health route within `startup_timeout_s`. A server that exits or stays unhealthy raises
-  `GymServerStartError` with the tail of its log; everything started so far is stopped first.
-- Capture mode follows `TokenCaptureConfig.enabled`. On: the gate gets the external-staging
-  capture block, a bearer minted per run (`secrets.token_urlsafe`) in the variable named by
-  `control_token_env` (set only in the gate's environment) and a ledger dir under the run's
-  log dir. Off: the gate echoes legacy token ids (`return_token_id_information: true`).
-- `run(rollout_id, row)` POSTs the agent's `/run` within `run_timeout_s`. With capture on,
-  `rollout_id` is required and sent as `_ng_rollout_id`; mint a fresh id per attempt, since Gym
-  appends to an existing ledger. With capture off no id is sent (the argument only labels errors).
-- The reward is the verify result's `config.gym.reward_key` (default `reward`): with another
-  key, `run()` returns the result with `reward` set to that key's value (absent when the key is
-  missing, so the judge reports `reward_missing`) and Gym's own `reward` kept as `verifier_reward`.
-- `manifest(rollout_id)` GETs the gate's bearer-protected manifest route with aiohttp (Gym's
-  `RolloutControlClient` needs Gym's server stack) and returns `RolloutManifest` as is: an
-  unknown rollout is an empty manifest, which the caller treats as `empty_manifest`.
-  401 -> `ManifestAuthError`, 400 -> `ManifestRequestError`, other statuses or an invalid body
-  -> `ManifestServerError`, no answer within `manifest_timeout_s` -> `ManifestTimeoutError`.
-- `retire(rollout_ids)` deletes those rollouts' ledger files (Gym never does) and returns the
-  paths removed; call it only after the rollouts' rows are committed.
-- `probes()`: one liveness probe per server process (`component_watch.process_probe`, rollout
-  path), named `gate` for the model server and by server name otherwise. `restart(name)`
-  starts that one server again with the same command, port, environment and bearer (its log
-  appended), waits for its health route within `startup_timeout_s` and returns the seconds it
-  took; the ledger dir is on disk, so a restarted gate serves new rollouts at once.
-- `ledger_file_count()` counts the files left in the ledger dir.
-- `stop()` terminates only the processes this object started; it is idempotent and also runs
-  at interpreter exit if the caller never called it.
+Owns `NemoGymEnvironment`: resolves the resources server (a Gym environment or a task) before
+anything is launched; `start()` runs the gate, the resources server and the agent as
+subprocesses on 127.0.0.1 with OS-picked ports; `run`, `manifest`, `retire`, `probes`,
+`restart`, `stop`. Capture mode follows `TokenCaptureConfig.enabled` (on: external staging, a
+per-run bearer for the gate's control routes, a ledger dir; off: Gym's legacy token echo).
+Promises: every call is bounded and fails with a named error (`GymServerStartError` with the
+log's tail, `Manifest*Error`); `stop()` terminates only the processes it started, idempotently.
+Invariant: with capture on each attempt needs a fresh rollout id (Gym appends to a ledger).
+See docs/design-docs/gym-environment.md, "`NemoGymEnvironment`".
 """
 
 from __future__ import annotations

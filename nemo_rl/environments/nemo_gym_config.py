@@ -1,19 +1,11 @@
 """The `nemo_gym` environment section and the named errors of the Gym environment.
 
-Contract:
-- `NemoGymConfig` is the only home of the Gym environment's defaults (frozen, extra="forbid",
-  strict types). Capture settings that the whole recipe shares (on/off, the manifest deadline,
-  the name of the bearer's environment variable) are not repeated here: they come from
-  `nemo_rl.token_capture.config.TokenCaptureConfig`.
-- `env.gym` (`GymEnvironmentConfig`) names a NeMo-Gym environment the way Gym names it: the
-  resources server package under `resources_servers/`, its Gym config YAML inside the package,
-  a dataset JSONL in Gym's row format and the verify-result key that holds the reward. Unset,
-  the run uses the task `env.task` names (`<module>:<attribute>`, loaded by
-  `nemo_rl.environments.task.load_task`; by default the example arithmetic task, whose
-  resources server is `arith_resources` and whose problems are generated).
-  The agent stays `env.agent` (one default for both cases).
-- Every failure of the environment is a subclass of `NemoGymError` whose message names the
-  server, the value and the fix; server start failures carry the tail of that server's log.
+`NemoGymConfig` is the only home of the Gym environment's defaults (frozen, extra="forbid",
+strict types); recipe-wide capture settings come from `TokenCaptureConfig`, not from here.
+`env.gym` (`GymEnvironmentConfig`) names a Gym environment as Gym names it (package, config
+YAML, dataset, reward key); unset, the run uses the task `env.task` names. The agent is
+`env.agent` in both cases. Every failure is a `NemoGymError` subclass naming the server, the
+value and the fix; start failures carry the tail of that server's log.
 """
 
 from __future__ import annotations

@@ -1,37 +1,14 @@
 """How our Gym servers are launched: global config, commands, environment, ports, logs, stopping.
 
-Contract:
-- Three Gym servers run as plain subprocesses of the current interpreter, bound to 127.0.0.1,
-  without Ray, Gym's per-server venvs or Gym's head server:
-  `policy_model` (the gate, pointed at the worker's base_url: Gym's `vllm_model` module, or with
-  capture wiring our `capture_gate`, which is the same server with our ledger policy),
-  the resources server and the agent (`env.agent`: a Gym agent package by name, launched as
-  `responses_api_agents.<name>.app` — `simple_agent` by default — or our `compacting_agent`;
-  wired to both by name). The resources server is a
-  `ResourcesServer`: the one of the task `env.task` names (`task.load_task`; the example
-  arithmetic task's is `arith_resources`, agent `arith_agent`) unless `env.gym` names a Gym one,
-  which `gym_servers.resolve_gym_environment` turns into the same shape (Gym's instance names,
-  `resources_servers.<pkg>.app`, the YAML's server and agent keys).
-- Each process gets the whole resolved global config as `NEMO_GYM_CONFIG_DICT` (JSON, which
-  OmegaConf reads as YAML) and its own top-level key as `NEMO_GYM_CONFIG_PATH`; servers find
-  each other by those keys' `host`/`port`. `head_server` is present only because Gym's
-  server client requires its config; its port is 0 and nothing contacts it.
-- `build_global_config` is pure and rejects values containing `${` (OmegaConf would read them
-  as interpolations). With capture wiring it adds exactly the contract's
-  `token_id_capture` block (external staging, `vllm_worker`, `rebuild_response: false`, an
-  absolute ledger `dir`, the bearer's variable name) and opts the agent in; without it the
-  gate runs the legacy token echo (`return_token_id_information: true`). `sink` and
-  `lineage_store` stay unset: Gym validates custom endpoints with a 3.12-only protocol
-  attribute. `capture_gate` installs its ledger (`BranchingCaptureLedger(dir)`, a
-  `FileLineageStore` over the same files) with `install_lineage_store` instead. With capture
-  wiring the config also carries the gate's input limits (`GateGuardConfig`) under
-  `nrl_gate_guard`, which only our gate reads.
-- Inherited `NEMO_GYM_*` variables are dropped from the children's environment, so a stray
-  variable (e.g. a model URL override) can never re-route a server.
-- `start_server` runs each server under `parent_watch`: it gets SIGTERM when the launching
-  process dies, so a SIGKILLed driver leaves no Gym server behind.
-- `terminate_processes` signals only the process groups of the processes it is handed
-  (each was started in its own session), SIGTERM first and SIGKILL after the deadline.
+Three Gym servers (the gate, the resources server, the agent) run as plain subprocesses of the
+current interpreter on 127.0.0.1, without Ray, Gym's per-server venvs or Gym's head server; each
+gets the whole resolved global config (`build_global_config`, pure) and its own key. Promises:
+with capture wiring the config carries exactly the contract's `token_id_capture` block and the
+gate's input limits, without it Gym's legacy token echo; inherited `NEMO_GYM_*` variables never
+reach a server; every server dies with its launching process (`parent_watch`).
+Refuses config values containing `${` (OmegaConf interpolation). `terminate_processes` signals
+only the process groups it is handed, SIGTERM then SIGKILL after the deadline.
+See docs/design-docs/gym-environment.md, "How the servers are launched".
 """
 
 from __future__ import annotations

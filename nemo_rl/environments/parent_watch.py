@@ -2,19 +2,12 @@
 
     python -m nemo_rl.environments.parent_watch <launcher pid> <module> [args...]
 
-Contract:
-- Before importing `module`, asks Linux to send this process SIGTERM when its parent dies
-  (`prctl(PR_SET_PDEATHSIG)`), then checks that the parent is still `<launcher pid>`: if the
-  launcher died in between (the signal would never come), it exits with status 1 at once.
-  Then runs `module` as `__main__` (as `python -m module` would), with `sys.argv[1:]` = args.
-- Why: the Gym servers run in their own sessions (so a stop can signal their whole group), which
-  also shields them from the terminal's signals; a SIGKILLed driver (pre-emption, OOM killer)
-  runs no `atexit`, and without this they would keep serving, and holding ports, for ever.
-- Linux sends the signal when the THREAD that forked the child exits, not only the process:
-  start servers from a thread that lives as long as they should (the event loop's), never from
-  a short-lived worker thread (`asyncio.to_thread`).
-- Only Linux has PR_SET_PDEATHSIG: elsewhere this raises `ParentWatchUnsupported` rather than
-  run a server that silently outlives its driver.
+Asks Linux for SIGTERM when the parent dies (`PR_SET_PDEATHSIG`), checks the parent is still
+the launcher (else exits 1 at once), then runs `module` as `__main__`. Why: our Gym servers run
+in their own sessions, and a SIGKILLed driver runs no `atexit`. The signal follows the THREAD
+that forked the child: start servers from a long-lived thread. Refuses non-Linux hosts
+(`ParentWatchUnsupported`) rather than run a server that outlives its driver.
+See docs/design-docs/gym-environment.md, "Servers die with their launcher".
 """
 
 from __future__ import annotations

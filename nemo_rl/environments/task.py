@@ -1,18 +1,11 @@
 """The seam between the Gym environment and a task that ships its own resources server.
 
-Contract:
-- `env.task` names the task as `<module>:<attribute>` (the default is the example arithmetic
-  task, `examples.arith.gym_task:TASK`); it is used only when `env.gym` is null. The library
-  never imports a task by name: only `load_task` does, from that string.
-- A task implements `GymTask`: `resources_server`, the `ResourcesServer` the launcher starts
-  (`python -m <module>` with Gym's config, the agent wired to it), and `rows(seed, count,
-  sampling)`, `count` agent `/run` bodies that are a pure function of `seed` and carry the
-  recipe's `sampling` in their `responses_create_params`.
-- `load_task(spec)` imports the module and returns the attribute. A spec that is not
-  `<module>:<attribute>`, a module that cannot be imported, a missing attribute or an object
-  without `resources_server` and `rows` raise `TaskLoadError` naming `env.task`, the value and
-  the fix.
-- `RowSampling` is the per-request sampling the rows carry (every task and dataset uses it).
+`env.task` names a task as `<module>:<attribute>` (default: the example arithmetic task), used
+only when `env.gym` is null; the library never imports a task by name except through
+`load_task`. A `GymTask` has `resources_server` and `rows(seed, count, sampling)`, a pure
+function of `seed` carrying the recipe's `RowSampling`. `load_task` raises `TaskLoadError`
+naming `env.task`, the value and the fix for any spec it cannot load.
+See docs/design-docs/gym-environment.md, "Tasks".
 """
 
 from __future__ import annotations

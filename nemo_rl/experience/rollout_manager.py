@@ -1,53 +1,14 @@
 """Dispatch GRPO groups to a rollout environment and account for every rollout (always-N).
 
-Contract of `RolloutManager.run_group(step, group_index, row, n) -> GroupResult`:
-- Reserves N fresh rollout ids (`nemo_rl.data.rollout_ids.rollout_id_for`:
-  `f"{run_id}-s{step}-g{group}-i{index}-a{attempt}"`); `attempt`
-  counts calls for the same (step, group), so a retried group never reuses an id (Gym appends
-  to an existing ledger when an id is reused). `run_id` must be unique per launch and resume.
-- Deadlines: `run_timeout_s` per env.run (RolloutManagerConfig), `token_capture.manifest_timeout_s`
-  per manifest; the finalizer pool bounds its own calls (`token_capture.finalize_timeout_s`).
-- Capture mode: runs all N through `env.run` concurrently, each bounded by `run_timeout_s`;
-  fetches every manifest (bounded by `manifest_timeout_s`; also after a failed run, so that its
-  staged keys can be cleared); takes the workers' served-call report for the group's ids
-  (bounded; unavailable -> counted); and sends one `RolloutEvidence` per rollout to the
-  `GroupFinalizer` (the finalizer pool), whose actors run the one judge (`judge.judge_rollout`).
-  The manager decides nothing about a rollout's fate (it dispatches, collects and accounts), with
-  one exception, the barrier: under `token_capture.stage_write=behind_reply` the served report is
-  what guarantees the group's staged rows are written before anything reads them, so when it is
-  unavailable nothing of the group is read: every rollout whose run succeeded becomes a
-  `served_report_unavailable` placeholder naming the report's error (a failed run keeps its own
-  reason), and the finalizer is not called. Under `before_reply` every row was durable before
-  its reply, so the judge runs without the report (`served=None`, failing closed where it needs it).
-  `collect_group` runs the same path for rollouts an external harness drove itself.
-- `token_capture.min_valid_fraction_per_group`: a group with fewer kept rollouts than that
-  fraction of N is dropped whole (every entry a `group_below_min_valid_fraction` placeholder,
-  counted in `StepCounters.dropped_groups`).
-- Legacy mode (capture off): runs all N (each raced against the component watch, as below) and
-  builds rows from Gym's token echo.
-- Always-N: the result holds exactly N entries, one per reserved id, each a `TrainRow` or a
-  `Placeholder` with its typed reason; an id that never reached an outcome (cancellation) is a
-  `run_failed` placeholder with detail "aborted". Nothing is lost or counted twice.
-- Retention (capture mode): after the group is accounted, ledger files are retired
-  (`env.retire(ids)`) and every staged key the group owns is cleared: those named by a fetched
-  manifest and orphans no manifest names, which the workers' served report names as staged
-  (`cleaner.clear(keys, ids, reported)`, `reported` None when the report was unavailable; the
-  orphan count is `StepCounters.orphaned_staged_keys`), each bounded by
-  `token_capture.stage_timeout_s` (skipped when
-  `retire_after_commit` is false); a failure raises `RetentionError` carrying the accounted group.
-- Component deaths (either mode, `health` given: the component watch): a rollout whose run is
-  in flight when a rollout-path component (Gym server, vLLM worker or its engine core,
-  TransferQueue actor) is found dead, or that starts while one is down, stops at once and becomes
-  a `component_failed` placeholder whose detail names the dead components (no wait for
-  `run_timeout_s`). While one is down, a retention failure is logged and counted
-  (`StepCounters.retention_failures`) instead of raised: the dead component took those keys with it,
-  and the run's policy (`on_component_failure`) decides what happens next. A worker in its
-  failed state while the watch reports a vLLM worker (or its engine core) dead is that death,
-  not a bug: its served report is unavailable (counted), the run goes on to its accounting.
-- Cancellation mid-group: in-flight runs are cancelled, the accounted (aborted) group is kept
-  (`StepCounters.aborted_groups`), retention runs, and the `CancelledError` propagates.
-- `take_step_counters()`: one frozen `StepCounters` of everything counted since the last call
-  (the loop takes it once per step; its `metrics()` are the step's counter metrics).
+Owns `RolloutManager.run_group` / `collect_group` (capture mode: runs, manifests, the workers'
+served report, evidence to the finalizer pool; legacy mode: rows from Gym's token echo), group
+retention and `take_step_counters()`. It decides nothing about a rollout's fate (the judge does),
+except the write-behind barrier: without the served report nothing of the group is read
+(`served_report_unavailable`). Every call is bounded (`run_timeout_s`, `manifest_timeout_s`,
+`stage_timeout_s`); a component death ends in-flight runs as `component_failed` at once.
+Invariants: a result holds exactly N entries, one per reserved id, each a row or a typed
+placeholder (nothing lost or counted twice); rollout ids are never reused, across retries too.
+See docs/design-docs/token-capture-receipts.md, "Dispatch and accounting".
 """
 
 from __future__ import annotations

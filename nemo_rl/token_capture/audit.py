@@ -1,19 +1,11 @@
 """Audit a verified row against the engine's own record of what it sampled (pure).
 
-Contract:
-- `audit_row` walks the row's `link_spans` (root -> terminal). For each call it looks up the
-  engine record by the ledger's `response_id` and requires (a) the engine's prompt ids to equal
-  the row's ids before that call's generated span, and (b) the engine's sampled ids to equal the
-  row's generated span. `ids_match` is true only if every call on the chain matches; a call
-  without an engine record is a mismatch, never skipped. `max_abs_logprob_diff` compares the
-  row's generation logprobs with the engine's over all generated tokens.
-- `audit_train_row` does the same for a judged `TrainRow` (any chain of a kept rollout): per
-  call span it requires the engine's prompt ids + sampled ids to equal the row's ids up to the
-  span's end, every LOSS token to lie in the call's generated tail (a loss token on a prompt
-  position is a prompt mismatch), and every loss token's logprob to equal the engine's (tokens
-  masked because an earlier row owns them are checked for ids only).
-- `retokenization_drift(tokenizer, ids)` is true when decoding the row to text and encoding that
-  text again yields different ids: what a text-based (re-tokenizing) pipeline would train on.
+`audit_row` and `audit_train_row` require, call by call, the engine's prompt ids and sampled
+ids to equal the row's, every loss token to lie in its call's generated tail with the engine's
+logprob; a call without an engine record is a mismatch, never skipped.
+`retokenization_drift(tokenizer, ids)` says whether decoding and re-encoding the row changes
+any id: what a text pipeline would have trained on.
+See docs/design-docs/token-capture-receipts.md, "Auditing a row against the engine".
 """
 
 from __future__ import annotations

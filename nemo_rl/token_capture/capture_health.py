@@ -1,34 +1,13 @@
 """Capture-health judgement over a run's `metrics.jsonl` lines, with the thresholds in one place.
 
-Contract:
-- `THRESHOLDS` (a frozen, validated `CaptureHealthThresholds`) is the only copy of every health
-  threshold; `nemo_rl.token_capture.verdict` (the smoke script's one-line verdict) and
-  `tests.functional.l1_checks` (the L1 functional test) both judge through `health_findings`, so
-  they cannot disagree.
-- `health_findings(lines, capture=..., thresholds=THRESHOLDS) -> list[Finding]` is pure over
-  the parsed step lines (one dict per step, as `MetricsLogger` writes them); an empty list means
-  healthy (no line at all is a finding, not health). Each `Finding` names the metric, the value, the threshold, where (steps) and what to
-  look at; `Finding.describe()` is its one-line text.
-- What is judged (run totals are sums over every line; rates over the run's dispatched rollouts):
-  1. a line lacking a metric of `judged_metrics(capture)` -> one finding per line naming the
-     missing metrics (a run from a build that does not log them is UNJUDGED, never a pass and
-     never a crash); nothing else is judged then;
-  2. every `finalize/placeholders/<reason>` key: a reason in `zero_reasons` fails at any count;
-     a reason in `transport_reasons` / `environment_reasons` fails above that class's rate; a
-     reason in `derived_reasons` is bounded only through `finalize/invalid_row_rate`; a reason
-     in none of them fails as unclassified (a new reason cannot pass silently);
-  3. `finalize/placeholders` must equal the sum of its per-reason keys on every line;
-  4. run `invalid_row_rate` (placeholders / dispatched) above `max_invalid_row_rate`;
-  5. run kept generated-token fraction (sum of kept / sum of served tokens, from each line's
-     `finalize/kept_generated_token_fraction` x `finalize/served_generated_tokens`) below
-     `min_kept_generated_token_fraction`, judged only when some tokens were served;
-  6. capture only: `finalize/token_in_rate` below `min_token_in_rate` on a step whose
-     `finalize/continuation_calls` > 0 (0.0 by definition otherwise); any step whose
-     `finalize/unresolved_continuations` exceeds `max_unresolved_continuations`;
-  7. `token_mult_prob_error` above `max_token_mult_prob_error` on any step.
-- Informational, never a finding: `finalize/branches_per_rollout`, `finalize/abandoned_retry_calls`,
-  `finalize/abandoned_retry_tokens` (a masked, discarded retry is the harness's choice, not a
-  capture loss); `informational_summary` renders them, or says which were not logged.
+`THRESHOLDS` (a frozen, validated `CaptureHealthThresholds`) is the only copy of every health
+threshold: the verdict and the L1 checks both judge through `health_findings`, so they cannot
+disagree. `health_findings(lines, capture=...)` is pure; an empty list means healthy, and each
+`Finding` names the metric, the value, the threshold and the steps.
+Invariants: a run lacking a judged metric is UNJUDGED, never a pass and never a crash; a
+placeholder reason no class knows fails as unclassified, so a new reason cannot pass silently;
+the informational figures (branches, abandoned retries) are never findings.
+What is judged, in order: docs/guides/token-capture.md, "What the health judgement checks".
 """
 
 from __future__ import annotations

@@ -1,16 +1,11 @@
 """The `token_capture` recipe section: the one and only home of token-capture defaults.
 
-Contract:
-- `TokenCaptureConfig` is immutable (frozen) and rejects unknown keys (extra="forbid"); every
-  other module reads these fields and never carries its own fallback value.
-- Types are strict: a YAML string "false" is not a bool, a float is not an int. Timeouts are
-  finite and > 0, counts are bounded below, the staging and train partition names are non-empty
-  `[A-Za-z0-9_-]` tokens (the train partition may be null: rows then return through the driver)
-  and the control-token variable is a valid environment-variable name.
-- The manifest bearer token itself never lives in config: only the name of the environment
-  variable that holds it.
-- Build it from a loaded recipe with
-  `validate_section(TokenCaptureConfig, cfg["token_capture"], "token_capture")`.
+`TokenCaptureConfig` is frozen and rejects unknown keys; no other module carries a fallback.
+Types are strict (a YAML "false" is not a bool, a float not an int); timeouts are finite and
+> 0, counts bounded below, partition names non-empty `[A-Za-z0-9_-]` tokens (the train
+partition may be null: rows then return through the driver), and the control-token variable a
+valid environment-variable name. The bearer token itself never lives in config, only the name
+of the variable that holds it. Build it with `validate_section(TokenCaptureConfig, ...)`.
 """
 
 from __future__ import annotations

@@ -1,19 +1,13 @@
 """Fetch a rollout's staged snapshots for the judge; rebuild legacy rows from Gym's token echo.
 
-Capture path, `fetch_snapshots(source, keys) -> (snapshots_by_key, problems_by_key)`: reads every
-key from the staging source and never raises for a per-key fault: a missing key becomes a
-`staged_record_missing` problem, a stored record that fails Gym's validation a
-`verification_failed` problem, and an unavailable store a `data_plane_error` problem for every
-key still unread. The judge (`judge.judge_rollout`) then drops exactly the chains that need a
-faulty key. Bounded: at most one extra fetch per faulty key.
-
-Legacy path (capture off), `legacy_row_from_result(run_result, ...)`, rebuilds NeMo-RL's row from
-Gym's token echo: every `/run` output item that carries `generation_token_ids` is one model call
-with `prompt_token_ids` and `generation_log_probs`. Each call's prompt must extend the sequence
-seen so far; its new prompt tokens `prompt_token_ids[seen:]` are appended as carry (mask 0,
-logprob 0.0) and its generated tokens as mask 1 with their logprobs. Missing echo, malformed echo,
-a non-extending prompt or no generated token at all yield typed placeholders. A row is returned
-as a one-row `KeptRollout`.
+`fetch_snapshots(source, keys)` never raises for a per-key fault: a missing key, an invalid
+stored record or an unavailable store become typed problems (`staged_record_missing`,
+`verification_failed`, `data_plane_error`), so the judge drops exactly the chains that need a
+faulty key; at most one extra fetch per faulty key. `legacy_row_from_result` (capture off)
+rebuilds a row from Gym's echo: each call's prompt must extend the sequence seen so far, new
+prompt tokens are carry (mask 0), generated tokens mask 1; a missing, malformed or
+non-extending echo is a typed placeholder.
+See docs/design-docs/token-capture-receipts.md, "Snapshots and legacy rows".
 """
 
 from __future__ import annotations

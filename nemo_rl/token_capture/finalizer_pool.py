@@ -1,41 +1,14 @@
 """Finalizer actors: fetch a rollout's staged snapshots and run the judge off the driver.
 
-Contract:
-- `FinalizerWorker` is a thin Ray actor shell. Its snapshot source is built inside the actor by
-  the `source_factory` passed in (so the real TransferQueue source, whose client cannot be
-  pickled, is created where it is used). `finalize(evidence)` fetches the snapshots of every
-  committed record of the evidence's manifest (`finalizer.fetch_snapshots`: per-key faults
-  become typed problems) and returns a `WorkerReply` holding `judge.judge_rollout`'s verdict:
-  the same pure judge the driver and `capture_one_rollout.py` use; `finalize_many(items)` does
-  the same for several rollouts with one staging read and one train-partition write. An exception inside the
-  actor is a bug (data faults are verdicts, never exceptions): it surfaces as
-  `FinalizerBugError` with the actor's traceback and stops the run.
-  `TQSourceFactory` builds the real TransferQueue source (`TQTokenSource` over
-  `DataPlaneClient.attach`).
-- `judge_from_source` = `fetch_snapshots` + `judge_rollout` + `router_replay_rows.attach_router_replay`
-  (R3 routes beside each row of a kept rollout; see that module) + with a row store (built in the
-  actor by the `rows_factory`, `TQTrainRowsFactory` for `token_capture.train_partition`), the kept
-  rollout's rows written to the train partition in one put and returned as `RowRef`s, so no token
-  of a kept row travels back to the driver (`train_rows`). A store that fails with a
-  `DataPlaneError` makes the rollout a `data_plane_error` placeholder (detail `train_partition: ...`);
-  a `FieldEncodingError` (our row encoding is wrong) is a bug and raises.
-- `FinalizerPool.finalize_group(items)` answers exactly one `FinalizeOutcome` per item, in item
-  order, never raising for a per-item failure. The group is cut into one contiguous chunk per
-  healthy worker (`split_evenly`) and each chunk is ONE actor call (`finalize_many`: one staging
-  read for the chunk's keys, one train-partition write for its kept rows), so a group of N costs
-  the pool O(workers) calls and data-plane round trips, not O(N). Each call is bounded by
-  `call_timeout_s` (expiry -> finalize_timeout for the chunk's items), a dead actor ->
-  finalizer_unavailable for them; a task error raises `FinalizerBugError`. Chunks go round-robin
-  over healthy workers; a worker that timed out or died gets no new work and is killed and
-  replaced once its last in-flight call has resolved.
-- Queue wait = worker start time - driver submit time (wall clock, both on the same host for
-  a meaningful number), reported per answered item; None when the worker never answered.
-- Liveness: `probes()` gives one off-path probe per actor, named `finalizer_<slot>` (and
-  `finalizer_<slot>_r<k>` after the k-th replacement, so a replacement is watched afresh).
-  `mark_dead(name)` takes a dead actor out of rotation at once (replaced as soon as nothing is
-  in flight on it), so no item waits on an actor the watch already found dead. Every actor the
-  pool found dead (a call raised `RayActorError`) is reported once by `take_deaths()`.
-- `shutdown()` kills only this pool's actors.
+`FinalizerWorker` is a thin Ray actor shell (its TransferQueue source and row store are built
+inside the actor by factories); it runs the same pure judge as the driver, attaches R3 routes
+and writes kept rows to the train partition, returning `RowRef`s. `FinalizerPool.finalize_group`
+answers exactly one `FinalizeOutcome` per item, in order, with one bounded actor call per
+healthy worker; a timeout or dead actor is `finalize_timeout` / `finalizer_unavailable` for its
+items, and the actor is replaced. Data faults are verdicts, never exceptions; an exception in an
+actor is a bug (`FinalizerBugError`) and stops the run. `probes()`, `mark_dead` and
+`take_deaths()` serve the component watch; `shutdown()` kills only this pool's actors.
+See docs/design-docs/token-capture-receipts.md, "The finalizer pool".
 """
 
 from __future__ import annotations

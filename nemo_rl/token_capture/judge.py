@@ -1,53 +1,14 @@
 """The one judge: run outcome + manifest + staged snapshots + served report -> rows or a placeholder.
 
-`judge_rollout(evidence, snapshots, fetch_problems, cfg) -> KeptRollout | Placeholder` is pure and
-never raises for bad data; the RolloutManager (dispatch), the finalizer actors (snapshot fetch)
-and `capture_one_rollout.py` all call it, and nothing else decides a rollout's fate.
-
-Rules, in order (each rejection is a placeholder with a typed reason and a detail):
-1. The run failed or timed out -> `run_failed` / `run_timeout`. No manifest -> `manifest_unavailable`.
-   A manifest of another rollout or with duplicate call ids -> `capture_poisoned`.
-   No finite reward -> `reward_missing`. No committed call -> `empty_manifest`.
-2. Failure rows are split by what happened to the call (Gym's rows carry no parent):
-   - off-chain: only `request_finished_without_staged_coordinates` (no completion returned:
-     context overflow, engine error, cancelled). It cannot be on any chain; it never poisons.
-   - served, not staged (`worker_capture_failed`, missing/invalid commit coordinates,
-     `unresolved_parent`, ...): its completion reached the agent without custody. The workers'
-     served report names its parent P; the chain that ends at P is cut (its continuation was
-     lost) and is dropped, and only that chain. Without a report entry for it the call cannot
-     be located and the rollout is poisoned (fail closed, Gym's default).
-3. The terminal call comes from `receipt.choose_terminal` (declared > witnesses > heuristic > mask;
-   a declared terminal that was not captured masks, never falls back).
-   The heuristic is refused when a served-not-staged call exists: the walk cannot see calls
-   without a record, and the scored response may be one of them.
-4. Abandoned retries (`abandoned_retries`): a committed call off the terminal chain that no
-   later call continued (no committed record and no served call names it as parent) and that
-   has a sibling: another committed or served call with the same parent, or, for a text root,
-   another committed root whose staged prompt ids are the same (a re-sent first call). The
-   harness discarded its reply; it did not lead to the reward. Its own tokens are never in the
-   loss (counted in the yield's `abandoned_retry_*`, not as unverifiable, outside its
-   denominator), under either branch policy. A root opened by rewriting history (compaction,
-   a sub-agent, an edited history) has its own prompt, and the leaves of such chains have no
-   sibling, so they are not abandoned.
-5. Chains: the terminal chain (root -> terminal) and, with `branch_policy=all_chains`, in
-   manifest order, every other leaf's chain (branches after a history rewrite), where an
-   abandoned leaf's chain stops at its parent (the parent trains only if no other row owns it;
-   an abandoned root leaves nothing). A chain whose calls another row already owns is skipped.
-   A chain with a missing/invalid staged record, a cut, a mixed weight version (policy
-   `reject`) or a failed `verify_and_linearize` is dropped with that reason; if the terminal
-   chain is dropped the rollout is a placeholder with the terminal chain's reason.
-6. Each surviving chain is verified and linearized by Gym's `verify_and_linearize` on a receipt
-   holding exactly that chain's records and snapshots (so one corrupt chain cannot veto
-   another). Loss ownership: the terminal chain owns its calls' generated tokens; a later row
-   masks (mask 0, logprob 0.0) every call an earlier row already owns, so a generated token is
-   in the loss at most once. A row left with no loss token is not emitted.
-7. Yield: kept generated tokens (loss tokens) against the workers' served counts, with every
-   served-but-untrained call's tokens listed under its reason, abandoned retries apart.
-8. Lineage (`call_lineage`), on every verdict built here or by `all_served_lost`, kept or
-   placeholder, that has a served report and this rollout's manifest: token-in calls,
-   unresolved continuations (the workers' `ServedCall.unresolved_continuation`, each call once,
-   except the manifest's first record, which had no captured call to continue: e.g. a
-   few-shot prompt) and branches (text roots in the manifest beyond the first).
+`judge_rollout(evidence, snapshots, fetch_problems, cfg)` is pure and never raises for bad
+data; the RolloutManager, the finalizer actors and `capture_one_rollout.py` all call it, and
+nothing else decides a rollout's fate. Each rejection is a placeholder with a typed reason and a
+detail; a corrupt chain drops only itself unless it is the terminal chain.
+Invariants: only chains verified by Gym's `verify_and_linearize` become rows; a generated token
+is in the loss at most once (later rows mask calls an earlier row owns); an abandoned retry is
+never in the loss; a served-but-unlocatable call poisons the rollout (fail closed).
+`call_lineage` reports token-in calls, unresolved continuations and branches per verdict.
+Rules in order, terminal precedence, yield: docs/design-docs/token-capture-receipts.md.
 """
 
 from __future__ import annotations

@@ -1,63 +1,14 @@
 """Per-step finalize metrics over accounted GRPO groups (pure).
 
-`finalize_metrics(groups, queue_waits_ms) -> dict[str, float]`. Every rate has a defined value
-on an empty denominator (0.0), so a step's metric set never changes shape except for the
-per-reason / per-method counts, which appear for every reason or method that occurred.
+`finalize_metrics(groups, queue_waits_ms)` returns one flat `dict[str, float]` per step;
+`first_call_prompt_records(step, groups)` returns the records the loop appends when
+`logger.dump_first_call_prompt_ids` is on.
 
-Definitions (dispatched = all entries of all groups = kept rollouts + placeholders):
-- finalize/kept_rollouts, finalize/placeholders; finalize/rows: training rows (a kept rollout
-  contributes one row per verified chain); finalize/rows_per_rollout = rows / kept rollouts;
-  finalize/chains_per_rollout: mean number of chains (leaves) in the manifests of kept rollouts.
-- finalize/placeholders/<reason>: placeholders with that `PlaceholderReason` value.
-- finalize/token_in_calls, finalize/text_root_calls: chain calls of trained rows by capture mode
-  (a call shared by several rows counts in each).
-- Capture health, per served call (each call once, not per row), over every rollout (kept or
-  placeholder) whose verdict carries a `CallLineage` (a served report and its manifest; see
-  `judge.call_lineage`): finalize/continuation_calls = calls whose history held assistant turns
-  (token-in calls + unresolved continuations); finalize/unresolved_continuations = those the
-  gate admitted as a new text root because it found no captured parent (the harness re-rendered
-  or edited what the model said); finalize/token_in_rate = token-in calls / continuation calls,
-  0.0 when there is no continuation call (single-call rollouts, capture off: read
-  finalize/continuation_calls first). A compaction or a sub-agent (no assistant turn in the new
-  history) is a root, not a continuation. finalize/branches_per_rollout = text roots beyond the
-  first in the manifests, per rollout with a lineage (0.0 when none).
-- finalize/abandoned_retry_calls, finalize/abandoned_retry_tokens: retried replies the harness
-  discarded (a sibling no later call continued, off the terminal chain), never in the loss;
-  tokens from the served report.
-- finalize/capture_poisoned_rollouts: placeholders with reason capture_poisoned.
-- finalize/invalid_row_rate = placeholders / dispatched.
-- finalize/terminal_selection/<method>: rollouts (kept or not) whose terminal was named by that
-  method; finalize/heuristic_terminal_fraction is the heuristic share among them;
-  finalize/terminal_witness_disagreements counts rollouts masked because witnesses disagreed.
-- finalize/served_generated_tokens: generated tokens the workers report having served for the
-  step's rollouts (their own counters); finalize/kept_generated_token_fraction = generated tokens
-  in the loss / (served - abandoned retry tokens), over rollouts with a report (0.0 when the
-  denominator is 0); finalize/unverifiable_generated_tokens/<reason>: served tokens not in the
-  loss that could have been, by reason (abandoned retries are not among them).
-- weight_version/min, weight_version/max: over every call of every trained row (measured from
-  the rows, never from the step counter); -1.0 when no row carries a version (legacy).
-- finalize/calls_per_rollout: mean chain length over trained rows.
-- finalize/queue_wait_ms (mean) and finalize/queue_wait_ms_max over the given waits.
-- reward/mean over ALL dispatched rollouts: a kept rollout counts its reward, a placeholder its
-  environment reward when the run produced one and 0.0 otherwise.
-- Router replay (R3), over every training row of the step (always emitted, 0.0 when no row has
-  routes, e.g. a dense model), from the rows' `routed_experts` arrays: a token is covered iff
-  none of its [L, K] entries is the sentinel -1 (a row with `routed_experts=None` covers
-  nothing). router_replay/coverage = covered loss (mask 1.0) tokens / loss tokens;
-  router_replay/sentinel_tokens = tokens of trained rows that are not covered (carry tokens
-  without a route count too; placeholders contribute no row); router_replay/rows_with_routes =
-  rows with at least one covered token. Same definitions as `router_replay.router_replay_metrics`
-  over a batch built from the same rows (padding excluded). A `RowRef` carries the same figures
-  (`RouteCoverage`), computed by the finalizer from the arrays it stored in the train partition.
-
-`first_call_prompt_records(step, groups) -> list[dict]` (pure; the loop appends them to a file
-when `logger.dump_first_call_prompt_ids`): one record per training row, `{"step", "group",
-"rollout" (sample index), "chain" (the row's chain_index), "origin", "prompt_ids", "placeholder":
-None}`, where `prompt_ids = token_ids[:prompt_len]`, the prompt of the first call of the row's
-chain (capture rows: the verified staged ids; legacy rows: Gym's echoed `prompt_token_ids` of
-the first call; a `RowRef` carries them only when its finalizer was told the option is on, else
-this raises); and one record per placeholder with `chain`, `origin` and `prompt_ids` None and
-`placeholder` its reason. A rollout on the default tool loop has exactly one row (chain 0).
+Invariants: every rate is 0.0 on an empty denominator, so a step's metric set never changes
+shape except for the per-reason / per-method counts; dispatched = kept rollouts + placeholders;
+capture-health figures count each served call once, not once per row; `weight_version/*` is
+measured from the rows, never from the step counter.
+Every metric's definition: docs/guides/token-capture.md, "Every finalize metric".
 """
 
 from __future__ import annotations

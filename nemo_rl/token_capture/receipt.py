@@ -1,25 +1,12 @@
 """Which committed call earned the reward: terminal precedence from the live `/run` path (pure).
 
-Contract of `choose_terminal(records, run_result) -> TerminalChoice` (never raises for bad data):
-1. Declared: the `/run` result names the response it scored, `terminal_response_id` (Gym's
-   `TERMINAL_RESPONSE_ID_KEY`) or the call itself (`_ng_terminal_model_call_id`, Gym's
-   `TERMINAL_CALL_KEY`). A declared call id that names no committed row masks the rollout
-   (`declared_terminal_uncaptured`: the scored call was served without custody, or never
-   completed); a declared response id that matches no committed row (or several different
-   ones) masks it (`terminal_declared_unmatched`). A declaration never falls back to witnesses
-   or the heuristic. (Gym's `resolve_terminal` treats an uncaptured declared call id as an
-   abstention and goes on to the witnesses; we refuse that before asking it.)
-2. Witnesses: the scored `response` object's id against each row's `response_id`, and its
-   content fingerprint against the rows' output/continuation fingerprints (Gym's
-   `resolve_terminal`). Witnesses that name different token sequences mask the rollout
-   (`terminal_witness_disagreement`, counted); rows with identical sequences are one answer.
-3. Heuristic: Gym's parent-link walk (`select_terminal_call`), refused when several roots have
-   descendants: admission order cannot tell a pre-compaction chain from the scored branch.
-4. Otherwise mask (`terminal_selection_failed:<reason>`).
-The result's `selection` is a `RolloutReceipt.terminal_selection` value (declared, response_id,
-content, heuristic) and `trail` keeps every witness's abstention for diagnosis.
-
-`reward_of(run_result)`: the run result's reward as a finite float, else None.
+`choose_terminal(records, run_result)` never raises for bad data and returns a `TerminalChoice`
+whose `selection` is declared, response_id, content or heuristic, with every witness's
+abstention kept in `trail`. Order: a declaration, then Gym's witnesses, then Gym's parent-link
+walk (refused when several roots have descendants), else mask.
+Invariants: a declaration never falls back (an uncaptured or unmatched declared terminal masks
+the rollout); witnesses that disagree mask it. `reward_of(run_result)` is a finite float or None.
+See docs/design-docs/token-capture-receipts.md, "Terminal precedence".
 """
 
 from __future__ import annotations

@@ -1,24 +1,13 @@
 """Retention of the staging partition: once a group is accounted, its staged records go.
 
-Contract:
-- Staged keys are Gym's `staging_key(rollout_id, model_call_id)` = `"<rollout_id>/<call id>"`.
-- The keys a group owns are the ones its fetched manifests named plus the ones the workers
-  reported staging for its rollouts (`ServedCall.staged`, from the served-call report the
-  manager already takes for the judge; `reported_staged_keys`). A reported key that no manifest
-  names is an orphan: a worker staged the call but its commit never reached the ledger (the gate
-  or the run died in between, or the manifest could not be fetched); nothing would ever read or
-  clear it otherwise.
-- `TQStagingCleaner.clear(named_keys, rollout_ids, reported_keys)` clears the named keys and the
-  orphans in ONE data-plane call (bounded) and returns how many orphans it cleared. Only keys of
-  `rollout_ids` are ever cleared, so groups in flight are unaffected. The cost is one round trip
-  per group whatever the size of the partition.
-- `reported_keys=None` means the served report was unavailable (a worker timed out or died; the
-  manager counts it as `finalize/served_report_failures`). Then, and only then, the cleaner
-  lists the partition to find the group's orphans (`orphaned_keys`), one more bounded call whose
-  cost grows with the partition: that is the price of not knowing what the workers staged.
-- Not seen either way: a call a worker stages after its group's report was taken (a run
-  abandoned mid-call), or a rollout the worker's bounded served registry evicted
-  (`served_evicted_rollouts`). It stays until the partition is dropped with the data plane.
+A group owns the keys its fetched manifests name plus the ones the workers' served report says
+they staged for its rollouts (orphans: staged, but the commit never reached the ledger).
+`TQStagingCleaner.clear` removes both in ONE bounded data-plane call per group. Only keys of
+the given rollouts are ever cleared, so groups in flight are unaffected. Without a served report
+(`reported_keys=None`) it lists the partition to find the orphans, one more bounded call.
+Not seen either way: a call staged after its group's report was taken, or a rollout the
+worker's served registry evicted; it stays until the data plane is dropped.
+See docs/design-docs/token-capture-receipts.md, "Retention of the staging partition".
 """
 
 from __future__ import annotations

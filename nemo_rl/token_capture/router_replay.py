@@ -1,41 +1,15 @@
 """Router replay (R3): shape staged routed-expert extras into one array beside the training rows.
 
-MoE engines report, per token, the experts the router chose in each MoE layer. Gym carries them
-as staged-call extras and this module turns the verified extras of a batch of training rows
-into the array the trainer replays. Pure functions: no I/O. Fetch and digest-check the extras
-first (`TQTokenSource.fetch_row_extras` / `fetch_extras`, bound to the row's
-`extras_commitments`).
-
-Gym's representation (nemo-gym 0.7.0, `token_id_capture.staging.routes`, `adapters.vllm`):
-- `extras["routed_experts"]` (the vLLM adapter copies `choices[0].message.routed_experts`); absent
-  or None when the engine routed nothing. Other extras keys (e.g. `media_spans`) are ignored.
-- The value is one `[tokens][layers][topk]` fragment, either the `nrlre1:<dtype>:<TxLxK>:<b64>`
-  envelope (little-endian int8/int16/int32) or legacy nested int lists. `extras_digest` covers the
-  encoded value, and Gym's `decode_routed_experts` is the codec this module applies.
-- How a fragment of T token rows lines up with its call's delta (`carry_len` prompt tokens then
-  `gen_len` generated tokens) is Gym's `classify_route_span`, applied as is:
-  `full` (T == carry_len + gen_len): row t routes delta token t, so the whole delta is covered;
-  `tail` (gen_len <= T otherwise): the last gen_len rows route the generated tokens, and the
-  carry tokens get the sentinel (an engine that returns routes for the whole prompt + generation,
-  or for the generation only, lands here);
-  `sentinel` (T < gen_len): nothing usable, and the whole delta gets the sentinel. It is counted
-  in `RouterReplayCoverage.unusable_fragments` and does not raise.
-
-Contract of `build_router_replay(rows, ...)`:
-- `rows[i]` is a `RowRoutes` (a verified row's calls, root to terminal, and its loss mask), or
-  None for a placeholder row. A row is the concatenation of its calls' deltas, in order.
-- Output `routes` is int16 `[n_rows, max_len, L, K]`; `max_len` defaults to the longest row.
-  `MISSING_ROUTE_SENTINEL` (-1) fills placeholder rows, positions past a row's end, and every
-  token whose call carries no usable route (the trainer lets the router choose freely there).
-- Every used fragment must agree on L and K (and with `num_layers`/`topk` when given), else
-  `RouteShapeMismatchError`. Expert ids must be in [0, 32767], else `RouteValueError`. A payload
-  that is not a Gym routed-experts fragment raises `RoutedExpertsDecodeError`. If no row carries a
-  usable route, L and K must be given (`RouteShapeUnknownError`). Spans inconsistent with the
-  row, or a row longer than `max_len`, raise `RouteSpanError`. All subclass `RouterReplayError`.
-- Coverage counts real (non-placeholder) rows only: `loss_tokens` (mask 1.0), how many of them
-  carry a route, `sentinel_tokens` (tokens inside real rows without a route; padding and
-  placeholder positions are counted apart as `padding_tokens`), and `rows_with_routes`.
-  `coverage` is covered / loss tokens, and 0.0 when the batch has no loss token.
+Pure functions over verified extras (fetch and digest-check them first: `fetch_row_extras`).
+`build_router_replay(rows, ...)` returns int16 routes `[n_rows, max_len, L, K]` and coverage;
+Gym's codec (`decode_routed_experts`) and span rule (`classify_route_span`) are applied as is.
+Promises: `MISSING_ROUTE_SENTINEL` (-1) wherever a token has no usable route (placeholder rows,
+padding, unusable fragments, which are counted, not raised), so the router chooses freely there.
+Refuses, with a `RouterReplayError` subclass, fragments that disagree on L and K, expert ids
+outside [0, 32767], payloads that are not Gym fragments and inconsistent spans.
+Invariant: coverage counts real rows only; padding and placeholders are counted apart.
+Gym's representation and the contract in full: docs/design-docs/token-capture-receipts.md,
+"Router replay (R3)".
 """
 
 from __future__ import annotations

@@ -1,22 +1,12 @@
 """Router replay (R3) beside training rows: fetch a kept rollout's staged routes and shape them.
 
-`attach_router_replay(source, evidence, snapshots, kept)` runs in the finalizer actor right after
-the judge keeps a rollout (`finalizer_pool.judge_from_source`). Each row gets `routed_experts`
-(an int16 `[len(row), L, K]` array, -1 where a token has no route) when at least one of its calls'
-manifest records commits to non-empty extras (`extras_digest != EMPTY_EXTRAS_DIGEST`). All such
-calls of the rollout are read in ONE `source.fetch_extras` call, each payload bound to its
-manifest record's `extras_digest` (what the verified chain committed to); rollouts whose
-calls staged no extras make no extras round trip and keep `routed_experts=None`, as does a row
-whose fetched extras carry no `routed_experts` value. Each call's delta splits into carry then
-`gen_len` = the mask-1 count of its staged snapshot's `token_mask_delta` (never the row mask:
-a call owned by an earlier row is masked out in later rows but its routes still apply), and
-the routes are placed by `router_replay.build_router_replay` (Gym's `classify_route_span`).
-Extras that cannot be fetched, fail their digest or are not valid route fragments make the
-rollout a placeholder with detail `router_replay_extras: <error>` (an MoE must not train
-without its routes silently): reason `verification_failed` for a digest mismatch, an invalid
-record or a malformed/mismatched fragment, `staged_record_missing` for a missing key and
-`data_plane_error` for an unavailable store (the same mapping as `fetch_snapshots`). A source
-without `fetch_extras` is a misconfiguration and raises `TypeError` (only when routes are needed).
+`attach_router_replay` runs in the finalizer actor right after the judge keeps a rollout: each
+row whose calls committed to non-empty extras gets `routed_experts` (int16 `[len(row), L, K]`,
+-1 where a token has no route), from ONE digest-bound `fetch_extras` call per rollout; a rollout
+without extras makes no round trip. Invariant: an MoE never trains without its routes silently:
+extras that cannot be fetched, fail their digest or are not route fragments make the rollout a
+placeholder (detail `router_replay_extras: ...`, the same reason mapping as `fetch_snapshots`).
+See docs/design-docs/token-capture-receipts.md, "Routes beside the rows".
 """
 
 from __future__ import annotations

@@ -1,55 +1,15 @@
 """Write-behind staging: a worker's staged rows reach TransferQueue off the response path.
 
-Contract:
-- `StageWriter.submit(rollout_id, key, row)` queues one staged row and returns at once; one
-  background thread drains the queue and writes whatever has queued up (at most `max_batch`
-  rows) in ONE data-plane `put_many` under the `timeout_s` deadline. With several calls in flight
-  their rows share a write, so a call costs at most one write and often a fraction of one.
-- Every key this writer queued is in exactly one state: pending (queued, or in a write), written
-  (its write returned), or lost (its write failed, or the report barrier gave up on it, below).
-  Written keys are remembered for the last `max_written_keys` keys, lost ones per rollout for
-  the last `max_rollouts` rollouts that lost one (evictions counted in `stats`). A key the
-  writer never queued, or forgot, is "unvouched": this writer proves nothing about it, and the
-  caller must prove it durable by reading it from the store (`ParentRows.unvouched`).
-- `when_written(key, fn)` runs `fn()` once `key`'s row is written (at once if it already is) and
-  returns True; for a key that is lost or unvouched it returns False and `fn` never runs. A
-  pending key's `fn` runs on the writer thread, after the write returned and before any waiter
-  is woken, so a child that waited for its parent sees what `fn` did (the worker seeds its
-  prefix cache this way: only durable rows enter it). An exception from `fn` is a bug: the
-  writer stops as below.
-- `wait_keys(keys, timeout_s)` is the parent barrier: it blocks until none of `keys` is pending
-  (or the deadline passes) and returns `ParentRows(lost, unvouched)`: `lost` names every key that
-  is lost or still pending at the deadline, with why; `unvouched` lists the keys neither written
-  nor lost here. A zero deadline never blocks (the worker checks that way first, and waits
-  off-thread only when a parent is pending).
-- `flush(rollout_ids, timeout_s)` is the report barrier: it blocks until no row of those
-  rollouts is pending (or the deadline passes) and returns `{staging_key: why}` for every lost
-  row of theirs. It never returns with a row of theirs left pending: at the deadline, a row
-  still queued is withdrawn (taken off the queue, never written) and a row in a write is
-  abandoned (lost from then on: if that write lands late it is counted in
-  `stats["late_rows_landed"]` but never becomes written, so it is never used as a parent and
-  never seeds the cache). So after a flush each row of its rollouts is written or lost for good,
-  and the report says which. Lost rows are kept (not forgotten by the flush) until evicted.
-- A data-plane error (`DataPlaneError`: deadline, dead controller or storage unit) fails only its
-  batch; the writer keeps serving. Any other exception is a bug: its batch is failed, the writer
-  stops, and every later `submit` raises `StageWriterFailedError` naming the cause (Gym's capture
-  core turns that into `capture_failed` coordinates: the call is served, never claimed staged).
-- `close(timeout_s)` stops taking rows, lets the thread write what is queued and joins it.
-
-The barrier (the design doc has the argument in full): a call's row is durable before anything
-uses the call as a parent or a finalizer reads its row:
-- a child is generated only after the one parents' check of the worker (`serving.py`): its
-  parents this writer queued are written (`wait_keys`: none lost, none pending), and every other
-  parent was read from the staging store, or is in the prefix cache, which holds only rows that
-  were read or written (`when_written`);
-- the finalizer reads a rollout's rows only after the driver took the workers' served-call report
-  for it, and a worker answers that report only after `flush` (lost rows are reported
-  `staged=False` with the reason; a withdrawn row is never written, and an abandoned write that
-  lands late is digest-checked like any other row); when the
-  report cannot be taken, the driver reads nothing of the group under write-behind (its
-  rollouts become `served_report_unavailable` placeholders, `rollout_manager.py`);
-- every row that is read is checked against the digest the gate committed, so a row that never
-  landed or landed different cannot train: its chain becomes a placeholder.
+Owns `StageWriter`: `submit` queues a row and returns at once; one background thread writes
+what has queued in one `put_many` per batch. Every key it queued is in exactly one state:
+pending, written or lost; a key it never queued or forgot is unvouched (it proves nothing about
+it). Barriers: `when_written` (run a hook once a row is durable), `wait_keys` (the parents'
+check) and `flush` (the served-report barrier, which never returns with a row pending: at the
+deadline queued rows are withdrawn and rows in a write abandoned, lost for good).
+Refuses to carry on after a bug: a `DataPlaneError` fails only its batch, any other exception
+stops the writer and every later `submit` raises `StageWriterFailedError`.
+Invariant: a call's row is durable before the call is used as a parent or its row is read.
+See docs/design-docs/vllm-worker-capture.md, "Staging behind the reply" and "The stage writer".
 """
 
 from __future__ import annotations

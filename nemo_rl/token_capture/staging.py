@@ -1,53 +1,15 @@
 """Gym's `StagingSink` / `StagingSource` over the TransferQueue data plane.
 
-Contract (Gym's external-staging protocol, `nemo_gym.token_id_capture.staging.protocols`):
-- One staged call is one data-plane row in `partition`, keyed by Gym's
-  `staging_key(rollout_id, model_call_id)` (= `record.staging_key`).
-- Row layout and its validation: the staged-row codec, `nemo_rl.data.staged_rows` (base fetches
-  never move `extras`).
-- `TQTokenSink.stage` is thread-safe and costs one data-plane write per new key, no read (it is
-  on every model call's critical path). Without a writer the write has completed (any other
-  client can read it) before it returns ok. With a `StageWriter` (`token_capture.stage_write:
-  behind_reply`) it queues the row and returns ok at once; the writer batches queued rows into
-  one write and its `flush` barrier reports rows that did not land (`stage_writer.py` holds the
-  safety argument). The sink remembers the digest of the last
-  `REMEMBERED_KEYS` keys it wrote (LRU): re-staging one of them with the same digest (a
-  byte-identical retry: the digest covers every field and the extras digest) returns ok without
-  a write; with a different digest it is rejected (`ok=False`, an error naming the key and both
-  digests) and the stored row is left as it was. Within one process this check is atomic (a
-  per-key lock around check-then-write).
-- Why a blind write is safe (what replaced the read-before-write): a staging key is written by
-  one worker, once. The gate mints a fresh `model_call_id` for every call, and a worker admits
-  a (rollout_id, model_call_id) once and never generates it twice (`registry.AdmittedCalls` of the worker's custody core).
-  If that ever broke (a second process writing a different record under a staged key), the last
-  write would win, but nothing unverified can train: the gate commits the digest of the record
-  the worker returned to the ledger, the finalizer's snapshot recomputes the digest of what is
-  stored (Gym's model), and `verify_and_linearize` requires the two to be equal, so the rollout
-  becomes a `verification_failed` placeholder. The read never closed that case anyway (across
-  processes it raced the other writer), and for every new key it cost a missing-key round trip
-  whose exception was the normal path.
-- Attachments are rejected (`ok=False`, naming the attachment names): the TQ row has no
-  attachment columns, and the protocol forbids dropping them silently. An empty mapping carries
-  nothing and is accepted.
-- Data-plane failures in `stage` (deadline, dead controller) raise `DataPlaneError`; Gym's
-  capture core turns any raise into `capture_failed` coordinates and logs it.
-- `TQTokenSource.fetch(keys)` returns exactly one `StagedCallBaseSnapshot` per key, in request
-  order, each validated by Gym's model (which recomputes the digest). Failures raise a
-  `StagingFetchError` subclass naming the key(s): missing keys, an invalid stored record, or
-  an unavailable store. With `missing_wait_s > 0` (a worker's prefix source under write-behind
-  staging: another worker's row may still be in its write) a missing key is re-read until it
-  appears or `missing_wait_s` has passed, then reported missing; `missing_waits` counts the
-  reads that had to wait. `fetch_records` also returns extras, verified against `extras_digest`.
-- `TQTokenSource.fetch_extras(keys, expected_extras_digests=None)` moves only `header` and
-  `extras` (never the token columns) in one data-plane call under the source's deadline and
-  returns each record's extras (a dict, or None when the call staged none), in request order.
-  Each payload is re-digested with Gym's `compute_extras_digest` and must equal the stored
-  header's `extras_digest` and, when given, the caller's expected digest: pass the verified
-  row's `LinearizedRow.extras_commitments` digests (receipt-bound, which is what authenticates
-  the payload; the header alone is only authenticated by a base `fetch`). A mismatch raises
-  `ExtrasDigestMismatchError` (a `StagedRecordInvalidError`, so existing handlers map it to
-  verification_failed). `fetch_row_extras(row)` does this for a `LinearizedRow`'s chain.
-- `TQTokenSource.clear(keys)` removes staged rows (retention); absent keys are ignored.
+Owns `TQTokenSink` and `TQTokenSource`: one staged call is one row in `partition`, keyed by
+Gym's `staging_key(rollout_id, model_call_id)`; the row codec is `nemo_rl.data.staged_rows`.
+Promises: `stage` costs one write per new key and no read (blind write; with a `StageWriter`
+it queues and returns at once); a byte-identical re-stage of a remembered key is ok without a
+write, a different digest is refused and the stored row kept; every fetched record is validated
+by Gym's model, extras against their digests. Refuses attachments and never drops them
+silently; failures are named (`DataPlaneError`, `StagingFetchError` subclasses), never None.
+Invariant: a key is written by one worker once; if that broke, digests make it a
+`verification_failed` placeholder, never a trained token.
+See docs/design-docs/vllm-worker-capture.md, "The TransferQueue sink and source".
 """
 
 from __future__ import annotations

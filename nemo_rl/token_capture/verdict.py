@@ -1,35 +1,12 @@
 """A verdict on a run's `metrics.jsonl`: is token capture engaged, healthy, and if not, why.
 
-Contract:
-- `capture_verdict(lines)` is pure over the parsed step lines (one dict per step, as
-  `MetricsLogger` writes them) and returns a `Verdict` whose `status` is one of:
-  `ENGAGED` (rows were trained from captured tokens and every health signal is within its
-  threshold), `DEGRADED` (capture ran, but a health signal is out of bounds), `UNJUDGED`
-  (capture ran, but the metrics lack a signal the judgement needs: never a pass),
-  `NOT_ENGAGED` (no captured row was trained). `Verdict.line()` is the headline;
-  `Verdict.findings` the violated expectations (`nemo_rl.token_capture.capture_health.Finding`), each
-  naming the metric, the value, the threshold and what to look at.
-- The rules, first match wins:
-  1. no step line -> NOT_ENGAGED (the run finished no step);
-  2. a line lacks one of `REQUIRED_KEYS` -> NOT_ENGAGED (not a GRPO capture loop's metrics);
-  3. no trained row over all steps -> NOT_ENGAGED, naming the placeholder reasons;
-  4. no call served through capture (`text_root_calls` and `token_in_calls` are 0 on every step)
-     -> NOT_ENGAGED: the legacy path ran (`token_capture.enabled=false`);
-  5. a line lacks a metric `capture_health` judges (`judged_metrics(capture=True)`, e.g.
-     `finalize/continuation_calls` from a build before it was logged) -> UNJUDGED, naming them;
-  6. any `capture_health.health_findings(lines, capture=True)` -> DEGRADED: every placeholder
-     reason against its class's threshold (an unknown reason included), `invalid_row_rate`, the
-     kept generated-token fraction, `token_in_rate` on steps with continuation calls,
-     `unresolved_continuations`, `token_mult_prob_error`. The thresholds live only in
-     `capture_health.THRESHOLDS` (shared with the L1 checks);
-  7. otherwise ENGAGED; when no step had a continuation call the line says token-in was not
-     exercised (single-turn rollouts). The informational figures (branches per rollout,
-     abandoned retries) are appended, or named as not logged.
-- `read_metrics(log_dir)` parses `<log_dir>/metrics.jsonl`; a missing file is an empty list
-  (rule 1 names it), an unparsable line is a `VerdictError` naming the file and line number.
-- CLI: `python -m nemo_rl.token_capture.verdict LOG_DIR` prints the headline (with the first finding),
-  then one `  - ` line per further finding; exit 0 for ENGAGED, 1 for DEGRADED, UNJUDGED or NOT_ENGAGED, 2 when the file cannot
-  be read.
+`capture_verdict(lines)` is pure and returns a `Verdict`: `ENGAGED`, `DEGRADED` (a health signal
+out of bounds), `UNJUDGED` (a signal the judgement needs is missing: never a pass) or
+`NOT_ENGAGED`, with findings naming the metric, the value and the threshold. The thresholds live
+only in `capture_health.THRESHOLDS` (shared with the L1 checks). `read_metrics` refuses an
+unparsable line (`VerdictError` naming file and line). CLI: `python -m
+nemo_rl.token_capture.verdict LOG_DIR`; exit 0 for ENGAGED, 1 otherwise, 2 when unreadable.
+The rules, first match wins: docs/guides/token-capture.md, "How the verdict decides".
 """
 
 from __future__ import annotations

@@ -1,35 +1,13 @@
 """Checkpoint directories: the `checkpointing` recipe section, atomic commit, choosing what to load.
 
-Layout of `checkpointing.checkpoint_dir` (one run writes a checkpoint_dir at a time):
-
-    step_<k>/                  a COMPLETE checkpoint of the state after step k (k >= 1): it holds
-                               the marker file `CHECKPOINT_COMPLETE` and whatever the writer put in
-    step_<k>.tmp-<pid>/        being written by process <pid>, or left by a writer that died: never
-                               loaded, removed by `remove_leftovers`
-
-Contract:
-- `commit_checkpoint(root, k, write)` creates `step_<k>.tmp-<pid>`, lets `write(tmp)` fill it,
-  fsyncs every file and folder below it, writes the marker (the step and the size of every file)
-  and fsyncs it, then `os.rename`s the folder to `step_<k>` and fsyncs `root`. The rename is the
-  commit point: a reader sees either no `step_<k>` or a complete one. An existing `step_<k>` is
-  never overwritten (`CheckpointError`).
-- Complete = the name is exactly `step_<k>` AND the marker is present. Anything else of ours
-  (a tmp name, a `step_<k>` without its marker) is a leftover: never loaded, removed by
-  `remove_leftovers`. Names that are not ours are left alone.
-- `open_checkpoint(root, k)` re-checks the marker against the folder (its step, every listed
-  file present with its listed size) and raises `CorruptCheckpointError` naming the file: a
-  damaged checkpoint is an error, never a silent fall back to an older one.
-- `prune_checkpoints(root, keep_last)` keeps the newest `keep_last` complete checkpoints; an old
-  one is first renamed to a tmp name (so a crash mid-delete leaves a leftover, never a
-  "complete" checkpoint with missing files), then deleted.
-- The choosing functions (`parse_entry`, `complete_steps`, `latest_complete_step`,
-  `leftover_names`, `steps_to_prune`, `should_save`) are pure functions of names and marker
-  presence; `scan` is the one place that reads the folder for them.
-- `capture_rng_states()` / `restore_rng_states(states)`: Python's, numpy's and torch's (CPU)
-  global generators of this process, as a JSON-safe frozen record.
-- `records_through(text, step, where)`: a JSONL log's lines with `step <= step` (a torn last line
-  from a killed writer is dropped and counted); `truncate_jsonl_after(path, step)` applies it to a
-  file atomically, so a resumed run's logs continue with step k+1 exactly once.
+A complete checkpoint is a folder named exactly `step_<k>` holding the `CHECKPOINT_COMPLETE`
+marker; anything else of ours is a leftover, never loaded, removed by `remove_leftovers`.
+`commit_checkpoint` writes into `step_<k>.tmp-<pid>`, fsyncs, writes the marker and renames:
+the rename is the commit point, and an existing `step_<k>` is never overwritten. Refuses a
+damaged checkpoint (`CorruptCheckpointError` naming the file), never falling back to an older
+one. The choosing functions are pure over names and marker presence (`scan` is the one reader);
+RNG states and JSONL log cuts (`truncate_jsonl_after`) let a resumed run continue exactly once.
+Layout and contract: docs/design-docs/token-capture-reliability.md, "Checkpoint directories".
 """
 
 from __future__ import annotations

@@ -1,29 +1,13 @@
 """Recipe loading: YAML defaults chains, Hydra-style overrides, pydantic section validation.
 
-Contract:
-- `load_config(path, overrides)` reads a YAML recipe. A top-level `defaults:` key (one relative
-  path or a list of them, resolved against the directory of the file that names them) makes the
-  named files parents. Parents merge first, in list order, then the child on top: the child wins.
-  Chains may be any depth; a file may appear twice through different parents (a diamond), but a
-  file that reaches itself is a cycle and a `DefaultsError` naming the chain.
-- Merging works on unresolved OmegaConf trees: `???` (mandatory) values and `${...}`
-  interpolations are carried through untouched, so a `???` in a grandparent can be filled by a
-  grandchild. OmegaConf's merge rule applies: a `???` in a child does not erase a value that a
-  parent already set.
-- Overrides use Hydra's grammar and value parser: `a.b=v` changes an existing key (or, when
-  `load_config` is given the recipe's pydantic `schema`, sets a key the schema declares even if
-  no YAML file of the chain states it: section defaults live in the models, not in the YAML),
-  `+a.b=v` adds a key that must not exist, `++a.b=v` adds or changes, `~a.b` (or `~a.b=v`, which checks the
-  current value first) deletes. A dict value assigned onto an existing mapping is merged into it,
-  as Hydra does. Sweeps and `@package` overrides are rejected. Assigning under a scalar never
-  silently replaces the scalar with a mapping.
-- Only after all overrides are applied: any remaining `???` is a `MissingValueError` that names
-  every unset key path and how to set it; then interpolations resolve (a failure names the key).
-  The result is a plain `dict`.
-- `validate_section(model_cls, data, section)` returns the validated pydantic model or raises
-  `SectionValidationError` with one line per problem: key path, offending value, pydantic's
-  message and a fix.
-Every error here is a `ConfigError` (a `ValueError`) subclass.
+`load_config(path, overrides)` merges a recipe's `defaults:` chain (parents first, the child
+wins; a cycle is a `DefaultsError`) on unresolved trees, applies Hydra-grammar overrides (with
+a `schema`, a key the pydantic models declare can be set even if no YAML states it), then
+refuses any remaining `???` (`MissingValueError` naming every key) and resolves interpolations
+into a plain `dict`. `validate_section` returns the validated model or a `SectionValidationError`
+with one line per problem and a fix. Sweeps and `@package` overrides are refused; assigning
+under a scalar never silently replaces it. Every error is a `ConfigError` (a `ValueError`).
+The rules in full: docs/guides/token-capture.md, "Recipes: defaults chains and overrides".
 """
 
 from __future__ import annotations

@@ -1,17 +1,12 @@
 """Instrumentation hooks: no-ops unless a hook module named by `NRL_INSTRUMENTATION` is installed.
 
-Contract:
-- The library calls these hooks at fixed points: the vLLM worker's HTTP app
-  (`aiohttp_middlewares`), its per-call cost scope (`add_call_cost`), its capture core
-  (`time_capture_calls`), staging counters (`add_counter`, `active`) and the command of every Gym
-  server (`server_module_argv`). Without the variable each hook does nothing: no middleware, no
-  thread, no file, no import, and `server_module_argv(m)` is `[m]`.
-- `NRL_INSTRUMENTATION=<module>` names the hook module (the capture A/B benchmark sets
-  `benchmarks.wire_metrics`). It is an environment variable, not a recipe key, because it must
-  reach processes nobody configures directly (the Gym servers, the Ray actors), and it changes
-  nothing a run computes. The module is imported once per process, on the first hook call; it
-  must define every function of `Hooks`. A module that cannot be imported, or lacks a hook, is an
-  `InstrumentationError` naming the variable: never a silent no-op.
+The library calls these hooks at fixed points (the worker's HTTP app, per-call cost, capture
+timing, staging counters, every Gym server's command). Without the variable each hook does
+nothing: no middleware, no thread, no file, no import. It is an environment variable, not a
+recipe key, because it must reach processes nobody configures directly, and it changes nothing
+a run computes. A hook module that cannot be imported or lacks a hook of `Hooks` is an
+`InstrumentationError` naming the variable, never a silent no-op.
+See docs/design-docs/distributed.md, "Instrumentation hooks".
 """
 
 from __future__ import annotations

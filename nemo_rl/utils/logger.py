@@ -1,24 +1,11 @@
 """Metrics logging: one JSONL line per step, a compact stdout line, optional TensorBoard.
 
-Contract:
-- `MetricsLogger(cfg).log(step, metrics)` appends exactly one JSON object to
-  `<log_dir>/metrics.jsonl` (keys sorted, `step` included, flushed and fsync'd before `log`
-  returns), prints one compact line to stdout with the `cfg.stdout_keys` that are present, and,
-  only when `cfg.tensorboard_enabled`, writes every metric as a scalar under
-  `<log_dir>/tensorboard`. The file is opened in append mode so a resumed run keeps its history.
-- A metric value must be a finite real number (bools, strings, None, NaN and +-inf are rejected
-  with a `MetricsError` naming the key and the step). A metric may not be called `step`.
-  Nothing is written for a rejected call.
-- Run records beside metrics.jsonl (written by the training loop, read by the L1 test):
-  `write_run_info(log_dir, info)` replaces `<log_dir>/run_info.json` atomically (facts about the
-  run measured at set-up, e.g. `generation/venv`: the venv every generation worker runs in);
-  `append_jsonl(path, records)` appends one JSON object per record, fsync'd. With
-  `logger.dump_first_call_prompt_ids` the loop appends, per step, one record per training row and
-  per placeholder to `<log_dir>/first_call_prompt_ids.jsonl` (fields: see
-  `nemo_rl.token_capture.metrics.first_call_prompt_records`).
-- `Timer(name, into)` records wall time in seconds under `timing/<name>` of the dict `into`.
-- `progress(label, done, total)` prints `[progress] <label>: done/total (pct) elapsed` at most
-  once per `min_interval_s` per label, plus always the first and the final line of a phase.
+`MetricsLogger(cfg).log(step, metrics)` appends exactly one JSON object to
+`<log_dir>/metrics.jsonl`, fsync'd before it returns (append mode: a resumed run keeps its
+history). Refuses a value that is not a finite real number, or a metric called `step`, with a
+`MetricsError` naming key and step, and writes nothing then. Also: `write_run_info` (atomic),
+`append_jsonl` (fsync'd), `Timer` and a rate-limited `progress` line.
+See docs/guides/token-capture.md, "The metrics logger and run records".
 """
 
 from __future__ import annotations

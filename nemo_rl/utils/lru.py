@@ -1,19 +1,12 @@
 """One bounded, thread-safe least-recently-used map: every bounded cache and registry of ours.
 
-Contract:
-- `BoundedLRU(max_weight, weight=...)` holds entries whose total weight (`weight(value)`, 1 per
-  entry by default) never exceeds `max_weight`. Inserting past the bound evicts the least
-  recently used entries, oldest first, until it fits; a single value heavier than the bound is
-  never held (it would evict everything and then itself).
-- Recency: `put`, `get` and `touch` make a key the most recently used; `peek`, `in`, `len`,
-  `keys` and `pop` never change the order (a registry that reads without using, or a record
-  kept in insertion order, peeks).
-- `put` returns what it pushed out, oldest first, as (key, value) pairs: the evicted entries
-  and, when the value itself is over the bound, that value (the key is then absent). Replacing
-  a key's value is not an eviction. Owners that account for evictions count that list.
-- Every method holds one internal lock for its whole effect, so each is atomic across threads;
-  a compound step (read, then write) is atomic only under the owner's own lock. Weights must be
-  non-negative ints and must not change while a value is held.
+`BoundedLRU(max_weight, weight=...)` keeps the total weight (1 per entry by default) within
+`max_weight`, evicting least recently used entries first; a single value heavier than the bound
+is never held. `put`, `get` and `touch` refresh recency; `peek`, `in`, `len`, `keys` and `pop`
+never change the order. `put` returns what it pushed out, oldest first, so owners can count
+evictions (replacing a value is not one). Each method is atomic under one internal lock; a
+compound read-then-write is atomic only under the owner's lock. Weights are non-negative ints
+that must not change while a value is held.
 """
 
 from __future__ import annotations

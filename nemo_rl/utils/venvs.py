@@ -1,63 +1,14 @@
 """Flavored virtual environments for actors whose stack differs from the driver's (the vLLM worker).
 
-Contract:
-- A flavor is a `VenvSpec`: a name, the interpreter it is built from, a pinned requirements file
-  committed under `nemo_rl/utils/venv_specs/`, and local packages built from this repository
-  (the nemo-gym build glue). The CPU spec leaves out torchvision/torchaudio/torchcodec/triton:
-  their registry builds are CUDA builds that break `transformers` beside CPU torch, and vLLM
-  serves text models without them. Its folder name is `<name>-<sha256(spec)[:16]>`, where the hash
-  covers every input that changes what gets installed (spec text, interpreter version, local
-  package sources, builder version). A venv built for one spec is therefore never reused for
-  another: editing a pin yields a new folder instead of a stale cache hit.
-- `ensure_venv(spec, builder=...)` returns a folder only when its completion marker (holding the
-  full hash) is present. `builder(spec, target, progress, timeout_s)` creates a venv at `target`,
-  a folder that does not exist yet; the default `uv_builder` runs `uv venv --relocatable` and
-  `uv pip install`. Tests inject fakes.
-- `NRL_FORCE_REBUILD_VENVS_LIST` (comma-separated flavor names, or `*`) forces a rebuild.
-- `NRL_VENVS_DIR` moves the venv root (default: `<repo>/.venvs`, git-ignored).
-- Packages come from the standard sources: `PIP_FIND_LINKS` / `UV_FIND_LINKS` are passed to uv
-  at run time; no path or host is written into any file.
-- Building prints progress lines; failures raise `VenvBuildError` with the failing command and
-  the tail of its output.
-- `running_venv_info()` (called inside an actor) reports the venv the process actually runs in:
-  its folder and the spec hash in its marker, so a run can record what its workers ran.
-
-How a build is made atomic (the safety argument):
-1. Every build of `<root>/<folder>` happens under an exclusive `flock` on `<root>/.<folder>.lock`,
-   held from the completeness check to the publication. The kernel releases the lock when its
-   holder exits for any reason (SIGKILL included), so a dead builder never blocks the next one,
-   and a second process that asks for the same spec waits, then finds the marker and reuses the
-   first one's venv without building.
-2. The builder writes into a sibling `<folder>.building-<pid>` (same file system, so the final
-   step can be a rename). Only a lock holder builds, and a lock holder is alive, so any
-   `<folder>.building-*` or `<folder>.stale-*` found by the next lock holder was left by a process
-   that died: it is removed before the next build.
-3. After the builder returns, the marker (the full hash) is written inside the build folder and
-   fsync'd, and the folder is renamed to `<folder>` with `os.rename`, which is atomic: `<folder>`
-   is either absent or a complete venv whose marker names its spec. A process killed at any point
-   before the rename leaves only a `.building-*` leftover, never a usable-looking `<folder>`.
-4. If `<folder>` already exists: when it is complete for this hash and no rebuild was forced,
-   another process finished first and our build is discarded (this also covers a lock that does
-   not serialize, e.g. a file system without `flock`: the loser of the rename race sees
-   ENOTEMPTY, checks the winner's marker and discards its own). Otherwise (a forced rebuild, or
-   an incomplete folder left by the earlier in-place builder) the old folder is renamed aside to
-   `<folder>.stale-<pid>` and removed after ours is in place.
-5. Moving a venv is safe only if nothing inside names its own path. `uv venv --relocatable`
-   makes `bin/python` a symlink to the base interpreter (independent of the venv's location),
-   `pyvenv.cfg` names only that base interpreter, and console scripts installed by `uv pip
-   install` into such a venv start with a `/bin/sh` trampoline that finds `python` next to
-   themselves instead of a `#!<venv>/bin/python` shebang. uv installs no `.pth` file naming the
-   venv for non-editable installs. This is checked, not assumed: before the marker is written,
-   `bin/*` and `pyvenv.cfg` are scanned for the build folder's path, and a hit fails the build
-   (`VenvBuildError` naming the files) instead of publishing a venv that breaks once moved.
-   A venv published by the earlier in-place builder is valid at the path it was built for (it is
-   never moved).
-6. Bytecode is compiled at build time (`uv pip install --compile-bytecode`), so no process pays
-   for compiling vLLM and torch when it imports them: hosts that set `PYTHONDONTWRITEBYTECODE`
-   never cache bytecode otherwise, and a vLLM worker imports the stack twice (its actor and its
-   engine-core process; about 20 s each on a 2-core host). The `.pyc` files stay valid after a
-   move: the import system rewrites a loaded code object's file name to the source it sits
-   beside. `BUILDER_VERSION` "2" names this builder, so venvs built without bytecode are rebuilt.
+Owns: `VenvSpec` (name, interpreter, pinned requirements under `venv_specs/`, local packages),
+`ensure_venv(spec, builder=...)` and the default `uv_builder`, and `running_venv_info()`.
+Promises: a venv's folder is named by a hash of every input that changes what gets installed, so
+a venv built for one spec is never reused for another; a folder is returned only when its
+completion marker (the full hash) is present; a build is published by one atomic rename, under
+an exclusive `flock`, after the venv is checked to name no path of its own. Refuses to publish a
+non-relocatable venv, and fails with `VenvBuildError` (command and output tail), never a partial
+folder. Knobs: `NRL_VENVS_DIR`, `NRL_FORCE_REBUILD_VENVS_LIST`.
+Contract and the atomicity argument: docs/design-docs/vllm-worker-capture.md, "The venv".
 """
 
 from __future__ import annotations

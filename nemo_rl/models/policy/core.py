@@ -1,41 +1,14 @@
 """PolicyCore: a Hugging Face causal LM (float32 on CPU by default), trained with a given loss.
 
-Contract:
-- Loads `PolicyConfig.model_path` (a local HF folder; no hub access) with AutoModelForCausalLM,
-  in `policy.dtype` on `policy.device` (cuda needs a visible GPU: `PolicyDeviceError`).
-  The model stays in eval mode for its whole life: there is no dropout, so the logprobs used as
-  the ratio's reference and the ones that carry gradients come from one deterministic function.
-- `get_logprobs` returns, per sequence, log p(token_t | tokens_<t) with 0.0 at t = 0. Sequences
-  of different lengths are right-padded inside a micro-batch (`train_micro_batch_size`).
-- `train_step(batch, loss_fn)` = one AdamW step on a `TrainBatch` with a `LossFn` (see
-  `nemo_rl.models.policy.loss`; the GRPO loss is `nemo_rl.algorithms.grpo.ClippedPGLossFn`):
-  1. recompute the pre-update logprobs ("prev") once, without gradients, micro-batch by
-     micro-batch (the same micro-batches as `get_logprobs`, so both agree bit for bit);
-  2. token_mult_prob_error and gen_kl_error of prev vs the generation logprobs over all masked
-     tokens (the trainer/sampler agreement before this step changes anything);
-  3. per micro-batch with a masked token, `loss_fn(...)` normalised by the whole batch's
-     masked-token count, backward (gradients accumulate); its metrics are summed;
-  4. clip the global grad norm to `max_grad_norm`; a non-finite norm raises
-     `NonFiniteGradientError` and no step is taken (nor counted); else AdamW steps at
-     `warmup_lr(learning_rate, lr_warmup_steps, k)` for the k-th step taken (reported as `lr`).
-  A batch without any masked token raises `EmptyMaskError`: there is nothing to train.
-- `export_weights(out_dir)` writes `model.safetensors` (HF parameter names, atomically renamed
-  into place) and copies `config.json`: the layout vLLM's `reload_weights(weights_path=dir)`
-  reads. Tied input/output embeddings are refused (vLLM's CPU backend keeps a stale lm_head).
-- `state_fingerprint()` is a sha256 over (name, dtype, shape, bytes) of every state-dict entry
-  in name order: equal weights give equal fingerprints; any changed bit changes it.
-  `optimizer_fingerprint()` is the same over the optimizer: the count of steps taken (the lr
-  warmup's k), every param group's hyperparameters, and every per-parameter state tensor (AdamW's
-  step, exp_avg, exp_avg_sq) in parameter order.
-- `save_state(dir)` writes the whole training state into an empty (or new) folder: the weights
-  (`model.safetensors`, HF names), the optimizer's `state_dict` (`optimizer.pt`), and
-  `policy_state.json` (steps taken, the torch CPU RNG state, and the CUDA ones on cuda, both
-  fingerprints). `load_state(dir)` restores all of it into this core, bit for bit, and checks
-  the restored fingerprints against the recorded ones. A checkpoint that does not fit (another
-  architecture, or AdamW betas / weight_decay other than this config's) raises
-  `PolicyCheckpointError` naming the field: the restored optimizer keeps its saved
-  hyperparameters, so a silently changed config would not take effect. The learning rate is not
-  checked: every step sets it from `warmup_lr` and the config. Both return a `PolicyStateInfo`.
+Owns the model and its AdamW optimizer, no Ray: `get_logprobs`, `train_step(batch, loss_fn)`,
+`export_weights` (the safetensors layout vLLM reloads), fingerprints, `save_state` / `load_state`.
+Promises: the model stays in eval mode (no dropout), so reference and trained logprobs come from
+one deterministic function; a step recomputes "prev" logprobs over the same micro-batches as
+`get_logprobs` and reports their mismatch against the generation's; a restored state is checked
+bit for bit against its recorded fingerprints. Refuses, by a named error: a batch without a
+masked token (`EmptyMaskError`), a non-finite grad norm (`NonFiniteGradientError`, no step
+taken), tied embeddings on export, and a checkpoint that does not fit (`PolicyCheckpointError`).
+See docs/design-docs/policy.md, "`PolicyCore`".
 """
 
 from __future__ import annotations

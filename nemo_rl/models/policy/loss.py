@@ -1,21 +1,12 @@
 """LossFn: what the policy calls to turn one micro-batch's logprobs into a loss.
 
 The policy does not know which algorithm trains it: `PolicyCore.train_step(batch, loss_fn)`
-takes the loss as an argument (the GRPO clipped loss is `nemo_rl.algorithms.grpo.ClippedPGLossFn`).
-This package never imports `nemo_rl.algorithms`.
-
-Contract of a `LossFn` (called once per micro-batch that holds at least one masked token):
-- keyword inputs, all [B, T] float32 except `advantages` ([B], one per sample) and `mask`
-  ([B, T] bool, True on trained tokens):
-  `curr_logprobs` (carries gradients), `prev_logprobs` (the same policy before this step, no
-  gradients), `generation_logprobs` (the sampler's; 0.0 off the mask), `advantages`, `mask`, and
-  `normalizer`: the number of masked tokens in the WHOLE batch;
-- returns `(loss, metrics)`: `loss` a 0-dim tensor the core back-propagates; `metrics` a dict of
-  floats, each a micro-batch SHARE of a batch value (divide by `normalizer`, not by this
-  micro-batch's count), because the core reports the sum over micro-batches. The names the core
-  reports itself (`CORE_METRICS`) are reserved;
-- must be picklable (a module-level function, or a frozen dataclass with `__call__`): it crosses
-  into the Ray policy actor with every `train_step`.
+takes the loss as an argument; this package never imports `nemo_rl.algorithms`. A `LossFn` is
+called once per micro-batch holding a masked token, with [B, T] logprobs, advantages, the mask
+and `normalizer` (the WHOLE batch's masked-token count), and returns `(loss, metrics)`, each
+metric a micro-batch share of a batch value (the core sums them); `CORE_METRICS` names are
+reserved. It must be picklable: it crosses into the Ray policy actor with every step.
+See docs/design-docs/policy.md, "The `LossFn` contract".
 """
 
 from __future__ import annotations

@@ -1,17 +1,12 @@
 """Trainer/sampler agreement metrics and the masked-tensor helpers every loss shares.
 
-Pure tensor functions; no model, no Ray, no I/O. They live with the policy because the policy
-reports them on every step whatever loss it is given (the GRPO loss reuses the helpers).
-
-Contract and invariants:
-- `token_mult_prob_error` = mean over masked tokens of exp(|train - gen|) (NeMo-RL's metric;
-  exactly 1.0 when the trainer reproduces the sampler's logprobs).
-- `gen_kl_error` = mean over masked tokens of exp(d) - d - 1 with d = train - gen: the k3
-  estimator of KL(P_gen || P_train) from tokens sampled by the generator (>= 0, 0 iff equal).
-- Positions outside the mask never influence any result, even if they hold inf or nan
-  (`masked_sum` selects with torch.where, never multiplies).
-- A mask that is not 0/1 or whose shape differs from the values is a `LossInputError`; an
-  all-zero mask is an `EmptyMaskError`: a mean over no tokens has no value.
+Pure tensor functions; they live with the policy because it reports them every step whatever
+loss it is given. `token_mult_prob_error` = mean over masked tokens of exp(|train - gen|)
+(exactly 1.0 when the trainer reproduces the sampler); `gen_kl_error` = mean of exp(d) - d - 1,
+d = train - gen (the k3 estimator of KL(P_gen || P_train), >= 0, 0 iff equal).
+Invariants: positions outside the mask never influence a result, even inf or nan (`masked_sum`
+selects, never multiplies); a mask that is not 0/1 or mis-shaped is a `LossInputError`, an
+all-zero mask an `EmptyMaskError`.
 """
 
 from __future__ import annotations

@@ -1,26 +1,13 @@
 """The Ray shell around PolicyCore, and the deadline-bounded client the loop calls.
 
-- `PolicyWorker` (num_cpus=1) holds one PolicyCore. Any failure inside a method leaves the actor
-  as a `PolicyWorkerError` naming the method and the original error, so callers catch one
-  named class whatever went wrong inside.
-- `RayPolicyClient` implements `PolicyWorkerHandle` over an actor handle: every call waits at
-  most `PolicyConfig.call_timeout_s` (`PolicyWorkerTimeoutError`); a dead actor is a
-  `PolicyWorkerDiedError`. The first call also waits for the actor to start (model load).
-  `train_step(batch, loss_fn)` checks `loss_fn` in the driver (`LossFnError`) before it is
-  pickled into the actor. `spawn` asks Ray for one GPU when `policy.device` is cuda.
-- Rows through the data plane (`token_capture.train_partition`): spawned with the run's
-  `DataPlaneConfig`, the worker attaches a data-plane client on its first `train_planned(plan,
-  loss_fn)` (kept for later steps), reads the plan's rows and checks their digests
-  (`data_plane.train_rows.read_train_batch`; a mismatch is `TrainRowDigestError`, a
-  `PolicyWorkerError`, and nothing is trained), then runs the same `train_step` on the batch.
-  Without a data-plane config `train_planned` fails by name. `close_data_plane()` detaches.
-- Checkpoints: `save_state(dir)` / `load_state(dir)` (PolicyCore's, returning a
-  `PolicyStateInfo`) and `optimizer_fingerprint()`, under the same deadline. The folder is a path
-  the actor's process writes or reads: on a multi-node cluster it must be on a shared filesystem.
-  The same holds for `export_weights(dir)` (the refit folder, `grpo.refit_dir`, which the vLLM
-  workers read): `check_shared_dir(probe, knob)` reads a driver-written marker there
-  (`nemo_rl.distributed.shared_fs`) and fails as a `PolicyWorkerError` naming the knob when this
-  actor's node does not share the folder.
+`PolicyWorker` holds one PolicyCore; any failure inside a method is a `PolicyWorkerError` naming
+the method and the cause. `RayPolicyClient` implements `PolicyWorkerHandle`: every call waits at
+most `call_timeout_s` (`PolicyWorkerTimeoutError`), a dead actor is `PolicyWorkerDiedError`, and
+`loss_fn` is checked in the driver before it is pickled. With a train partition the worker
+reads a `TrainPlan`'s rows itself and checks their digests (`TrainRowDigestError`: nothing is
+trained). Checkpoint and refit folders must be shared by every node; `check_shared_dir` proves
+it, failing by the knob's name.
+See docs/design-docs/policy.md, "The Ray shell and its client".
 """
 
 from __future__ import annotations

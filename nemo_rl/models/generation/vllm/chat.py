@@ -1,45 +1,14 @@
 """Pure chat-completions logic of the vLLM worker: prompts, token-in tails, tool calls, responses.
 
 Works for any chat model: rendering comes from the model's own chat template (its tokenizer),
-the end-of-turn text from probing that template, tool calls from a named parser. No vLLM import
-(this module is importable in the driver venv).
-
-Contract:
-- `render_root_prompt` renders the whole conversation with the model's chat template (ROOT calls,
-  and every call when capture is off): prompt ids = tokenize(template(messages, tools) + gen prompt).
-- `derive_turn_end(tokenizer)` is the text the template appends after an assistant turn's content
-  (ChatML `<|im_end|>\n`, Llama-3 `<|eot_id|>`), found by rendering a probe conversation whose
-  last assistant turn holds a sentinel. A template that appends nothing, or drops the sentinel,
-  raises `TemplateProbeError`.
-- `sampled_turn_close(tokenizer, prefix_ids)` is the text of the stop token the parent's sampled
-  ids end with (its eos), or "" when the turn was cut (max_tokens).
-- `render_token_in_tail` never re-tokenizes history: it renders the conversation up to and
-  including the last assistant turn (`history`) and the full conversation with the generation
-  prompt (`full`), requires `history` to be a text prefix of `full` and to end with `turn_end`,
-  and returns the ids of `full` after the parent's last SAMPLED token: after the sampled close
-  text when the turn ended on its stop token (which must begin `turn_end`), else from the start
-  of `turn_end` (closing a cut turn). The caller prepends the parent's exact ids. Any violation
-  is a `TailRenderError` (then exact custody is impossible and the worker reports
-  `capture_failed`, never a silently different prompt).
-- Tool calls: `TOOL_CALL_PARSERS` maps vLLM's parser names (`hermes`, `llama3_json`) to pure
-  `text -> ParsedAssistant` functions with vLLM's semantics, rule for rule (a reply with a
-  malformed call stays plain text, never guessed). `get_tool_call_parser(name)` raises
-  `UnknownToolCallParser`.
-- `normalize_messages` shapes messages as vLLM hands them to the template: text parts joined,
-  an assistant's tool-call `arguments` as JSON objects (malformed or empty: `{}`); `developer`
-  becomes `system` (deliberately unlike vLLM).
-- `generated_text` decodes the sampled ids without special tokens (vLLM's default), so stop and
-  control tokens never reach the reply's content; `assistant_reply` is vLLM's reply rule: tool
-  calls are parsed only when the request offers tools and `tool_choice` is not "none", and the
-  `hermes` parser sees the text with special tokens kept (vLLM's parser asks for it), minus the
-  stop token that ended the turn.
-- `build_chat_completion` makes the engine-native OpenAI response: one choice, a unique id, the
-  token echo (`prompt_token_ids`, choice `token_ids`, logprobs as `token_id:N`, or as the caller's
-  `logprob_tokens` names) when asked.
-- Flag-off identity with stock vLLM's OpenAI server (tests/integration/test_stock_vllm_identity.py,
-  docs/design-docs/vllm-worker-capture.md "Flag-off identity"): prompts, parsed replies
-  (`assistant_reply`, `parses_tool_calls`), token ids and logprobs equal vLLM's; what differs is
-  listed there (ids, `created`, keys vLLM adds, logprob `bytes`, `developer` rendered as `system`).
+the end-of-turn text from probing that template, tool calls from a named parser (vLLM's names,
+vLLM's rules). No vLLM import (importable in the driver venv).
+Promises: a token-in tail never re-tokenizes history (the caller prepends the parent's exact
+ids; the tail starts after the parent's last sampled token); a plain call's prompt and parsed
+reply equal stock vLLM's. Refuses, by a named error, a template whose end of turn cannot be
+probed (`TemplateProbeError`), a tail that cannot be placed exactly (`TailRenderError`: the
+worker reports `capture_failed`, never a silently different prompt) and an unknown parser.
+Function by function: docs/design-docs/vllm-worker-capture.md, "`chat.py`, function by function".
 """
 
 from __future__ import annotations

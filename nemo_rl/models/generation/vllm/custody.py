@@ -1,20 +1,13 @@
 """The worker's custody core: what an admitted (`ng_capture`) call goes through, apart from HTTP.
 
-Pipeline of one admitted call (`CustodyCore.serve`): admission check -> claim (or replay) of its
-(rollout_id, model_call_id) -> parents' barrier -> exact prefix -> Gym's one `begin_call` ->
-generation (by the serving layer, `CallServing`) -> staging -> prefix-cache seed once durable ->
-served registry. `build_custody` builds it from the worker's parts (Gym's capture core over a
-staging sink, the `PrefixCache` over a staging source, the write-behind `StageBarrier`);
-`build_tq_custody` is that build over the data plane, as the worker runs it.
-
-Invariants (the full rules are in `serving.py`'s contract, which this module implements):
-- Nothing is generated from a prefix that is not verified, nor from a parent whose row is not
-  durable (`_check_parents`, the one parents' check); the prefix cache holds only durable rows.
-- An admitted call is generated at most once; a byte-identical re-send is replayed
-  (`AdmittedCalls`), anything else under a used id is 409 `duplicate_model_call_id`.
-- Every generated admitted call leaves one `ServedCall`; a failed custody step after generation
-  is a `capture_failed` reply, never a silent success.
-- Failures are `ApiError`s whose type names the status (`nemo_rl.data.errors`); no HTTP here.
+`CustodyCore.serve`: admission check, claim (or replay) of the call's id, the parents' barrier,
+exact prefix, Gym's one `begin_call`, generation (`CallServing`), staging, prefix-cache seed once
+durable, served registry. `build_custody` / `build_tq_custody` build it from the worker's parts.
+Invariants: nothing is generated from an unverified prefix or a parent whose row is not durable;
+an admitted call is generated at most once (a byte-identical re-send is replayed); every
+generated admitted call leaves one `ServedCall`; a failed custody step after generation is a
+`capture_failed` reply. Failures are `ApiError`s; no HTTP here.
+The rules in full: docs/design-docs/vllm-worker-capture.md.
 """
 
 from __future__ import annotations

@@ -1,33 +1,14 @@
 """The one module that imports vLLM: a real `AsyncLLM` engine driven by exact token ids.
 
-Contract:
-- `generate` takes prompt token ids (never text) and returns the exact sampled ids with the
-  engine's logprob of each sampled token (`logprobs=0`: the chosen token only, raw model
-  logprobs, which is what the trainer recomputes).
-- Every sample is remembered in a bounded record log keyed by request id, so audits can compare
-  a training row with what the engine itself sampled.
-- `reload_weights` admits no new request, waits for in-flight ones, reloads from a folder of
-  safetensors, clears the prefix cache, returns the engine core's freed heap to the OS
-  (`worker_extension.HostMemoryTrim`), bumps `weight_version`, then admits again: every result
-  carries the exact version that generated all of its tokens.
-
-States and deadlines (`EngineDeadlines`, from `VllmConfig`; every wait here is bounded):
-- `serving`: requests are admitted. `generate` / `prompt_logprobs` streams are bounded by
-  `generate_s`; past it the request is aborted in the engine and `GenerationTimeoutError` raised.
-- `refitting`: new requests wait at the gate; the gate is closed at most `refit_gate_s`
-  (drain + reload), so a waiting request either proceeds or gets `RefitGateTimeoutError`.
-  In-flight requests must finish within `refit_drain_s`, else the refit is ABORTED
-  (`RefitAbortedError`): old weights, version unchanged, state back to `serving`.
-  The reload (weights + prefix-cache reset) must finish within `refit_reload_s`.
-- `failed` (terminal, with a reason): a reload that timed out, raised or was cancelled (the
-  weights are unknown), or an engine that died (`dead_errors`, vLLM's `EngineDeadError`). Every
-  later call raises `EngineFailedError` naming the reason. Never wedged in `refitting`.
-
-Engine-core processes: vLLM v1's `AsyncLLM` runs its engine core in a child process of this
-one (always, CPU included). `core_processes()` reports each one (name, pid, exit code) as this
-process, its parent, sees it; the driver's component watch probes it through the worker actor
-(`vllm_worker_<i>/engine_core`), so an engine core killed under a live worker is named at once
-instead of surfacing later as an `EngineDeadError` from the next call.
+Promises: `generate` takes prompt token ids (never text) and returns the exact sampled ids with
+the engine's raw logprob of each; every sample is kept in a bounded record log for audits;
+`reload_weights` drains, reloads, clears the prefix cache and bumps `weight_version`, so every
+result carries the one version that generated all of its tokens. States `serving`,
+`refitting`, `failed`: every wait is bounded (`EngineDeadlines`); a drain past its deadline
+aborts the refit (old weights kept); a reload that fails or an engine that died is `failed`
+for good (`EngineFailedError`), never wedged in `refitting`. `core_processes()` reports the
+engine-core child processes for the component watch.
+See docs/design-docs/vllm-worker-capture.md, "Engine states and deadlines".
 """
 
 from __future__ import annotations

@@ -1,39 +1,14 @@
 """Driver-side launch of vLLM generation workers in their flavored venv, with deadlines.
 
-Contract: `spawn_workers` builds (or reuses) the venv named by the hash of its spec, starts
-`num_workers` Ray actors whose interpreter is that venv's python and returns their base URLs as
-soon as the ports are open, without waiting for the engines (so the caller can start other
-components meanwhile); `await_workers` waits for the engines within
-`generation.vllm.startup_timeout_s` and returns handles whose `base_url`s serve requests.
-Every actor call made through `WorkerGroup` has a deadline; an actor
-that dies or hangs surfaces as `WorkerError` naming the worker and the operation.
-Worker `i` (0-based, the order of `handles`/`base_urls`) is constructed with `worker_index=i`.
-Placement: `spawn_workers` plans where each worker runs (`nemo_rl.distributed.placement`,
-`generation.vllm.placement`; spread = pinned round-robin over the alive nodes, the driver's node
-first) before creating any actor, so a plan that cannot fit fails (`PlacementError`) before an
-engine starts; `WorkerGroup.planned_nodes` keeps the plan and `node_ids()` measures where the
-actors run. Each worker's base URL names the address it listens on (`generation.vllm.bind`).
-`check_shared_dir(probe, knob)` has every worker read a driver-written marker (a folder shared
-by every node, `nemo_rl.distributed.shared_fs`); a worker that cannot raises `WorkerError` naming
-the knob.
-One control bearer per run (`secrets.token_urlsafe`) opens the workers' control routes; it lives
-on `WorkerGroup.control_token` (kept out of its repr) and is never printed or logged.
-`take_served_async` pops what every worker served for the given rollouts and
-merge it (`merge_served`, worker order then call order); the async variant awaits the refs
-(`nemo_rl.distributed.actor_call.await_with_deadline`) so a driver coroutine never blocks its
-event loop in ray.get. Every call goes through that module's helpers, which classify the failure.
-Liveness (`probes()`): per worker, the actor (`vllm_worker_<i>`) and its vLLM engine-core child
-processes (`vllm_worker_<i>/engine_core`, reported by the worker, which is their parent), both
-on the rollout path; `engine_core_pids()` names those processes' pids by the same component
-names (`engine_core_name`) for run_info.json `components`.
-
-Flavor and GPUs: `resolve_flavor` turns `generation.vllm.flavor` (auto|cpu|gpu) into cpu or gpu
-and, for gpu, checks that enough CUDA devices are visible (`NoGPUError` / `NotEnoughGPUsError`,
-naming the knob and the fix) before the venv build or any engine. Visibility is decided without
-initialising CUDA: NVIDIA device nodes `/dev/nvidia<N>` narrowed by `CUDA_VISIBLE_DEVICES` (not
-`torch.cuda`, which would initialise CUDA in the driver with the driver venv's torch build, and
-not `nvidia-smi`, which containers often lack). A gpu worker reserves
-`tensor_parallel_size` GPUs from Ray and receives the resolved flavor in its config.
+Owns `resolve_flavor`, `spawn_workers` / `await_workers` and `WorkerGroup`. Promises: the flavor
+and the placement plan are checked before the venv build or any engine starts (`NoGPUError`,
+`NotEnoughGPUsError`, `PlacementError`); `spawn_workers` returns base URLs as soon as the ports
+are open, so other components start while engines load; every actor call has a deadline and a
+dead or hung actor surfaces as `WorkerError` naming the worker and the operation; no driver
+coroutine blocks its event loop in `ray.get`. Worker `i` is built with `worker_index=i`.
+Invariant: the per-run control bearer lives on `WorkerGroup.control_token`, out of its repr,
+never printed or logged.
+See docs/design-docs/vllm-worker-capture.md, "The launcher".
 """
 
 from __future__ import annotations

@@ -1,31 +1,13 @@
 """Exact parent prefixes for token-in calls, with a bounded cache so cost stays linear.
 
-Contract:
-- `resolve(chain, prev_len, parent_chain_hash)` returns the exact ids of the staged deltas named
-  by `chain` (root first), concatenated. Only keys missing from the cache are fetched from the
-  staging source, so a rollout of T turns moves each staged delta once, not T times.
-- Each fetched snapshot is checked before use: it must continue the ids resolved so far
-  (`snapshot.prev_len == len(prefix)`), and the running chain hash recomputed from the deltas
-  must equal the snapshot's and, at the end, the admission's `parent_chain_hash`. Any mismatch
-  raises `PrefixMismatchError`; the worker never generates from an unverified prefix.
-- `seed(key, ...)` enters a delta this worker has staged (once its row is durable), so the next turn of the same
-  rollout on this worker fetches nothing. A seeded entry is exactly the entry a fetch of `key`
-  in the chain `[..., parent_key, key]` would produce (`CacheEntry(parent_key, delta, cum_len,
-  chain_hash)`), and it is admitted under the same checks a fetch passes: the delta is
-  non-empty, continues `parent_key` (`cum_len - len(delta)` is the parent's length: 0 for a
-  root), and `compute_chain_hash(parent_chain_hash, delta)` equals `chain_hash`. A delta that
-  fails them is not cached (`seed` returns False and counts it in `seed_rejected`); a key
-  already cached is replaced by the seeded entry (the worker's write is what the store now
-  holds). A key that is not cached is fetched and verified by a later resolve as before.
-- Only durable rows enter the cache: a fetched snapshot was read from the store, and the worker
-  seeds a delta only once its row is written (`custody.CustodyCore._seed_when_durable`), so a
-  cache hit proves its parent durable as a read would.
-- `staged_tip(key)` is the (cum_len, chain_hash) of one staged row, cached or read (not cached):
-  how the worker proves an inline prefix's parent durable.
-- The cache holds per-key deltas with a parent link (memory linear in tokens) and evicts least
-  recently used keys beyond `max_tokens`; a single delta longer than `max_tokens` is never
-  cached (it would evict everything else and then itself). Fetched and seeded entries share the
-  bound. It is thread-safe.
+`resolve(chain, prev_len, parent_chain_hash)` returns the exact ids of the staged deltas the
+chain names, fetching only the keys the cache lacks; every fetched snapshot must continue the
+prefix and match the chain hash, else `PrefixMismatchError` (never generate from an unverified
+prefix). `seed` admits a delta this worker staged only under the checks a fetch passes, so a
+seeded entry is exactly the entry a fetch returns; `staged_tip` reads one row's tip.
+Invariants: only durable rows enter the cache (a cache hit proves what a read would); memory is
+linear in tokens, LRU beyond `max_tokens`; thread-safe.
+See docs/design-docs/vllm-worker-capture.md, "Prefix cache".
 """
 
 from __future__ import annotations

@@ -1,25 +1,13 @@
-"""OpenAI-compatible HTTP transport over `ChatService` (aiohttp, bound to the host the worker picks:
-127.0.0.1 unless `generation.vllm.bind=node_ip`).
+"""OpenAI-compatible HTTP transport over `ChatService` (aiohttp, bound to the host the worker picks).
 
-Routes: POST /v1/chat/completions, POST /tokenize (and /v1/tokenize), GET /v1/models,
-GET /health (and /v1/health); control: GET /control/state (bearer).
-
-Contract:
-- Handlers only read the body, call the service and map `ApiError` to its status with an
-  OpenAI-style error body `{"error": {"message", "type", "param", "code"}}` (`param` names the
-  field at fault). Bodies are strict JSON (`request_rules.parse_json_body`: 400 `invalid_json`)
-  of at most `max_request_bytes` (413 `request_too_large`, before the body is parsed).
-- Availability, one rule for every non-control route, in this order: after `shutdown` began
-  503 `worker_stopping`; once failed 503 `worker_failed` naming the reason; before the service
-  is let through 503 `worker_starting` (the port opens before the engine is up so the Gym
-  servers can be pointed at it while vLLM loads). Nothing is generated in any of these states.
-- Any exception that is not an `ApiError` (or aiohttp's own 4xx) is a bug: it is logged with
-  its traceback, answered 500 `internal_error`, and reported to the `Endpoint`, which makes the
-  worker failed, so the driver's next call into it raises with that traceback.
-- Control routes need `Authorization: Bearer <control token>` (the per-run token the launcher
-  mints): 401 without a bearer credential, 403 with a wrong one (constant-time compare,
-  `request_rules.bearer_status`). They answer in every state, including starting and failed.
-  The token is never logged and never part of a response.
+Routes: POST /v1/chat/completions, POST /tokenize, GET /v1/models, GET /health; control:
+GET /control/state (bearer). Handlers only read the body (strict JSON, at most
+`max_request_bytes`), call the service and map `ApiError` to an OpenAI-style error body.
+Availability, one rule for every non-control route: 503 `worker_stopping`, `worker_failed` or
+`worker_starting`, and nothing is generated then. Any other exception is a bug: logged, 500
+`internal_error`, and the worker becomes failed. Control routes answer in every state, 401/403
+without or with a wrong bearer; the token is never logged nor part of a response.
+See docs/design-docs/token-capture-reliability.md ("Bad input", "Authentication and loopback").
 """
 
 from __future__ import annotations

@@ -1,92 +1,14 @@
 """The worker's chat-completions core: honours `ng_capture` admissions over an exact-id engine.
 
-Contract (the transport, `server.py`, is a thin shell over `ChatService`; an admitted call goes
-through the custody core, `custody.CustodyCore`, which implements the admission rules below):
-- No admission (capture off: the legacy path): render the whole conversation, generate, and echo
-  tokens when asked (`return_token_ids` -> `prompt_token_ids` + choice `token_ids`; `logprobs` ->
-  entries named `token_id:N` under `return_tokens_as_token_ids`, else by the token's text), with
-  vLLM's reply rules (`chat.assistant_reply`): the reply equals stock vLLM's OpenAI server's in
-  every field the identity test compares (tests/integration/test_stock_vllm_identity.py).
-- ROOT (`mode="text"`): same prompt, plus custody: the delta `prompt + generated` is staged
-  through Gym's `RolloutTokenCapture` before the response is returned with `ng_commit_coords`.
-- token-in: the prompt is the parent's exact ids (inline `required_prefix_token_ids`, or the
-  `staging_chain` resolved through the bounded `PrefixCache`; an empty inline list never counts
-  as "no prefix") followed by the newly rendered tail only.
-- One admission check per admitted call: Gym's `begin_call` runs once, after the prefix is
-  resolved and the context checked and before anything is generated (its `CaptureError` is the
-  400 `invalid_capture_admission`); the `ActiveCall` it returns is restamped with the weight
-  version the generation ran under before it is completed.
-- An admitted call's reply carries no token echo, whatever the request asked (`logprobs`,
-  `return_token_ids`): no `prompt_token_ids`, no choice `token_ids`, choice `logprobs` null. The
-  staged record is the source of truth for the ids; Gym's external-staging gate strips those
-  fields unread and reads only the message, `finish_reason`, `id` and `ng_commit_coords`. The
-  capture core reads the ids from an internal payload (`_capture_payload`), never from the reply.
-  Plain calls (no admission: the legacy path) echo exactly as before.
-- Prefix seeding: a staged ROOT or `staging_chain` continuation enters the `PrefixCache` as the
-  entry a fetch of its key would give (`PrefixCache.seed` checks the delta against the staged
-  chain hash), so the next turn of the rollout on this worker resolves its chain without a fetch.
-  It enters only once its row is durable (write-behind: `StageBarrier.when_written`, a lost row
-  never seeds; before-reply: at once), so the cache holds only durable rows.
-- Never a silently uncaptured success: if custody fails after generation (tail cannot be
-  rendered exactly, staging fails or times out), the reply carries `capture_failed` coords and
-  the reason is counted and kept in `capture_failures`.
-- Any chat model: prompts are the tokenizer's own chat template; the end-of-turn text used by
-  token-in tails is probed from that template once at construction (`chat.derive_turn_end`; if
-  it cannot be found every token-in call is `capture_failed`); replies are parsed with the
-  configured `tool_call_parser` (vLLM's names, `chat.TOOL_CALL_PARSERS`).
-- Caller errors are `ApiError`s (`nemo_rl.data.errors`): a named type that fixes the status, and the
-  field (`param`); only `server.py` turns them into responses. 400 for an
-  invalid request (`request_rules.check_chat_request`, the chat template refusing the
-  messages, sampling values the engine refuses) or admission (Gym's `CaptureAdmission`, inline
-  prefix ids outside the vocabulary), 409 `prefix_mismatch` when staged records do not form the
-  chain the admission names, 409 `duplicate_model_call_id` when this worker already admitted
-  the same (rollout_id, model_call_id) under another request body (remembered LRU,
-  `max_admitted_calls`; a call refused or not generated is forgotten, so its retry is admitted; a
-  call generated once, staged or `capture_failed`, is never generated again). Generation never
-  starts from an unverified prefix.
-- Transport re-sends are idempotent: the registry keeps each admitted call's request digest
-  (`request_digest`: sha256 of the whole body's canonical JSON; a re-send is the same bytes, so no
-  field may differ) and, once answered, its reply. A re-send of a committed call with the same
-  digest gets that reply (same ids, same `ng_commit_coords`; nothing generated, staged or recorded;
-  `stats["replayed_calls"]`). A re-send of a call still in flight waits for it (bounded by
-  `duplicate_wait_s`, the worker's `duplicate_wait_bound_s`), then is replayed, or, if the first
-  was refused or not generated, admitted in its place; past the bound it is 409. A call generated
-  without a committed reply (a bug raised after generation) is 409, never replayed. Once the
-  driver takes a rollout's served report (`take_served`) its calls are retired: their replies are
-  dropped (the registry then holds a key and a digest per call, not a reply), and a re-send is 409,
-  since the rollout's evidence is already judged.
-- Expected failures of the components are 503s with a named type, and nothing else is: the
-  staging source's named errors (`StagingFetchError`: missing key, store unavailable or past its
-  deadline) and data-plane errors are `staging_unavailable` (a stored record that is not a valid
-  snapshot is 409 `prefix_mismatch`); the engine's `EngineFailedError` is `worker_failed`,
-  `GenerationTimeoutError` is `generation_timeout`, `RefitGateTimeoutError` is
-  `worker_refitting`. Any other exception is a bug and propagates (the transport answers 500 and
-  fails the worker).
-- Context overflow (vLLM's rule, checked on the final prompt ids BEFORE `begin_call` and before
-  generation, for plain and admitted calls alike): a prompt of `max_model_len` tokens or more, or
-  an explicit `max_tokens` that does not fit after the prompt, is a 400 `context_length_exceeded`
-  whose message is vLLM's ("This model's maximum context length is N tokens. However, you
-  requested M tokens ..."); Gym's gate matches "context length" in a worker 400 and answers a
-  synthetic empty completion. Nothing is generated, staged or recorded for such a call. A request
-  without `max_tokens` is clipped to the room left (vLLM's default), never rejected for it.
-- Served witness: every admitted call that produced a completion leaves one `ServedCall`
-  (generated-token count, parent, staged or why not, this worker's index, and whether a `text`
-  admission's history held an assistant turn: an unresolved continuation) in a bounded per-rollout
-  registry; `take_served(rollout_ids)` pops them. Under write-behind staging (a `StageBarrier`
-  installed) it first waits for the rollouts' queued rows and marks a call whose row did not land
-  as not staged (`stats["capture_failed"]`, `capture_failures`, an error log line): a row the
-  writer withdrew or abandoned at the deadline is lost for good (`stage_writer.py`). Plain calls,
-  replayed re-sends and calls that produced no completion (rejected, or the engine raised) leave
-  none. Past `max_served_rollouts` rollouts the least recently written one is dropped and counted
-  in `stats["served_evicted_rollouts"]`.
-- The one parents' check (`CustodyCore._check_parents`), for every continuation, `staging_chain` or inline
-  prefix, under write-behind: parents this worker queued must be written (`StageWriter.wait_keys`,
-  bounded by the barrier's deadline; lost or still pending: 503 `staging_unavailable` naming the
-  keys, nothing generated); a parent it cannot vouch for is proven by the store (the chain's
-  resolve reads what the cache lacks, and the cache holds only durable rows; an inline parent is
-  read, `PrefixCache.staged_tip`, and must end at `prev_len` with `parent_chain_hash`, else 409
-  `prefix_mismatch`). Parents staged by another worker are waited for by the prefix source (a
-  missing key is re-read until it appears, bounded).
+Owns `ChatService` (`server.py` is a thin shell over it); admitted calls go through the custody
+core (`custody.CustodyCore`). Promises: a plain call is answered as stock vLLM would; an admitted
+call's prompt is the parent's exact ids plus the newly rendered tail, admitted once by Gym's
+`begin_call` before anything is generated, and its reply carries no token echo (the staged
+record is the source of truth). Refuses generation from an unverified prefix, a second
+generation of a call (a byte-identical re-send is replayed) and a silently uncaptured success
+(custody failing after generation is `capture_failed`, counted). Invariant: only durable rows
+enter the `PrefixCache`; errors are named `ApiError`s, anything else is a bug that propagates.
+See docs/design-docs/vllm-worker-capture.md ("One request" to "Errors, context overflow ...").
 """
 
 

@@ -1,53 +1,15 @@
 """The async vLLM generation worker: a Ray actor hosting a real `AsyncLLM` and its HTTP endpoint.
 
-Contract:
-- Runs inside the vLLM flavored venv (see `launcher.py`); everything vLLM-specific stays in
-  `engine.py`, the request logic in `serving.py`, the transport in `server.py`. This class is
-  the thin actor shell that wires them and converts failures into `WorkerError` before they
-  cross the Ray boundary.
-- Start-up is three calls so the driver can start the data plane and the Gym servers while
-  vLLM loads: `bind(control_token)` opens the HTTP port and returns its base URL (every route
-  answers 503 `worker_starting`; control routes need the per-run bearer `control_token`, never
-  logged), `start_engine()` loads vLLM (slow), `serve()` builds the chat service (with its
-  custody core when token capture is enabled) and only then lets requests through, so no
-  request is ever served uncaptured.
-- Failed state: once the engine is failed (a refit that timed out or raised, the engine process
-  died) or a route hit a bug, every route answers 503 `worker_failed` and every driver call
-  (`update_weights`, `weight_version`, `engine_records`, `prompt_logprobs`, `take_served`,
-  `capture_stats`) raises `WorkerFailedError` (a `WorkerError`) naming the reason (with the
-  bug's traceback). A refit whose in-flight generations outlive `refit_drain_timeout_s` is
-  aborted instead: `WorkerError` says so and the worker keeps serving its previous weights and
-  version. `GET /control/state` (bearer) reports state, weight version, in-flight count, failure.
-- `serve` (token capture enabled) attaches the data plane without blocking the actor's event
-  loop and without any `ray.get` (`DataPlaneClient.attach_async`), then builds the custody core
-  in one call (`custody.build_tq_custody`: Gym's `RolloutTokenCapture` over the TransferQueue
-  sink, a bounded `PrefixCache` over the TQ source and, under
-  `token_capture.stage_write=behind_reply`, the `StageWriter` as its barriers) and the
-  `ChatService` over it. `shutdown` writes what is queued before closing the data-plane client.
-  A re-send waits for its call still in flight at most `generate_timeout_s + 3 * stage_timeout_s`
-  (`custody.duplicate_wait_bound_s`).
-- `update_weights(dir, version)` refits the engine; every later sample carries `version`. A `dir`
-  this worker cannot see raises `WorkerError` naming `grpo.refit_dir` (on several nodes it must
-  be on a shared filesystem) before the engine is touched; `check_shared_dir(probe)` proves the
-  folder is shared at start-up (`nemo_rl.distributed.shared_fs`). A model folder the worker
-  cannot see fails `start_engine` naming `model.path` the same way.
-- Where it listens: `bind` opens the endpoint on `listen_host(generation.vllm.bind, node IP)`
-  (`nemo_rl.distributed.topology`): 127.0.0.1 by default, the IP Ray reports for this worker's
-  node with `node_ip`; the base URL it returns names that same address.
-- `worker_index` (given by the launcher, 0..num_workers-1) stamps every `ServedCall` this worker
-  records; `take_served(rollout_ids)` pops them as wire dicts (`ServedCall.to_wire`).
-- `engine_core_processes()` reports the engine's engine-core child processes (name, pid, exit
-  code; `VllmEngine.core_processes`), in the failed state too, for the driver's component watch.
-- `venv_info()` reports the venv this actor's interpreter runs in (`running_venv_info`: its
-  folder and the spec hash in its completion marker), so a run records what its workers ran.
-- `capture_stats()["served_calls"]` counts the completions this worker produced (plain and
-  admitted), for per-worker call metrics; `prefix_cache_fetched_keys` counts the staged deltas
-  the prefix cache read from TransferQueue, `prefix_cache_seeded_keys` the ones it took from
-  this worker's own staging writes (a same-worker continuation fetches nothing),
-  `prefix_fetch_missing_waits` the re-reads of a parent another worker was still writing, and
-  `stage_writer` the write-behind writer's counters (rows, batches, write_s, failed_rows,
-  withdrawn_rows, abandoned_rows, late_rows_landed, ...); `calls["replayed_calls"]` counts
-  re-sends answered with a committed reply.
+A thin actor shell: vLLM stays in `engine.py`, request logic in `serving.py`, the transport in
+`server.py`; every failure becomes a `WorkerError` before it crosses the Ray boundary.
+Promises: start-up is `bind` (port open, every route 503 `worker_starting`), `start_engine`,
+then `serve`, which builds the custody core before letting requests through, so no request is
+served uncaptured; a refit that cannot drain keeps the old weights, one that fails leaves the
+worker failed (every route 503 `worker_failed`, every driver call `WorkerFailedError`), never
+wedged. Control routes need the per-run bearer token, which is never logged.
+Invariant: every sample carries the weight version it ran under.
+Driver calls and `capture_stats()` counters: docs/design-docs/vllm-worker-capture.md,
+"The actor shell".
 """
 
 from __future__ import annotations

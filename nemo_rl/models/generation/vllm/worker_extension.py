@@ -1,16 +1,11 @@
 """Methods our engine adds to vLLM's worker (`worker_extension_cls`), called by `collective_rpc`.
 
-Contract:
-- `HostMemoryTrim.trim_host_memory()` runs in the engine-core process: a full garbage
-  collection, then glibc's `malloc_trim(0)`, which returns freed heap pages to the OS. Returns
-  True when pages were released, False when none were (or the C library has no `malloc_trim`,
-  e.g. musl: nothing to call, and nothing is wrong).
-- Why: on the CPU engine, the heap of the engine core grows with every step of generations and
-  refits while the memory is free but not returned (measured: ~10 MiB per step of 64 rollouts
-  without the trim, ~1-4 MiB with it, decelerating). `VllmEngine` calls it after every refit,
-  inside the reload deadline.
-- Importable without vLLM (it is a plain mixin); vLLM resolves it by qualified name in the
-  engine-core process, whose `sys.path` includes this repository (`PYTHONPATH` of the worker).
+`HostMemoryTrim.trim_host_memory()` runs in the engine-core process: a full garbage collection,
+then glibc's `malloc_trim(0)`; True when pages were released, False when none were or the C
+library has none (nothing is wrong then). `VllmEngine` calls it after every refit, inside the
+reload deadline. Importable without vLLM (a plain mixin, resolved by qualified name in the
+engine-core process).
+Why: docs/design-docs/vllm-worker-capture.md, "Returning the engine core's heap".
 """
 
 from __future__ import annotations
