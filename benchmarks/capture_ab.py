@@ -1041,7 +1041,11 @@ def _engine_time_lines(ab: Mapping[str, Any]) -> list[str]:
         lines += ["", "The engine's load, from each call's generate interval (in flight: generations in the engine "
                   "during a call, itself included, time-averaged). Equal tokens per busy second with a longer "
                   "engine time per call means the calls overlapped more (the engine batched them); fewer "
-                  "tokens per busy second means the engine itself ran slower.", "",
+                  "tokens per busy second means the engine itself ran slower. The two arms train different "
+                  "policies, so their calls differ in length and overlap; on identical requests "
+                  "(`benchmarks/engine_ab.py`) the engine's part is the same in both paths, and what capture "
+                  "adds to a worker call outside the engine is its commit (Gym's digests), admission parsing "
+                  "and the request digest (docs/guides/token-capture.md, 'Where the engine's part goes').", "",
                   "| | capture | legacy |", "|---|---|---|"]
         for key, label, scale in (("busy_s_per_step", "engine busy, s per step", 1.0),
                                   ("tokens_per_busy_s", "generated tokens per busy second", 1.0),
