@@ -236,6 +236,22 @@ def _controller() -> Any:
         ) from e
 
 
+def _attach_failure(error: BaseException, timeout_s: float) -> Exception:
+    """The data-plane error for a failed `get_config` call (no answer in time, or a dead controller)."""
+    if isinstance(error, ray.exceptions.RayActorError):
+        return DataPlaneUnavailableError(f"the TransferQueue controller is dead: {error}")
+    return DataPlaneTimeoutError("attach", None, timeout_s, "controller did not answer get_config")
+
+
+def _published(conf: Any, deadline: float, timeout_s: float) -> bool:
+    """True once the controller's config is published; raises when another poll would pass `deadline`."""
+    if conf is not None:
+        return True
+    if time.monotonic() + _CONFIG_POLL_INTERVAL_S > deadline:
+        raise DataPlaneTimeoutError("attach", None, timeout_s, "controller has not published its config")
+    return False
+
+
 def fetch_published_conf(timeout_s: float) -> Any:
     """The config the owner published on the controller (polls until published or deadline)."""
     deadline = time.monotonic() + timeout_s
@@ -243,14 +259,10 @@ def fetch_published_conf(timeout_s: float) -> Any:
     while True:
         try:
             conf = ray.get(controller.get_config.remote(), timeout=max(deadline - time.monotonic(), 0.0))
-        except ray.exceptions.GetTimeoutError as e:
-            raise DataPlaneTimeoutError("attach", None, timeout_s, "controller did not answer get_config") from e
-        except ray.exceptions.RayActorError as e:
-            raise DataPlaneUnavailableError(f"the TransferQueue controller is dead: {e}") from e
-        if conf is not None:
+        except (ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError) as e:
+            raise _attach_failure(e, timeout_s) from e
+        if _published(conf, deadline, timeout_s):
             return conf
-        if time.monotonic() + _CONFIG_POLL_INTERVAL_S > deadline:
-            raise DataPlaneTimeoutError("attach", None, timeout_s, "controller has not published its config")
         time.sleep(_CONFIG_POLL_INTERVAL_S)
 
 
@@ -261,14 +273,10 @@ async def fetch_published_conf_async(timeout_s: float) -> Any:
     while True:
         try:
             conf = await asyncio.wait_for(controller.get_config.remote(), max(deadline - time.monotonic(), 0.0))
-        except asyncio.TimeoutError as e:
-            raise DataPlaneTimeoutError("attach", None, timeout_s, "controller did not answer get_config") from e
-        except ray.exceptions.RayActorError as e:
-            raise DataPlaneUnavailableError(f"the TransferQueue controller is dead: {e}") from e
-        if conf is not None:
+        except (asyncio.TimeoutError, ray.exceptions.RayActorError) as e:
+            raise _attach_failure(e, timeout_s) from e
+        if _published(conf, deadline, timeout_s):
             return conf
-        if time.monotonic() + _CONFIG_POLL_INTERVAL_S > deadline:
-            raise DataPlaneTimeoutError("attach", None, timeout_s, "controller has not published its config")
         await asyncio.sleep(_CONFIG_POLL_INTERVAL_S)
 
 

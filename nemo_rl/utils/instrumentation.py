@@ -17,9 +17,6 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 ENV_MODULE = "NRL_INSTRUMENTATION"
-HOOK_NAMES = (
-    "add_call_cost", "set_call_fact", "add_counter", "active", "aiohttp_middlewares", "time_capture_calls", "server_module_argv",
-)
 
 
 class InstrumentationError(RuntimeError):
@@ -36,6 +33,10 @@ class Hooks(Protocol):
     def aiohttp_middlewares(self, role: str = "worker") -> list[Callable[..., Any]]: ...
     def time_capture_calls(self, service: Any) -> None: ...
     def server_module_argv(self, module: str) -> list[str]: ...
+
+
+# The hooks a module must define, in the order `Hooks` declares them.
+HOOK_NAMES = tuple(name for name in vars(Hooks) if not name.startswith("_"))
 
 
 class NoHooks:

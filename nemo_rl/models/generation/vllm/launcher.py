@@ -25,7 +25,6 @@ from typing import Any, NoReturn
 import ray
 
 from nemo_rl.data.served import ServedCall
-from nemo_rl.distributed.component_watch import ChildProcess, Probe, Role, actor_children_probe, ray_actor_probe
 from nemo_rl.distributed.actor_call import (
     ActorCallError,
     ActorCallTimeoutError,
