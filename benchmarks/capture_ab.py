@@ -734,7 +734,7 @@ def _evidence(staged: Sequence[dict[str, Any]], rollout_ids: Sequence[str]) -> l
 
 def _judge_in_process(source: Any, items: Sequence[Any], cfg: Any) -> list[tuple[float, float]]:
     """(fetch seconds, judge seconds) per rollout, in this process: the finalizer's work without Ray."""
-    from nemo_rl.token_capture.finalizer import fetch_snapshots
+    from nemo_rl.experience.finalizer import fetch_snapshots
     from nemo_rl.token_capture.judge import judge_rollout
     from nemo_rl.data.rows import KeptRollout
 
@@ -770,12 +770,12 @@ async def _finalize(
 async def _synthetic(out: Path, turns: Sequence[int], num_finalizers: int) -> dict[str, Any]:
     from nemo_rl.data_plane import DataPlaneClient, DataPlaneConfig, start_data_plane
     from nemo_rl.distributed.ray_cluster import init_local_ray
-    from nemo_rl.environments.gate_ledger import BranchingCaptureLedger
+    from nemo_rl.environments.gate.ledger import BranchingCaptureLedger
     from nemo_rl.token_capture.config import TokenCaptureConfig
-    from nemo_rl.token_capture.finalizer_pool import FinalizerPool, TQSourceFactory
-    from nemo_rl.token_capture.retention import TQStagingCleaner, reported_staged_keys
+    from nemo_rl.experience.finalizer_pool import FinalizerPool, TQSourceFactory
+    from nemo_rl.data_plane.retention import TQStagingCleaner, reported_staged_keys
     from nemo_rl.data.staged_rows import record_to_row
-    from nemo_rl.token_capture.staging import TQTokenSink, TQTokenSource
+    from nemo_rl.data_plane.staging import TQTokenSink, TQTokenSource
 
     capture_cfg = TokenCaptureConfig(enabled=True, num_finalizer_workers=num_finalizers)
     dp_cfg = DataPlaneConfig()

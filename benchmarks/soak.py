@@ -102,8 +102,8 @@ COMPONENT_PATTERNS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("tq_controller", ("ray::TransferQueueController",)),
     ("tq_storage", ("ray::SimpleStorageUnit",)),
     ("policy", ("ray::PolicyWorker",)),
-    ("gym_gate", ("nemo_rl.environments.capture_gate", "responses_api_models.")),
-    ("gym_agent", ("responses_api_agents.", "nemo_rl.environments.compacting_agent")),
+    ("gym_gate", ("nemo_rl.environments.gate.app", "responses_api_models.")),
+    ("gym_agent", ("responses_api_agents.", "nemo_rl.environments.agents.compacting_agent")),
     ("gym_resources", ("examples.arith.resources", "resources_servers.")),
 )
 COMPONENTS = ("driver", *(name for name, _ in COMPONENT_PATTERNS), OTHER)

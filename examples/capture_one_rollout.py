@@ -34,13 +34,13 @@ from examples.arith.tiny_model import TinyModelConfig, ensure_tiny_model
 from nemo_rl.algorithms.setup import start_stack
 from nemo_rl.data.rows import KeptRollout
 from nemo_rl.data_plane import DataPlaneConfig
+from nemo_rl.data_plane.staging import TQTokenSource
 from nemo_rl.environments.nemo_gym import NemoGymConfig, RowSampling
+from nemo_rl.experience.finalizer import fetch_snapshots
 from nemo_rl.models.generation.vllm.config import GenerationConfig
 from nemo_rl.token_capture.audit import audit_train_row, retokenization_drift
 from nemo_rl.token_capture.config import TokenCaptureConfig
-from nemo_rl.token_capture.finalizer import fetch_snapshots
 from nemo_rl.token_capture.judge import RolloutEvidence, judge_rollout
-from nemo_rl.token_capture.staging import TQTokenSource
 
 
 class DropOnceLink:

@@ -80,15 +80,15 @@ from nemo_gym.token_id_capture.fingerprint import assistant_fingerprint
 from nemo_rl.data.rows import KeptRollout, PlaceholderReason
 from nemo_rl.algorithms.setup import start_stack
 from nemo_rl.data_plane import DataPlaneConfig
+from nemo_rl.data_plane.retention import TQStagingCleaner
 from nemo_rl.environments.nemo_gym import NemoGymConfig
+from nemo_rl.experience.finalizer_pool import FinalizerPool, TQSourceFactory
 from nemo_rl.experience.rollout_manager import RetentionError, RolloutManager, RolloutManagerConfig
 from nemo_rl.models.generation.vllm.config import GenerationConfig
 from nemo_rl.token_capture.audit import audit_train_row
 from nemo_rl.token_capture.config import TokenCaptureConfig
-from nemo_rl.token_capture.finalizer_pool import FinalizerPool, TQSourceFactory
 from nemo_rl.token_capture.judge import RunFailure
 from nemo_rl.token_capture.receipt import TERMINAL_RESPONSE_ID_KEY
-from nemo_rl.token_capture.retention import TQStagingCleaner
 
 MIN_FRACTION = 0.99
 EDIT_PREFIX = "Let me restate my previous step. "

@@ -39,7 +39,7 @@ from nemo_gym.base_resources_server import (
     BaseVerifyResponse,
     SimpleResourcesServer,
 )
-from nemo_rl.environments.gate_guard import BodyLimitMiddleware
+from nemo_rl.environments.gate.guard import BodyLimitMiddleware
 
 
 class ArithResourcesServerConfig(BaseResourcesServerConfig):

@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING
 
 from nemo_rl.data.rows import GroupResult, KeptRollout, Placeholder, PlaceholderReason
 from nemo_rl.distributed.component_watch import ComponentDeath, ComponentWatch
+from nemo_rl.experience.finalizer_pool import FinalizerPool
 from nemo_rl.experience.rollout_manager import component_failure_detail
 from nemo_rl.token_capture.config import TokenCaptureConfig
-from nemo_rl.token_capture.finalizer_pool import FinalizerPool
 
 if TYPE_CHECKING:  # set-up builds the watch from the stack it started
     from nemo_rl.algorithms.setup import Stack

@@ -29,6 +29,7 @@ from nemo_rl.algorithms.grpo_config import REFIT_DIR_KNOB, MasterConfig, model_p
 from nemo_rl.algorithms.grpo_health import build_watch
 from nemo_rl.algorithms.refit import max_abs_diff, refit_to
 from nemo_rl.data_plane import DataPlane, DataPlaneClient, DataPlaneConfig, start_data_plane
+from nemo_rl.data_plane.retention import TQStagingCleaner
 from nemo_rl.distributed.actor_call import ActorCallTimeoutError, ActorDiedError, call_with_deadline
 from nemo_rl.distributed.component_watch import ComponentWatch
 from nemo_rl.distributed.placement import actor_node_ids
@@ -42,6 +43,7 @@ from nemo_rl.distributed.shared_fs import remove_probe, write_probe
 from nemo_rl.distributed.topology import check_cluster_binds
 from nemo_rl.environments.datasets import PromptSource, make_prompt_source
 from nemo_rl.environments.nemo_gym import NemoGymConfig, NemoGymEnvironment, RowSampling
+from nemo_rl.experience.finalizer_pool import FinalizeOutcome, FinalizerPool, TQSourceFactory, TQTrainRowsFactory
 from nemo_rl.experience.rollout_manager import RolloutManager, RolloutManagerConfig
 from nemo_rl.models.generation.vllm.config import GenerationConfig
 from nemo_rl.models.generation.vllm.launcher import (
@@ -53,9 +55,7 @@ from nemo_rl.models.generation.vllm.launcher import (
 )
 from nemo_rl.models.policy.worker import RayPolicyClient
 from nemo_rl.token_capture.config import TokenCaptureConfig
-from nemo_rl.token_capture.finalizer_pool import FinalizeOutcome, FinalizerPool, TQSourceFactory, TQTrainRowsFactory
 from nemo_rl.token_capture.judge import RolloutEvidence
-from nemo_rl.token_capture.retention import TQStagingCleaner
 from nemo_rl.data_plane.train_rows import TrainRowCleaner
 from nemo_rl.utils.checkpoint import CheckpointMismatchError, restore_rng_states
 from nemo_rl.utils.logger import MetricsLogger, write_run_info

@@ -8,7 +8,7 @@ Contract:
 - `body()` is the OpenAI error body `{"error": {"message", "type", "param", "code"}}` (`code` is the
   status); `encoded()` is that body as the bytes `json.dumps` gives (what aiohttp's
   `json_response` sends too), so both transports answer byte-identical bodies.
-- Only the transports (`models.generation.vllm.server`, `environments.gate_guard`) turn an
+- Only the transports (`models.generation.vllm.server`, `environments.gate.guard`) turn an
   `ApiError` into a response. An unknown type is a bug of the raiser: `ValueError` at construction.
 """
 

@@ -24,16 +24,16 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from nemo_rl.environments.gate_guard import GATE_GUARD_KEY, GateGuardConfig
+from nemo_rl.environments.gate.guard import GATE_GUARD_KEY, GateGuardConfig
 from nemo_rl.environments.nemo_gym_config import NemoGymConfig
 from nemo_rl.utils import instrumentation
 
 LOOPBACK = "127.0.0.1"
 GATE = "policy_model"
 GATE_MODULE = "responses_api_models.vllm_model.app"
-CAPTURE_GATE_MODULE = "nemo_rl.environments.capture_gate"
+CAPTURE_GATE_MODULE = "nemo_rl.environments.gate.app"
 AGENT_MODULE = "responses_api_agents.simple_agent.app"
-COMPACTING_AGENT_MODULE = "nemo_rl.environments.compacting_agent"
+COMPACTING_AGENT_MODULE = "nemo_rl.environments.agents.compacting_agent"
 # Agents this package ships; every other `env.agent` is a Gym agent package launched by name.
 OUR_AGENT_MODULES = {"compacting_agent": COMPACTING_AGENT_MODULE}
 GYM_AGENTS_PACKAGE = "responses_api_agents"

@@ -18,8 +18,8 @@ from typing import Any
 from nemo_gym.token_id_capture.staging import EMPTY_EXTRAS_DIGEST, CallRecord, StagedCallBaseSnapshot
 
 from nemo_rl.data.rows import GroupEntry, KeptRollout, Placeholder, PlaceholderReason, TrainRow
-from nemo_rl.data.staged_rows import StagingFetchError
-from nemo_rl.token_capture.finalizer import fetch_error_reason
+from nemo_rl.data.staged_rows import StagedRecordInvalidError, StagingFetchError
+from nemo_rl.data_plane.staging import StagedKeysMissingError
 from nemo_rl.token_capture.judge import RolloutEvidence, all_served_lost
 from nemo_rl.token_capture.router_replay import (
     CallRoutes,
@@ -37,6 +37,15 @@ from nemo_rl.token_capture.router_replay import (
 # Route-payload faults that make a rollout's verdict (a RouteSpanError would be our own bug).
 _ROUTE_DATA_ERRORS = (RoutedExpertsDecodeError, RouteShapeMismatchError, RouteValueError)
 ROUTER_REPLAY_DETAIL_PREFIX = "router_replay_extras"
+
+
+def fetch_error_reason(error: StagingFetchError) -> PlaceholderReason:
+    """The verdict for a staging read that failed: missing, invalid (tampered/corrupt), or unavailable."""
+    if isinstance(error, StagedKeysMissingError):
+        return PlaceholderReason.STAGED_RECORD_MISSING
+    if isinstance(error, StagedRecordInvalidError):
+        return PlaceholderReason.VERIFICATION_FAILED
+    return PlaceholderReason.DATA_PLANE_ERROR
 
 
 def attach_router_replay(

@@ -53,8 +53,8 @@ def test_everything_is_off_without_the_variable(monkeypatch: pytest.MonkeyPatch)
 
 
 def test_launcher_runs_the_counting_runner_when_on(fresh: Path) -> None:
-    assert wm.server_module_argv("nemo_rl.environments.capture_gate") == [
-        "benchmarks.wire_metrics", "nemo_rl.environments.capture_gate"]
+    assert wm.server_module_argv("nemo_rl.environments.gate.app") == [
+        "benchmarks.wire_metrics", "nemo_rl.environments.gate.app"]
 
 
 def test_flushed_file_holds_http_counters_and_calls(fresh: Path) -> None:

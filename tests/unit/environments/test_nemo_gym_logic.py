@@ -183,7 +183,7 @@ def test_server_specs_name_our_module_not_a_gym_package(tmp_path: Path) -> None:
     assert launch.server_specs(PORTS, None, resources_server=ARITH) == launch.server_specs(PORTS, resources_server=ARITH)
     wiring = launch.CaptureWiring(ledger_dir=tmp_path / "ledger", control_token_env="MY_BEARER")
     captured = {s.name: s.module for s in launch.server_specs(PORTS, wiring, resources_server=ARITH)}
-    assert captured == {**modules, "policy_model": "nemo_rl.environments.capture_gate"}
+    assert captured == {**modules, "policy_model": "nemo_rl.environments.gate.app"}
 
 
 # --- row sampling ----------------------------------------------------------------------------

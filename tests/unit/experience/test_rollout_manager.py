@@ -35,7 +35,9 @@ from nemo_rl.data.rows import (
     TrainRow,
 )
 from nemo_rl.data.served import ServedCall
+from nemo_rl.data_plane.staging import StagedKeysMissingError
 from nemo_rl.environments.nemo_gym_config import GymRunError, GymRunTimeoutError, ManifestServerError
+from nemo_rl.experience.finalizer_pool import FinalizeOutcome, judge_from_source
 from nemo_rl.experience.rollout_manager import (
     AccountingError,
     RetentionError,
@@ -46,9 +48,7 @@ from nemo_rl.experience.rollout_manager import (
 )
 from nemo_rl.models.generation.vllm.worker import WorkerError
 from nemo_rl.token_capture.config import TokenCaptureConfig
-from nemo_rl.token_capture.finalizer_pool import FinalizeOutcome, judge_from_source
 from nemo_rl.token_capture.judge import RunFailure
-from nemo_rl.token_capture.staging import StagedKeysMissingError
 
 R = PlaceholderReason
 # outcome kind -> expected entry (KeptRollout, or the placeholder reason)

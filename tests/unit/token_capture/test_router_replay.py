@@ -21,6 +21,7 @@ from nemo_gym.token_id_capture.staging import (
 
 from nemo_rl.data.staged_rows import ExtrasDigestMismatchError, StagedRecordInvalidError, StagingFetchError
 from nemo_rl.data_plane import DataPlaneClient, DataPlaneConfig
+from nemo_rl.data_plane.staging import TQTokenSink, TQTokenSource
 from nemo_rl.token_capture.router_replay import (
     CallRoutes,
     RoutedExpertsDecodeError,
@@ -34,7 +35,6 @@ from nemo_rl.token_capture.router_replay import (
     router_replay_metrics,
     row_routes,
 )
-from nemo_rl.token_capture.staging import TQTokenSink, TQTokenSource
 
 S = -1  # the sentinel
 

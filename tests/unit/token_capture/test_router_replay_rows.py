@@ -36,11 +36,11 @@ from nemo_rl.data.rows import (
     TrainRow,
 )
 from nemo_rl.data_plane import DataPlaneClient, DataPlaneConfig
+from nemo_rl.data_plane.staging import TQTokenSink, TQTokenSource
+from nemo_rl.experience.finalizer_pool import judge_from_source
 from nemo_rl.token_capture.config import TokenCaptureConfig
-from nemo_rl.token_capture.finalizer_pool import judge_from_source
 from nemo_rl.token_capture.judge import RolloutEvidence
 from nemo_rl.token_capture.metrics import finalize_metrics
-from nemo_rl.token_capture.staging import TQTokenSink, TQTokenSource
 
 S = -1  # the sentinel
 PARTITION = "router_replay_rows_test"

@@ -24,6 +24,7 @@ from examples.arith.tiny_model.corpus import task_conversation
 from examples.arith.tiny_model.tokenizer import train_tokenizer
 from nemo_gym.token_id_capture.staging import StageResult, staging_key
 from nemo_rl.data_plane.errors import DataPlaneTimeoutError
+from nemo_rl.data_plane.staging import StagedKeysMissingError, StagingStoreUnavailableError
 from nemo_rl.models.generation.vllm.config import GenerationConfig
 from nemo_rl.models.generation.vllm.engine import (
     EngineDeadlines,
@@ -38,7 +39,6 @@ from nemo_rl.models.generation.vllm.custody import build_custody
 from nemo_rl.models.generation.vllm.registry import AdmittedCalls, request_digest
 from nemo_rl.models.generation.vllm.serving import ChatService
 from nemo_rl.models.generation.vllm.worker import VllmGenerationWorker, WorkerError, WorkerFailedError
-from nemo_rl.token_capture.staging import StagedKeysMissingError, StagingStoreUnavailableError
 from nemo_rl.data.staged_rows import StagedRecordInvalidError
 
 TOKEN = "per-run-control-token-0123456789"

@@ -24,15 +24,15 @@ import ray
 
 from nemo_rl.data.rows import GroupEntry, KeptRollout, Placeholder, PlaceholderReason
 from nemo_rl.data_plane import DataPlaneClient, DataPlaneConfig, DataPlaneError, FieldEncodingError
+from nemo_rl.data_plane.staging import TQTokenSource
 from nemo_rl.data_plane.train_rows import store_many_rows
 from nemo_rl.distributed.actor_call import ActorCallTimeoutError, ActorDiedError, ActorRaisedError, await_with_deadline
 from nemo_rl.distributed.component_watch import Probe, Role, first_line, ray_actor_probe
+from nemo_rl.experience.finalizer import SnapshotSource, fetch_snapshots
 from nemo_rl.token_capture.config import TokenCaptureConfig
-from nemo_rl.token_capture.finalizer import SnapshotSource, fetch_snapshots
 from nemo_rl.token_capture.judge import RolloutEvidence, all_served_lost, judge_rollout
 from nemo_rl.token_capture.receipt import reward_of
 from nemo_rl.token_capture.router_replay_rows import attach_router_replay
-from nemo_rl.token_capture.staging import TQTokenSource
 
 LOGGER = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 The loop test drives `CompactingAgent._create_episode` in-process with a scripted stand-in for
 Gym's ServerClient (two calculator calls, then an answer) at thresholds 1 and 2. The process test starts
-`python -m nemo_rl.environments.compacting_agent` (one process, capture wiring on) with the
+`python -m nemo_rl.environments.agents.compacting_agent` (one process, capture wiring on) with the
 global config `nemo_gym_launch.build_global_config` writes (its agent entry moved under
 `compacting_agent`) and runs `/run` once without and once with a rollout id. The config points
 at two fakes served here on 127.0.0.1: a model server answering `/v1/responses` (a calculator
@@ -36,7 +36,7 @@ from nemo_gym.openai_utils import (
     NeMoGymResponseOutputText,
 )
 from nemo_rl.environments import nemo_gym_launch as launch
-from nemo_rl.environments.compacting_agent import CompactingAgent, CompactingAgentConfig, compact_history
+from nemo_rl.environments.agents.compacting_agent import CompactingAgent, CompactingAgentConfig, compact_history
 from nemo_rl.environments.nemo_gym_config import NemoGymConfig
 from nemo_rl.environments.task import RowSampling
 
@@ -44,7 +44,7 @@ PROBLEM = Problem(expression="12 + 5 * 3", answer=27)
 ARGS = json.dumps({"expression": PROBLEM.expression})
 SUMMARY_27 = f"Summary of the work so far: you called calculator({ARGS}) and it returned 27. Continue."
 FAKE_REWARD = 0.75
-AGENT_MODULE = "nemo_rl.environments.compacting_agent"
+AGENT_MODULE = "nemo_rl.environments.agents.compacting_agent"
 
 
 def _dump(items: list[Any]) -> list[dict]:
@@ -312,7 +312,7 @@ async def test_agent_process_compacts_before_the_second_model_call(tmp_path: Pat
         dict(os.environ),
         config_json=json.dumps(config),
         spec=spec,
-        import_root=Path(__file__).resolve().parents[3],
+        import_root=Path(__file__).resolve().parents[4],
         extra={},
     )
     proc = launch.start_server(spec, python=sys.executable, env=env, cwd=tmp_path, log_path=log_path)

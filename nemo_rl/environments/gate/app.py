@@ -1,6 +1,6 @@
 """Our capture gate: Gym's `vllm_model` server with our ledger policy and request normalisation.
 
-Launched as `python -m nemo_rl.environments.capture_gate` with Gym's config variables and a
+Launched as `python -m nemo_rl.environments.gate.app` with Gym's config variables and a
 `token_id_capture` block (`enabled`, `external_staging`, `dir`); it refuses to start with capture
 off, with a configured `lineage_store` (it would win over ours) or with `num_workers > 1`.
 Owns what changes at the gate: `BranchingCaptureLedger` (identical siblings resolve to one,
@@ -32,9 +32,9 @@ from nemo_gym.global_config import get_global_config_dict
 from nemo_gym.openai_utils import NeMoGymChatCompletionCreateParamsNonStreaming, NeMoGymResponseCreateParamsNonStreaming
 from nemo_gym.token_id_capture.config import token_id_capture_config
 from nemo_gym.token_id_capture.protocols import install_lineage_store
-from nemo_rl.environments.gate_guard import GATE_GUARD_KEY, GateGuardConfig, GateGuardMiddleware, WorkerContextLimit
-from nemo_rl.environments.gate_ledger import BranchingCaptureLedger
-from nemo_rl.environments.gate_normalize import normalize_chat_body, normalize_chat_request
+from nemo_rl.environments.gate.guard import GATE_GUARD_KEY, GateGuardConfig, GateGuardMiddleware, WorkerContextLimit
+from nemo_rl.environments.gate.ledger import BranchingCaptureLedger
+from nemo_rl.environments.gate.normalize import normalize_chat_body, normalize_chat_request
 from responses_api_models.vllm_model.app import _PROPAGATE_CONTEXT_ERROR_ATTRIBUTE, VLLMModel
 
 Scope = MutableMapping[str, Any]

@@ -32,22 +32,22 @@ from nemo_gym.server_utils import ServerClient, get_first_server_config_dict
 from nemo_gym.token_id_capture.protocols import install_lineage_store
 from nemo_gym.token_id_capture.staging import StageResult, staging_key
 from nemo_rl.environments import nemo_gym_launch as launch
-from nemo_rl.environments.capture_gate import (
+from nemo_rl.data.errors import ApiError
+from nemo_rl.environments.gate.app import (
     CaptureGateConfigError,
     CaptureGateModel,
     control_token_from,
     guard_config_from,
     upstream_error_answer,
 )
-from nemo_rl.data.errors import ApiError
-from nemo_rl.environments.gate_guard import (
+from nemo_rl.environments.gate.guard import (
     GateGuardConfig,
     GateGuardMiddleware,
     check_rollout_id,
     loc_field,
     split_rollout_path,
 )
-from nemo_rl.environments.gate_ledger import BranchingCaptureLedger
+from nemo_rl.environments.gate.ledger import BranchingCaptureLedger
 from nemo_rl.environments.nemo_gym_config import NemoGymConfig
 from nemo_rl.models.generation.vllm.custody import build_custody
 from nemo_rl.models.generation.vllm.server import Endpoint, build_app

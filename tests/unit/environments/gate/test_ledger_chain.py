@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nemo_rl.environments.ledger_chain import CHAIN_MARKER, LedgerChainError, chains_of, compact_row, expand_rows
+from nemo_rl.environments.gate.ledger_chain import CHAIN_MARKER, LedgerChainError, chains_of, compact_row, expand_rows
 
 
 @st.composite

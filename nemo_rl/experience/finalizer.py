@@ -20,9 +20,10 @@ from nemo_gym.token_id_capture.staging import StagedCallBaseSnapshot
 
 from nemo_rl.data.rows import GroupEntry, KeptRollout, Placeholder, PlaceholderReason, RowOrigin, TrainRow
 from nemo_rl.data.staged_rows import StagedRecordInvalidError, StagingFetchError
+from nemo_rl.data_plane.staging import StagedKeysMissingError
 from nemo_rl.token_capture.judge import FetchProblem
 from nemo_rl.token_capture.receipt import reward_of
-from nemo_rl.token_capture.staging import StagedKeysMissingError
+from nemo_rl.token_capture.router_replay_rows import fetch_error_reason
 
 _ECHO_FIELDS = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
 
@@ -33,15 +34,6 @@ class SnapshotSource(Protocol):
     """
 
     def fetch(self, staging_keys: list[str]) -> list[StagedCallBaseSnapshot]: ...
-
-
-def fetch_error_reason(error: StagingFetchError) -> PlaceholderReason:
-    """The verdict for a staging read that failed: missing, invalid (tampered/corrupt), or unavailable."""
-    if isinstance(error, StagedKeysMissingError):
-        return PlaceholderReason.STAGED_RECORD_MISSING
-    if isinstance(error, StagedRecordInvalidError):
-        return PlaceholderReason.VERIFICATION_FAILED
-    return PlaceholderReason.DATA_PLANE_ERROR
 
 
 def fetch_snapshots(

@@ -30,7 +30,7 @@ from nemo_gym.token_id_capture.lineage import FileLineageStore, IncrementalLinea
 from nemo_gym.token_id_capture.protocols import LineageMatch, LineageResolution
 from nemo_gym.token_id_capture.records import ParentResolutionStatus
 
-from nemo_rl.environments.ledger_chain import chains_of, compact_row, expand_rows
+from nemo_rl.environments.gate.ledger_chain import chains_of, compact_row, expand_rows
 
 logger = logging.getLogger(__name__)
 

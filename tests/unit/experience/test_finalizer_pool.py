@@ -15,9 +15,14 @@ from nemo_gym.token_id_capture.staging import StagedCallBaseSnapshot
 from nemo_rl.data.rows import KeptRollout, Placeholder, PlaceholderReason
 from nemo_rl.data.staged_rows import StagedRecordInvalidError
 from nemo_rl.data_plane import DataPlaneClient, DataPlaneConfig, start_data_plane
+from nemo_rl.data_plane.staging import (
+    StagedKeysMissingError,
+    StagingStoreUnavailableError,
+    TQTokenSink,
+    TQTokenSource,
+)
 from nemo_rl.distributed.ray_cluster import init_local_ray
-from nemo_rl.token_capture.config import TokenCaptureConfig
-from nemo_rl.token_capture.finalizer_pool import (
+from nemo_rl.experience.finalizer_pool import (
     FinalizerBugError,
     FinalizerPool,
     FinalizerPoolError,
@@ -27,13 +32,8 @@ from nemo_rl.token_capture.finalizer_pool import (
     judge_from_source,
     split_evenly,
 )
+from nemo_rl.token_capture.config import TokenCaptureConfig
 from nemo_rl.token_capture.judge import RolloutEvidence, RunFailure
-from nemo_rl.token_capture.staging import (
-    StagedKeysMissingError,
-    StagingStoreUnavailableError,
-    TQTokenSink,
-    TQTokenSource,
-)
 
 # Ray workers cannot import this test module: ship the fakes below by value.
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])

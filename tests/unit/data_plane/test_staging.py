@@ -31,9 +31,9 @@ from nemo_gym.token_id_capture.staging import (
 
 from nemo_rl.data.staged_rows import StagedRecordInvalidError, StagingFetchError, record_to_row
 from nemo_rl.data_plane import DataPlaneClient, DataPlaneConfig, DataPlaneTimeoutError
-from nemo_rl.token_capture.retention import TQStagingCleaner
-from nemo_rl.token_capture.stage_writer import StageWriter
-from nemo_rl.token_capture.staging import StagedKeysMissingError, TQTokenSink, TQTokenSource
+from nemo_rl.data_plane.retention import TQStagingCleaner
+from nemo_rl.data_plane.stage_writer import StageWriter
+from nemo_rl.data_plane.staging import StagedKeysMissingError, TQTokenSink, TQTokenSource
 
 PARTITION = "staging_test"
 CFG = DataPlaneConfig(call_timeout_s=10.0)

@@ -18,6 +18,7 @@ from nemo_rl.data.policy_errors import PolicyWorkerError
 from nemo_rl.data.rows import GroupResult, KeptRollout, Placeholder, PlaceholderReason, RowOrigin, RowRef, TrainRow
 from nemo_rl.data.train_rows import FIELDS, train_key
 from nemo_rl.data_plane import DataPlaneError, MissingKeysError
+from nemo_rl.data_plane.staging import TQTokenSink, TQTokenSource
 from nemo_rl.data_plane.train_rows import (
     TrainRowCleaner,
     TrainRowDigestError,
@@ -25,19 +26,18 @@ from nemo_rl.data_plane.train_rows import (
     store_many_rows,
     store_rows,
 )
-from nemo_rl.token_capture.config import TokenCaptureConfig
-from nemo_rl.token_capture.finalizer_pool import (
+from nemo_rl.experience.finalizer_pool import (
     FinalizerPool,
     FinalizerWorker,
     TQSourceFactory,
     TQTrainRowsFactory,
     judge_from_source,
 )
+from nemo_rl.token_capture.config import TokenCaptureConfig
 from nemo_rl.token_capture.judge import RolloutEvidence
 from nemo_rl.token_capture.metrics import finalize_metrics, first_call_prompt_records
-from nemo_rl.token_capture.staging import TQTokenSink, TQTokenSource
 
-from .conftest import TQ_TEST_CONFIG
+from ..conftest import TQ_TEST_CONFIG
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 

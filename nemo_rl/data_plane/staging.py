@@ -43,8 +43,8 @@ from nemo_rl.data.staged_rows import (
 )
 from nemo_rl.data_plane import DataPlaneError, MissingKeysError
 from nemo_rl.data_plane.errors import format_keys
+from nemo_rl.data_plane.stage_writer import StageWriter
 from nemo_rl.utils import instrumentation
-from nemo_rl.token_capture.stage_writer import StageWriter
 from nemo_rl.utils.lru import BoundedLRU
 
 # Re-reads of a key another worker is still writing: a write takes milliseconds, so start small.

@@ -44,14 +44,14 @@ from nemo_gym.token_id_capture.staging.records import (
     staging_key,
 )
 from nemo_rl.environments import nemo_gym_launch as launch
-from nemo_rl.environments.capture_gate import CaptureGateConfigError, ledger_dir_from_config
-from nemo_rl.environments.nemo_gym_config import NemoGymConfig
-from nemo_rl.environments.gate_ledger import (
+from nemo_rl.environments.gate.app import CaptureGateConfigError, ledger_dir_from_config
+from nemo_rl.environments.gate.ledger import (
     CONTEXT_MISMATCH,
     NO_FINGERPRINT_MATCH,
     BranchingCaptureLedger,
     select_parent_row,
 )
+from nemo_rl.environments.nemo_gym_config import NemoGymConfig
 
 ROLLOUT = "r1-step0-g0-i0-a0"
 SYSTEM = {"role": "system", "content": "You are a calculator agent."}
@@ -319,7 +319,7 @@ async def test_resolve_parent_admits_token_in_on_the_first_identical_sibling(tmp
     assert await _failures(ledger) == []
 
 
-# --- the gate process: `python -m nemo_rl.environments.capture_gate` on loopback ---------------
+# --- the gate process: `python -m nemo_rl.environments.gate.app` on loopback ---------------
 
 
 class MemoryStagingSink:
@@ -440,9 +440,9 @@ async def test_capture_gate_process_admits_sdk_echoes_compaction_and_identical_r
         ports=launch.ServerPorts(gate_port, spare1, spare2), capture=wiring, resources_server=ARITH
     )
     spec = launch.server_specs(launch.ServerPorts(gate_port, spare1, spare2), wiring, resources_server=ARITH)[0]
-    assert spec.module == "nemo_rl.environments.capture_gate"
+    assert spec.module == "nemo_rl.environments.gate.app"
     env = launch.server_env(
-        os.environ, config_json=json.dumps(config), spec=spec, import_root=Path(__file__).resolve().parents[3],
+        os.environ, config_json=json.dumps(config), spec=spec, import_root=Path(__file__).resolve().parents[4],
         extra={"GATE_TEST_BEARER": "test-bearer"},
     )
     log_path = tmp_path / "gate.log"
@@ -569,7 +569,7 @@ async def test_the_ledger_file_holds_no_cumulative_chain_and_reads_back_as_gyms_
 
 
 async def test_a_ledger_file_missing_a_parent_row_fails_closed_by_name(tmp_path: Path) -> None:
-    from nemo_rl.environments.ledger_chain import LedgerChainError
+    from nemo_rl.environments.gate.ledger_chain import LedgerChainError
 
     ledger = BranchingCaptureLedger(tmp_path)
     for commit in _chain_of_commits(3):
