@@ -719,7 +719,7 @@ async def _stage_rollout(sink: _TimedSink, ledger: Any, ledger_dir: Path, rollou
     return {
         "manifest": manifest, "served": tuple(served), "per_call": per_call, "tokens": len(sequence),
         "staged_records": staged_records,
-        # The ledger's documented file layout (gate_ledger: `<rollout>.lineage.jsonl` in its directory).
+        # The ledger's documented file layout (gate.ledger: `<rollout>.lineage.jsonl` in its directory).
         "ledger_bytes": (ledger_dir / f"{rollout_id}.lineage.jsonl").stat().st_size,
         "run_result": {"response": {"id": parent.response_id, "output": []}, "reward": 1.0},
     }

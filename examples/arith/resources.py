@@ -13,7 +13,7 @@ Contract:
   (HTTP 422 naming `answer`, FastAPI's shape) instead of being scored, so the rollout fails loudly.
 - Bad input on every route is a 4xx naming the field: FastAPI's 422 for malformed JSON, wrong
   types and missing fields (Gym's validation handler), 413 `request_too_large` for a body above
-  `max_body_bytes` (`gate_guard.BodyLimitMiddleware`, before anything is parsed).
+  `max_body_bytes` (`gate.guard.BodyLimitMiddleware`, before anything is parsed).
 - The handlers are thin shells over the pure functions in `rows`.
 
 Launch: `python -m examples.arith.resources` with Gym's config env variables set

@@ -5,7 +5,8 @@ row whose calls committed to non-empty extras gets `routed_experts` (int16 `[len
 -1 where a token has no route), from ONE digest-bound `fetch_extras` call per rollout; a rollout
 without extras makes no round trip. Invariant: an MoE never trains without its routes silently:
 extras that cannot be fetched, fail their digest or are not route fragments make the rollout a
-placeholder (detail `router_replay_extras: ...`, the same reason mapping as `fetch_snapshots`).
+placeholder (detail `router_replay_extras: ...`; `fetch_error_reason` is the reason mapping, which
+the finalizer's `fetch_snapshots` shares).
 See docs/design-docs/token-capture-receipts.md, "Routes beside the rows".
 """
 

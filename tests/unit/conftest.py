@@ -1,7 +1,9 @@
 """Test support: real, verifiable staged-call chains built with Gym's own worker capture core.
 
 Tests reach these helpers through the session fixture `chains` (pytest runs with
---import-mode=importlib, so test modules cannot import a sibling helper module).
+--import-mode=importlib, so test modules cannot import a sibling helper module). They live at
+tests/unit so the judge's (token_capture), the staging (data_plane) and the finalizer's
+(experience) tests share one set.
 
 `build_chain` drives `RolloutTokenCapture` exactly like a worker does (text root, then token_in
 children whose prefix is the parent's full sequence) into an in-memory sink, and turns each
