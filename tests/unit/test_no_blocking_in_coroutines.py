@@ -3,11 +3,12 @@
 Contract:
 - Every `async def` in `nemo_rl` is parsed with `ast` (never imported). Its own body may not
   call what blocks the thread it runs on: `ray.get` / `ray.wait`, `time.sleep`, `subprocess.*`
-  runners, `requests.*`, a thread's `.join()`, the project's sync Ray wrappers
-  (`call_with_deadline`, `actor_node_ids`), or a sync `DataPlaneClient` call (`attach`, and
-  `put`/`put_many`/`get`/`list_keys`/`clear`/`close` on a receiver named `*client`).
-- Nested sync `def`s and lambdas are not its body (they run where they are sent, typically
-  `asyncio.to_thread`); a callable passed by name (`asyncio.to_thread(ray.get, ref)`) is not a call.
+  runners, `requests.*`, a thread's `.join()`, the project's sync Ray and process helpers
+  (`BLOCKING_FUNCTIONS`) and teardowns (`BLOCKING_TEARDOWNS`), or a sync `DataPlaneClient` call
+  (`attach`; `put`/`put_many`/`get`/`list_keys`/`clear`/`close` on a receiver named `*client`).
+- An awaited call is a coroutine, not a blocking call. Nested sync `def`s and lambdas are not
+  the body (they run where they are sent, typically `asyncio.to_thread`); a callable passed by
+  name (`asyncio.to_thread(ray.get, ref)`) is not a call.
 - A finding names module:line, the call and the fix. `ALLOWED` lists the unavoidable ones, each
   with its reason; an entry that no longer occurs fails too, so the list only shrinks.
 """
@@ -34,17 +35,36 @@ BLOCKING_MODULE_CALLS: dict[tuple[str, str | None], str] = {
     ("subprocess", "check_output"): "`asyncio.create_subprocess_exec` or " + _OFFLOAD,
     ("requests", None): "aiohttp with a per-request `aiohttp.ClientTimeout`",
 }
-# Project functions that block on Ray (called by bare name or as an attribute).
+# Project functions that block on Ray or on processes (called by bare name or as an attribute).
 BLOCKING_FUNCTIONS: dict[str, str] = {
     "call_with_deadline": "`await await_with_deadline(...)` (nemo_rl.distributed.actor_call)",
     "actor_node_ids": _OFFLOAD,
+    "terminate_processes": _OFFLOAD,
+    "start_or_join_ray": _OFFLOAD + " (or run it before the loop starts)",
+    "start_ray_for_stack": _OFFLOAD + " (or run it before the loop starts)",
+    "start_data_plane": _OFFLOAD,
+    "spawn_workers": _OFFLOAD,
+    "await_workers": _OFFLOAD,
+}
+# The project's sync teardowns, by method and the name their receiver ends with: each joins
+# processes or waits on Ray actors.
+BLOCKING_TEARDOWNS: dict[tuple[str, str], str] = {
+    ("stop", "env"): "`await env.aclose()` (NemoGymEnvironment)",
+    ("stop", "stack"): "`await stack.aclose()` (Stack)",
+    ("close", "run"): "`await run.aclose()` (GRPORun)",
+    ("shutdown", "workers"): _OFFLOAD + " (WorkerGroup.shutdown waits on every worker)",
 }
 # Sync DataPlaneClient methods (nemo_rl/data_plane/client.py); each waits on the client's loop thread.
 DATA_PLANE_SYNC_METHODS = frozenset({"put", "put_many", "get", "list_keys", "clear", "close"})
 _DATA_PLANE_FIX = "`await asyncio.to_thread(client.<method>, ...)` (the client's calls block until its loop answers)"
 
 # (module relative to the repo, call as reported) -> why it stays. Only ever delete entries.
-ALLOWED: dict[tuple[str, str], str] = {}
+ALLOWED: dict[tuple[str, str], str] = {
+    ("nemo_rl/algorithms/setup.py", "start_ray_for_stack"): (
+        "ray.init installs its SIGTERM handler only on the main thread, and it runs first in "
+        "start_stack, before anything else is scheduled on the loop"
+    ),
+}
 
 
 @dataclass(frozen=True)
@@ -95,6 +115,9 @@ def classify_call(call: ast.Call) -> tuple[str, str] | None:
     if func.attr == "attach" and _terminal_name(func.value) == "DataPlaneClient":
         return written, "`await DataPlaneClient.attach_async(...)`"
     receiver = _terminal_name(func.value)
+    for (method, suffix), fix in BLOCKING_TEARDOWNS.items():
+        if func.attr == method and receiver is not None and receiver.lower().endswith(suffix):
+            return written, fix
     if func.attr in DATA_PLANE_SYNC_METHODS and receiver is not None and receiver.lower().endswith("client"):
         return written, _DATA_PLANE_FIX.replace("<method>", func.attr)
     # A thread's join takes no positional argument (str.join and os.path.join take at least one).
@@ -110,6 +133,12 @@ class _AsyncBodyVisitor(ast.NodeVisitor):
         self.module = module
         self.findings: list[Finding] = []
         self._in_async = False
+        self._awaited: set[int] = set()  # ids of calls that are `await`ed: coroutines, not blocking
+
+    def visit_Await(self, node: ast.Await) -> None:
+        if isinstance(node.value, ast.Call):
+            self._awaited.add(id(node.value))
+        self.generic_visit(node)
 
     def visit_AsyncFunctionDef(self, node: ast.AsyncFunctionDef) -> None:
         outer, self._in_async = self._in_async, True
@@ -127,7 +156,7 @@ class _AsyncBodyVisitor(ast.NodeVisitor):
         self._in_async = outer
 
     def visit_Call(self, node: ast.Call) -> None:
-        if self._in_async:
+        if self._in_async and id(node) not in self._awaited:
             found = classify_call(node)
             if found is not None:
                 self.findings.append(Finding(self.module, node.lineno, *found))
@@ -174,6 +203,8 @@ async def bad(ref, thread, client, cfg):
     DataPlaneClient.attach(cfg)
     call_with_deadline(ref, actor="a", op="b", timeout_s=1)
     requests.get("http://x", timeout=1)
+    self.stack.stop()
+    run.close()
 '''
 
 
@@ -183,6 +214,7 @@ def test_the_checker_catches_planted_blocking_calls() -> None:
     assert calls == [
         "ray.get", "ray.wait", "time.sleep", "subprocess.run", "thread.join", "thread.join",
         "self_client.put_many", "DataPlaneClient.attach", "call_with_deadline", "requests.get",
+        "self.stack.stop", "run.close",
     ]
     first = str(findings[0])
     assert first.startswith("planted.py:5: `ray.get` blocks the event loop") and "await_with_deadline" in first
@@ -198,6 +230,9 @@ async def good(ref, thread, client, parts):
     await asyncio.to_thread(client.put_many, "p", [], [])
     await asyncio.sleep(0.1)
     await asyncio.to_thread(lambda: ray.get(ref))
+    await env.aclose()
+    await client.close()  # an async client's close (e.g. openai.AsyncOpenAI) is awaited
+    loop.stop()
     ", ".join(parts)
 
     def blocking_part():
