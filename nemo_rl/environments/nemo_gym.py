@@ -3,12 +3,11 @@
 Owns `NemoGymEnvironment`: resolves the resources server (a Gym environment or a task) before
 anything is launched; `start()` runs the gate, the resources server and the agent as
 subprocesses on 127.0.0.1 with OS-picked ports; `run`, `manifest`, `retire`, `probes`,
-`restart`, `aclose` (from a coroutine; `stop` for sync callers). Capture mode follows
-`TokenCaptureConfig.enabled` (on: external staging, a per-run bearer for the gate's control
-routes, a ledger dir; off: Gym's legacy token echo). Promises: every call is bounded and fails
-with a named error (`GymServerStartError` with the log's tail, `Manifest*Error`); all requests
-share one aiohttp session (`GymHttpClient`); `aclose()` / `stop()` terminate only the processes
-it started, idempotently, and never block the event loop from `aclose()`.
+`restart`, `aclose` (`stop` for sync callers). Capture mode follows `TokenCaptureConfig.enabled`
+(on: external staging, a per-run bearer for the gate's control routes, a ledger dir; off: Gym's
+legacy token echo). Promises: every call is bounded and fails with a named error; all requests
+share one aiohttp session (`GymHttpClient`); teardown stops only the processes it started,
+idempotently, and `aclose()` never blocks the event loop.
 Invariant: with capture on each attempt needs a fresh rollout id (Gym appends to a ledger).
 See docs/design-docs/gym-environment.md, "`NemoGymEnvironment`".
 """
