@@ -166,7 +166,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                             lengths[mode].setdefault(i, []).append(_completion_tokens(payload))
                 _log(f"round {index + 1}/{args.warmup_rounds + args.rounds}{'' if measured else ' (warm-up)'} done")
     finally:
-        stack.stop()
+        await stack.aclose()
     time.sleep(1.0)  # the worker's metrics file is flushed at exit and every 0.5 s
     samples = [c for path in sorted(wire_dir.glob("worker-*.json"))
                for c in json.loads(path.read_text())["calls"]]

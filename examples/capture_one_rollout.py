@@ -196,7 +196,7 @@ async def main(args: argparse.Namespace) -> dict:
         )
         return summary
     finally:
-        stack.stop()
+        await stack.aclose()
         if link is not None:
             await link.stop()
 

@@ -649,7 +649,7 @@ async def main(args: argparse.Namespace) -> list[dict[str, Any]]:
     finally:
         if pool is not None:
             pool.shutdown()
-        stack.stop()
+        await stack.aclose()
 
 
 if __name__ == "__main__":

@@ -371,4 +371,4 @@ async def run_grpo(cfg: MasterConfig, progress=print) -> Path:
                 await asyncio.to_thread(save_checkpoint, run, step)
         return run.logger.metrics_path
     finally:
-        run.close()
+        await run.aclose()  # the teardown joins processes and Ray actors: off the event loop

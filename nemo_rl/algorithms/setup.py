@@ -87,6 +87,13 @@ class Stack:
             self.data_plane.shutdown()
         self.ray.shutdown()
 
+    async def aclose(self) -> None:
+        """`stop()` from a coroutine: the Gym client's session closes on this loop, and the blocking
+        teardown (processes, Ray) runs on a worker thread."""
+        if self.env is not None:
+            await self.env.aclose()
+        await asyncio.to_thread(self.stop)
+
 
 def start_ray_for_stack(
     num_cpus: int,
@@ -177,7 +184,7 @@ async def start_stack(
         await asyncio.to_thread(await_workers, pending, progress=progress)
         step("vllm_workers", t0)
     except BaseException:
-        await asyncio.to_thread(stack.stop)
+        await stack.aclose()
         raise
     return stack
 
@@ -224,12 +231,18 @@ class GRPORun:
     resume_metrics: dict[str, float] = field(default_factory=dict)
 
     def close(self) -> None:
-        """Stop everything this run started (idempotent per component)."""
+        """Stop everything this run started (idempotent per component; blocking: sync callers)."""
         self.logger.close()
         self.policy.kill()
         if self.pool is not None:
             self.pool.shutdown()
         self.stack.stop()
+
+    async def aclose(self) -> None:
+        """`close()` from a coroutine: the Gym client closes on this loop, the rest off it."""
+        if self.stack.env is not None:
+            await self.stack.env.aclose()
+        await asyncio.to_thread(self.close)
 
 
 def probe_sequence(tokenizer_eos: int, length: int, seed: int) -> list[int]:
@@ -465,8 +478,10 @@ async def setup(
         return run
     except BaseException:
         if run is not None:
-            await asyncio.to_thread(run.close)
+            await run.aclose()
         else:
+            if stack.env is not None:  # its HTTP session closes on this loop, before the blocking rest
+                await stack.env.aclose()
             await asyncio.to_thread(_stop_started, stack, policy, pool)
         raise
 

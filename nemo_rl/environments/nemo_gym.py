@@ -3,10 +3,11 @@
 Owns `NemoGymEnvironment`: resolves the resources server (a Gym environment or a task) before
 anything is launched; `start()` runs the gate, the resources server and the agent as
 subprocesses on 127.0.0.1 with OS-picked ports; `run`, `manifest`, `retire`, `probes`,
-`restart`, `stop`. Capture mode follows `TokenCaptureConfig.enabled` (on: external staging, a
-per-run bearer for the gate's control routes, a ledger dir; off: Gym's legacy token echo).
-Promises: every call is bounded and fails with a named error (`GymServerStartError` with the
-log's tail, `Manifest*Error`); `stop()` terminates only the processes it started, idempotently.
+`restart`, `aclose` (`stop` for sync callers). Capture mode follows `TokenCaptureConfig.enabled`
+(on: external staging, a per-run bearer for the gate's control routes, a ledger dir; off: Gym's
+legacy token echo). Promises: every call is bounded and fails with a named error; all requests
+share one aiohttp session (`GymHttpClient`); teardown stops only the processes it started,
+idempotently, and `aclose()` never blocks the event loop.
 Invariant: with capture on each attempt needs a fresh rollout id (Gym appends to a ledger).
 See docs/design-docs/gym-environment.md, "`NemoGymEnvironment`".
 """
@@ -35,6 +36,8 @@ from nemo_rl.environments import nemo_gym_launch as launch
 from nemo_rl.environments.gym_servers import check_agent, resolve_gym_environment
 from nemo_rl.environments.nemo_gym_config import (
     CaptureModeError,
+    GymClientClosedError,
+    GymClientLoopError,
     GymNotStartedError,
     GymRunError,
     GymRunTimeoutError,
@@ -76,6 +79,9 @@ _LEDGER_SUFFIXES = (
     ".tokens.state.json",
 )
 _BODY_QUOTE_CHARS = 2000
+# Idle pooled connections are dropped after this; below the 30 s keep-alive Gym's uvicorn servers
+# keep (nemo_gym.server_utils), so the client never reuses a connection the server is closing.
+_KEEPALIVE_S = 15.0
 
 
 def check_rollout_id(rollout_id: str) -> str:
@@ -143,6 +149,7 @@ class NemoGymEnvironment:
         self._log_paths: dict[str, Path] = {}
         self._ports: launch.ServerPorts | None = None
         self._bearer: str | None = None
+        self._http = GymHttpClient()
         self.startup_seconds: float | None = None
 
     # --- properties -----------------------------------------------------------------------
@@ -188,6 +195,8 @@ class NemoGymEnvironment:
     async def start(self) -> None:
         if self._procs:
             raise NemoGymError("NemoGymEnvironment.start() called twice; stop() it first")
+        if self._http.closed:  # started again after a stop: a fresh client for this run of the servers
+            self._http = GymHttpClient()
         began = time.monotonic()
         ports = launch.ServerPorts(*launch.pick_free_ports(3))
         wiring = None
@@ -234,35 +243,34 @@ class NemoGymEnvironment:
                 )
             await self._wait_healthy(specs, began + self._cfg.startup_timeout_s)
         except BaseException:
-            self.stop()
+            await self.aclose()
             raise
         self.startup_seconds = time.monotonic() - began
 
     async def _wait_healthy(self, specs: Iterable[launch.ServerSpec], deadline: float) -> None:
         pending = {spec.name: spec for spec in specs}
-        async with aiohttp.ClientSession() as session:
-            while pending:
-                for name, spec in list(pending.items()):
-                    code = self._procs[name].poll()
-                    if code is not None:
-                        raise self._start_error(name, f"the process exited with code {code} before becoming healthy")
-                    if await self._healthy(session, spec.port, deadline):
-                        del pending[name]
-                if not pending:
-                    return
-                if time.monotonic() >= deadline:
-                    name = sorted(pending)[0]
-                    raise self._start_error(
-                        name,
-                        f"no healthy answer on {self._url(pending[name].port)}/health within "
-                        f"startup_timeout_s={self._cfg.startup_timeout_s}; raise it if the machine is slow",
-                    )
-                await asyncio.sleep(self._cfg.health_poll_interval_s)
+        while pending:
+            for name, spec in list(pending.items()):
+                code = self._procs[name].poll()
+                if code is not None:
+                    raise self._start_error(name, f"the process exited with code {code} before becoming healthy")
+                if await self._healthy(spec.port, deadline):
+                    del pending[name]
+            if not pending:
+                return
+            if time.monotonic() >= deadline:
+                name = sorted(pending)[0]
+                raise self._start_error(
+                    name,
+                    f"no healthy answer on {self._url(pending[name].port)}/health within "
+                    f"startup_timeout_s={self._cfg.startup_timeout_s}; raise it if the machine is slow",
+                )
+            await asyncio.sleep(self._cfg.health_poll_interval_s)
 
-    async def _healthy(self, session: aiohttp.ClientSession, port: int, deadline: float) -> bool:
+    async def _healthy(self, port: int, deadline: float) -> bool:
         budget = max(0.05, min(1.0, deadline - time.monotonic()))
         try:
-            async with session.get(
+            async with self._http.session().get(
                 f"{self._url(port)}/health", timeout=aiohttp.ClientTimeout(total=budget)
             ) as resp:
                 return resp.status == 200
@@ -310,20 +318,31 @@ class NemoGymEnvironment:
         return time.monotonic() - began
 
     def stop(self) -> dict[str, int]:
-        """Terminate the servers this object started; returns their exit codes."""
+        """Terminate the servers this object started; returns their exit codes (sync callers).
+
+        Blocks up to about `stop_timeout_s` per server: from a coroutine, `await aclose()`. The
+        HTTP client's session is closed on its own loop (`GymHttpClient.close_soon`)."""
         atexit.unregister(self.stop)
+        self._http.close_soon()
         codes = launch.terminate_processes(self._procs, self._cfg.stop_timeout_s)
         self._procs = {}
         self._ports = None
         self._bearer = None
         return codes
 
+    async def aclose(self) -> dict[str, int]:
+        """`stop()` from a coroutine: the HTTP session closes on this loop, and the servers' teardown
+        (SIGTERM, then SIGKILL after `stop_timeout_s`: bounded by `terminate_processes`) runs on a
+        worker thread, so the loop keeps serving meanwhile."""
+        await self._http.aclose()
+        return await asyncio.to_thread(self.stop)
+
     async def __aenter__(self) -> "NemoGymEnvironment":
         await self.start()
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        self.stop()
+        await self.aclose()
 
     def _server_state(self, name: str) -> str:
         proc = self._procs.get(name)
@@ -350,7 +369,7 @@ class NemoGymEnvironment:
                 )
             body[ROLLOUT_ID_FIELD] = check_rollout_id(rollout_id)
         agent_url = self.agent_url
-        status, text = await _http(
+        status, text = await self._http.request(
             "POST",
             f"{agent_url}/run",
             self._cfg.run_timeout_s,
@@ -382,7 +401,7 @@ class NemoGymEnvironment:
             raise CaptureModeError("manifest() needs token_capture.enabled=true; the legacy gate keeps no ledger")
         url = f"{self.gate_url}{manifest_path(rollout_id)}"
         timeout_s = self._capture_cfg.manifest_timeout_s
-        status, text = await _http(
+        status, text = await self._http.request(
             "GET",
             url,
             timeout_s,
@@ -425,25 +444,106 @@ class NemoGymEnvironment:
         return removed
 
 
-async def _http(
-    method: str,
-    url: str,
-    timeout_s: float,
-    *,
-    on_timeout: Callable[[], Exception],
-    on_client_error: Callable[[aiohttp.ClientError], Exception],
-    json_body: Any = None,
-    headers: Mapping[str, str] | None = None,
-) -> tuple[int, str]:
-    """(status, body text) of one request bounded by timeout_s; transport failures raise the caller's errors."""
-    try:
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as session:
-            async with session.request(method, url, json=json_body, headers=headers) as resp:
+class GymHttpClient:
+    """One aiohttp session (one connection pool) for every request of one Gym environment.
+
+    The session is made lazily, in the running loop, on first use, and belongs to that loop: a
+    request from another loop raises `GymClientLoopError`. `aclose()` (in that loop) or
+    `close_soon()` (sync) ends it for good; a request afterwards raises `GymClientClosedError`.
+    Every request carries its own deadline (`aiohttp.ClientTimeout(total=timeout_s)`).
+    """
+
+    def __init__(self) -> None:
+        self._session: aiohttp.ClientSession | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._closed = False
+        self._closing: set[asyncio.Task] = set()  # close tasks scheduled by close_soon (kept alive)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def session(self) -> aiohttp.ClientSession:
+        """The session, made on first use in the running loop (call from a coroutine)."""
+        if self._closed:
+            raise GymClientClosedError(
+                "the Gym environment's HTTP client is closed (aclose() or stop() ran); start() the environment again"
+            )
+        loop = asyncio.get_running_loop()
+        if self._session is None:
+            # limit=0: no cap on open connections. Every rollout in flight holds one for its whole
+            # /run, so aiohttp's default limit of 100 would silently queue rollouts beyond the 100th.
+            connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=_KEEPALIVE_S)
+            self._session = aiohttp.ClientSession(connector=connector)
+            self._loop = loop
+        elif loop is not self._loop:
+            raise GymClientLoopError(
+                "the Gym environment's HTTP client belongs to the event loop that made its first request; "
+                "use the environment from that loop only (or aclose() it there and start() it again here)"
+            )
+        return self._session
+
+    async def request(
+        self,
+        method: str,
+        url: str,
+        timeout_s: float,
+        *,
+        on_timeout: Callable[[], Exception],
+        on_client_error: Callable[[aiohttp.ClientError], Exception],
+        json_body: Any = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> tuple[int, str]:
+        """(status, body text) of one request bounded by timeout_s; transport failures raise the caller's errors."""
+        session = self.session()
+        try:
+            async with session.request(
+                method, url, json=json_body, headers=headers, timeout=aiohttp.ClientTimeout(total=timeout_s)
+            ) as resp:
                 return resp.status, await resp.text()
-    except asyncio.TimeoutError as e:
-        raise on_timeout() from e
-    except aiohttp.ClientError as e:
-        raise on_client_error(e) from e
+        except asyncio.TimeoutError as e:
+            raise on_timeout() from e
+        except aiohttp.ClientError as e:
+            raise on_client_error(e) from e
+
+    async def aclose(self) -> None:
+        """Close the session (idempotent); from its own loop it is awaited, from any other, `close_soon`."""
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if self._session is not None and running is self._loop:
+            self._closed = True
+            session, self._session = self._session, None
+            await session.close()
+        else:
+            self.close_soon()
+
+    def close_soon(self) -> None:
+        """Close the session from sync code (idempotent), never touching it off its own loop.
+
+        On the loop's own thread the close is a task of that loop (it runs at the loop's next
+        step); from another thread it is handed to that loop while it runs; a loop that is not
+        running is driven to close it here. A closed loop took its sockets with it: nothing to close.
+        """
+        self._closed = True
+        session, loop, self._session = self._session, self._loop, None
+        if session is None or session.closed or loop is None or loop.is_closed():
+            return
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is loop:
+            task = loop.create_task(session.close())
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
+        elif loop.is_running():
+            asyncio.run_coroutine_threadsafe(session.close(), loop)
+        elif running is None:
+            loop.run_until_complete(session.close())
+        # else: this thread runs another loop, which must not drive the session's; its loop is
+        # stopped but not closed, so the session closes with whoever runs or closes that loop.
 
 
 def _parse_manifest(rollout_id: str, text: str) -> RolloutManifest:

@@ -245,6 +245,14 @@ class GymNotStartedError(NemoGymError):
     """The environment was used before `start()` or after `stop()`."""
 
 
+class GymClientClosedError(GymNotStartedError):
+    """A request through the environment's HTTP client after `aclose()` / `stop()` closed it."""
+
+
+class GymClientLoopError(NemoGymError):
+    """The environment's HTTP client was used from an event loop other than the one it was made in."""
+
+
 class CaptureModeError(NemoGymError):
     """A call needs the other capture mode (e.g. a manifest with capture off)."""
 

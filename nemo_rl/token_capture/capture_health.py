@@ -49,60 +49,12 @@ def judged_metrics(capture: bool) -> tuple[str, ...]:
 
 
 class CaptureHealthThresholds(BaseModel):
-    """Every capture-health threshold, with why it sits where it does.
+    """Every capture-health threshold (`THRESHOLDS` is the one instance the judgement uses).
 
-    Placeholder reasons fall in four classes (every `PlaceholderReason` must be in exactly one;
-    names of reasons not yet in the enum may be listed ahead of it):
-
-    - `zero_reasons`: any count fails. Each is a broken contract, not bad luck: capture integrity
-      (`capture_poisoned`), a staged record that does not verify (`verification_failed`), a
-      harness or gate that names a terminal the evidence contradicts or cannot back
-      (`terminal_declared_unmatched`, `declared_terminal_uncaptured`,
-      `terminal_witness_disagreement`, `terminal_selection_failed`), a rollout with no committed
-      call (`empty_manifest`: the harness bypassed the gate), a chain across a refit in a
-      synchronous loop (`mixed_weight_version`), and Gym's legacy token echo being absent or
-      malformed (`legacy_token_echo_missing`, `legacy_invalid_echo`: a configuration defect,
-      never transient). A healthy stack produces none of them, so one is a defect to chase,
-      whatever the run's size.
-    - `transport_reasons`: data-plane and component weather of our own stack (a staging write
-      or read, a finalizer, the gate's manifest or served report, a component death). Each is a
-      row the stack lost; since item 6 of issue 16 a bug inside a data-plane call fails the step
-      instead of landing here, so what remains is transport. Tolerated at
-      `max_transport_rate` = 1% of dispatched rollouts per reason: a healthy run has none
-      (the reference runs on this 2-core machine have none), an occasional slow finalizer on a
-      loaded host is weather, and above 1% a component is failing, not merely slow. On a smoke
-      run (16 rollouts) this tolerates none.
-    - `environment_reasons`: outcomes of the harness, the environment or the model itself (a
-      run that failed or timed out, no reward, an empty generation), not of capture. Tolerated
-      at `max_environment_rate` = 10% per reason: agentic environments fail some runs as a
-      matter of course, but above 10% of rollouts the environment is broken enough that the
-      run's learning signal is suspect. `legacy_noncontiguous` (flag off: a turn's re-rendered
-      prompt does not extend the ids the previous turn sampled) belongs here: it is the legacy
-      path's re-tokenization drift, which depends on what the model wrote (the L1 legacy leg
-      measures a few percent with the tiny model), the very loss capture exists to remove. A capture fault that fails runs (a 409 from the gate)
-      shows up here too, which is why the bound is not looser.
-    - `derived_reasons`: masked because of other rollouts (`group_below_min_valid_fraction`:
-      the group had too few valid rollouts). Its cause is counted under its own reason; it is
-      bounded through `max_invalid_row_rate` only.
-
-    Rates:
-    - `max_invalid_row_rate` = 0.10: all placeholders over dispatched rollouts for the run.
-      Matches the environment budget: a run may lose a tenth of its rollouts to tolerated
-      reasons and still train on a representative batch; beyond that the loss itself biases it.
-    - `min_kept_generated_token_fraction` = 0.90: generated tokens in the loss over tokens the
-      workers served. A placeholder loses all its served tokens, so a run at the invalid-row
-      limit keeps about 0.90; below it, tokens are lost beyond what tolerated placeholders
-      explain (inside kept rollouts: see `finalize/unverifiable_generated_tokens/<reason>`).
-    - `min_token_in_rate` = 0.99: the share of continuation calls served from the parent's
-      exact ids. A continuation that is re-rendered from text trains a new text root instead of
-      the exact continuation; 1% allows one re-render per hundred continuations (a harness that
-      occasionally edits a message) without hiding a harness that re-renders systematically.
-    - `max_unresolved_continuations` = 0: a call whose history held assistant turns but
-      resolved to no captured parent is exactly a re-render; each one is named, so any is
-      flagged (the rate above bounds how much they cost, this says that they happened).
-    - `max_token_mult_prob_error` = 1.01: the trainer's logprobs of the trained tokens match
-      the generation logprobs to 1% in probability; exact capture measures ~1.00001 on the CPU
-      engine, a token or numerics mismatch is far above.
+    Placeholder reasons fall in four classes, each with its bound (the `*_reasons` fields);
+    every `PlaceholderReason` is in exactly one (validated), and names of reasons not yet in
+    the enum may be listed ahead of it. Why each class and threshold sits where it does:
+    docs/guides/token-capture.md, "Why each threshold sits where it does".
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
@@ -111,22 +63,34 @@ class CaptureHealthThresholds(BaseModel):
         "capture_poisoned", "verification_failed", "terminal_declared_unmatched", "declared_terminal_uncaptured",
         "terminal_witness_disagreement", "terminal_selection_failed", "empty_manifest", "mixed_weight_version",
         "legacy_token_echo_missing", "legacy_invalid_echo",
-    }))
+    }), description="broken contracts: any count fails")
     transport_reasons: frozenset[str] = Field(default=frozenset({
         "staged_record_missing", "data_plane_error", "finalize_timeout", "finalizer_unavailable",
         "manifest_unavailable", "served_not_staged", "served_report_unavailable", "component_failed",
-    }))
+    }), description="our stack's data-plane and component weather: bounded by max_transport_rate")
     environment_reasons: frozenset[str] = Field(default=frozenset({
         "run_failed", "run_timeout", "reward_missing", "empty_generation", "legacy_noncontiguous",
-    }))
-    derived_reasons: frozenset[str] = Field(default=frozenset({"group_below_min_valid_fraction"}))
-    max_transport_rate: float = Field(default=0.01, ge=0.0, le=1.0)
-    max_environment_rate: float = Field(default=0.10, ge=0.0, le=1.0)
-    max_invalid_row_rate: float = Field(default=0.10, ge=0.0, le=1.0)
-    min_kept_generated_token_fraction: float = Field(default=0.90, ge=0.0, le=1.0)
-    min_token_in_rate: float = Field(default=0.99, ge=0.0, le=1.0)
-    max_unresolved_continuations: int = Field(default=0, ge=0)
-    max_token_mult_prob_error: float = Field(default=1.01, ge=1.0)
+    }), description="outcomes of the harness, environment or model: bounded by max_environment_rate")
+    derived_reasons: frozenset[str] = Field(
+        default=frozenset({"group_below_min_valid_fraction"}),
+        description="masked because of other rollouts: bounded through max_invalid_row_rate only",
+    )
+    max_transport_rate: float = Field(
+        default=0.01, ge=0.0, le=1.0, description="per transport reason, over the run's dispatched rollouts")
+    max_environment_rate: float = Field(
+        default=0.10, ge=0.0, le=1.0, description="per environment reason, over the run's dispatched rollouts")
+    max_invalid_row_rate: float = Field(
+        default=0.10, ge=0.0, le=1.0, description="all placeholders over the run's dispatched rollouts")
+    min_kept_generated_token_fraction: float = Field(
+        default=0.90, ge=0.0, le=1.0, description="generated tokens in the loss over tokens the workers served (run)")
+    min_token_in_rate: float = Field(
+        default=0.99, ge=0.0, le=1.0,
+        description="continuation calls served from the parent's exact ids, per step that has any")
+    max_unresolved_continuations: int = Field(
+        default=0, ge=0,
+        description="calls with assistant turns in their history that resolved to no captured parent, per step")
+    max_token_mult_prob_error: float = Field(
+        default=1.01, ge=1.0, description="trainer vs generation probability ratio of the trained tokens, per step")
 
     @model_validator(mode="after")
     def _every_reason_in_exactly_one_class(self) -> CaptureHealthThresholds:

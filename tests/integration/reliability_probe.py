@@ -260,7 +260,7 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         urls = (worker if group is not None else None, env.gate_url if env is not None and env._ports else None)
         if env is not None:
-            env.stop()
+            await env.aclose()
         if group is not None:
             group.shutdown()
         if client is not None:

@@ -321,6 +321,7 @@ async def test_manifest_status_maps_to_named_errors(tmp_path: Path, status: int,
         with pytest.raises(error, match=match):
             await env.manifest("r1")
     finally:
+        await env.aclose()
         await runner.cleanup()
     assert seen == ["Bearer good"]
 
@@ -348,6 +349,7 @@ async def test_manifest_and_run_deadlines_raise_named_errors(tmp_path: Path) -> 
             await env.run("r1", build_row(Problem("1 + 1", 2), SAMPLING))
     finally:
         release.set()
+        await env.aclose()
         await runner.cleanup()
 
 
@@ -362,4 +364,5 @@ async def test_run_error_status_is_quoted(tmp_path: Path) -> None:
         with pytest.raises(GymRunError, match="HTTP 500: Hit an exception in SimpleAgent"):
             await env.run(None, build_row(Problem("1 + 1", 2), SAMPLING))
     finally:
+        await env.aclose()
         await runner.cleanup()

@@ -204,7 +204,7 @@ async def test_legacy_run_rewards_the_tool_answer_with_token_echo(tmp_path: Path
             async with session.post(f"{env.resources_url}/verify", json=corrupt_row) as resp:
                 corrupt_status, corrupt_text = resp.status, await resp.text()
     finally:
-        env.stop()
+        await env.aclose()
         await runner.cleanup()
     print(f"legacy: startup {env.startup_seconds:.2f}s, one rollout {run_s:.3f}s")
     assert result["reward"] == 1.0
@@ -248,7 +248,7 @@ async def test_capture_run_stages_both_turns_and_serves_the_manifest(tmp_path: P
         with pytest.raises(ManifestAuthError, match="HTTP 401"):
             await env.manifest("r1-step0-g0-i0-a0")
     finally:
-        env.stop()
+        await env.aclose()
         await runner.cleanup()
     print(f"capture: startup {env.startup_seconds:.2f}s, one rollout {run_s:.3f}s")
     assert result["reward"] == 1.0

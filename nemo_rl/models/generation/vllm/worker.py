@@ -39,6 +39,12 @@ class WorkerFailedError(WorkerError):
     nothing more, so the run must stop; the message carries the reason (a bug's traceback)."""
 
 
+def _load_tokenizer(model_dir: Path):  # -> a transformers tokenizer (blocking: file reads, imports)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_dir))
+
+
 class VllmGenerationWorker:
     def __init__(
         self,
@@ -65,8 +71,6 @@ class VllmGenerationWorker:
 
     async def start_engine(self) -> None:
         """Start the vLLM engine (the slow part: vLLM imports, model load); serves nothing yet."""
-        from transformers import AutoTokenizer
-
         from nemo_rl.models.generation.vllm.engine import VllmEngine, wait_ready
 
         t0 = time.monotonic()
@@ -75,7 +79,8 @@ class VllmGenerationWorker:
         except SharedDirError as e:
             raise WorkerError(str(e)) from e
         try:
-            tokenizer = AutoTokenizer.from_pretrained(str(self._model_dir))
+            # Off the loop too (transformers' import and the tokenizer's files take a second or more).
+            tokenizer = await asyncio.to_thread(_load_tokenizer, self._model_dir)
             # Built off the event loop (vLLM starts its loop tasks lazily then), so the open port keeps
             # answering 503 worker_starting at once instead of hanging while vLLM loads (~60 s on CPU).
             self._engine = await asyncio.to_thread(VllmEngine.start, self._model_dir, self._gen.vllm, tokenizer.eos_token_id)
@@ -293,7 +298,9 @@ class VllmGenerationWorker:
             await self._runner.cleanup()
             self._runner = None
         if self._engine is not None:
-            self._engine.shutdown()
+            # Joins the engine-core processes (bounded by vLLM's shutdown timeout): off the event loop.
+            # vLLM hands the loop-bound part (its sockets and output task) back to this loop itself.
+            await asyncio.to_thread(self._engine.shutdown)
             self._engine = None
         # The writer's join and the client's close wait on threads: off the actor's event loop.
         if self._custody is not None and self._custody.writer is not None:
