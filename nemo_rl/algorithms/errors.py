@@ -3,8 +3,10 @@ step or the phase and the cause)."""
 
 from __future__ import annotations
 
+from nemo_rl.data.errors import FatalError
 
-class GRPOError(RuntimeError):
+
+class GRPOError(FatalError, RuntimeError):
     """The training loop cannot continue (the message names the step and the cause)."""
 
 

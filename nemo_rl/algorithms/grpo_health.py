@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
+from nemo_rl.data.errors import FatalError
 from nemo_rl.data.rows import GroupResult, KeptRollout, Placeholder, PlaceholderReason
 from nemo_rl.distributed.component_watch import ComponentDeath, ComponentWatch
 from nemo_rl.experience.finalizer_pool import FinalizerPool
@@ -26,7 +27,7 @@ if TYPE_CHECKING:  # set-up builds the watch from the stack it started
     from nemo_rl.algorithms.setup import Stack
 
 
-class ComponentFailedError(RuntimeError):
+class ComponentFailedError(FatalError, RuntimeError):
     """A component died and `token_capture.on_component_failure=abort` stops the run."""
 
 

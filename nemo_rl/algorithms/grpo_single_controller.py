@@ -51,7 +51,7 @@ from nemo_rl.algorithms.refit import refit_to
 from nemo_rl.algorithms.setup import GRPORun, setup
 from nemo_rl.distributed.component_watch import DATA_PLANE_KINDS, ComponentKind, any_down
 from nemo_rl.experience.rollout_manager import component_failure_detail
-from nemo_rl.models.generation.vllm.worker import WorkerError
+from nemo_rl.models.generation.vllm.worker import WorkerError, WorkerFailedError
 from nemo_rl.token_capture.metrics import finalize_metrics, first_call_prompt_records
 from nemo_rl.utils.aio import gather_cancelling
 from nemo_rl.utils.checkpoint import capture_rng_states, commit_checkpoint, prune_checkpoints, should_save
@@ -285,7 +285,9 @@ async def refit_or_name_deaths(run: GRPORun, step: int, metrics: dict[str, float
     """
     try:
         return await asyncio.to_thread(refit_step, run, step)
-    except WorkerError as error:
+    # A failed worker (fatal) and a failed refit call (recoverable) alike: the watch says whether a
+    # death explains it; if none does, it propagates unchanged.
+    except (WorkerError, WorkerFailedError) as error:
         down = await refit_deaths(run.watch)
         if not down:
             raise

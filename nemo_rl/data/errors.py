@@ -1,6 +1,16 @@
-"""One OpenAI-style error for every HTTP surface of ours (the vLLM worker and the capture gate).
+"""The project's error base, and one OpenAI-style error for every HTTP surface of ours (the vLLM
+worker and the capture gate).
 
-Contract:
+Contract (the taxonomy; see docs/design-docs/errors.md):
+- Every exception class in `nemo_rl` derives from exactly one of `RecoverableError` and
+  `FatalError`, both `NemoRLError`s (tests/unit/test_error_taxonomy.py checks it). Recoverable:
+  this call, request, rollout or attempt failed and the run goes on (retry, placeholder, 4xx/5xx
+  answer). Fatal: a component or the run cannot continue (stop loudly, by name). Builtin bases
+  (`ValueError`, `RuntimeError`, ...) stay beside them where callers or tests rely on them.
+  This module is the lowest layer (`data` imports no other `nemo_rl` package), so every package
+  can import the base.
+
+The OpenAI-style error:
 - An `ApiError` is an answer for the caller: a named `err_type`, a message and, when one field is
   at fault, its JSON path (`param`). Its HTTP status is not chosen by the raiser: it follows from
   the type (`STATUS_OF`, one status per type), so the same failure always gets the same status
@@ -48,7 +58,28 @@ STATUS_OF: Mapping[str, int] = MappingProxyType(
 )
 
 
-class ApiError(Exception):
+class NemoRLError(Exception):
+    """The base of every `nemo_rl` exception; never raised itself: raise a named subclass."""
+
+
+class RecoverableError(NemoRLError):
+    """This call, request, rollout or attempt failed; the run goes on.
+
+    What a caller does: retry it, record a placeholder for it, or answer it with a 4xx/5xx; a
+    caller with none of those options lets it propagate (it then stops that caller, by name).
+    """
+
+
+class FatalError(NemoRLError):
+    """A component or the run cannot continue: a bug, a broken invariant, a misconfiguration,
+    or a component that is gone for good.
+
+    What a caller does: nothing but stop loudly, naming it; never turn it into a placeholder or
+    a retry.
+    """
+
+
+class ApiError(RecoverableError):
     """An answer for the caller: named type (its status follows from it), message, field at fault."""
 
     def __init__(self, err_type: str, message: str, param: str | None = None) -> None:

@@ -12,8 +12,10 @@ Contract:
 
 from __future__ import annotations
 
+from nemo_rl.data.errors import FatalError
 
-class PolicyError(Exception):
+
+class PolicyError(FatalError):
     """Base class of every policy failure."""
 
 

@@ -18,13 +18,15 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+from nemo_rl.data.errors import RecoverableError
+
 ROLES = ("system", "developer", "user", "assistant", "tool")
 TEXT_PART_TYPES = ("text", "input_text", "output_text")
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 _MAX_VALUE_CHARS = 80
 
 
-class RequestFieldError(ValueError):
+class RequestFieldError(RecoverableError, ValueError):
     """A request field is missing, of the wrong type or out of range (HTTP 400 naming `field`)."""
 
     def __init__(self, field: str, message: str) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from nemo_rl.data.errors import RecoverableError
 from nemo_rl.data.request_rules import show
 
 MAX_ROLLOUT_ID_CHARS = 200
@@ -21,7 +22,7 @@ DEFAULT_MAX_ROLLOUT_ID_CHARS = 128
 ID_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
 
 
-class RolloutIdError(ValueError):
+class RolloutIdError(RecoverableError, ValueError):
     """A rollout id breaks the rule; `problem` says how, the message adds the rule."""
 
     def __init__(self, problem: str, max_chars: int) -> None:

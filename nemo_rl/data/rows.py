@@ -21,8 +21,10 @@ from typing import Any, Union
 
 import numpy as np
 
+from nemo_rl.data.errors import FatalError
 
-class RowInvariantError(ValueError):
+
+class RowInvariantError(FatalError, ValueError):
     """A row, placeholder or group violates one of the invariants listed in this module."""
 
 

@@ -16,8 +16,10 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from nemo_rl.data.errors import FatalError
 
-class ServedCallError(ValueError):
+
+class ServedCallError(FatalError, ValueError):
     """A served-call record violates its invariants (a worker bug or a version mismatch)."""
 
 

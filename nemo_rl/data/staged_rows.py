@@ -24,6 +24,7 @@ from nemo_gym.token_id_capture.staging import (
 )
 from pydantic import ValidationError
 
+from nemo_rl.data.errors import RecoverableError
 from nemo_rl.data.fields import Row
 
 TOKEN_IDS_FIELD = "token_ids_delta"
@@ -37,7 +38,7 @@ ALL_FIELDS = (*BASE_FIELDS, EXTRAS_FIELD)
 _INT64_MAX = 2**63 - 1
 
 
-class StagingFetchError(RuntimeError):
+class StagingFetchError(RecoverableError, RuntimeError):
     """A staged record could not be fetched as a valid snapshot."""
 
 

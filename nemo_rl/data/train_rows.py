@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from nemo_rl.data.errors import FatalError
 from nemo_rl.data.fields import Row
 from nemo_rl.data.rows import RowRef, TrainRow
 
@@ -32,7 +33,7 @@ FIELDS = (TOKEN_IDS, TOKEN_MASK, LOGPROBS, ROUTES, META)
 KEY_SEPARATOR = "#"
 
 
-class TrainPlanError(ValueError):
+class TrainPlanError(FatalError, ValueError):
     """A `TrainPlan` violates its invariants."""
 
 

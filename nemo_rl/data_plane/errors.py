@@ -3,8 +3,9 @@
 `DataPlaneError` and its subclasses are WEATHER: a missed deadline, a transport failure
 (`DataPlaneTransportError`), a dead or absent component, an unreadable key (`MissingKeysError`),
 a closed client, and at attach time a config the process cannot honour. Callers may turn them
-into placeholders or retry. A bug is never a `DataPlaneError`: bad caller input is a
-`DataPlaneUsageError` (a `ValueError`), an undecodable TQ answer a `DataPlaneDecodeError`, and
+into placeholders or retry (`RecoverableError`). A bug is never a `DataPlaneError`: bad caller
+input is a `DataPlaneUsageError` (a `ValueError`), an undecodable TQ answer a `DataPlaneDecodeError`
+(both `FatalError`), and
 anything else raised inside a TQ call propagates unchanged (`client`). Each error names the
 operation, the partition and what to do; TQ exceptions are chained.
 """
@@ -12,6 +13,8 @@ operation, the partition and what to do; TQ exceptions are chained.
 from __future__ import annotations
 
 from collections.abc import Sequence
+
+from nemo_rl.data.errors import FatalError, RecoverableError
 
 # Long key lists are cut in messages; the full list stays on the exception object.
 _MAX_KEYS_IN_MESSAGE = 20
@@ -25,7 +28,7 @@ def format_keys(keys: Sequence[str]) -> str:
     return f"[{shown}]"
 
 
-class DataPlaneError(RuntimeError):
+class DataPlaneError(RecoverableError, RuntimeError):
     """Base class of every recoverable data-plane failure (weather, never a bug)."""
 
 
@@ -33,11 +36,11 @@ class DataPlaneTransportError(DataPlaneError):
     """A TransferQueue call failed in transport: a ZeroMQ error or TQ's own storage-unit timeout."""
 
 
-class DataPlaneUsageError(ValueError):
+class DataPlaneUsageError(FatalError, ValueError):
     """The caller passed an argument or row the data plane does not accept: a bug in the caller."""
 
 
-class DataPlaneDecodeError(RuntimeError):
+class DataPlaneDecodeError(FatalError, RuntimeError):
     """TQ answered with data that breaks this package's decode contract: a bug here or in TQ."""
 
 

@@ -22,6 +22,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from nemo_rl.data.errors import FatalError
 from nemo_rl.data_plane import DataPlaneError
 from nemo_rl.utils import instrumentation  # opt-in counters (benchmarks/capture_ab.py)
 from nemo_rl.utils.lru import BoundedLRU
@@ -43,7 +44,7 @@ class BatchStore(Protocol):
     ) -> None: ...
 
 
-class StageWriterFailedError(RuntimeError):
+class StageWriterFailedError(FatalError, RuntimeError):
     """The write-behind thread stopped on a bug; nothing more can be staged by this worker."""
 
 

@@ -2,9 +2,11 @@
 
 `call_with_deadline` (blocking) and `await_with_deadline` (from a coroutine, never blocking the
 event loop) wait at most `timeout_s`. Every failure is an `ActorCallError` naming actor and op,
-with `recoverable` saying what a caller may do: timeout and a dead actor are recoverable, a
-method that raised is fatal (`.cause` keeps the actor's own exception). Invariant: an actor's
-own `TimeoutError` is classified as raised before any deadline branch can misread it.
+with `recoverable` saying what a caller may do: timeout and a dead actor are recoverable
+(`RecoverableError`), a method that raised is fatal (`FatalError`; `.cause` keeps the actor's own
+exception). `ActorCallError` is the tuple of the three (`except ActorCallError` catches any of
+them): one class cannot be both sides of the split. Invariant: an actor's own `TimeoutError` is
+classified as raised before any deadline branch can misread it.
 See docs/design-docs/distributed.md, "Waiting for actor calls".
 """
 
@@ -18,11 +20,12 @@ from typing import Any
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
+from nemo_rl.data.errors import FatalError, RecoverableError
 
-class ActorCallError(RuntimeError):
-    """A call into a Ray actor failed; `actor`, `op` and whether a retry or replacement can help."""
 
-    recoverable: bool = False
+class _ActorCallFailure:
+    """What every failed actor call carries: `actor`, `op`, and whether a retry or replacement can
+    help (`recoverable`, which is the class's side of the split). Not an exception by itself."""
 
     def __init__(self, actor: str, op: str, detail: str, cause: BaseException | None = None) -> None:
         super().__init__(f"{actor}.{op}: {detail} ({'recoverable' if self.recoverable else 'fatal'})")
@@ -31,23 +34,25 @@ class ActorCallError(RuntimeError):
         self.detail = detail
         self.cause = cause
 
+    @property
+    def recoverable(self) -> bool:
+        return isinstance(self, RecoverableError)
 
-class ActorCallTimeoutError(ActorCallError):
+
+class ActorCallTimeoutError(_ActorCallFailure, RecoverableError, RuntimeError):
     """The actor gave no answer within the deadline."""
 
-    recoverable = True
 
-
-class ActorDiedError(ActorCallError):
+class ActorDiedError(_ActorCallFailure, RecoverableError, RuntimeError):
     """The actor process is gone."""
 
-    recoverable = True
 
-
-class ActorRaisedError(ActorCallError):
+class ActorRaisedError(_ActorCallFailure, FatalError, RuntimeError):
     """The actor's method raised; `cause` is Ray's task error (an instance of the method's exception)."""
 
-    recoverable = False
+
+# A call into a Ray actor failed: the three named failures, for `except` and `isinstance`.
+ActorCallError = (ActorCallTimeoutError, ActorDiedError, ActorRaisedError)
 
 
 def first_line(error: BaseException, limit: int = 300) -> str:
@@ -61,7 +66,9 @@ def deadline_left(deadline: float) -> float:
     return max(deadline - time.monotonic(), 0.0)
 
 
-def classify(error: BaseException, *, actor: str, op: str, timeout_s: float) -> ActorCallError | None:
+def classify(
+    error: BaseException, *, actor: str, op: str, timeout_s: float
+) -> ActorCallTimeoutError | ActorDiedError | ActorRaisedError | None:
     """The `ActorCallError` for a Ray or deadline failure, or None for anything else."""
     if isinstance(error, RayTaskError):  # first: it may also be a TimeoutError (see the contract)
         return ActorRaisedError(actor, op, f"raised {first_line(error)}", error)

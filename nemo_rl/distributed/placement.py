@@ -15,10 +15,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from nemo_rl.data.errors import FatalError
+
 Placement = Literal["spread", "ray"]
 
 
-class PlacementError(RuntimeError):
+class PlacementError(FatalError, RuntimeError):
     """The cluster cannot host the requested generation workers under the placement knob."""
 
 

@@ -27,6 +27,8 @@ from pathlib import Path
 import psutil
 import ray
 
+from nemo_rl.data.errors import FatalError
+
 # Ray appends "session_<date>_<time>_<usec>_<pid>/sockets/plasma_store" (~70 chars) to the
 # temp dir, and the whole socket path must fit the 107-byte AF_UNIX limit.
 MAX_TEMP_DIR_CHARS = 36
@@ -34,7 +36,7 @@ _TEMP_DIR_PREFIX = "nrl-ray-"
 RAY_ADDRESS_ENV = "RAY_ADDRESS"
 
 
-class RayClusterError(RuntimeError):
+class RayClusterError(FatalError, RuntimeError):
     """The Ray cluster could not be started, joined, awaited or stopped as requested."""
 
 

@@ -14,10 +14,12 @@ import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
+from nemo_rl.data.errors import FatalError
+
 PROBE_PREFIX = ".nrl-shared-probe-"
 
 
-class SharedDirError(RuntimeError):
+class SharedDirError(FatalError, RuntimeError):
     """A folder that must be shared by every node is not visible (or not the same) where it is read."""
 
 

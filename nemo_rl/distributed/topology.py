@@ -13,12 +13,14 @@ from __future__ import annotations
 
 from typing import Literal
 
+from nemo_rl.data.errors import FatalError
+
 Bind = Literal["loopback", "node_ip"]
 LOOPBACK_IP = "127.0.0.1"
 BIND_CHOICES: tuple[str, ...] = ("loopback", "node_ip")
 
 
-class MultiNodeBindError(RuntimeError):
+class MultiNodeBindError(FatalError, RuntimeError):
     """A cluster of several nodes met an endpoint bound to loopback, which other nodes cannot reach."""
 
 

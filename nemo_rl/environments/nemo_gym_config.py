@@ -4,8 +4,9 @@
 strict types); recipe-wide capture settings come from `TokenCaptureConfig`, not from here.
 `env.gym` (`GymEnvironmentConfig`) names a Gym environment as Gym names it (package, config
 YAML, dataset, reward key); unset, the run uses the task `env.task` names. The agent is
-`env.agent` in both cases. Every failure is a `NemoGymError` subclass naming the server, the
-value and the fix; start failures carry the tail of that server's log.
+`env.agent` in both cases. Every set-up or usage failure is a `NemoGymError` (fatal) naming the
+server, the value and the fix; start failures carry the tail of that server's log. A failed call
+for one rollout (/run, manifest) is a `GymCallError` (recoverable: a placeholder).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from nemo_rl.data.errors import FatalError, RecoverableError
 from nemo_rl.environments.gate.guard import GateGuardConfig
 
 # A Gym package name is one Python identifier (it is imported as `resources_servers.<name>.app`).
@@ -197,8 +199,9 @@ class NemoGymConfig(BaseModel):
         return self
 
 
-class NemoGymError(RuntimeError):
-    """Base class of every Gym environment failure."""
+class NemoGymError(FatalError, RuntimeError):
+    """The Gym environment cannot be set up or was used wrongly (config, servers, datasets, call
+    order): the run stops. A failed call for one rollout is a `GymCallError` instead."""
 
 
 class GymServerStartError(NemoGymError):
@@ -261,15 +264,20 @@ class InvalidRolloutIdError(NemoGymError, ValueError):
     """A rollout id that Gym's capture paths and ledger file names cannot carry."""
 
 
-class GymRunError(NemoGymError):
+class GymCallError(RecoverableError, RuntimeError):
+    """One call to a Gym server for one rollout failed (its /run, or its manifest from the gate):
+    the rollout manager records a placeholder for that rollout and the run goes on."""
+
+
+class GymRunError(GymCallError):
     """The agent's /run answered with an error status."""
 
 
-class GymRunTimeoutError(NemoGymError):
+class GymRunTimeoutError(GymCallError):
     """The agent's /run did not answer within `run_timeout_s`."""
 
 
-class ManifestError(NemoGymError):
+class ManifestError(GymCallError):
     """Fetching a rollout manifest from the gate failed."""
 
 

@@ -18,10 +18,12 @@ import runpy
 import signal
 import sys
 
+from nemo_rl.data.errors import FatalError
+
 PR_SET_PDEATHSIG = 1
 
 
-class ParentWatchUnsupported(RuntimeError):
+class ParentWatchUnsupported(FatalError, RuntimeError):
     """This OS cannot tie a child's life to its parent's (no prctl PR_SET_PDEATHSIG)."""
 
 

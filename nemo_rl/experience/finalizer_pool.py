@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import ray
 
+from nemo_rl.data.errors import FatalError
 from nemo_rl.data.rows import GroupEntry, KeptRollout, Placeholder, PlaceholderReason
 from nemo_rl.data_plane import DataPlaneClient, DataPlaneConfig, DataPlaneError, FieldEncodingError
 from nemo_rl.data_plane.staging import TQTokenSource
@@ -92,11 +93,11 @@ def split_evenly(items: list[RolloutEvidence], parts: int) -> list[list[RolloutE
     return [chunk for chunk in chunks if chunk]
 
 
-class FinalizerPoolError(RuntimeError):
+class FinalizerPoolError(FatalError, RuntimeError):
     """The pool cannot serve: misconfigured, not ready within its deadline, or shut down."""
 
 
-class FinalizerBugError(RuntimeError):
+class FinalizerBugError(FatalError, RuntimeError):
     """The judge raised inside a finalizer actor: a bug in our code, never a data verdict."""
 
 

@@ -24,6 +24,7 @@ from typing import Any, Protocol
 from nemo_gym.token_id_capture.staging.records import RolloutManifest
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from nemo_rl.data.errors import FatalError
 from nemo_rl.data.rollout_ids import check_rollout_id, rollout_id_for
 from nemo_rl.data.rows import GroupEntry, GroupResult, KeptRollout, Placeholder, PlaceholderReason
 from nemo_rl.data.served import ServedCall
@@ -147,11 +148,11 @@ class StepCounters:
         return metrics
 
 
-class AccountingError(RuntimeError):
+class AccountingError(FatalError, RuntimeError):
     """An outcome does not belong to the slot it was filed under (a bug, never data)."""
 
 
-class RetentionError(RuntimeError):
+class RetentionError(FatalError, RuntimeError):
     """Ledger retirement or staged-key clearing failed; `group` is the accounted result."""
 
     def __init__(self, group: GroupResult, failures: list[str]) -> None:

@@ -18,6 +18,7 @@ from typing import Any
 
 from nemo_gym.token_id_capture.staging import CallRecord, resolve_terminal, select_terminal_call
 
+from nemo_rl.data.errors import FatalError
 from nemo_rl.data.rows import PlaceholderReason
 
 # Gym's names for the live-path terminal declarations (nemo_gym.token_id_capture.delivery; that
@@ -38,7 +39,7 @@ _METHOD_TO_SELECTION = {
 }
 
 
-class UnknownAttributionMethodError(RuntimeError):
+class UnknownAttributionMethodError(FatalError, RuntimeError):
     """Gym's resolve_terminal named a method this module does not know (a version mismatch, not data)."""
 
 

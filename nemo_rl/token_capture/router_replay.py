@@ -27,17 +27,21 @@ from nemo_gym.token_id_capture.staging import (
     routed_experts_token_count,
 )
 
+from nemo_rl.data.errors import FatalError, RecoverableError
+
 ROUTED_EXPERTS_KEY = ROUTED_EXPERTS_FIELD
 SENTINEL = MISSING_ROUTE_SENTINEL
 MAX_EXPERT_ID = int(np.iinfo(np.int16).max)
 
 
-class RouterReplayError(ValueError):
-    """Routed-expert extras cannot be shaped into a router-replay array."""
+class RouterReplayError(RecoverableError, ValueError):
+    """Routed-expert extras cannot be shaped into a router-replay array: the engine's route data
+    is at fault, so the rollout becomes a placeholder (`router_replay_rows`)."""
 
 
-class RouteSpanError(RouterReplayError):
-    """A row's call spans do not describe the row (lengths disagree, or it exceeds max_len)."""
+class RouteSpanError(FatalError, ValueError):
+    """A row's call spans do not describe the row (lengths disagree, or it exceeds max_len): our
+    own bug, never the route data's, so not a `RouterReplayError`."""
 
 
 class RoutedExpertsDecodeError(RouterReplayError):

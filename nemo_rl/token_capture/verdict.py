@@ -18,6 +18,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from nemo_rl.data.errors import FatalError
 from nemo_rl.token_capture.capture_health import (
     PLACEHOLDER_REASON_PREFIX,
     Finding,
@@ -42,7 +43,7 @@ REQUIRED_KEYS = (
 )
 
 
-class VerdictError(ValueError):
+class VerdictError(FatalError, ValueError):
     """metrics.jsonl exists but cannot be read as one JSON object per line."""
 
 

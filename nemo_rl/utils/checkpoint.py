@@ -24,12 +24,14 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from nemo_rl.data.errors import FatalError
+
 MARKER_FILE = "CHECKPOINT_COMPLETE"
 _STEP_RE = re.compile(r"step_([1-9][0-9]*)")
 _TMP_RE = re.compile(r"step_([1-9][0-9]*)\.tmp-([0-9]+)")
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(FatalError, RuntimeError):
     """A checkpoint cannot be written, found or loaded; the message names the path and the fix."""
 
 

@@ -27,13 +27,15 @@ from omegaconf.errors import OmegaConfBaseException
 from pydantic import BaseModel, ValidationError
 from yaml import YAMLError
 
+from nemo_rl.data.errors import FatalError
+
 DEFAULTS_KEY = "defaults"
 MISSING_MARK = "???"
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
 
 
-class ConfigError(ValueError):
+class ConfigError(FatalError, ValueError):
     """A recipe, an override or a config section is invalid; the message says how to fix it."""
 
 

@@ -16,10 +16,12 @@ import os
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from nemo_rl.data.errors import FatalError
+
 ENV_MODULE = "NRL_INSTRUMENTATION"
 
 
-class InstrumentationError(RuntimeError):
+class InstrumentationError(FatalError, RuntimeError):
     """`NRL_INSTRUMENTATION` names a module that cannot be imported or lacks a hook."""
 
 

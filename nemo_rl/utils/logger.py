@@ -23,6 +23,8 @@ from typing import Any, TextIO
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from nemo_rl.data.errors import FatalError
+
 METRICS_FILE = "metrics.jsonl"
 RUN_INFO_FILE = "run_info.json"
 FIRST_CALL_PROMPTS_FILE = "first_call_prompt_ids.jsonl"
@@ -30,7 +32,7 @@ TENSORBOARD_DIR = "tensorboard"
 TIMING_PREFIX = "timing/"
 
 
-class MetricsError(ValueError):
+class MetricsError(FatalError, ValueError):
     """A metrics record is invalid or the logger is used after `close()`."""
 
 

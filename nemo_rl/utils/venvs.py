@@ -26,6 +26,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from nemo_rl.data.errors import FatalError
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SPECS_DIR = Path(__file__).resolve().parent / "venv_specs"
 BUILDER_VERSION = "2"
@@ -38,7 +40,7 @@ STALE_INFIX = ".stale-"
 Progress = Callable[[str], None]
 
 
-class VenvBuildError(RuntimeError):
+class VenvBuildError(FatalError, RuntimeError):
     """Building a flavored venv failed; the message names the command and its output tail."""
 
 

@@ -32,6 +32,7 @@ from nemo_gym.global_config import get_global_config_dict
 from nemo_gym.openai_utils import NeMoGymChatCompletionCreateParamsNonStreaming, NeMoGymResponseCreateParamsNonStreaming
 from nemo_gym.token_id_capture.config import token_id_capture_config
 from nemo_gym.token_id_capture.protocols import install_lineage_store
+from nemo_rl.data.errors import FatalError
 from nemo_rl.environments.gate.guard import GATE_GUARD_KEY, GateGuardConfig, GateGuardMiddleware, WorkerContextLimit
 from nemo_rl.environments.gate.ledger import BranchingCaptureLedger
 from nemo_rl.environments.gate.normalize import normalize_chat_body, normalize_chat_request
@@ -46,7 +47,7 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 CHAT_PATH_SUFFIX = "/chat/completions"
 
 
-class CaptureGateConfigError(ValueError):
+class CaptureGateConfigError(FatalError, ValueError):
     """The global config cannot run our capture gate."""
 
 

@@ -15,10 +15,12 @@ from __future__ import annotations
 from collections.abc import Mapping, MutableSequence
 from typing import Any
 
+from nemo_rl.data.errors import RecoverableError
+
 CHAIN_MARKER = "staging_chain_from_parent"
 
 
-class LedgerChainError(ValueError):
+class LedgerChainError(RecoverableError, ValueError):
     """A compact ledger row names a parent row whose chain is not in the file before it."""
 
 

@@ -24,7 +24,7 @@ class TokenIdOutOfRangeError(PolicyError, ValueError):
     """A token id is outside the model's vocabulary."""
 
 
-class LossInputError(ValueError):
+class LossInputError(PolicyError, ValueError):
     """The tensors given to a loss or a logprob-mismatch metric are inconsistent (shape, mask,
     range). Not a `PolicyError`: loss implementations outside the policy (the GRPO loss) raise it
     for their own inputs too."""

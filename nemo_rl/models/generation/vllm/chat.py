@@ -23,6 +23,8 @@ from typing import Any, Literal, Protocol
 
 from jinja2 import TemplateError
 
+from nemo_rl.data.errors import FatalError, RecoverableError
+
 ToolCallParserName = Literal["hermes", "llama3_json"]
 
 # Sentinel assistant content of the end-of-turn probe (no whitespace: templates may trim).
@@ -43,19 +45,19 @@ class ChatTemplateTokenizer(Protocol):
     def decode(self, ids: list[int], skip_special_tokens: bool = ...) -> str: ...
 
 
-class InvalidChatRequest(ValueError):
+class InvalidChatRequest(RecoverableError, ValueError):
     """The request body is not a chat-completions request this worker can serve (HTTP 400)."""
 
 
-class TailRenderError(ValueError):
+class TailRenderError(RecoverableError, ValueError):
     """The conversation cannot be split into exact parent prefix + newly rendered tail."""
 
 
-class TemplateProbeError(ValueError):
+class TemplateProbeError(RecoverableError, ValueError):
     """The chat template does not mark the end of an assistant turn in a way that can be found."""
 
 
-class UnknownToolCallParser(ValueError):
+class UnknownToolCallParser(FatalError, ValueError):
     """`generation.tool_call_parser` names no parser of `TOOL_CALL_PARSERS`."""
 
 

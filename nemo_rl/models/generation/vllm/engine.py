@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from nemo_rl.data.errors import FatalError, RecoverableError
 from nemo_rl.distributed.component_watch import ChildProcess
 from nemo_rl.models.generation.vllm import worker_extension
 from nemo_rl.models.generation.vllm.chat import InvalidChatRequest, SamplingRequest
@@ -28,32 +29,34 @@ from nemo_rl.models.generation.vllm.config import VllmConfig
 from nemo_rl.utils.lru import BoundedLRU
 
 
-class EngineError(RuntimeError):
-    """The vLLM engine failed to start or to serve a request."""
+class EngineError(FatalError, RuntimeError):
+    """The vLLM engine failed to start or answered outside its contract (vLLM's `EngineDeadError`
+    side): the engine cannot be trusted to serve."""
 
 
 class EngineFailedError(EngineError):
     """The engine is in the terminal `failed` state; the message names why."""
 
 
-class GenerationTimeoutError(EngineError):
+class RefitFailedError(EngineError):
+    """The reload timed out or raised: the weights are unknown, so the engine is `failed`."""
+
+
+class EngineRequestError(RecoverableError, RuntimeError):
+    """One request or one refit attempt failed and the engine serves on (vLLM's
+    `EngineGenerateError` side): the caller answers it (503) or keeps the previous weights."""
+
+
+class GenerationTimeoutError(EngineRequestError):
     """One generation outlived `generation.vllm.generate_timeout_s` and was aborted."""
 
 
-class RefitGateTimeoutError(EngineError):
+class RefitGateTimeoutError(EngineRequestError):
     """A request waited longer than the refit deadlines allow for the refit gate to reopen."""
 
 
-class RefitError(EngineError):
-    """A refit did not complete (see the subclasses for the state it left)."""
-
-
-class RefitAbortedError(RefitError):
+class RefitAbortedError(EngineRequestError):
     """The refit was aborted before any weight changed: the engine serves its previous version."""
-
-
-class RefitFailedError(RefitError):
-    """The reload timed out or raised: the weights are unknown, so the engine is `failed`."""
 
 
 class EngineState(str, enum.Enum):

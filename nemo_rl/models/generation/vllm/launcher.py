@@ -24,10 +24,12 @@ from typing import Any, NoReturn
 
 import ray
 
+from nemo_rl.data.errors import FatalError
 from nemo_rl.data.served import ServedCall
 from nemo_rl.distributed.actor_call import (
     ActorCallError,
     ActorCallTimeoutError,
+    ActorDiedError,
     ActorRaisedError,
     await_with_deadline,
     call_with_deadline,
@@ -52,7 +54,7 @@ from nemo_rl.utils.venvs import REPO_ROOT, ensure_venv, venv_python, vllm_spec
 CUDA_VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
 
 
-class NoGPUError(RuntimeError):
+class NoGPUError(FatalError, RuntimeError):
     """generation.vllm.flavor=gpu but no CUDA device is visible to this host's processes."""
 
 
@@ -184,9 +186,11 @@ def worker_name(worker: int) -> str:
 WORKERS = "vLLM workers"  # the actor name `ActorCallError`s of group calls carry
 
 
-def raise_worker_error(failure: ActorCallError, timeout_s: float) -> NoReturn:
+def raise_worker_error(
+    failure: ActorCallTimeoutError | ActorDiedError | ActorRaisedError, timeout_s: float
+) -> NoReturn:
     """A failed group call as a `WorkerError`; what a worker raised itself stays as it is (a
-    `WorkerError` subclass such as a refit failure, or a bug)."""
+    `WorkerError` such as a refit failure, a `WorkerFailedError`, or a bug)."""
     if isinstance(failure, ActorRaisedError):
         assert failure.cause is not None
         raise failure.cause from None

@@ -18,10 +18,11 @@ from dataclasses import dataclass
 
 from nemo_gym.token_id_capture.staging import StagingSource, compute_chain_hash
 
+from nemo_rl.data.errors import RecoverableError
 from nemo_rl.utils.lru import BoundedLRU
 
 
-class PrefixError(RuntimeError):
+class PrefixError(RecoverableError, RuntimeError):
     """The parent prefix could not be resolved."""
 
 

@@ -19,6 +19,7 @@ import logging
 import time
 from pathlib import Path
 
+from nemo_rl.data.errors import FatalError, RecoverableError
 from nemo_rl.data_plane import DataPlaneClient, DataPlaneConfig
 from nemo_rl.distributed.shared_fs import SharedDirError, SharedDirProbe, check_probe, require_dir
 from nemo_rl.distributed.topology import http_base_url, listen_host
@@ -30,13 +31,15 @@ from nemo_rl.utils.venvs import running_venv_info
 LOGGER = logging.getLogger(__name__)
 
 
-class WorkerError(RuntimeError):
-    """A generation-worker operation failed (the message names the operation and cause)."""
+class WorkerError(RecoverableError, RuntimeError):
+    """A generation-worker operation failed (the message names the operation and cause); the
+    worker itself may serve on, so the caller decides (a missing served report, a skipped refit)."""
 
 
-class WorkerFailedError(WorkerError):
+class WorkerFailedError(FatalError, RuntimeError):
     """The worker is in its terminal failed state (engine failed, or a bug hit a route): it serves
-    nothing more, so the run must stop; the message carries the reason (a bug's traceback)."""
+    nothing more, so the run must stop; the message carries the reason (a bug's traceback). Not a
+    `WorkerError`: a caller that handles both names both."""
 
 
 def _load_tokenizer(model_dir: Path):  # -> a transformers tokenizer (blocking: file reads, imports)
@@ -253,12 +256,14 @@ class VllmGenerationWorker:
     async def prompt_logprobs(self, token_ids: list[int]) -> list[float]:
         if self._engine is None:
             raise WorkerError("prompt_logprobs called before start")
-        from nemo_rl.models.generation.vllm.engine import EngineError
+        from nemo_rl.models.generation.vllm.engine import EngineError, EngineRequestError
 
         self._require_healthy("prompt_logprobs")
         try:
             return await self._engine.prompt_logprobs(token_ids)
-        except EngineError as e:  # converted before it crosses the Ray boundary
+        # Both sides of the engine's split (a dead engine, or a gate/deadline miss of this call):
+        # converted before they cross the Ray boundary.
+        except (EngineError, EngineRequestError) as e:
             raise WorkerError(f"vLLM worker {self._worker_index}: prompt_logprobs failed: {type(e).__name__}: {e}") from e
 
     async def take_served(self, rollout_ids: list[str]) -> list[dict]:
