@@ -1,25 +1,14 @@
-"""The project's error base, and one OpenAI-style error for every HTTP surface of ours (the vLLM
-worker and the capture gate).
+"""The project's error base, and one OpenAI-style error for every HTTP surface of ours.
 
-Contract (the taxonomy; see docs/design-docs/errors.md):
-- Every exception class in `nemo_rl` derives from exactly one of `RecoverableError` and
-  `FatalError`, both `NemoRLError`s (tests/unit/test_error_taxonomy.py checks it). Recoverable:
-  this call, request, rollout or attempt failed and the run goes on (retry, placeholder, 4xx/5xx
-  answer). Fatal: a component or the run cannot continue (stop loudly, by name). Builtin bases
-  (`ValueError`, `RuntimeError`, ...) stay beside them where callers or tests rely on them.
-  This module is the lowest layer (`data` imports no other `nemo_rl` package), so every package
-  can import the base.
-
-The OpenAI-style error:
-- An `ApiError` is an answer for the caller: a named `err_type`, a message and, when one field is
-  at fault, its JSON path (`param`). Its HTTP status is not chosen by the raiser: it follows from
-  the type (`STATUS_OF`, one status per type), so the same failure always gets the same status
-  wherever it is raised, and code below the transport never names a status.
-- `body()` is the OpenAI error body `{"error": {"message", "type", "param", "code"}}` (`code` is the
-  status); `encoded()` is that body as the bytes `json.dumps` gives (what aiohttp's
-  `json_response` sends too), so both transports answer byte-identical bodies.
-- Only the transports (`models.generation.vllm.server`, `environments.gate.guard`) turn an
-  `ApiError` into a response. An unknown type is a bug of the raiser: `ValueError` at construction.
+Contract (docs/design-docs/errors.md has the tables and the reasoning):
+- Every exception class in `nemo_rl` derives from exactly one of `RecoverableError` (this call,
+  request, rollout or attempt failed; the run goes on) and `FatalError` (a component or the run
+  cannot continue), both `NemoRLError`s; builtin bases stay beside them where callers rely on them.
+  `data` imports no other `nemo_rl` package, so every package can import the base.
+- An `ApiError` is an answer for the caller (`err_type`, message, `param`); its HTTP status follows
+  from the type (`STATUS_OF`), never from the raiser. `body()` / `encoded()` give the OpenAI error
+  body, byte-identical on both transports; only the transports (`models.generation.vllm.server`,
+  `environments.gate.guard`) turn an `ApiError` into a response.
 """
 
 from __future__ import annotations
