@@ -22,7 +22,9 @@ from nemo_rl.models.policy.errors import (
     WeightExportError,
 )
 
-LOSS = ClippedPGLossFn.from_config(LossConfig())
+# The on-policy loss (weight 1): these tests pin the step itself, with placeholder generation
+# logprobs of 0.0; the off-policy weight is tested in tests/unit/algorithms/test_off_policy.py.
+LOSS = ClippedPGLossFn.from_config(LossConfig(behaviour_logprobs="recomputed"))
 PROMPT = [3, 17, 42, 9]
 GEN = [77, 5, 101, 64, 12]
 SEQ = PROMPT + GEN
