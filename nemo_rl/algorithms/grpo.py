@@ -152,8 +152,10 @@ def grpo_clipped_loss(
     clipped_term = -adv * clipped
     per_token = torch.maximum(unclipped_term, clipped_term)
     if is_weights is not None:
-        # Outside the mask the weight may be anything; masked_sum selects, so it cannot leak.
-        per_token = per_token * is_weights.detach().to(per_token.dtype)
+        # 1.0 off the mask: a nan weight there would turn the zero gradient masked_sum sends
+        # back into nan (0 * nan), although the forward value never reads it.
+        w = torch.where(m, is_weights.detach().to(per_token.dtype), torch.ones_like(per_token))
+        per_token = per_token * w
     loss = masked_sum(per_token, m) / denom
 
     with torch.no_grad():

@@ -308,5 +308,12 @@ def test_clipped_loss_without_weights_is_unchanged_by_the_new_argument() -> None
     plain, _ = grpo_clipped_loss(curr, prev, None, adv, mask, 0.2, 0.28, normalizer=6)
     ones, _ = grpo_clipped_loss(curr, prev, None, adv, mask, 0.2, 0.28, normalizer=6, is_weights=torch.ones_like(prev))
     assert torch.equal(plain, ones)
+    # A nan weight off the mask reaches neither the loss nor the gradient.
+    weights = torch.ones_like(prev)
+    weights[:, 2] = float("nan")
+    c = curr.clone().requires_grad_(True)
+    loss, _ = grpo_clipped_loss(c, prev, None, adv, mask, 0.2, 0.28, normalizer=6, is_weights=weights)
+    loss.backward()
+    assert torch.equal(loss, plain) and bool(torch.isfinite(c.grad).all()) and c.grad[:, 2].tolist() == [0.0, 0.0]
     with pytest.raises(GRPOInputError, match="is_weights shape"):
         grpo_clipped_loss(curr, prev, None, adv, mask, 0.2, 0.28, is_weights=torch.ones(2, 2))
