@@ -10,6 +10,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+# Which logprobs stand for the behaviour policy in the loss (see LossConfig.behaviour_logprobs).
+BehaviourLogprobs = Literal["captured", "recomputed"]
+
 
 class PolicyConfig(BaseModel):
     """How the torch policy is loaded, stepped and called."""
@@ -44,12 +47,26 @@ class PolicyConfig(BaseModel):
 
 
 class LossConfig(BaseModel):
-    """GRPO clipped-surrogate settings: the ratio is clamped to [1 - min, 1 + max]."""
+    """GRPO clipped-surrogate settings: the ratio is clamped to [1 - min, 1 + max], and each
+    token's term is weighted by the truncated importance weight of its behaviour policy
+    (docs/guides/off-policy-correction.md)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     ratio_clip_min: float = Field(default=0.2, ge=0.0, lt=1.0)
     ratio_clip_max: float = Field(default=0.2, ge=0.0)
+    # Which logprobs stand for the behaviour policy mu that sampled each token. "captured": the
+    # generation logprobs the row carries (with token capture on, the exact engine logprobs of
+    # the weight version that served the token's call; with it off, Gym's echoed logprobs, the
+    # only record of the sampler on that path), so w = min(exp(prev - mu), is_truncation).
+    # "recomputed": mu = the trainer's own pre-update logprobs, w = 1 (the on-policy loss).
+    # One default for both paths: each row carries its sampler's logprobs either way.
+    behaviour_logprobs: BehaviourLogprobs = "captured"
+    # C of the truncated importance weight (TIS): caps how much one stale or mismatched token can
+    # weigh. Must exceed 1: C <= 1 would also shrink tokens the trainer likes more than the
+    # sampler did. 2.0 as in TIS (Yao et al., 2025, "Your efficient RL framework secretly brings
+    # you off-policy RL training").
+    is_truncation: float = Field(default=2.0, gt=1.0, allow_inf_nan=False)
 
 
 def dtype_mismatch(policy_dtype: str, generation_dtype: str) -> str | None:

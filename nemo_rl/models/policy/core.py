@@ -39,7 +39,7 @@ from nemo_rl.models.policy.errors import (
     WeightExportError,
 )
 from nemo_rl.models.policy.logprobs import gather_token_logprobs, micro_batches, pad_right
-from nemo_rl.models.policy.loss import LossFn, check_loss_fn, check_loss_output
+from nemo_rl.models.policy.loss import LossFn, check_loss_fn, check_loss_output, combine_metric
 from nemo_rl.models.policy.mismatch import gen_kl_error, token_mult_prob_error
 
 WEIGHTS_FILE = "model.safetensors"
@@ -221,8 +221,8 @@ class PolicyCore:
             )
             loss, m = check_loss_output(out, loss_fn)
             loss.backward()
-            for k, v in m.items():  # shares of the batch value: their sum is the batch metric
-                loss_metrics[k] = loss_metrics.get(k, 0.0) + float(v)
+            for k, v in m.items():  # shares sum to the batch value; `*_max` parts take the max
+                loss_metrics[k] = combine_metric(k, loss_metrics.get(k), float(v))
 
         params = [q for q in self._model.parameters() if q.grad is not None]
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self._cfg.max_grad_norm))

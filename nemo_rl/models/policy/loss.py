@@ -4,8 +4,9 @@ The policy does not know which algorithm trains it: `PolicyCore.train_step(batch
 takes the loss as an argument; this package never imports `nemo_rl.algorithms`. A `LossFn` is
 called once per micro-batch holding a masked token, with [B, T] logprobs, advantages, the mask
 and `normalizer` (the WHOLE batch's masked-token count), and returns `(loss, metrics)`, each
-metric a micro-batch share of a batch value (the core sums them); `CORE_METRICS` names are
-reserved. It must be picklable: it crosses into the Ray policy actor with every step.
+metric a micro-batch share of a batch value (the core sums them), except a name ending in
+`_max`: a micro-batch maximum (the core keeps the largest, `combine_metric`); `CORE_METRICS`
+names are reserved. It must be picklable: it crosses into the Ray policy actor with every step.
 See docs/design-docs/policy.md, "The `LossFn` contract".
 """
 
@@ -22,6 +23,16 @@ from nemo_rl.models.policy.errors import LossFnError
 CORE_METRICS = frozenset(
     {"grad_norm", "lr", "token_mult_prob_error", "gen_kl_error", "num_tokens", "num_samples"}
 )
+
+# A metric named `<x>_max` is a maximum: micro-batch maxima combine by max, never by sum.
+MAX_METRIC_SUFFIX = "_max"
+
+
+def combine_metric(name: str, total: float | None, part: float) -> float:
+    """The batch value of metric `name` so far (`total`, None before the first micro-batch) with one more part."""
+    if total is None:
+        return part
+    return max(total, part) if name.endswith(MAX_METRIC_SUFFIX) else total + part
 
 
 @runtime_checkable

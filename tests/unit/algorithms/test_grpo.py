@@ -178,16 +178,18 @@ def test_clipped_pg_loss_fn_is_grpo_clipped_loss() -> None:
     prev = _t([[-1.0, -2.0, -1.0], [-0.5, -3.0, 0.0]])
     curr = prev + torch.log(_t([[1.5, 0.5, 1.0], [0.5, 1.5, 1.0]]))
     adv, mask = _t([1.0, -1.0]), _t([[1, 1, 0], [1, 1, 0]]).bool()
-    fn = ClippedPGLossFn(ratio_clip_min=0.2, ratio_clip_max=0.28)
+    fn = ClippedPGLossFn(ratio_clip_min=0.2, ratio_clip_max=0.28, behaviour_logprobs="recomputed", is_truncation=2.0)
     loss, metrics = fn(curr_logprobs=curr, prev_logprobs=prev, generation_logprobs=torch.zeros_like(prev),
                        advantages=adv, mask=mask, normalizer=6)
     ref_loss, ref = grpo_clipped_loss(curr, prev, None, adv, mask, 0.2, 0.28, normalizer=6)
     assert torch.equal(loss, ref_loss)
-    assert metrics == {"loss": ref["loss"], "clip_fraction": ref["clip_fraction"]}
+    # Weight 1 on the 4 masked tokens: mean share 4/6, max 1, nothing truncated.
+    assert metrics == {"loss": ref["loss"], "clip_fraction": ref["clip_fraction"],
+                       "is_weight_mean": 4 / 6, "is_weight_max": 1.0, "is_truncated_fraction": 0.0}
     with pytest.raises(GRPOInputError, match=r"loss_fn.ratio_clip_min=1.0"):
-        ClippedPGLossFn(ratio_clip_min=1.0, ratio_clip_max=0.2)
+        ClippedPGLossFn(ratio_clip_min=1.0, ratio_clip_max=0.2, behaviour_logprobs="captured", is_truncation=2.0)
     with pytest.raises(GRPOInputError, match=r"loss_fn.ratio_clip_max=-0.1"):
-        ClippedPGLossFn(ratio_clip_min=0.2, ratio_clip_max=-0.1)
+        ClippedPGLossFn(ratio_clip_min=0.2, ratio_clip_max=-0.1, behaviour_logprobs="captured", is_truncation=2.0)
 
 
 @st.composite

@@ -4,6 +4,7 @@ The step is driven by the GRPO loss (`ClippedPGLossFn`), handed in as the policy
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from pathlib import Path
 
@@ -22,7 +23,9 @@ from nemo_rl.models.policy.errors import (
     WeightExportError,
 )
 
-LOSS = ClippedPGLossFn.from_config(LossConfig())
+# The on-policy loss (weight 1): these tests pin the step itself, with placeholder generation
+# logprobs of 0.0; the off-policy weight is tested in tests/unit/algorithms/test_off_policy.py.
+LOSS = ClippedPGLossFn.from_config(LossConfig(behaviour_logprobs="recomputed"))
 PROMPT = [3, 17, 42, 9]
 GEN = [77, 5, 101, 64, 12]
 SEQ = PROMPT + GEN
@@ -121,6 +124,25 @@ def test_mismatch_metrics_exact_when_gen_equals_train(tiny_model_dir: Path) -> N
     ]
     metrics2 = core.train_step(_batch(seqs, masks, [1.0, -1.0], gen2), LOSS)
     assert metrics2["token_mult_prob_error"] == pytest.approx(1.1051709180756477, rel=1e-5)
+
+
+def test_captured_mode_weights_tokens_and_reports_batch_metrics(tiny_model_dir: Path) -> None:
+    # Micro-batches of one row: the *_max metric must be the max over them, the shares their sum.
+    core = _core(tiny_model_dir, train_micro_batch_size=1)
+    seqs = [SEQ, [1, 2, 3, 4, 5]]
+    masks = [MASK, [0, 0, 1, 1, 1]]
+    prev = core.get_logprobs(seqs)  # what train_step recomputes, bit for bit
+    # Row 0 was sampled by these very weights (w = 1); row 1 by an engine that liked its first two
+    # tokens 0.5 nats more (w = e^-0.5) and its last one 1 nat less (e^1 > 2: truncated to 2).
+    gen = [prev[0], [lp + d for lp, d in zip(prev[1], (0.0, 0.0, 0.5, 0.5, -1.0))]]
+    captured = ClippedPGLossFn.from_config(LossConfig())
+    metrics = core.train_step(_batch(seqs, masks, [1.0, -1.0], gen), captured)
+    assert metrics["is_weight_mean"] == pytest.approx((5 + 2 * math.exp(-0.5) + 2.0) / 8, rel=1e-6)
+    assert metrics["is_weight_max"] == 2.0  # not 1.0 + 2.0: maxima combine by max
+    assert metrics["is_truncated_fraction"] == 1 / 8
+    on_policy = _core(tiny_model_dir).train_step(_batch(seqs, masks, [1.0, -1.0], prev), captured)
+    assert (on_policy["is_weight_mean"], on_policy["is_weight_max"], on_policy["is_truncated_fraction"]) == (
+        1.0, 1.0, 0.0)
 
 
 def test_export_round_trips_to_identical_logits(tiny_model_dir: Path, tmp_path: Path) -> None:

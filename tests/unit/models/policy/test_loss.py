@@ -52,7 +52,7 @@ def test_policy_package_never_imports_algorithms() -> None:
 def test_grpo_loss_is_a_picklable_loss_fn() -> None:
     fn = ClippedPGLossFn.from_config(LossConfig(ratio_clip_min=0.1, ratio_clip_max=0.3))
     assert isinstance(fn, LossFn)
-    assert pickle.loads(pickle.dumps(fn)) == fn == ClippedPGLossFn(0.1, 0.3)
+    assert pickle.loads(pickle.dumps(fn)) == fn == ClippedPGLossFn(0.1, 0.3, "captured", 2.0)
     assert check_loss_fn(fn) is fn and check_loss_fn(mean_nll_loss) is mean_nll_loss
 
 
