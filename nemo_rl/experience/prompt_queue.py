@@ -116,6 +116,8 @@ class GroupTicket:
 
 
 class Outcome(str, Enum):
+    """What a step did with a prompt it consumed."""
+
     TRAINED = "trained"  # in the step's batch with at least one kept rollout
     FAILED = "failed"  # every rollout a placeholder: accounted and consumed as today, never re-queued
 
@@ -249,7 +251,14 @@ class PromptLedger:
     def can_dispatch(self) -> bool:
         return len(self._live) < self._cap
 
-    def state_of(self, position: int) -> PendingState | Outcome | None:
+    def live(self, state: PendingState | None = None) -> tuple[GroupTicket, ...]:
+        """The live tickets (running and finished, or only those in `state`), by position."""
+        return tuple(
+            GroupTicket(p, live.generation, self._p) for p, live in sorted(self._live.items())
+            if state is None or live.state is state
+        )
+
+    def state_of(self, position: int) -> PendingState | None:
         """QUEUED/IN_FLIGHT/FINISHED for a drawn, unconsumed position; None for a consumed or undrawn one."""
         if position in self._live:
             return self._live[position].state

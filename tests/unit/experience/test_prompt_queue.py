@@ -43,7 +43,8 @@ def run_step(ledger: PromptLedger) -> tuple[ConsumedPrompt, ...]:
 
 
 def live_ticket(ledger: PromptLedger, position: int) -> GroupTicket:
-    return GroupTicket(position, ledger._live[position].generation, ledger.groups_per_step)  # noqa: SLF001 (test view)
+    (ticket,) = [t for t in ledger.live() if t.position == position]
+    return ticket
 
 
 def test_slots_are_the_synchronous_loops_draw_order():
@@ -128,7 +129,10 @@ def test_unknown_superseded_and_repeated_transitions_are_refused():
 def test_a_dropped_prompt_goes_back_to_the_front_lowest_position_first():
     ledger = PromptLedger(2, 4)
     tickets = [ledger.dispatch() for _ in range(4)]
-    for ticket in tickets:
+    ledger.finish(tickets[2])
+    assert ledger.live(PendingState.FINISHED) == (tickets[2],) and ledger.live() == tuple(tickets)
+    assert (ledger.running, ledger.in_flight) == (3, 4)
+    for ticket in (tickets[0], tickets[1], tickets[3]):
         ledger.finish(ticket)
     ledger.drop_stale(tickets[3])
     ledger.drop_stale(tickets[1])
@@ -218,8 +222,8 @@ class Simulation:
         self.kills = self.drops = 0
 
     def pick(self, state: PendingState, arg: int) -> GroupTicket | None:
-        positions = sorted(p for p in self.ledger._live if self.ledger._live[p].state is state)  # noqa: SLF001
-        return live_ticket(self.ledger, positions[arg % len(positions)]) if positions else None
+        tickets = self.ledger.live(state)
+        return tickets[arg % len(tickets)] if tickets else None
 
     def do(self, op: str, arg: int) -> None:
         ledger = self.ledger
