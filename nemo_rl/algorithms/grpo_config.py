@@ -13,6 +13,7 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from nemo_rl.algorithms.async_config import AsyncRolloutsConfig
 from nemo_rl.data_plane import DataPlaneConfig
 from nemo_rl.environments.nemo_gym import NemoGymConfig
 from nemo_rl.models.generation.vllm.config import GenerationConfig
@@ -48,6 +49,7 @@ class GRPOConfig(BaseModel):
             "driver's marker there fails, naming this knob)."
         ),
     )
+    async_rollouts: AsyncRolloutsConfig = AsyncRolloutsConfig()
 
 
 class ModelConfig(BaseModel):
