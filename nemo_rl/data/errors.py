@@ -8,7 +8,7 @@ Contract (docs/design-docs/errors.md has the tables and the reasoning):
 - An `ApiError` is an answer for the caller (`err_type`, message, `param`); its HTTP status follows
   from the type (`STATUS_OF`), never from the raiser. `body()` / `encoded()` give the OpenAI error
   body, byte-identical on both transports; only the transports (`models.generation.vllm.server`,
-  `environments.gate.guard`) turn an `ApiError` into a response.
+  `environments.gate.ingress`) turn an `ApiError` into a response.
 """
 
 from __future__ import annotations
