@@ -29,7 +29,7 @@ from nemo_rl.data.policy_errors import TrainBatchError
 from nemo_rl.data.rows import GroupResult, KeptRollout, RowOrigin, TrainRow
 from nemo_rl.data.train_batch import TrainBatch
 from nemo_rl.models.policy import LossConfig
-from nemo_rl.models.policy.logprobs import pad_right
+from nemo_rl.models.policy.loss import pad_right
 from nemo_rl.models.policy.loss import combine_metric
 from nemo_rl.utils.config import ConfigError, validate_section
 
