@@ -18,7 +18,7 @@ import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from nemo_rl.data.policy_errors import TrainBatchError
+from nemo_rl.data.errors import TrainBatchError
 
 
 def _freeze(name: str, rows: Sequence[Sequence]) -> tuple[tuple, ...]:

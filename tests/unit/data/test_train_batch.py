@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from nemo_rl.data.policy_errors import TrainBatchError
+from nemo_rl.data.errors import TrainBatchError
 from nemo_rl.data.train_batch import TrainBatch
 
 

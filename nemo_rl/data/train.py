@@ -21,8 +21,8 @@ import numpy as np
 import torch
 
 from nemo_rl.data.errors import FatalError
-from nemo_rl.data.fields import Row
 from nemo_rl.data.rows import RowRef, TrainRow
+from nemo_rl.data.staged_rows import Row
 
 TOKEN_IDS = "token_ids"
 TOKEN_MASK = "token_mask"
