@@ -16,12 +16,12 @@ from collections.abc import Sequence
 
 from nemo_rl.data.errors import PolicyWorkerError
 from nemo_rl.data.rows import KeptRollout, RowRef, TrainRow
-from nemo_rl.data.train_batch import TrainBatch
 from nemo_rl.data.train import (
     FIELDS,
     LOGPROBS,
     TOKEN_IDS,
     TOKEN_MASK,
+    TrainBatch,
     TrainPlan,
     payload_digest,
     row_payload,

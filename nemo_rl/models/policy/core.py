@@ -27,7 +27,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from nemo_rl.data.train_batch import TrainBatch
+from nemo_rl.data.train import TrainBatch
 from nemo_rl.models.policy.config import PolicyConfig
 from nemo_rl.models.policy.errors import (
     EmptyMaskError,

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from nemo_rl.data.errors import TrainBatchError
-from nemo_rl.data.train_batch import TrainBatch
+from nemo_rl.data.train import TrainBatch
 
 
 def _batch(**overrides) -> TrainBatch:

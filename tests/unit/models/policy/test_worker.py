@@ -13,7 +13,7 @@ import ray
 
 from nemo_rl.algorithms.grpo import ClippedPGLossFn
 from nemo_rl.data.errors import PolicyWorkerError
-from nemo_rl.data.train_batch import TrainBatch
+from nemo_rl.data.train import TrainBatch
 from nemo_rl.models.policy import LossConfig, PolicyConfig, PolicyWorkerHandle
 from nemo_rl.models.policy.core import PolicyCore, PolicyStateInfo
 from nemo_rl.models.policy.errors import (
