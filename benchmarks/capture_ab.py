@@ -574,7 +574,7 @@ def arm_main(args: argparse.Namespace) -> int:
     import nemo_rl.algorithms.grpo_single_controller as sc
     from examples.arith.recipe import load_and_resolve
     from nemo_rl.token_capture.audit import retokenization_drift
-    from nemo_rl.data.train_rows import TrainPlan
+    from nemo_rl.data.train import TrainPlan
     from nemo_rl.data_plane.train_rows import read_train_batch
 
     arm_dir: Path = args.arm_dir

@@ -44,8 +44,7 @@ from nemo_rl.algorithms.grpo_health import (
     untrainable,
 )
 from nemo_rl.data.rows import GroupResult, KeptRollout, RowRef
-from nemo_rl.data.train_batch import TrainBatch
-from nemo_rl.data.train_rows import TrainPlan
+from nemo_rl.data.train import TrainBatch, TrainPlan
 from nemo_rl.data_plane.train_rows import TrainRowCleaner
 from nemo_rl.algorithms.refit import refit_to
 from nemo_rl.algorithms.setup import GRPORun, setup

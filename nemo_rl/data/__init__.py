@@ -5,6 +5,6 @@ torch and Gym's record models where a codec wraps them) and do no I/O: no Ray, n
 TransferQueue, no files or sockets; the I/O lives in the process packages above. This
 `__init__` imports nothing, so a process that needs one module (the gate reads `request_rules`
 and `rollout_ids`) does not load torch through another.
-Modules: `rollout_ids`, `served`, `rows`, `train_rows`, `train_batch`, `policy_errors`,
-`staged_rows`, `fields`, `request_rules`, `errors`.
+Modules: `rollout_ids`, `served`, `rows`, `train` (`TrainBatch`, `TrainPlan`, train-row codec),
+`staged_rows` (and the data-plane `Row`), `request_rules`, `errors` (with the policy errors).
 """

@@ -8,7 +8,10 @@ Contract (docs/design-docs/errors.md has the tables and the reasoning):
 - An `ApiError` is an answer for the caller (`err_type`, message, `param`); its HTTP status follows
   from the type (`STATUS_OF`), never from the raiser. `body()` / `encoded()` give the OpenAI error
   body, byte-identical on both transports; only the transports (`models.generation.vllm.server`,
-  `environments.gate.guard`) turn an `ApiError` into a response.
+  `environments.gate.ingress`) turn an `ApiError` into a response.
+- `PolicyError` (fatal) is the base of every policy failure (`nemo_rl.models.policy.errors`
+  subclasses it): `TrainBatchError` (a `TrainBatch` breaks an invariant) and `PolicyWorkerError`
+  (the policy actor re-raises every failure as one); strings only, so they cross Ray intact.
 """
 
 from __future__ import annotations
@@ -86,3 +89,18 @@ class ApiError(RecoverableError):
 
     def encoded(self) -> bytes:
         return json.dumps(self.body()).encode()
+
+
+# --- the policy failures that cross a process boundary (records below the policy, its actor) ---
+
+
+class PolicyError(FatalError):
+    """Base class of every policy failure."""
+
+
+class TrainBatchError(PolicyError, ValueError):
+    """A TrainBatch violates one of its invariants."""
+
+
+class PolicyWorkerError(PolicyError):
+    """A call into a remote PolicyWorker failed inside the worker."""

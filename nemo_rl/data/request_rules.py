@@ -1,7 +1,7 @@
 """What a chat request must look like before anything is generated, staged or ledgered (pure).
 
 One set of rules for every HTTP surface that takes a chat request: the vLLM worker's endpoint
-(`serving.ChatService`) and our capture gate (`gate.guard`), so a request the worker would refuse
+(`serving.ChatService`) and our capture gate (`gate.ingress`), so a request the worker would refuse
 is refused at the gate before Gym's capture middleware records anything for it.
 `parse_json_body` is strict JSON; `check_chat_request` and `check_sampling_fields` raise
 `RequestFieldError` naming the first field at fault (its JSON path) and the fix;

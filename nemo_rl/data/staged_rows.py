@@ -1,10 +1,12 @@
 """The staged-row codec: one staged call (Gym's `StagedCallRecord`) as one data-plane row, and back.
 
-Row: `token_ids_delta` int64, mask and logprobs float64 (bit-exact round trip), `header` (JSON
-of every other base field) and `extras` (JSON, never moved by a base read). Decoding validates a
-stored row with Gym's own models (which recompute the digests) and requires it to describe the
-key it was read under; extras are checked against their digests. Failures are
-`StagedRecordInvalidError` naming the key (`ExtrasDigestMismatchError` for extras), both
+A data-plane row (`Row`, every codec's output) is a non-empty `dict[str, FieldValue]`: 1-D CPU
+int64 / float64 tensors, `str` (JSON) or `bytes` (`nemo_rl.data_plane.fields` checks every write).
+A staged row: `token_ids_delta` int64, mask and logprobs float64 (bit-exact round trip),
+`header` (JSON of every other base field) and `extras` (JSON, never moved by a base read).
+Decoding validates a stored row with Gym's own models (which recompute the digests) and requires
+it to describe the key it was read under; extras are checked against their digests. Failures
+are `StagedRecordInvalidError` naming the key (`ExtrasDigestMismatchError` for extras), both
 `StagingFetchError`s.
 See docs/design-docs/vllm-worker-capture.md, "The staged-row codec".
 """
@@ -25,7 +27,10 @@ from nemo_gym.token_id_capture.staging import (
 from pydantic import ValidationError
 
 from nemo_rl.data.errors import RecoverableError
-from nemo_rl.data.fields import Row
+
+# What one data-plane row holds; the codecs here (`staged_rows`, `train`) build rows that satisfy it.
+FieldValue = torch.Tensor | str | bytes
+Row = dict[str, FieldValue]
 
 TOKEN_IDS_FIELD = "token_ids_delta"
 TOKEN_MASK_FIELD = "token_mask_delta"

@@ -28,12 +28,12 @@ from nemo_gym.token_id_capture.staging import (
     staging_key,
 )
 
-from nemo_rl.data.fields import Row
 from nemo_rl.data.staged_rows import (
     ALL_FIELDS,
     BASE_FIELDS,
     EXTRAS_FIELD,
     HEADER_FIELD,
+    Row,
     StagingFetchError,
     record_to_row,
     row_nbytes,

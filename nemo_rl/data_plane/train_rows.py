@@ -1,6 +1,6 @@
 """The train partition's I/O: kept rows written by a finalizer, read by the policy worker, cleared by the driver.
 
-Records and codec live in `nemo_rl.data.train_rows`; this module moves them through a
+Records and codec live in `nemo_rl.data.train`; this module moves them through a
 `DataPlaneClient`. `store_rows` / `store_many_rows` write a finalizer's kept rows in ONE
 `put_many` and return `RowRef`s; `read_train_batch` reads a plan's keys in ONE `get` and
 recomputes every digest (`TrainRowDigestError` naming key and digests: nothing is trained);
@@ -14,14 +14,14 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from nemo_rl.data.policy_errors import PolicyWorkerError
+from nemo_rl.data.errors import PolicyWorkerError
 from nemo_rl.data.rows import KeptRollout, RowRef, TrainRow
-from nemo_rl.data.train_batch import TrainBatch
-from nemo_rl.data.train_rows import (
+from nemo_rl.data.train import (
     FIELDS,
     LOGPROBS,
     TOKEN_IDS,
     TOKEN_MASK,
+    TrainBatch,
     TrainPlan,
     payload_digest,
     row_payload,

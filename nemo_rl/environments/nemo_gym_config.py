@@ -18,7 +18,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from nemo_rl.data.errors import FatalError, RecoverableError
-from nemo_rl.environments.gate.guard import GateGuardConfig
+from nemo_rl.environments.gate.ingress import GateGuardConfig
 
 # A Gym package name is one Python identifier (it is imported as `resources_servers.<name>.app`).
 _PACKAGE_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*$"

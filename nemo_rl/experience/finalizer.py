@@ -23,7 +23,7 @@ from nemo_rl.data.staged_rows import StagedRecordInvalidError, StagingFetchError
 from nemo_rl.data_plane.staging import StagedKeysMissingError
 from nemo_rl.token_capture.judge import FetchProblem
 from nemo_rl.token_capture.receipt import reward_of
-from nemo_rl.token_capture.router_replay_rows import fetch_error_reason
+from nemo_rl.token_capture.router_replay import fetch_error_reason
 
 _ECHO_FIELDS = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
 

@@ -33,7 +33,7 @@ from nemo_rl.experience.finalizer import SnapshotSource, fetch_snapshots
 from nemo_rl.token_capture.config import TokenCaptureConfig
 from nemo_rl.token_capture.judge import RolloutEvidence, all_served_lost, judge_rollout
 from nemo_rl.token_capture.receipt import reward_of
-from nemo_rl.token_capture.router_replay_rows import attach_router_replay
+from nemo_rl.token_capture.router_replay import attach_router_replay
 
 LOGGER = logging.getLogger(__name__)
 

@@ -33,9 +33,15 @@ from nemo_gym.openai_utils import NeMoGymChatCompletionCreateParamsNonStreaming,
 from nemo_gym.token_id_capture.config import token_id_capture_config
 from nemo_gym.token_id_capture.protocols import install_lineage_store
 from nemo_rl.data.errors import FatalError
-from nemo_rl.environments.gate.guard import GATE_GUARD_KEY, GateGuardConfig, GateGuardMiddleware, WorkerContextLimit
+from nemo_rl.environments.gate.ingress import (
+    GATE_GUARD_KEY,
+    GateGuardConfig,
+    GateGuardMiddleware,
+    WorkerContextLimit,
+    normalize_chat_body,
+    normalize_chat_request,
+)
 from nemo_rl.environments.gate.ledger import BranchingCaptureLedger
-from nemo_rl.environments.gate.normalize import normalize_chat_body, normalize_chat_request
 from responses_api_models.vllm_model.app import _PROPAGATE_CONTEXT_ERROR_ATTRIBUTE, VLLMModel
 
 Scope = MutableMapping[str, Any]

@@ -1,12 +1,13 @@
 """The capture ledger our gate installs: Gym's `FileLineageStore` with a branching resolution policy.
 
 `BranchingCaptureLedger(dir)` reads and writes Gym's files and rows (Gym's own `record`,
-`record_failure` and manifest); only parent resolution changes, and rows are stored without
-their cumulative `staging_chain` (`ledger_chain.py`; `_read` restores it). Gym's two-stage order
-is kept; among ledger rows `select_parent_row` (pure) picks the candidate with the longest
-recorded context, the first committed on a tie. A continuation with no candidate is a new
-`text` branch (`branch:<why>`) unless `branch_unresolved=False`. Errors are not converted: a
-corrupt ledger row raises and the call fails closed.
+`record_failure` and manifest); only parent resolution changes. Gym's two-stage order is kept;
+among ledger rows `select_parent_row` (pure) picks the candidate with the longest recorded
+context, the first committed on a tie. A continuation with no candidate is a new `text` branch
+(`branch:<why>`) unless `branch_unresolved=False`. On disk a row omits a `staging_chain` that is
+its parent's plus its own key (`compact_row`; `expand_rows` restores it, losslessly): O(T) keys
+per rollout of T calls, not O(T^2). Errors are not converted: a corrupt row (a marked row without
+its parent: `LedgerChainError`) raises and the call fails closed.
 Invariant: the ledger is append-only, so every reader in any process picks the same parent.
 Why each choice is exact: docs/design-docs/token-capture-receipts.md, "The gate's ledger".
 """
@@ -16,7 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, MutableSequence, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,7 +31,7 @@ from nemo_gym.token_id_capture.lineage import FileLineageStore, IncrementalLinea
 from nemo_gym.token_id_capture.protocols import LineageMatch, LineageResolution
 from nemo_gym.token_id_capture.records import ParentResolutionStatus
 
-from nemo_rl.environments.gate.ledger_chain import chains_of, compact_row, expand_rows
+from nemo_rl.data.errors import RecoverableError
 
 logger = logging.getLogger(__name__)
 
@@ -114,7 +115,7 @@ class BranchingCaptureLedger(FileLineageStore):
         self._branches_lock = threading.Lock()
 
     def _append(self, rollout_id: str, record: dict, records: list[dict]) -> None:
-        # On disk without the cumulative staging chain (ledger_chain.py); in memory (Gym's cached
+        # On disk without the cumulative staging chain (`compact_row`); in memory (Gym's cached
         # rows, what resolution and the manifest read) the row stays whole.
         super()._append(rollout_id, compact_row(record, chains_of(records)), records)
         records[-1] = record
@@ -162,3 +163,58 @@ class BranchingCaptureLedger(FileLineageStore):
                 "rollout %s: the history continues no ledger row (%s); opening a text branch", rollout_id, answer.reason
             )
         return answer
+
+
+# --- ledger rows on disk without cumulative staging chains (pure; lossless, property-tested) ---
+
+CHAIN_MARKER = "staging_chain_from_parent"
+
+
+class LedgerChainError(RecoverableError, ValueError):
+    """A compact ledger row names a parent row whose chain is not in the file before it."""
+
+
+def _derived_chain(row: Mapping[str, Any], chains: Mapping[str, list[str]]) -> list[str] | None:
+    """The chain the gate would have built for `row`, or None when it cannot be derived."""
+    key = row.get("staging_key")
+    if not isinstance(key, str) or row.get("failure_reason") is not None:
+        return None
+    if row.get("mode") == "text" and row.get("parent_call_id") is None:
+        return [key]
+    if row.get("mode") == "token_in":
+        parent = chains.get(row.get("parent_call_id"))
+        return None if parent is None else [*parent, key]
+    return None
+
+
+def compact_row(row: Mapping[str, Any], chains: Mapping[str, list[str]]) -> dict[str, Any]:
+    """The row as written to the file (see the module contract). `chains`: model_call_id -> chain so far."""
+    derived = _derived_chain(row, chains)
+    if derived is None or list(row.get("staging_chain") or []) != derived or CHAIN_MARKER in row:
+        return dict(row)
+    compact = {name: value for name, value in row.items() if name != "staging_chain"}
+    compact[CHAIN_MARKER] = True
+    return compact
+
+
+def chains_of(rows: list[dict[str, Any]]) -> dict[str, list[str]]:
+    """model_call_id -> staging_chain of every (expanded) row that has one."""
+    return {str(r["model_call_id"]): list(r["staging_chain"]) for r in rows if r.get("staging_chain")}
+
+
+def expand_rows(rows: MutableSequence[dict[str, Any]], rollout_id: str) -> None:
+    """Restore the chain of every marked row, in place (see the module contract)."""
+    if not any(CHAIN_MARKER in row for row in rows):
+        return
+    chains: dict[str, list[str]] = {}
+    for row in rows:
+        if row.pop(CHAIN_MARKER, False):
+            derived = _derived_chain(row, chains)
+            if derived is None:
+                raise LedgerChainError(
+                    f"ledger of rollout {rollout_id!r}: row {row.get('model_call_id')!r} elides its staging_chain but "
+                    f"its parent row {row.get('parent_call_id')!r} is not before it with a chain (corrupt ledger file)"
+                )
+            row["staging_chain"] = derived
+        if row.get("staging_chain"):
+            chains[str(row["model_call_id"])] = list(row["staging_chain"])

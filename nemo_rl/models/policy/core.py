@@ -27,7 +27,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from nemo_rl.data.train_batch import TrainBatch
+from nemo_rl.data.train import TrainBatch
 from nemo_rl.models.policy.config import PolicyConfig
 from nemo_rl.models.policy.errors import (
     EmptyMaskError,
@@ -38,9 +38,17 @@ from nemo_rl.models.policy.errors import (
     TokenIdOutOfRangeError,
     WeightExportError,
 )
-from nemo_rl.models.policy.logprobs import gather_token_logprobs, micro_batches, pad_right
-from nemo_rl.models.policy.loss import LossFn, check_loss_fn, check_loss_output, combine_metric
-from nemo_rl.models.policy.mismatch import gen_kl_error, token_mult_prob_error
+from nemo_rl.models.policy.loss import (
+    LossFn,
+    check_loss_fn,
+    check_loss_output,
+    combine_metric,
+    gather_token_logprobs,
+    gen_kl_error,
+    micro_batches,
+    pad_right,
+    token_mult_prob_error,
+)
 
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"

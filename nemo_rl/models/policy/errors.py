@@ -2,14 +2,14 @@
 
 Every error message names the offending field or value and the fix. The base `PolicyError`,
 `TrainBatchError` and `PolicyWorkerError` cross process boundaries and live in
-`nemo_rl.data.policy_errors`; the classes here subclass them. `PolicyWorkerError` and its
+`nemo_rl.data.errors`; the classes here subclass them. `PolicyWorkerError` and its
 subclasses are what callers of a remote worker see; they carry only strings so they cross the
 Ray boundary intact.
 """
 
 from __future__ import annotations
 
-from nemo_rl.data.policy_errors import PolicyError, PolicyWorkerError
+from nemo_rl.data.errors import PolicyError, PolicyWorkerError
 
 
 class PolicyLoadError(PolicyError):

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
-from nemo_rl.data.train_batch import TrainBatch
+from nemo_rl.data.train import TrainBatch
 from nemo_rl.models.policy.loss import LossFn
 
 

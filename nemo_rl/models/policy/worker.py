@@ -19,9 +19,8 @@ from typing import Any, TypeVar
 import ray
 from ray.actor import ActorHandle
 
-from nemo_rl.data.policy_errors import PolicyWorkerError
-from nemo_rl.data.train_batch import TrainBatch
-from nemo_rl.data.train_rows import TrainPlan
+from nemo_rl.data.errors import PolicyWorkerError
+from nemo_rl.data.train import TrainBatch, TrainPlan
 from nemo_rl.data_plane import DataPlaneClient, DataPlaneConfig
 from nemo_rl.data_plane.train_rows import read_train_batch
 from nemo_rl.distributed.actor_call import (

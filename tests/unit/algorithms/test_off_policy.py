@@ -25,11 +25,11 @@ from nemo_rl.algorithms.grpo import (
 )
 from nemo_rl.algorithms.grpo_config import load_master_config
 from nemo_rl.algorithms.grpo_single_controller import build_train_batch
-from nemo_rl.data.policy_errors import TrainBatchError
+from nemo_rl.data.errors import TrainBatchError
 from nemo_rl.data.rows import GroupResult, KeptRollout, RowOrigin, TrainRow
-from nemo_rl.data.train_batch import TrainBatch
+from nemo_rl.data.train import TrainBatch
 from nemo_rl.models.policy import LossConfig
-from nemo_rl.models.policy.logprobs import pad_right
+from nemo_rl.models.policy.loss import pad_right
 from nemo_rl.models.policy.loss import combine_metric
 from nemo_rl.utils.config import ConfigError, validate_section
 

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from nemo_rl.data.policy_errors import TrainBatchError
-from nemo_rl.data.train_batch import TrainBatch
+from nemo_rl.data.errors import TrainBatchError
+from nemo_rl.data.train import TrainBatch
 
 
 def _batch(**overrides) -> TrainBatch:

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from nemo_rl.data.rows import KeptRollout, RouteCoverage, RowInvariantError, RowOrigin, RowRef, TrainRow
-from nemo_rl.data.train_rows import FIELDS, TrainPlan, TrainPlanError, payload_digest, row_payload
+from nemo_rl.data.train import FIELDS, TrainPlan, TrainPlanError, payload_digest, row_payload
 
 
 def _row(rid="r-0", sample=0, *, chain=0, reward=1.0, call="c0", routes=None, ids=(5, 6, 7, 8),

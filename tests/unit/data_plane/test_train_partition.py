@@ -14,9 +14,9 @@ import ray
 import torch
 
 from nemo_rl.algorithms.grpo_single_controller import GRPOError, build_train_batch
-from nemo_rl.data.policy_errors import PolicyWorkerError
+from nemo_rl.data.errors import PolicyWorkerError
 from nemo_rl.data.rows import GroupResult, KeptRollout, Placeholder, PlaceholderReason, RowOrigin, RowRef, TrainRow
-from nemo_rl.data.train_rows import FIELDS, train_key
+from nemo_rl.data.train import FIELDS, train_key
 from nemo_rl.data_plane import DataPlaneError, MissingKeysError
 from nemo_rl.data_plane.staging import TQTokenSink, TQTokenSource
 from nemo_rl.data_plane.train_rows import (

@@ -40,7 +40,7 @@ from nemo_rl.environments.gate.app import (
     guard_config_from,
     upstream_error_answer,
 )
-from nemo_rl.environments.gate.guard import (
+from nemo_rl.environments.gate.ingress import (
     GateGuardConfig,
     GateGuardMiddleware,
     check_rollout_id,

@@ -526,7 +526,7 @@ def test_the_gate_reads_its_ledger_dir_and_refuses_configs_it_cannot_honour(tmp_
         ledger_dir_from_config(custom)
 
 
-# --- rows on disk without cumulative staging chains (ledger_chain.py) ------------------------------
+# --- rows on disk without cumulative staging chains (ledger.compact_row) ---------------------------
 
 
 def _chain_of_commits(turns: int) -> list[CaptureLedgerCommit]:
@@ -569,7 +569,7 @@ async def test_the_ledger_file_holds_no_cumulative_chain_and_reads_back_as_gyms_
 
 
 async def test_a_ledger_file_missing_a_parent_row_fails_closed_by_name(tmp_path: Path) -> None:
-    from nemo_rl.environments.gate.ledger_chain import LedgerChainError
+    from nemo_rl.environments.gate.ledger import LedgerChainError
 
     ledger = BranchingCaptureLedger(tmp_path)
     for commit in _chain_of_commits(3):

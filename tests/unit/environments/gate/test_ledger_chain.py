@@ -1,4 +1,4 @@
-"""Compact ledger rows (ledger_chain.py): the round trip over random commit forests, and the edges."""
+"""Compact ledger rows (ledger.py: `compact_row`, `expand_rows`): the round trip over random commit forests, and the edges."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nemo_rl.environments.gate.ledger_chain import CHAIN_MARKER, LedgerChainError, chains_of, compact_row, expand_rows
+from nemo_rl.environments.gate.ledger import CHAIN_MARKER, LedgerChainError, chains_of, compact_row, expand_rows
 
 
 @st.composite

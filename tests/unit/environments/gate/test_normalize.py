@@ -17,7 +17,7 @@ from nemo_gym.openai_utils import (
 )
 from nemo_gym.token_id_capture.fingerprint import assistant_fingerprint, conversation_digest
 from nemo_rl.environments.gate.app import NormalizeChatRequestMiddleware
-from nemo_rl.environments.gate.normalize import (
+from nemo_rl.environments.gate.ingress import (
     ECHOED_NULL_MESSAGE_FIELDS,
     RESPONSE_ONLY_MESSAGE_FIELDS,
     RESPONSE_ONLY_TOOL_CALL_FIELDS,

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from transformers import AutoConfig, Qwen2ForCausalLM
 
 from nemo_rl.algorithms.grpo import ClippedPGLossFn, EmptyMaskError
-from nemo_rl.data.train_batch import TrainBatch
+from nemo_rl.data.train import TrainBatch
 from nemo_rl.models.policy import LossConfig, PolicyConfig, PolicyWorkerHandle
 from nemo_rl.models.policy.core import PolicyCore, warmup_lr
 from nemo_rl.models.policy.errors import (

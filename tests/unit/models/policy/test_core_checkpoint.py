@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from nemo_rl.algorithms.grpo import ClippedPGLossFn
-from nemo_rl.data.train_batch import TrainBatch
+from nemo_rl.data.train import TrainBatch
 from nemo_rl.models.policy import LossConfig, PolicyConfig
 from nemo_rl.models.policy.core import (
     OPTIMIZER_FILE,

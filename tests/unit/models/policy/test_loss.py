@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from nemo_rl.algorithms.grpo import ClippedPGLossFn
-from nemo_rl.data.train_batch import TrainBatch
+from nemo_rl.data.train import TrainBatch
 from nemo_rl.models.policy import LossConfig, LossFn, PolicyConfig
 from nemo_rl.models.policy.config import dtype_mismatch
 from nemo_rl.models.policy.core import PolicyCore

@@ -12,8 +12,8 @@ import pytest
 import ray
 
 from nemo_rl.algorithms.grpo import ClippedPGLossFn
-from nemo_rl.data.policy_errors import PolicyWorkerError
-from nemo_rl.data.train_batch import TrainBatch
+from nemo_rl.data.errors import PolicyWorkerError
+from nemo_rl.data.train import TrainBatch
 from nemo_rl.models.policy import LossConfig, PolicyConfig, PolicyWorkerHandle
 from nemo_rl.models.policy.core import PolicyCore, PolicyStateInfo
 from nemo_rl.models.policy.errors import (
@@ -94,7 +94,7 @@ def test_policy_worker_trains_on_the_rows_it_reads_from_the_train_partition(tiny
     import dataclasses
 
     from nemo_rl.data.rows import KeptRollout, RowOrigin, TrainRow
-    from nemo_rl.data.train_rows import TrainPlan
+    from nemo_rl.data.train import TrainPlan
     from nemo_rl.data_plane import DataPlaneClient, DataPlaneConfig, start_data_plane
     from nemo_rl.data_plane.train_rows import TrainRowDigestError, store_rows
     from nemo_rl.distributed.ray_cluster import init_local_ray

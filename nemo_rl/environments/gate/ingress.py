@@ -1,13 +1,15 @@
-"""Our validation in front of Gym's model server (the capture gate): bad input is a named 4xx
-before Gym's code sees it, so nothing is ledgered for it and nothing reaches the worker.
+"""The gate's ingress: what checks and rewrites a request before Gym's handler sees it.
 
-`GateGuardMiddleware` (pure ASGI, outside Gym's middlewares, Gym's code untouched) checks
-rollout ids, the control routes' bearer (never logged or echoed), body size, JSON and the chat
-request rules (`request_rules`, with the worker's `max_model_len`, read once from the worker);
-every refusal is a JSON error naming its type and field. A request it lets through is replayed
-to the app byte for byte; everything else passes untouched.
-Which holes of Gym's gate it closes, and every answer:
-docs/design-docs/token-capture-reliability.md, "The gate guard".
+`GateGuardMiddleware` (pure ASGI, outside Gym's middlewares, Gym's code untouched) checks rollout
+ids, the control routes' bearer (never logged or echoed), body size, JSON and the chat request
+rules (`request_rules`, with the worker's `max_model_len`, read once); a refusal is a named 4xx
+JSON error (type and field), so nothing is ledgered and nothing reaches the worker; a request it
+lets through is replayed byte for byte. `BodyLimitMiddleware` is the body limit alone.
+`normalize_chat_request` (pure) drops the response-only and echoed-null fields the `openai`
+client puts in assistant turns (sets derived from the installed SDK's types at import); it
+returns `body` itself when nothing changes. Invariant: nothing Gym's lineage fingerprint or
+context digest reads is touched (`content: null` is kept). Docs: token-capture-reliability.md,
+"The gate guard"; token-capture-receipts.md, "Request normalisation".
 """
 
 from __future__ import annotations
@@ -19,6 +21,15 @@ from typing import Any
 from urllib.parse import unquote
 
 import aiohttp
+from openai.types.chat import ChatCompletionAssistantMessageParam, ChatCompletionMessage
+from openai.types.chat.chat_completion_message_custom_tool_call import ChatCompletionMessageCustomToolCall
+from openai.types.chat.chat_completion_message_custom_tool_call_param import (
+    ChatCompletionMessageCustomToolCallParam,
+)
+from openai.types.chat.chat_completion_message_function_tool_call import ChatCompletionMessageFunctionToolCall
+from openai.types.chat.chat_completion_message_function_tool_call_param import (
+    ChatCompletionMessageFunctionToolCallParam,
+)
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from nemo_rl.data import rollout_ids as rollout_id_rule
@@ -347,3 +358,83 @@ async def _answer(send: Send, error: ApiError) -> None:
         headers.append((b"www-authenticate", b"Bearer"))
     await send({"type": "http.response.start", "status": error.status, "headers": headers})
     await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+# --- request normalisation: assistant turns echoed by the official `openai` client ---------
+
+
+def _request_keys(typed_dict: type) -> frozenset[str]:
+    return frozenset(typed_dict.__required_keys__ | typed_dict.__optional_keys__)
+
+
+def response_only_fields(response_model: type[BaseModel], request_typed_dict: type) -> frozenset[str]:
+    """Fields the SDK parses from a response but does not declare for a request."""
+    return frozenset(response_model.model_fields) - _request_keys(request_typed_dict)
+
+
+def echoed_null_fields(response_model: type[BaseModel], request_typed_dict: type) -> frozenset[str]:
+    """Shared fields that the response model defaults to null, so `model_dump()` echoes them as null."""
+    shared = frozenset(response_model.model_fields) & _request_keys(request_typed_dict)
+    return frozenset(name for name in shared if response_model.model_fields[name].default is None)
+
+
+RESPONSE_ONLY_MESSAGE_FIELDS = response_only_fields(ChatCompletionMessage, ChatCompletionAssistantMessageParam)
+# `content: null` is the canonical tool-call-only turn (Gym's own echo keeps it), so it is never dropped.
+ECHOED_NULL_MESSAGE_FIELDS = echoed_null_fields(ChatCompletionMessage, ChatCompletionAssistantMessageParam) - {
+    "content"
+}
+RESPONSE_ONLY_TOOL_CALL_FIELDS: dict[str, frozenset[str]] = {
+    "function": response_only_fields(ChatCompletionMessageFunctionToolCall, ChatCompletionMessageFunctionToolCallParam),
+    "custom": response_only_fields(ChatCompletionMessageCustomToolCall, ChatCompletionMessageCustomToolCallParam),
+}
+
+
+def _is_empty(value: Any) -> bool:
+    return value is None or value == []
+
+
+def _normalize_tool_call(call: Any) -> Any:
+    if not isinstance(call, dict):
+        return call
+    drop = {k for k in RESPONSE_ONLY_TOOL_CALL_FIELDS.get(call.get("type"), ()) if k in call and _is_empty(call[k])}
+    return {k: v for k, v in call.items() if k not in drop} if drop else call
+
+
+def _normalize_assistant(message: dict) -> dict:
+    drop = {k for k in RESPONSE_ONLY_MESSAGE_FIELDS if k in message and _is_empty(message[k])}
+    drop |= {k for k in ECHOED_NULL_MESSAGE_FIELDS if k in message and message[k] is None}
+    out = {k: v for k, v in message.items() if k not in drop} if drop else message
+    calls = out.get("tool_calls")
+    if isinstance(calls, list):
+        new_calls = [_normalize_tool_call(call) for call in calls]
+        if any(new is not old for new, old in zip(new_calls, calls)):
+            out = {**out, "tool_calls": new_calls}
+    return out
+
+
+def normalize_chat_request(body: Any) -> Any:
+    """`body` without the response-only fields the openai client echoes (see the module contract)."""
+    if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
+        return body
+    messages = body["messages"]
+    normalized = [
+        _normalize_assistant(m) if isinstance(m, dict) and m.get("role") == "assistant" else m for m in messages
+    ]
+    if all(new is old for new, old in zip(normalized, messages)):
+        return body
+    return {**body, "messages": normalized}
+
+
+def normalize_chat_body(raw: bytes) -> bytes:
+    """The raw request bytes after `normalize_chat_request`; the same object when nothing changed.
+
+    Bytes that are not JSON are returned unchanged, and Gym answers them as it would.
+    """
+    try:
+        body = json.loads(raw)
+    except ValueError:  # JSONDecodeError and UnicodeDecodeError are both ValueErrors
+        return raw
+    normalized = normalize_chat_request(body)
+    if normalized is body:
+        return raw
+    return json.dumps(normalized, ensure_ascii=False, separators=(",", ":")).encode("utf-8")

@@ -1,0 +1,201 @@
+"""What the policy trains on: `TrainBatch`, and the `TrainPlan` and train-row codec that carry it.
+
+`TrainBatch` holds one optimizer step's samples: per sample, `token_ids` (L >= 2), a 0/1
+`token_mask` (position 0 never trained), the sampler's `generation_logprobs` (read where masked:
+finite, <= 0) and one finite advantage; a masked placeholder is an all-0 mask. Checked at
+construction (`TrainBatchError`), stored as tuples. With `token_capture.train_partition` set a
+kept row goes finalizer -> data plane -> policy worker past the driver, which keeps a `RowRef`
+and sends a `TrainPlan` (partition, unique keys, digests, one finite advantage per key). Pure;
+the I/O is `nemo_rl.data_plane.train_rows`. Invariants: `train_key` is unique per row; float
+payloads are float64, so the batch read is bit for bit the driver-built one; `payload_digest`
+covers `meta`, which names the key, so a row read under another key fails.
+Layout: docs/design-docs/token-capture-receipts.md, "The train-row codec and `TrainPlan`".
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import numbers
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from nemo_rl.data.errors import FatalError, TrainBatchError
+from nemo_rl.data.rows import RowRef, TrainRow
+from nemo_rl.data.staged_rows import Row
+
+TOKEN_IDS = "token_ids"
+TOKEN_MASK = "token_mask"
+LOGPROBS = "generation_logprobs"
+ROUTES = "routed_experts"
+META = "meta"
+FIELDS = (TOKEN_IDS, TOKEN_MASK, LOGPROBS, ROUTES, META)
+KEY_SEPARATOR = "#"
+
+
+class TrainPlanError(FatalError, ValueError):
+    """A `TrainPlan` violates its invariants."""
+
+
+def train_key(rollout_id: str, chain_index: int) -> str:
+    return f"{rollout_id}{KEY_SEPARATOR}{chain_index}"
+
+
+def row_payload(key: str, row: TrainRow) -> Row:
+    """The data-plane fields of one row (see the module contract)."""
+    routes = row.routed_experts
+    meta = {"key": key, "routes_shape": list(routes.shape) if routes is not None else None}
+    return {
+        TOKEN_IDS: torch.tensor(row.token_ids, dtype=torch.int64),
+        TOKEN_MASK: torch.tensor(row.token_mask, dtype=torch.float64),
+        LOGPROBS: torch.tensor(row.generation_logprobs, dtype=torch.float64),
+        ROUTES: np.ascontiguousarray(routes, dtype="<i2").tobytes() if routes is not None else b"",
+        META: json.dumps(meta, sort_keys=True),
+    }
+
+
+def _array_bytes(value: torch.Tensor, dtype: str) -> bytes:
+    return np.ascontiguousarray(value.numpy(), dtype=dtype).tobytes()
+
+
+def payload_digest(fields: Mapping[str, object]) -> str:
+    """sha256 hex over meta and the arrays' little-endian bytes, each length-prefixed."""
+    digest = hashlib.sha256()
+    parts = (
+        str(fields[META]).encode(),
+        _array_bytes(fields[TOKEN_IDS], "<i8"),
+        _array_bytes(fields[TOKEN_MASK], "<f8"),
+        _array_bytes(fields[LOGPROBS], "<f8"),
+        bytes(fields[ROUTES]),
+    )
+    for part in parts:
+        digest.update(len(part).to_bytes(8, "little"))
+        digest.update(part)
+    return digest.hexdigest()
+
+
+@dataclass(frozen=True)
+class TrainPlan:
+    """What the policy worker trains on: rows by key, the digest each must have, their advantages."""
+
+    partition: str
+    keys: tuple[str, ...]
+    digests: tuple[str, ...]
+    advantages: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.partition, str) or not self.partition:
+            raise TrainPlanError(f"partition must be a non-empty str, got {self.partition!r}")
+        n = len(self.keys)
+        if n == 0 or len(self.digests) != n or len(self.advantages) != n:
+            raise TrainPlanError(f"need >= 1 key and one digest and advantage per key, got "
+                                 f"{n}/{len(self.digests)}/{len(self.advantages)}")
+        if len(set(self.keys)) != n or any(not isinstance(k, str) or not k for k in self.keys):
+            raise TrainPlanError("keys must be distinct non-empty str")
+        if any(not isinstance(d, str) or len(d) != 64 or any(c not in "0123456789abcdef" for c in d)
+               for d in self.digests):
+            raise TrainPlanError("digests must be sha256 hex digests")
+        if any(not isinstance(a, float) or not math.isfinite(a) for a in self.advantages):
+            raise TrainPlanError(f"advantages must be finite floats, got {self.advantages!r}")
+
+    @classmethod
+    def of(cls, partition: str, refs: Sequence[RowRef], advantages: Sequence[float]) -> "TrainPlan":
+        return cls(partition, tuple(r.key for r in refs), tuple(r.digest for r in refs),
+                   tuple(float(a) for a in advantages))
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.keys)
+
+
+# --- TrainBatch: the rows one optimizer step trains on (driver-built or read by the policy worker) ---
+
+
+def _freeze(name: str, rows: Sequence[Sequence]) -> tuple[tuple, ...]:
+    if isinstance(rows, (str, bytes)):
+        raise TrainBatchError(f"{name} must be a sequence of per-sample sequences, got a string")
+    return tuple(tuple(row) for row in rows)
+
+
+@dataclass(frozen=True)
+class TrainBatch:
+    """Per sample i (all per-token sequences have the same length L_i >= 2):
+    token_ids[i] the full sequence (prompt, generated tokens, tool results, ...); token_mask[i]
+    1 where the token was generated by the policy and is trained, else 0 (position 0 has no
+    prefix, so no logprob: never trained); generation_logprobs[i] the sampler's logprob of each
+    token given its prefix (only masked positions are read; others conventionally 0.0);
+    advantages[i] one finite advantage, broadcast over its masked tokens."""
+
+    token_ids: tuple[tuple[int, ...], ...]
+    token_mask: tuple[tuple[int, ...], ...]
+    generation_logprobs: tuple[tuple[float, ...], ...]
+    advantages: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "token_ids", _freeze("token_ids", self.token_ids))
+        object.__setattr__(self, "token_mask", _freeze("token_mask", self.token_mask))
+        object.__setattr__(
+            self, "generation_logprobs", _freeze("generation_logprobs", self.generation_logprobs)
+        )
+        object.__setattr__(self, "advantages", tuple(float(a) for a in self.advantages))
+        n = len(self.token_ids)
+        if n == 0:
+            raise TrainBatchError("token_ids is empty; a TrainBatch needs at least one sample")
+        for name in ("token_mask", "generation_logprobs", "advantages"):
+            if len(getattr(self, name)) != n:
+                raise TrainBatchError(
+                    f"len({name})={len(getattr(self, name))} != len(token_ids)={n}; "
+                    "pass one entry per sample"
+                )
+        for i in range(n):
+            self._check_sample(i)
+        for name, kind in (("token_ids", int), ("token_mask", int), ("generation_logprobs", float)):
+            rows = getattr(self, name)
+            object.__setattr__(self, name, tuple(tuple(kind(v) for v in row) for row in rows))
+
+    def _check_sample(self, i: int) -> None:
+        ids, mask, lps, adv = (
+            self.token_ids[i],
+            self.token_mask[i],
+            self.generation_logprobs[i],
+            self.advantages[i],
+        )
+        if len(ids) < 2:
+            raise TrainBatchError(
+                f"token_ids[{i}] has {len(ids)} tokens; a trainable sequence needs at least 2"
+            )
+        if any(not isinstance(t, numbers.Integral) or isinstance(t, bool) or t < 0 for t in ids):
+            raise TrainBatchError(f"token_ids[{i}] must hold non-negative ints")
+        for name, row in (("token_mask", mask), ("generation_logprobs", lps)):
+            if len(row) != len(ids):
+                raise TrainBatchError(
+                    f"len({name}[{i}])={len(row)} != len(token_ids[{i}])={len(ids)}; "
+                    "per-token fields align with token_ids"
+                )
+        bad = [m for m in mask if m not in (0, 1)]
+        if bad:
+            raise TrainBatchError(f"token_mask[{i}] holds {bad[0]!r}; the mask is 0/1 only")
+        if mask[0] != 0:
+            raise TrainBatchError(
+                f"token_mask[{i}][0]=1; position 0 has no prefix and cannot be trained"
+            )
+        for t, (m, lp) in enumerate(zip(mask, lps)):
+            if m and not (math.isfinite(lp) and lp <= 0.0):
+                raise TrainBatchError(
+                    f"generation_logprobs[{i}][{t}]={lp} on a masked token; "
+                    "a logprob is finite and <= 0"
+                )
+        if not math.isfinite(adv):
+            raise TrainBatchError(f"advantages[{i}]={adv} is not finite")
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_masked_tokens(self) -> int:
+        return sum(sum(m) for m in self.token_mask)
