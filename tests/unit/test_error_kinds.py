@@ -16,10 +16,12 @@ import typing
 import pytest
 
 from nemo_rl.data.errors import FatalError, Kinded, RecoverableError
+from nemo_rl.utils.checkpoint import CheckpointError, CheckpointKind
 from nemo_rl.utils.config import ConfigError, ConfigKind
 
 FAMILIES: list[tuple[type[Kinded], object, type]] = [
     (ConfigError, ConfigKind, FatalError),
+    (CheckpointError, CheckpointKind, FatalError),
 ]
 
 
