@@ -16,17 +16,28 @@ import typing
 import pytest
 
 from nemo_rl.data.errors import FatalError, Kinded, RecoverableError
+from nemo_rl.data_plane.errors import DataPlaneError, DataPlaneKind, DataPlaneTimeoutError, MissingKeysError
 from nemo_rl.utils.checkpoint import CheckpointError, CheckpointKind
 from nemo_rl.utils.config import ConfigError, ConfigKind
 
 FAMILIES: list[tuple[type[Kinded], object, type]] = [
     (ConfigError, ConfigKind, FatalError),
     (CheckpointError, CheckpointKind, FatalError),
+    (DataPlaneError, DataPlaneKind, RecoverableError),
 ]
 
 
+# Kinds that have their own subclass (with fields): the family base refuses them.
+OWN_CLASS = {DataPlaneError: ("timeout", "missing_keys")}
+
+
 def _every_kind() -> list[tuple[type[Kinded], str, type]]:
-    return [(cls, kind, side) for cls, literal, side in FAMILIES for kind in typing.get_args(literal)]
+    return [
+        (cls, kind, side)
+        for cls, literal, side in FAMILIES
+        for kind in typing.get_args(literal)
+        if kind not in OWN_CLASS.get(cls, ())
+    ]
 
 
 @pytest.mark.parametrize(("cls", "kind", "side"), _every_kind(), ids=lambda v: getattr(v, "__name__", v))
@@ -63,3 +74,16 @@ def test_a_kinded_error_crosses_ray_as_itself() -> None:
     with pytest.raises(ConfigError) as raised:
         raise seen
     assert raised.value.kind == "section"
+
+
+def test_data_plane_kinds_with_fields_are_their_own_classes_and_pickle_with_their_fields() -> None:
+    for kind in OWN_CLASS[DataPlaneError]:
+        with pytest.raises(ValueError, match=f"kind {kind!r} is raised as its own class"):
+            DataPlaneError("message", kind=kind)
+    timeout = DataPlaneTimeoutError("get", "staging", 2.5, "detail")
+    missing = MissingKeysError("staging", ["r1/a", "r1/b"], ["tokens"], operation="get")
+    assert (timeout.kind, missing.kind) == ("timeout", "missing_keys")
+    for error in (timeout, missing):
+        again = pickle.loads(pickle.dumps(error))
+        assert type(again) is type(error) and str(again) == str(error) and again.__dict__ == error.__dict__
+    assert pickle.loads(pickle.dumps(missing)).missing_keys == ["r1/a", "r1/b"]
