@@ -81,18 +81,23 @@ class Kinded:
 
     Place it before the side: `class ConfigError(Kinded, FatalError, ValueError)`, with
     `KINDS = typing.get_args(ConfigKind)` and an `__init__(self, message, *, kind: ConfigKind)`
-    that calls this one. `str()` is the message alone (unchanged by the consolidation); `repr()`
-    shows the kind. Pickling (Ray's too) rebuilds the instance without calling `__init__` and then
+    that calls this one. A kind whose errors carry fields keeps its own subclass, which passes its
+    kind itself; `OWN_CLASS` maps such kinds to that subclass's name, and the family base refuses
+    them. `str()` is the message alone (unchanged by the consolidation); `repr()` shows the kind. Pickling (Ray's too) rebuilds the instance without calling `__init__` and then
     restores its attributes, so a required keyword-only `kind`, or a subclass with its own
     constructor (e.g. `MissingKeysError`), still round-trips.
     """
 
     KINDS: ClassVar[tuple[str, ...]] = ()
+    OWN_CLASS: ClassVar[Mapping[str, str]] = MappingProxyType({})
     kind: str
 
     def __init__(self, message: str, *, kind: str) -> None:
         if kind not in self.KINDS:
             raise ValueError(f"{type(self).__name__}: unknown kind {kind!r}; the kinds are {list(self.KINDS)}")
+        owner = self.OWN_CLASS.get(kind)
+        if owner is not None and owner not in (c.__name__ for c in type(self).__mro__):
+            raise ValueError(f"{type(self).__name__}: kind {kind!r} is raised as its own class, {owner}")
         super().__init__(message)  # type: ignore[call-arg]  # the exception base after the mixin
         self.kind = kind
 

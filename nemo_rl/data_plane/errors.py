@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import typing
 from collections.abc import Sequence
+from types import MappingProxyType
 from typing import Literal
 
 from nemo_rl.data.errors import FatalError, Kinded, RecoverableError
@@ -40,20 +41,14 @@ one); the TQ actors could not start (or already run); a concurrent write or clea
 (retry it); the client's event loop is blocked or its thread did not stop; and the two kinds with
 their own class and fields: `timeout` (`DataPlaneTimeoutError`), `missing_keys` (`MissingKeysError`)."""
 
-_SUBCLASS_KINDS = ("timeout", "missing_keys")
-
-
 class DataPlaneError(Kinded, RecoverableError, RuntimeError):
     """Base class of every recoverable data-plane failure (weather, never a bug)."""
 
     KINDS = typing.get_args(DataPlaneKind)
+    OWN_CLASS = MappingProxyType({"timeout": "DataPlaneTimeoutError", "missing_keys": "MissingKeysError"})
     kind: DataPlaneKind
 
     def __init__(self, message: str, *, kind: DataPlaneKind) -> None:
-        if kind in _SUBCLASS_KINDS and type(self) is DataPlaneError:
-            raise ValueError(
-                f"DataPlaneError: kind {kind!r} is raised as its own class (DataPlaneTimeoutError, MissingKeysError)"
-            )
         super().__init__(message, kind=kind)
 
 

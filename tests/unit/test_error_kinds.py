@@ -12,11 +12,20 @@ from __future__ import annotations
 
 import pickle
 import typing
+from pathlib import Path
 
 import pytest
 
 from nemo_rl.data.errors import FatalError, Kinded, RecoverableError
 from nemo_rl.data_plane.errors import DataPlaneError, DataPlaneKind, DataPlaneTimeoutError, MissingKeysError
+from nemo_rl.environments.nemo_gym_config import (
+    GymDatasetError,
+    GymRequirementsError,
+    GymServerStartError,
+    InvalidRolloutIdError,
+    NemoGymError,
+    NemoGymKind,
+)
 from nemo_rl.utils.checkpoint import CheckpointError, CheckpointKind
 from nemo_rl.utils.config import ConfigError, ConfigKind
 
@@ -24,11 +33,12 @@ FAMILIES: list[tuple[type[Kinded], object, type]] = [
     (ConfigError, ConfigKind, FatalError),
     (CheckpointError, CheckpointKind, FatalError),
     (DataPlaneError, DataPlaneKind, RecoverableError),
+    (NemoGymError, NemoGymKind, FatalError),
 ]
 
 
-# Kinds that have their own subclass (with fields): the family base refuses them.
-OWN_CLASS = {DataPlaneError: ("timeout", "missing_keys")}
+# Kinds that have their own subclass (fields, or a builtin base): the family base refuses them.
+OWN_CLASS = {cls: tuple(cls.OWN_CLASS) for cls, _, _ in FAMILIES}
 
 
 def _every_kind() -> list[tuple[type[Kinded], str, type]]:
@@ -76,14 +86,27 @@ def test_a_kinded_error_crosses_ray_as_itself() -> None:
     assert raised.value.kind == "section"
 
 
-def test_data_plane_kinds_with_fields_are_their_own_classes_and_pickle_with_their_fields() -> None:
-    for kind in OWN_CLASS[DataPlaneError]:
-        with pytest.raises(ValueError, match=f"kind {kind!r} is raised as its own class"):
-            DataPlaneError("message", kind=kind)
-    timeout = DataPlaneTimeoutError("get", "staging", 2.5, "detail")
-    missing = MissingKeysError("staging", ["r1/a", "r1/b"], ["tokens"], operation="get")
-    assert (timeout.kind, missing.kind) == ("timeout", "missing_keys")
-    for error in (timeout, missing):
-        again = pickle.loads(pickle.dumps(error))
-        assert type(again) is type(error) and str(again) == str(error) and again.__dict__ == error.__dict__
-    assert pickle.loads(pickle.dumps(missing)).missing_keys == ["r1/a", "r1/b"]
+OWN_CLASS_ERRORS = [
+    DataPlaneTimeoutError("get", "staging", 2.5, "detail"),
+    MissingKeysError("staging", ["r1/a", "r1/b"], ["tokens"], operation="get"),
+    GymServerStartError("policy_model", "the process exited with code 1", Path("/tmp/policy_model.log"), "tail"),
+    GymRequirementsError("arith", Path("/tmp/requirements.txt"), ["sympy"]),
+    GymDatasetError("data.jsonl:3: not valid JSON"),
+    InvalidRolloutIdError("rollout id 'a/b' has a slash"),
+]
+
+
+@pytest.mark.parametrize("cls", [cls for cls, _, _ in FAMILIES if cls.OWN_CLASS], ids=lambda c: c.__name__)
+def test_the_family_base_refuses_the_kinds_of_its_own_classes(cls) -> None:
+    for kind, owner in cls.OWN_CLASS.items():
+        with pytest.raises(ValueError, match=rf"^{cls.__name__}: kind {kind!r} is raised as its own class, {owner}$"):
+            cls("message", kind=kind)
+        assert [e for e in OWN_CLASS_ERRORS if type(e).__name__ == owner], f"no {owner} in OWN_CLASS_ERRORS"
+
+
+@pytest.mark.parametrize("error", OWN_CLASS_ERRORS, ids=lambda e: type(e).__name__)
+def test_a_kind_with_its_own_class_pickles_with_its_fields(error) -> None:
+    family = next(cls for cls, _, _ in FAMILIES if isinstance(error, cls))
+    assert family.OWN_CLASS[error.kind] == type(error).__name__
+    again = pickle.loads(pickle.dumps(error))
+    assert type(again) is type(error) and str(again) == str(error) and again.__dict__ == error.__dict__
