@@ -7,7 +7,8 @@ are pure in (seed, step)), so `check_resumable` / `check_prompt_position` refuse
 would dispatch other prompts. `prepare_checkpointing` runs before anything starts: it removes
 leftovers, picks the newest complete checkpoint or refuses a folder that already holds some,
 and cuts the JSONL logs back to step k.
-Invariant: `resume=latest` without a checkpoint is `NoCheckpointError`, never a fresh start.
+Invariant: `resume=latest` without a checkpoint is a `CheckpointError` (kind `no_checkpoint`), never a
+fresh start.
 See docs/design-docs/token-capture-reliability.md, "What a GRPO checkpoint holds".
 """
 
@@ -23,11 +24,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from nemo_rl.utils.checkpoint import (
-    CheckpointDirNotEmptyError,
+    CheckpointError,
     CheckpointingConfig,
-    CheckpointMismatchError,
-    CorruptCheckpointError,
-    NoCheckpointError,
     RngStates,
     complete_steps,
     open_checkpoint,
@@ -93,9 +91,9 @@ def read_trainer_state(folder: Path) -> TrainerState:
     try:
         return TrainerState.model_validate_json(path.read_text(encoding="utf-8"))
     except FileNotFoundError as e:
-        raise CorruptCheckpointError(f"{folder} has no {TRAINER_STATE_FILE} (fix: delete {folder})") from e
+        raise CheckpointError(f"{folder} has no {TRAINER_STATE_FILE} (fix: delete {folder})", kind="corrupt") from e
     except ValidationError as e:
-        raise CorruptCheckpointError(f"{path} is not a valid TrainerState: {e} (fix: delete {folder})") from e
+        raise CheckpointError(f"{path} is not a valid TrainerState: {e} (fix: delete {folder})", kind="corrupt") from e
 
 
 def check_resumable(state: TrainerState, seed: int, num_prompts_per_step: int) -> None:
@@ -103,10 +101,11 @@ def check_resumable(state: TrainerState, seed: int, num_prompts_per_step: int) -
     for field, saved, now in (("grpo.seed", state.seed, seed),
                               ("grpo.num_prompts_per_step", state.num_prompts_per_step, num_prompts_per_step)):
         if saved != now:
-            raise CheckpointMismatchError(
+            raise CheckpointError(
                 f"{field}={now} but the checkpoint of step {state.step} was written with {field}={saved}; the "
                 f"prompt position is a function of (seed, step, batch size), so the resumed run would dispatch "
-                f"other prompts (fix: set {field}={saved}, or start a new run without checkpointing.resume)"
+                f"other prompts (fix: set {field}={saved}, or start a new run without checkpointing.resume)",
+                kind="mismatch",
             )
 
 
@@ -114,10 +113,11 @@ def check_prompt_position(state: TrainerState, rows_of_step: Sequence[Mapping[st
     """The prompt source must give step k the batch the saved run trained on at step k."""
     digest = batch_digest(rows_of_step)
     if digest != state.prompt_batch_digest:
-        raise CheckpointMismatchError(
+        raise CheckpointError(
             f"the prompt source gives step {state.step} other prompts (digest {digest[:12]}) than the run that "
             f"wrote the checkpoint (digest {state.prompt_batch_digest[:12]}): the env: section, its dataset or "
-            "the grpo sampling keys changed (fix: resume with the recipe the checkpoint was written with)"
+            "the grpo sampling keys changed (fix: resume with the recipe the checkpoint was written with)",
+            kind="mismatch",
         )
 
 
@@ -134,22 +134,26 @@ def prepare_checkpointing(
     steps = complete_steps(scan(root))
     if ckpt.resume is None:
         if ckpt.enabled and steps:
-            raise CheckpointDirNotEmptyError(
+            raise CheckpointError(
                 f"checkpointing.checkpoint_dir={str(root)!r} already holds checkpoints of steps {steps}, and this run "
                 "would start from step 1 (fix: add checkpointing.resume=latest to continue that run, or use another "
-                "checkpointing.checkpoint_dir)"
+                "checkpointing.checkpoint_dir)",
+                kind="dir_not_empty",
             )
         return None
     if not steps:
-        raise NoCheckpointError(
+        raise CheckpointError(
             f"checkpointing.resume={ckpt.resume!r} but checkpointing.checkpoint_dir={str(root)!r} holds no complete "
             f"checkpoint ({'the folder does not exist' if not root.exists() else 'no step_<k> folder with its marker'}) "
-            "(fix: check the folder, or drop checkpointing.resume to start a new run from step 1)"
+            "(fix: check the folder, or drop checkpointing.resume to start a new run from step 1)",
+            kind="no_checkpoint",
         )
     folder = open_checkpoint(root, steps[-1])
     state = read_trainer_state(folder)
     if state.step != steps[-1]:
-        raise CorruptCheckpointError(f"{folder} holds the trainer state of step {state.step} (fix: delete {folder})")
+        raise CheckpointError(
+            f"{folder} holds the trainer state of step {state.step} (fix: delete {folder})", kind="corrupt"
+        )
     for path in log_files:
         dropped = truncate_jsonl_after(path, state.step)
         if dropped:

@@ -71,7 +71,8 @@ def model_path(model: ModelConfig) -> Path:
         raise ConfigError(
             "model.path is null: a run needs a local HF model folder (fix: set model.path=<folder>, or start "
             "the run from examples/run_grpo_single_controller.py, which builds the example's tiny model "
-            "for a null model.path)"
+            "for a null model.path)",
+            kind="missing_value",
         )
     return Path(model.path)
 
@@ -141,21 +142,23 @@ def validate_master(raw: dict) -> MasterConfig:
     if unknown:
         raise ConfigError(
             f"unknown top-level section(s) {unknown}; allowed: {sorted([*_SECTIONS, 'policy'])} "
-            "(fix: remove them, or check the spelling)"
+            "(fix: remove them, or check the spelling)",
+            kind="section",
         )
     sections = {name: validate_section(model, raw.get(name) or {}, name) for name, model in _SECTIONS.items()}
     policy = raw.get("policy") or {}
     if not isinstance(policy, dict):
-        raise ConfigError(f"policy={policy!r}: must be a mapping (fix: write policy: as a YAML block)")
+        raise ConfigError(f"policy={policy!r}: must be a mapping (fix: write policy: as a YAML block)", kind="section")
     if "model_path" in policy:
         raise ConfigError(
             f"policy.model_path={policy['model_path']!r}: the policy weights come from the model section "
-            "(fix: set model.path=<folder> instead)"
+            "(fix: set model.path=<folder> instead)",
+            kind="section",
         )
     pcfg = policy_config(policy, "<model.path, resolved at setup>")  # validate every policy key now
     mismatch = dtype_mismatch(pcfg.dtype, sections["generation"].vllm.dtype)
     if mismatch:
-        raise ConfigError(mismatch)
+        raise ConfigError(mismatch, kind="section")
     return MasterConfig(policy=policy, **sections)
 
 

@@ -57,7 +57,7 @@ from nemo_rl.models.policy.worker import RayPolicyClient
 from nemo_rl.token_capture.config import TokenCaptureConfig
 from nemo_rl.token_capture.judge import RolloutEvidence
 from nemo_rl.data_plane.train_rows import TrainRowCleaner
-from nemo_rl.utils.checkpoint import CheckpointMismatchError, restore_rng_states
+from nemo_rl.utils.checkpoint import CheckpointError, restore_rng_states
 from nemo_rl.utils.logger import MetricsLogger, write_run_info
 from nemo_rl.utils.venvs import spec_hash, venv_folder_name, vllm_spec
 
@@ -326,9 +326,10 @@ def restore_from_checkpoint(run: GRPORun, resume: ResumePoint) -> dict:
     info = run.policy.load_state(resume.folder / POLICY_SUBDIR)
     saved = (state.policy_steps_taken, state.policy_fingerprint, state.optimizer_fingerprint)
     if (info.steps_taken, info.policy_fingerprint, info.optimizer_fingerprint) != saved:
-        raise CheckpointMismatchError(
+        raise CheckpointError(
             f"{resume.folder}: the policy restored {info} but the trainer state recorded steps_taken, policy and "
-            f"optimizer fingerprints {saved} (fix: the policy/ folder belongs to another checkpoint; delete {resume.folder})"
+            f"optimizer fingerprints {saved} (fix: the policy/ folder belongs to another checkpoint; delete {resume.folder})",
+            kind="mismatch",
         )
     initial_probe = run.previous_engine_probe
     # The killed run's refit scratch (never a checkpoint); only our step_* folders, since

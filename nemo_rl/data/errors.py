@@ -5,6 +5,9 @@ Contract (docs/design-docs/errors.md has the tables and the reasoning):
   request, rollout or attempt failed; the run goes on) and `FatalError` (a component or the run
   cannot continue), both `NemoRLError`s; builtin bases stay beside them where callers rely on them.
   `data` imports no other `nemo_rl` package, so every package can import the base.
+- A family whose members differed only by name is one class with a `kind` (`Kinded`): a
+  `Literal` of the family, validated at construction (an unknown kind is a bug: `ValueError`);
+  the message is unchanged, `repr()` shows the kind, and it pickles (Ray) with its kind.
 - An `ApiError` is an answer for the caller (`err_type`, message, `param`); its HTTP status follows
   from the type (`STATUS_OF`), never from the raiser. `body()` / `encoded()` give the OpenAI error
   body, byte-identical on both transports; only the transports (`models.generation.vllm.server`,
@@ -19,7 +22,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from types import MappingProxyType
-from typing import Any
+from typing import Any, ClassVar
 
 STATUS_OF: Mapping[str, int] = MappingProxyType(
     {
@@ -69,6 +72,44 @@ class FatalError(NemoRLError):
     What a caller does: nothing but stop loudly, naming it; never turn it into a placeholder or
     a retry.
     """
+
+
+def _rebuild(cls: type[BaseException], args: tuple[Any, ...]) -> BaseException:
+    """An exception of `cls` with `args`, without its `__init__` (its state follows from pickle)."""
+    return cls.__new__(cls, *args)
+
+
+class Kinded:
+    """The mixin of a family base whose members differ only by name: one class, a validated `kind`.
+
+    Place it before the side: `class ConfigError(Kinded, FatalError, ValueError)`, with
+    `KINDS = typing.get_args(ConfigKind)` and an `__init__(self, message, *, kind: ConfigKind)`
+    that calls this one. A kind whose errors carry fields keeps its own subclass, which passes its
+    kind itself; `OWN_CLASS` maps such kinds to that subclass's name, and the family base refuses
+    them. `str()` is the message alone (unchanged by the consolidation); `repr()` shows the kind. Pickling (Ray's too) rebuilds the instance without calling `__init__` and then
+    restores its attributes, so a required keyword-only `kind`, or a subclass with its own
+    constructor (e.g. `MissingKeysError`), still round-trips.
+    """
+
+    KINDS: ClassVar[tuple[str, ...]] = ()
+    OWN_CLASS: ClassVar[Mapping[str, str]] = MappingProxyType({})
+    kind: str
+
+    def __init__(self, message: str, *, kind: str) -> None:
+        if kind not in self.KINDS:
+            raise ValueError(f"{type(self).__name__}: unknown kind {kind!r}; the kinds are {list(self.KINDS)}")
+        owner = self.OWN_CLASS.get(kind)
+        if owner is not None and owner not in (c.__name__ for c in type(self).__mro__):
+            raise ValueError(f"{type(self).__name__}: kind {kind!r} is raised as its own class, {owner}")
+        super().__init__(message)  # type: ignore[call-arg]  # the exception base after the mixin
+        self.kind = kind
+
+    def __repr__(self) -> str:
+        args = ", ".join(repr(a) for a in self.args)  # type: ignore[attr-defined]
+        return f"{type(self).__name__}({args}, kind={self.kind!r})"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild, (type(self), self.args), self.__dict__)  # type: ignore[attr-defined]
 
 
 class ApiError(RecoverableError):

@@ -13,13 +13,10 @@ See docs/design-docs/distributed.md ("The data-plane client", "The TransferQueue
 from nemo_rl.data_plane.client import DataPlaneClient
 from nemo_rl.data_plane.config import DataPlaneConfig
 from nemo_rl.data_plane.errors import (
-    DataPlaneClosedError,
-    DataPlaneConfigError,
     DataPlaneDecodeError,
     DataPlaneError,
+    DataPlaneKind,
     DataPlaneTimeoutError,
-    DataPlaneTransportError,
-    DataPlaneUnavailableError,
     DataPlaneUsageError,
     FieldEncodingError,
     MissingKeysError,
@@ -29,14 +26,11 @@ from nemo_rl.data_plane.plane import DataPlane, start_data_plane
 __all__ = [
     "DataPlane",
     "DataPlaneClient",
-    "DataPlaneClosedError",
     "DataPlaneConfig",
-    "DataPlaneConfigError",
     "DataPlaneDecodeError",
     "DataPlaneError",
+    "DataPlaneKind",
     "DataPlaneTimeoutError",
-    "DataPlaneTransportError",
-    "DataPlaneUnavailableError",
     "DataPlaneUsageError",
     "FieldEncodingError",
     "MissingKeysError",

@@ -23,10 +23,8 @@ from nemo_rl.data.staged_rows import Row
 from nemo_rl.data_plane import tq_backend
 from nemo_rl.data_plane.config import DataPlaneConfig
 from nemo_rl.data_plane.errors import (
-    DataPlaneClosedError,
     DataPlaneError,
     DataPlaneTimeoutError,
-    DataPlaneTransportError,
     DataPlaneUsageError,
 )
 from nemo_rl.data_plane.fields import batch_schema, check_fields, check_keys, unique_in_order
@@ -58,7 +56,7 @@ class _LoopThread:
             return await asyncio.wait_for(make_coro(), timeout_s)
 
         if self.loop.is_closed():
-            raise DataPlaneClosedError("this data plane client is closed")
+            raise DataPlaneError("this data plane client is closed", kind="closed")
         future = asyncio.run_coroutine_threadsafe(bounded(), self.loop)
         try:
             return future.result(timeout=timeout_s + _CALLER_GRACE_S)
@@ -82,13 +80,15 @@ class _LoopThread:
             except TimeoutError as e:
                 raise DataPlaneError(
                     f"data plane client loop {self.thread.name!r} is blocked; could not cancel its calls "
-                    f"within {_LOOP_STOP_TIMEOUT_S} s"
+                    f"within {_LOOP_STOP_TIMEOUT_S} s",
+                    kind="client_loop",
                 ) from e
             self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(timeout=_LOOP_STOP_TIMEOUT_S)
         if self.thread.is_alive():
             raise DataPlaneError(
-                f"data plane client loop thread {self.thread.name!r} did not stop within {_LOOP_STOP_TIMEOUT_S} s"
+                f"data plane client loop thread {self.thread.name!r} did not stop within {_LOOP_STOP_TIMEOUT_S} s",
+                kind="client_loop",
             )
         self.loop.close()
 
@@ -148,14 +148,17 @@ class DataPlaneClient:
             if cause is None:
                 e.add_note("raised while attaching a TransferQueue client: not a transport failure, so not retried")
                 raise
-            raise DataPlaneTransportError(
-                f"attaching a TransferQueue client failed in transport: {type(cause).__name__}: {cause}"
+            raise DataPlaneError(
+                f"attaching a TransferQueue client failed in transport: {type(cause).__name__}: {cause}",
+                kind="transport",
             ) from e
         return cls(cfg, loop, tq_client)
 
     def _call(self, operation: str, partition: str, make_coro: Callable[[], Awaitable[T]], timeout_s: float | None) -> T:
         if self._closed:
-            raise DataPlaneClosedError(f"data plane {operation} on partition {partition!r}: this client is closed")
+            raise DataPlaneError(
+                f"data plane {operation} on partition {partition!r}: this client is closed", kind="closed"
+            )
         if not isinstance(partition, str) or not partition:
             raise DataPlaneUsageError(
                 f"data plane {operation}: partition must be a non-empty str, got {partition!r} (fix the caller)"
@@ -166,8 +169,9 @@ class DataPlaneClient:
         except TimeoutError as e:
             raise DataPlaneTimeoutError(operation, partition, deadline) from e
         except (asyncio.CancelledError, concurrent.futures.CancelledError) as e:
-            raise DataPlaneClosedError(
-                f"data plane {operation} on partition {partition!r} was cancelled because the client closed"
+            raise DataPlaneError(
+                f"data plane {operation} on partition {partition!r} was cancelled because the client closed",
+                kind="closed",
             ) from e
         except DataPlaneError:
             raise
@@ -177,9 +181,10 @@ class DataPlaneClient:
                 e.add_note(f"raised inside data plane {operation} on partition {partition!r}: not a TransferQueue "
                            "transport failure, so it is not data-plane weather (a bug, or a component's refusal)")
                 raise
-            raise DataPlaneTransportError(
+            raise DataPlaneError(
                 f"data plane {operation} on partition {partition!r} failed in TransferQueue's transport: "
-                f"{type(cause).__name__}: {cause}"
+                f"{type(cause).__name__}: {cause}",
+                kind="transport",
             ) from e
 
     def put(self, partition: str, key: str, fields: Mapping[str, Any], *, timeout_s: float | None = None) -> None:

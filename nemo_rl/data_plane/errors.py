@@ -1,20 +1,23 @@
 """Named data-plane errors, split into weather (recoverable) and bugs (never recoverable).
 
-`DataPlaneError` and its subclasses are WEATHER: a missed deadline, a transport failure
-(`DataPlaneTransportError`), a dead or absent component, an unreadable key (`MissingKeysError`),
-a closed client, and at attach time a config the process cannot honour. Callers may turn them
-into placeholders or retry (`RecoverableError`). A bug is never a `DataPlaneError`: bad caller
-input is a `DataPlaneUsageError` (a `ValueError`), an undecodable TQ answer a `DataPlaneDecodeError`
-(both `FatalError`), and
-anything else raised inside a TQ call propagates unchanged (`client`). Each error names the
+`DataPlaneError` and its subclasses are WEATHER: a missed deadline (`DataPlaneTimeoutError`), a
+transport failure, a dead or absent component, an unreadable key (`MissingKeysError`), a closed
+client, and at attach time a config the process cannot honour; its `kind` (`DataPlaneKind`) says
+which. Callers may turn them into placeholders or retry (`RecoverableError`). A bug is never a
+`DataPlaneError`: bad caller input is a `DataPlaneUsageError` (a `ValueError`), an undecodable TQ
+answer a `DataPlaneDecodeError` (both `FatalError`), and anything else raised inside a TQ call
+propagates unchanged (`client`). Each error names the
 operation, the partition and what to do; TQ exceptions are chained.
 """
 
 from __future__ import annotations
 
+import typing
 from collections.abc import Sequence
+from types import MappingProxyType
+from typing import Literal
 
-from nemo_rl.data.errors import FatalError, RecoverableError
+from nemo_rl.data.errors import FatalError, Kinded, RecoverableError
 
 # Long key lists are cut in messages; the full list stays on the exception object.
 _MAX_KEYS_IN_MESSAGE = 20
@@ -28,12 +31,25 @@ def format_keys(keys: Sequence[str]) -> str:
     return f"[{shown}]"
 
 
-class DataPlaneError(RecoverableError, RuntimeError):
+DataPlaneKind = Literal[
+    "transport", "config", "unavailable", "closed", "start", "race", "client_loop", "timeout", "missing_keys"
+]
+"""Which weather: a TransferQueue call failed in transport (a ZeroMQ error or TQ's own
+storage-unit timeout); the process cannot honour the given DataPlaneConfig; the data plane is not
+running (or not reachable) where the caller expects it; the client was closed (attach a new
+one); the TQ actors could not start (or already run); a concurrent write or clear raced a read
+(retry it); the client's event loop is blocked or its thread did not stop; and the two kinds with
+their own class and fields: `timeout` (`DataPlaneTimeoutError`), `missing_keys` (`MissingKeysError`)."""
+
+class DataPlaneError(Kinded, RecoverableError, RuntimeError):
     """Base class of every recoverable data-plane failure (weather, never a bug)."""
 
+    KINDS = typing.get_args(DataPlaneKind)
+    OWN_CLASS = MappingProxyType({"timeout": "DataPlaneTimeoutError", "missing_keys": "MissingKeysError"})
+    kind: DataPlaneKind
 
-class DataPlaneTransportError(DataPlaneError):
-    """A TransferQueue call failed in transport: a ZeroMQ error or TQ's own storage-unit timeout."""
+    def __init__(self, message: str, *, kind: DataPlaneKind) -> None:
+        super().__init__(message, kind=kind)
 
 
 class DataPlaneUsageError(FatalError, ValueError):
@@ -42,18 +58,6 @@ class DataPlaneUsageError(FatalError, ValueError):
 
 class DataPlaneDecodeError(FatalError, RuntimeError):
     """TQ answered with data that breaks this package's decode contract: a bug here or in TQ."""
-
-
-class DataPlaneConfigError(DataPlaneError):
-    """The process cannot honour the given DataPlaneConfig."""
-
-
-class DataPlaneUnavailableError(DataPlaneError):
-    """The data plane is not running (or not reachable) where the caller expects it."""
-
-
-class DataPlaneClosedError(DataPlaneError):
-    """The client was closed; attach a new one."""
 
 
 class FieldEncodingError(DataPlaneUsageError):
@@ -74,7 +78,7 @@ class DataPlaneTimeoutError(DataPlaneError):
             f"TransferQueue controller or a storage unit is dead or stalled. Check that the process "
             f"owning the DataPlane is alive; raise {knob} only if the host is merely slow."
         )
-        super().__init__(message + (f" ({detail})" if detail else ""))
+        super().__init__(message + (f" ({detail})" if detail else ""), kind="timeout")
 
 
 class MissingKeysError(DataPlaneError):
@@ -91,5 +95,6 @@ class MissingKeysError(DataPlaneError):
         super().__init__(
             f"data plane {operation}: {len(self.missing_keys)} key(s) not readable{with_fields} in partition "
             f"{partition!r}: {format_keys(self.missing_keys)}. They were never written, were cleared, were "
-            f"written without these fields, or their write has not completed."
+            f"written without these fields, or their write has not completed.",
+            kind="missing_keys",
         )

@@ -4,7 +4,7 @@
 `cfg.num_storage_units` storage units (`num_cpus=0`) within `cfg.startup_timeout_s` and returns
 the `DataPlane` that owns them; a data plane already running is an error, never silently
 shared. `DataPlane.shutdown()` kills exactly its own actors, once, and is the only call that
-stops the controller (clients then fail by deadline or `DataPlaneUnavailableError`, never hang).
+stops the controller (clients then fail by deadline or an `unavailable` `DataPlaneError`, never hang).
 `probes()` gives a rollout-path probe per actor (`tq_controller`, `tq_storage_unit_<i>`).
 """
 
@@ -18,7 +18,7 @@ import ray
 
 from nemo_rl.data_plane import tq_backend
 from nemo_rl.data_plane.config import DataPlaneConfig
-from nemo_rl.data_plane.errors import DataPlaneUnavailableError
+from nemo_rl.data_plane.errors import DataPlaneError
 from nemo_rl.distributed.component_watch import Probe, Role, ray_actor_probe
 
 
@@ -71,7 +71,9 @@ class DataPlane:
 def start_data_plane(cfg: DataPlaneConfig) -> DataPlane:
     """Start the TransferQueue controller and storage units in the current Ray cluster."""
     if not ray.is_initialized():
-        raise DataPlaneUnavailableError("Ray is not initialized; call init_local_ray(...) before start_data_plane")
+        raise DataPlaneError(
+            "Ray is not initialized; call init_local_ray(...) before start_data_plane", kind="unavailable"
+        )
     tq_backend.prepare_process(cfg)
     started = time.monotonic()
     actors = tq_backend.start_actors(cfg)

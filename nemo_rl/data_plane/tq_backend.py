@@ -1,7 +1,7 @@
 """The one module that imports `transfer_queue` (TQ 0.1.11); every TQ sharp edge is owned here.
 
 `prepare_process(cfg)` sets TQ's import-time knobs before importing it (other values already
-imported: `DataPlaneConfigError`); `start_actors` creates the controller and storage units with
+imported: a `config` `DataPlaneError`); `start_actors` creates the controller and storage units with
 `num_cpus=0`, under a deadline; each `new_client` is private (never TQ's process-global one).
 Promises: reads check that every requested key and field came back (TQ silently drops missing
 keys); failures are classified (`transport_failure` walks only the explicit cause chain, so a
@@ -28,11 +28,9 @@ from nemo_rl.data.staged_rows import Row
 from nemo_rl.data_plane.bind import loopback_actor
 from nemo_rl.data_plane.config import DataPlaneConfig
 from nemo_rl.data_plane.errors import (
-    DataPlaneConfigError,
     DataPlaneDecodeError,
     DataPlaneError,
     DataPlaneTimeoutError,
-    DataPlaneUnavailableError,
     MissingKeysError,
 )
 from nemo_rl.data_plane.fields import Schema
@@ -74,9 +72,10 @@ def prepare_process(cfg: DataPlaneConfig) -> None:
         imported = _imported_knobs()
         conflicts = {k: (imported[k], wanted[k]) for k in imported if imported[k] != wanted[k]}
         if conflicts:
-            raise DataPlaneConfigError(
+            raise DataPlaneError(
                 f"transfer_queue was already imported in this process with knobs {conflicts} "
-                f"(imported, requested); TQ reads them once at import. Use one DataPlaneConfig per process."
+                f"(imported, requested); TQ reads them once at import. Use one DataPlaneConfig per process.",
+                kind="config",
             )
         return
     os.environ.update(wanted)
@@ -86,7 +85,7 @@ def prepare_process(cfg: DataPlaneConfig) -> None:
 def _tq_modules() -> Any:
     """TQ's modules, imported after `prepare_process` fixed the knobs."""
     if "transfer_queue" not in sys.modules:
-        raise DataPlaneConfigError("call prepare_process(cfg) before using TransferQueue in this process")
+        raise DataPlaneError("call prepare_process(cfg) before using TransferQueue in this process", kind="config")
     import transfer_queue.client as tq_client
     import transfer_queue.controller as tq_controller
     import transfer_queue.sampler as tq_sampler
@@ -166,7 +165,8 @@ def start_actors(cfg: DataPlaneConfig) -> StartedActors:
     if controller_exists():
         raise DataPlaneError(
             f"a TransferQueue controller {CONTROLLER_NAME!r} already runs in this Ray cluster; attach a "
-            f"DataPlaneClient to it instead of starting a second data plane"
+            f"DataPlaneClient to it instead of starting a second data plane",
+            kind="start",
         )
     deadline = time.monotonic() + cfg.startup_timeout_s
     conf = _base_conf(cfg)
@@ -187,7 +187,7 @@ def start_actors(cfg: DataPlaneConfig) -> StartedActors:
         raise DataPlaneTimeoutError("start", None, cfg.startup_timeout_s, "controller/storage actors not up") from e
     except (ray.exceptions.RayError, ValueError, RuntimeError) as e:
         _kill_created(created)
-        raise DataPlaneError(f"TransferQueue actors failed to start: {type(e).__name__}: {e}") from e
+        raise DataPlaneError(f"TransferQueue actors failed to start: {type(e).__name__}: {e}", kind="start") from e
     return StartedActors(controller=controller, storage_units=units)
 
 
@@ -223,23 +223,25 @@ def transport_failure(error: BaseException) -> BaseException | None:
 def _controller() -> Any:
     """The handle of the running TQ controller (a named-actor look-up, no `ray.get`)."""
     if not ray.is_initialized():
-        raise DataPlaneUnavailableError(
+        raise DataPlaneError(
             "Ray is not initialized in this process; attach from the driver after init_local_ray, or "
-            "from inside a Ray actor of the same job"
+            "from inside a Ray actor of the same job",
+            kind="unavailable",
         )
     try:
         return ray.get_actor(CONTROLLER_NAME, namespace=TQ_NAMESPACE)
     except ValueError as e:
-        raise DataPlaneUnavailableError(
+        raise DataPlaneError(
             f"no TransferQueue controller {CONTROLLER_NAME!r} in namespace {TQ_NAMESPACE!r}: start the data "
-            f"plane (start_data_plane) in the driver before attaching clients"
+            f"plane (start_data_plane) in the driver before attaching clients",
+            kind="unavailable",
         ) from e
 
 
 def _attach_failure(error: BaseException, timeout_s: float) -> Exception:
     """The data-plane error for a failed `get_config` call (no answer in time, or a dead controller)."""
     if isinstance(error, ray.exceptions.RayActorError):
-        return DataPlaneUnavailableError(f"the TransferQueue controller is dead: {error}")
+        return DataPlaneError(f"the TransferQueue controller is dead: {error}", kind="unavailable")
     return DataPlaneTimeoutError("attach", None, timeout_s, "controller did not answer get_config")
 
 
@@ -369,7 +371,8 @@ async def get_rows(client: Any, partition: str, keys: list[str], fields: list[st
         if not missing:
             raise DataPlaneError(
                 f"get on partition {partition!r}: TQ reported the batch incomplete but every key is readable "
-                f"on its own; a concurrent write or clear raced this read, retry it"
+                f"on its own; a concurrent write or clear raced this read, retry it",
+                kind="race",
             )
         raise MissingKeysError(partition, missing, fields)
     try:
@@ -380,7 +383,8 @@ async def get_rows(client: Any, partition: str, keys: list[str], fields: list[st
         if not missing:
             raise DataPlaneError(
                 f"get on partition {partition!r}: a storage unit lost a key the controller still lists ({e}); "
-                "a concurrent clear raced this read, retry it"
+                "a concurrent clear raced this read, retry it",
+                kind="race",
             ) from e
         raise MissingKeysError(partition, missing, fields) from e
     columns = {name: _column(data, name, len(keys)) for name in fields}

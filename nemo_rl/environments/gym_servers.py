@@ -3,8 +3,8 @@
 `resolve_gym_environment(cfg)` finds the installed resources-server package, the agent wired to
 it in the Gym config YAML, and the dataset (`package:<rel>` or an absolute path), and checks
 that this venv satisfies their `requirements.txt`. Promises: every problem is a named error
-(`GymEnvironmentNotFoundError`, `GymRequirementsError` listing every missing package) raised
-before anything is launched; files are only read, never copied.
+(a `NemoGymError` of kind `env_not_found`, `GymRequirementsError` listing every missing package)
+raised before anything is launched; files are only read, never copied.
 See docs/design-docs/gym-environment.md, "Resolving `env.gym`".
 """
 
@@ -24,8 +24,8 @@ from nemo_rl.environments.nemo_gym_config import (
     PACKAGE_DATASET_PREFIX,
     WIRING_KEYS,
     GymEnvironmentConfig,
-    GymEnvironmentNotFoundError,
     GymRequirementsError,
+    NemoGymError,
 )
 from nemo_rl.environments.nemo_gym_launch import (
     GYM_AGENTS_PACKAGE,
@@ -42,13 +42,15 @@ def _launchable_package(root: str, name: str, field: str, hint: str) -> Path:
     """The installed folder of `<root>.<name>`, which must hold app.py (launched as a module)."""
     spec = importlib.util.find_spec(f"{root}.{name}")
     if spec is None or not spec.submodule_search_locations:
-        raise GymEnvironmentNotFoundError(
-            f"{field}={name!r}: no package {root}.{name} is installed; {hint} {_root_hint(root)}"
+        raise NemoGymError(
+            f"{field}={name!r}: no package {root}.{name} is installed; {hint} {_root_hint(root)}",
+            kind="env_not_found",
         )
     folder = Path(list(spec.submodule_search_locations)[0])
     if not (folder / "app.py").is_file():
-        raise GymEnvironmentNotFoundError(
-            f"{field}={name!r}: {folder} has no app.py, so it cannot be launched as `python -m {root}.{name}.app`"
+        raise NemoGymError(
+            f"{field}={name!r}: {folder} has no app.py, so it cannot be launched as `python -m {root}.{name}.app`",
+            kind="env_not_found",
         )
     return folder
 
@@ -69,14 +71,15 @@ def _root_hint(root: str) -> str:
 
 def load_gym_yaml(path: Path) -> dict[str, Any]:
     if not path.is_file():
-        raise GymEnvironmentNotFoundError(
+        raise NemoGymError(
             f"Gym config YAML {path} does not exist; set env.gym.config_path to one of "
-            f"{sorted(p.name for p in path.parent.glob('*.yaml')) if path.parent.is_dir() else []}"
+            f"{sorted(p.name for p in path.parent.glob('*.yaml')) if path.parent.is_dir() else []}",
+            kind="env_not_found",
         )
     # Unresolved: a `${...}` left in a used block is rejected by build_global_config with its key.
     doc = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
     if not isinstance(doc, dict):
-        raise GymEnvironmentNotFoundError(f"Gym config YAML {path} is not a mapping of server instances")
+        raise NemoGymError(f"Gym config YAML {path} is not a mapping of server instances", kind="env_not_found")
     return doc
 
 
@@ -90,9 +93,10 @@ def resources_block(doc: Mapping[str, Any], package: str, where: str = "<yaml>")
         and isinstance(body[RESOURCES_ROOT_PACKAGE].get(package), Mapping)
     ]
     if len(found) != 1:
-        raise GymEnvironmentNotFoundError(
+        raise NemoGymError(
             f"{where}: expected exactly one instance with `{RESOURCES_ROOT_PACKAGE}: {package}:`, found "
-            f"{[name for name, _ in found]}; point env.gym.config_path at the YAML that declares the server"
+            f"{[name for name, _ in found]}; point env.gym.config_path at the YAML that declares the server",
+            kind="env_not_found",
         )
     return found[0]
 
@@ -153,9 +157,10 @@ def dataset_path(cfg: GymEnvironmentConfig, package_folder: Path) -> Path:
     else:
         path = Path(cfg.dataset)
     if not path.is_file():
-        raise GymEnvironmentNotFoundError(
+        raise NemoGymError(
             f"env.gym.dataset={cfg.dataset!r}: {path} does not exist; the shipped example rows are "
-            "package:data/example.jsonl"
+            "package:data/example.jsonl",
+            kind="env_not_found",
         )
     return path
 

@@ -35,10 +35,6 @@ from nemo_rl.distributed.component_watch import Probe, Role, process_probe
 from nemo_rl.environments import nemo_gym_launch as launch
 from nemo_rl.environments.gym_servers import check_agent, resolve_gym_environment
 from nemo_rl.environments.nemo_gym_config import (
-    CaptureModeError,
-    GymClientClosedError,
-    GymClientLoopError,
-    GymNotStartedError,
     GymRunError,
     GymRunTimeoutError,
     GymServerStartError,
@@ -160,7 +156,7 @@ class NemoGymEnvironment:
     @property
     def ledger_dir(self) -> Path:
         if not self.capture:
-            raise CaptureModeError("ledger_dir exists only with token_capture.enabled=true")
+            raise NemoGymError("ledger_dir exists only with token_capture.enabled=true", kind="capture_mode")
         return self._log_dir / "gym_ledger"
 
     @property
@@ -176,7 +172,10 @@ class NemoGymEnvironment:
 
     def _require_ports(self) -> launch.ServerPorts:
         if self._ports is None:
-            raise GymNotStartedError("NemoGymEnvironment is not running; await start() first (and not after stop())")
+            raise NemoGymError(
+                "NemoGymEnvironment is not running; await start() first (and not after stop())",
+                kind="not_started",
+            )
         return self._ports
 
     @property
@@ -194,7 +193,7 @@ class NemoGymEnvironment:
     # --- lifecycle ------------------------------------------------------------------------
     async def start(self) -> None:
         if self._procs:
-            raise NemoGymError("NemoGymEnvironment.start() called twice; stop() it first")
+            raise NemoGymError("NemoGymEnvironment.start() called twice; stop() it first", kind="call_order")
         if self._http.closed:  # started again after a stop: a fresh client for this run of the servers
             self._http = GymHttpClient()
         began = time.monotonic()
@@ -305,9 +304,14 @@ class NemoGymEnvironment:
         """Start server `name` again on its port with its environment; seconds until healthy."""
         proc = self._procs.get(name)
         if proc is None:
-            raise GymNotStartedError(f"no server named {name!r} was started (servers: {sorted(self._procs)})")
+            raise NemoGymError(
+                f"no server named {name!r} was started (servers: {sorted(self._procs)})",
+                kind="not_started",
+            )
         if proc.poll() is None:
-            raise NemoGymError(f"server {name!r} (pid {proc.pid}) is alive; restart() is for a dead server")
+            raise NemoGymError(
+                f"server {name!r} (pid {proc.pid}) is alive; restart() is for a dead server", kind="call_order"
+            )
         began = time.monotonic()
         spec = self._specs[name]
         cwd = self._log_dir / "gym_cwd"
@@ -398,7 +402,10 @@ class NemoGymEnvironment:
     async def manifest(self, rollout_id: str) -> RolloutManifest:
         """The gate's ledger manifest for one rollout (empty if the gate never saw it)."""
         if not self.capture:
-            raise CaptureModeError("manifest() needs token_capture.enabled=true; the legacy gate keeps no ledger")
+            raise NemoGymError(
+                "manifest() needs token_capture.enabled=true; the legacy gate keeps no ledger",
+                kind="capture_mode",
+            )
         url = f"{self.gate_url}{manifest_path(rollout_id)}"
         timeout_s = self._capture_cfg.manifest_timeout_s
         status, text = await self._http.request(
@@ -448,8 +455,9 @@ class GymHttpClient:
     """One aiohttp session (one connection pool) for every request of one Gym environment.
 
     The session is made lazily, in the running loop, on first use, and belongs to that loop: a
-    request from another loop raises `GymClientLoopError`. `aclose()` (in that loop) or
-    `close_soon()` (sync) ends it for good; a request afterwards raises `GymClientClosedError`.
+    request from another loop raises a `NemoGymError` of kind `client_loop`. `aclose()` (in that
+    loop) or `close_soon()` (sync) ends it for good; a request afterwards raises one of kind
+    `client_closed`.
     Every request carries its own deadline (`aiohttp.ClientTimeout(total=timeout_s)`).
     """
 
@@ -466,8 +474,9 @@ class GymHttpClient:
     def session(self) -> aiohttp.ClientSession:
         """The session, made on first use in the running loop (call from a coroutine)."""
         if self._closed:
-            raise GymClientClosedError(
-                "the Gym environment's HTTP client is closed (aclose() or stop() ran); start() the environment again"
+            raise NemoGymError(
+                "the Gym environment's HTTP client is closed (aclose() or stop() ran); start() the environment again",
+                kind="client_closed",
             )
         loop = asyncio.get_running_loop()
         if self._session is None:
@@ -477,9 +486,10 @@ class GymHttpClient:
             self._session = aiohttp.ClientSession(connector=connector)
             self._loop = loop
         elif loop is not self._loop:
-            raise GymClientLoopError(
+            raise NemoGymError(
                 "the Gym environment's HTTP client belongs to the event loop that made its first request; "
-                "use the environment from that loop only (or aclose() it there and start() it again here)"
+                "use the environment from that loop only (or aclose() it there and start() it again here)",
+                kind="client_loop",
             )
         return self._session
 

@@ -5,19 +5,21 @@ strict types); recipe-wide capture settings come from `TokenCaptureConfig`, not 
 `env.gym` (`GymEnvironmentConfig`) names a Gym environment as Gym names it (package, config
 YAML, dataset, reward key); unset, the run uses the task `env.task` names. The agent is
 `env.agent` in both cases. Every set-up or usage failure is a `NemoGymError` (fatal) naming the
-server, the value and the fix; start failures carry the tail of that server's log. A failed call
-for one rollout (/run, manifest) is a `GymCallError` (recoverable: a placeholder).
+server, the value and the fix; its `kind` (`NemoGymKind`) says which failure; start failures
+carry the tail of that server's log. A failed call for one rollout (/run, manifest) is a
+`GymCallError` (recoverable: a placeholder).
 """
 
 from __future__ import annotations
 
+import typing
 from pathlib import Path
-
-from typing import Any
+from types import MappingProxyType
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from nemo_rl.data.errors import FatalError, RecoverableError
+from nemo_rl.data.errors import FatalError, Kinded, RecoverableError
 from nemo_rl.environments.gate.ingress import GateGuardConfig
 
 # A Gym package name is one Python identifier (it is imported as `resources_servers.<name>.app`).
@@ -199,9 +201,47 @@ class NemoGymConfig(BaseModel):
         return self
 
 
-class NemoGymError(FatalError, RuntimeError):
+NemoGymKind = Literal[
+    "env_not_found",
+    "task_load",
+    "not_started",
+    "call_order",
+    "client_closed",
+    "client_loop",
+    "capture_mode",
+    "server_start",
+    "requirements",
+    "dataset",
+    "invalid_rollout_id",
+]
+"""What is wrong: `env.gym` names a package, config YAML, block or dataset that does not exist;
+`env.task` names no usable task (see `nemo_rl.environments.task.load_task`); the environment was
+used before `start()` or after `stop()` (or names a server that was not started); `start()` twice
+or `restart()` of a live server; a request
+through the environment's HTTP client after `aclose()` / `stop()` closed it; that client was used
+from an event loop other than the one it was made in; a call needs the other capture mode (e.g. a
+manifest with capture off); and, each with its own class: a Gym server that did not start
+(`GymServerStartError`), packages a server needs (`GymRequirementsError`), an unusable dataset
+(`GymDatasetError`), a rollout id Gym cannot carry (`InvalidRolloutIdError`)."""
+
+
+class NemoGymError(Kinded, FatalError, RuntimeError):
     """The Gym environment cannot be set up or was used wrongly (config, servers, datasets, call
     order): the run stops. A failed call for one rollout is a `GymCallError` instead."""
+
+    KINDS = typing.get_args(NemoGymKind)
+    OWN_CLASS = MappingProxyType(
+        {
+            "server_start": "GymServerStartError",
+            "requirements": "GymRequirementsError",
+            "dataset": "GymDatasetError",
+            "invalid_rollout_id": "InvalidRolloutIdError",
+        }
+    )
+    kind: NemoGymKind
+
+    def __init__(self, message: str, *, kind: NemoGymKind) -> None:
+        super().__init__(message, kind=kind)
 
 
 class GymServerStartError(NemoGymError):
@@ -212,16 +252,9 @@ class GymServerStartError(NemoGymError):
         self.log_path = log_path
         self.log_tail = log_tail
         super().__init__(
-            f"Gym server `{server}` failed to start: {reason}. Log {log_path} ends with:\n{log_tail}"
+            f"Gym server `{server}` failed to start: {reason}. Log {log_path} ends with:\n{log_tail}",
+            kind="server_start",
         )
-
-
-class GymEnvironmentNotFoundError(NemoGymError):
-    """`env.gym` names a package, config YAML, block or dataset that does not exist."""
-
-
-class TaskLoadError(NemoGymError):
-    """`env.task` names no usable task (see `nemo_rl.environments.task.load_task`)."""
 
 
 class GymRequirementsError(NemoGymError):
@@ -232,36 +265,27 @@ class GymRequirementsError(NemoGymError):
     ) -> None:
         self.server = server
         self.missing = list(missing)
-        kind = "agent" if field == "env.agent" else "resources server"
+        what = "agent" if field == "env.agent" else "resources server"
         super().__init__(
-            f"Gym {kind} `{server}` needs packages this venv does not have: {', '.join(missing)} "
+            f"Gym {what} `{server}` needs packages this venv does not have: {', '.join(missing)} "
             f"(from {requirements_path}). Fix: add them to the project's dependencies (pyproject.toml) "
-            f"and `uv sync`, or pick another {field}"
+            f"and `uv sync`, or pick another {field}",
+            kind="requirements",
         )
 
 
 class GymDatasetError(NemoGymError, ValueError):
     """A prompt dataset file or row is unusable (the message names the file and line)."""
 
-
-class GymNotStartedError(NemoGymError):
-    """The environment was used before `start()` or after `stop()`."""
-
-
-class GymClientClosedError(GymNotStartedError):
-    """A request through the environment's HTTP client after `aclose()` / `stop()` closed it."""
-
-
-class GymClientLoopError(NemoGymError):
-    """The environment's HTTP client was used from an event loop other than the one it was made in."""
-
-
-class CaptureModeError(NemoGymError):
-    """A call needs the other capture mode (e.g. a manifest with capture off)."""
+    def __init__(self, message: str) -> None:
+        super().__init__(message, kind="dataset")
 
 
 class InvalidRolloutIdError(NemoGymError, ValueError):
     """A rollout id that Gym's capture paths and ledger file names cannot carry."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, kind="invalid_rollout_id")
 
 
 class GymCallError(RecoverableError, RuntimeError):

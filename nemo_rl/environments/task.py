@@ -3,8 +3,8 @@
 `env.task` names a task as `<module>:<attribute>` (default: the example arithmetic task), used
 only when `env.gym` is null; the library never imports a task by name except through
 `load_task`. A `GymTask` has `resources_server` and `rows(seed, count, sampling)`, a pure
-function of `seed` carrying the recipe's `RowSampling`. `load_task` raises `TaskLoadError`
-naming `env.task`, the value and the fix for any spec it cannot load.
+function of `seed` carrying the recipe's `RowSampling`. `load_task` raises a `NemoGymError`
+of kind `task_load` naming `env.task`, the value and the fix for any spec it cannot load.
 See docs/design-docs/gym-environment.md, "Tasks".
 """
 
@@ -15,7 +15,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from nemo_rl.environments.nemo_gym_config import TaskLoadError
+from nemo_rl.environments.nemo_gym_config import NemoGymError
 from nemo_rl.environments.nemo_gym_launch import ResourcesServer
 
 TASK_FIELD = "env.task"
@@ -42,25 +42,31 @@ class GymTask(Protocol):
 
 
 def load_task(spec: str) -> GymTask:
-    """The task object `spec` (`<module>:<attribute>`) names; `TaskLoadError` when it cannot be used."""
+    """The task object `spec` (`<module>:<attribute>`) names; a `task_load` `NemoGymError` when it cannot be used."""
     module_name, sep, attribute = spec.partition(":")
     if not sep or not module_name or not attribute:
-        raise TaskLoadError(
-            f"{TASK_FIELD}={spec!r} is not '<module>:<attribute>' (fix: e.g. {TASK_FIELD}=examples.arith.gym_task:TASK)"
+        raise NemoGymError(
+            f"{TASK_FIELD}={spec!r} is not '<module>:<attribute>' (fix: e.g. {TASK_FIELD}=examples.arith.gym_task:TASK)",
+            kind="task_load",
         )
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
-        raise TaskLoadError(
+        raise NemoGymError(
             f"{TASK_FIELD}={spec!r}: module {module_name!r} cannot be imported ({e}); fix: run from the "
-            f"repository (its root on PYTHONPATH) or name an installed module"
+            f"repository (its root on PYTHONPATH) or name an installed module",
+            kind="task_load",
         ) from e
     if not hasattr(module, attribute):
-        raise TaskLoadError(f"{TASK_FIELD}={spec!r}: module {module_name!r} has no attribute {attribute!r}")
+        raise NemoGymError(
+            f"{TASK_FIELD}={spec!r}: module {module_name!r} has no attribute {attribute!r}",
+            kind="task_load",
+        )
     task = getattr(module, attribute)
     if not isinstance(task, GymTask):
-        raise TaskLoadError(
+        raise NemoGymError(
             f"{TASK_FIELD}={spec!r} is a {type(task).__name__}, not a task: it needs `resources_server` "
-            "and `rows(seed, count, sampling)` (nemo_rl.environments.task.GymTask)"
+            "and `rows(seed, count, sampling)` (nemo_rl.environments.task.GymTask)",
+            kind="task_load",
         )
     return task

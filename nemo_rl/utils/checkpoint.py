@@ -4,7 +4,7 @@ A complete checkpoint is a folder named exactly `step_<k>` holding the `CHECKPOI
 marker; anything else of ours is a leftover, never loaded, removed by `remove_leftovers`.
 `commit_checkpoint` writes into `step_<k>.tmp-<pid>`, fsyncs, writes the marker and renames:
 the rename is the commit point, and an existing `step_<k>` is never overwritten. Refuses a
-damaged checkpoint (`CorruptCheckpointError` naming the file), never falling back to an older
+damaged checkpoint (a `CheckpointError` of kind `corrupt` naming the file), never falling back to an older
 one. The choosing functions are pure over names and marker presence (`scan` is the one reader);
 RNG states and JSONL log cuts (`truncate_jsonl_after`) let a resumed run continue exactly once.
 Layout and contract: docs/design-docs/token-capture-reliability.md, "Checkpoint directories".
@@ -16,6 +16,7 @@ import json
 import os
 import re
 import shutil
+import typing
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from enum import Enum
@@ -24,31 +25,33 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from nemo_rl.data.errors import FatalError
+from nemo_rl.data.errors import FatalError, Kinded
 
 MARKER_FILE = "CHECKPOINT_COMPLETE"
 _STEP_RE = re.compile(r"step_([1-9][0-9]*)")
 _TMP_RE = re.compile(r"step_([1-9][0-9]*)\.tmp-([0-9]+)")
 
 
-class CheckpointError(FatalError, RuntimeError):
+CheckpointKind = Literal[
+    "no_checkpoint", "dir_not_empty", "corrupt", "mismatch", "not_a_folder", "exists", "incomplete", "unreadable_log"
+]
+"""What is wrong: `checkpointing.resume=latest` but the checkpoint_dir holds no complete
+checkpoint; a run that does not resume was pointed at a checkpoint_dir that already holds
+checkpoints; a complete-looking checkpoint disagrees with its marker (a file missing or of another
+size, an unreadable marker or trainer state); a checkpoint does not fit the recipe it is resumed
+with (seed, batch shape, prompts, optimizer...); the checkpoint_dir is not a folder; `step_<k>`
+already exists (never overwritten); a folder without its marker was asked for; a JSONL log line
+cannot be aligned with the checkpoint."""
+
+
+class CheckpointError(Kinded, FatalError, RuntimeError):
     """A checkpoint cannot be written, found or loaded; the message names the path and the fix."""
 
+    KINDS = typing.get_args(CheckpointKind)
+    kind: CheckpointKind
 
-class NoCheckpointError(CheckpointError):
-    """`checkpointing.resume=latest` but the checkpoint_dir holds no complete checkpoint."""
-
-
-class CheckpointDirNotEmptyError(CheckpointError):
-    """A run that does not resume was pointed at a checkpoint_dir that already holds checkpoints."""
-
-
-class CorruptCheckpointError(CheckpointError):
-    """A complete-looking checkpoint disagrees with its marker (a file missing or of another size)."""
-
-
-class CheckpointMismatchError(CheckpointError):
-    """A checkpoint does not fit the recipe it is resumed with (seed, batch shape, optimizer...)."""
+    def __init__(self, message: str, *, kind: CheckpointKind) -> None:
+        super().__init__(message, kind=kind)
 
 
 class CheckpointingConfig(BaseModel):
@@ -179,7 +182,10 @@ def scan(root: Path) -> list[DirEntry]:
     if not root.exists():
         return []
     if not root.is_dir():
-        raise CheckpointError(f"checkpointing.checkpoint_dir={str(root)!r} is not a folder (fix: point it at a folder)")
+        raise CheckpointError(
+            f"checkpointing.checkpoint_dir={str(root)!r} is not a folder (fix: point it at a folder)",
+            kind="not_a_folder",
+        )
     return [DirEntry(p.name, (p / MARKER_FILE).is_file()) for p in root.iterdir()]
 
 
@@ -250,7 +256,8 @@ def commit_checkpoint(root: Path, step: int, write: Callable[[Path], None], pid:
     if final.exists():
         raise CheckpointError(
             f"{final} already exists; a checkpoint is never overwritten (fix: resume from it with "
-            "checkpointing.resume=latest, or use another checkpointing.checkpoint_dir)"
+            "checkpointing.resume=latest, or use another checkpointing.checkpoint_dir)",
+            kind="exists",
         )
     tmp = root / tmp_dir_name(step, os.getpid() if pid is None else pid)
     if tmp.exists():
@@ -267,24 +274,30 @@ def commit_checkpoint(root: Path, step: int, write: Callable[[Path], None], pid:
 
 
 def open_checkpoint(root: Path, step: int) -> Path:
-    """`root/step_<k>` after checking it against its marker (`CorruptCheckpointError` otherwise)."""
+    """`root/step_<k>` after checking it against its marker (a `corrupt` `CheckpointError` otherwise)."""
     folder = root / step_dir_name(step)
     marker_path = folder / MARKER_FILE
     if not marker_path.is_file():
-        raise CheckpointError(f"{folder} is not a complete checkpoint (no {MARKER_FILE}); it is never loaded")
+        raise CheckpointError(
+            f"{folder} is not a complete checkpoint (no {MARKER_FILE}); it is never loaded",
+            kind="incomplete",
+        )
     try:
         marker = json.loads(marker_path.read_text())
     except json.JSONDecodeError as e:
-        raise CorruptCheckpointError(f"{marker_path}: not valid JSON ({e.msg}) (fix: delete {folder})") from e
+        raise CheckpointError(f"{marker_path}: not valid JSON ({e.msg}) (fix: delete {folder})", kind="corrupt") from e
     if not isinstance(marker, dict) or marker.get("step") != step or not isinstance(marker.get("files"), dict):
-        raise CorruptCheckpointError(f"{marker_path} does not describe step {step}: {marker!r} (fix: delete {folder})")
+        raise CheckpointError(
+            f"{marker_path} does not describe step {step}: {marker!r} (fix: delete {folder})", kind="corrupt"
+        )
     found = _files_below(folder)
     for rel, size in sorted(marker["files"].items()):
         if found.get(rel) != size:
             have = "missing" if rel not in found else f"{found[rel]} bytes"
-            raise CorruptCheckpointError(
+            raise CheckpointError(
                 f"{folder}: {rel} is {have} but the marker recorded {size} bytes (fix: delete {folder} "
-                "to resume from the checkpoint before it)"
+                "to resume from the checkpoint before it)",
+                kind="corrupt",
             )
     return folder
 
@@ -382,10 +395,16 @@ def records_through(text: str, step: int, where: str) -> tuple[str, int]:
             if number == len(lines) and not line.endswith("\n"):
                 dropped += 1
                 continue
-            raise CheckpointError(f"{where}:{number}: not valid JSON ({e.msg}); cannot align it with the checkpoint") from e
+            raise CheckpointError(
+                f"{where}:{number}: not valid JSON ({e.msg}); cannot align it with the checkpoint",
+                kind="unreadable_log",
+            ) from e
         record_step = record.get("step") if isinstance(record, dict) else None
         if isinstance(record_step, bool) or not isinstance(record_step, int):
-            raise CheckpointError(f"{where}:{number}: a record without an integer `step`: {line.strip()[:200]}")
+            raise CheckpointError(
+                f"{where}:{number}: a record without an integer `step`: {line.strip()[:200]}",
+                kind="unreadable_log",
+            )
         if record_step <= step:
             kept.append(line if line.endswith("\n") else line + "\n")
         else:

@@ -1,12 +1,13 @@
 """Recipe loading: YAML defaults chains, Hydra-style overrides, pydantic section validation.
 
 `load_config(path, overrides)` merges a recipe's `defaults:` chain (parents first, the child
-wins; a cycle is a `DefaultsError`) on unresolved trees, applies Hydra-grammar overrides (with
-a `schema`, a key the pydantic models declare can be set even if no YAML states it), then
-refuses any remaining `???` (`MissingValueError` naming every key) and resolves interpolations
-into a plain `dict`. `validate_section` returns the validated model or a `SectionValidationError`
-with one line per problem and a fix. Sweeps and `@package` overrides are refused; assigning
-under a scalar never silently replaces it. Every error is a `ConfigError` (a `ValueError`).
+wins; a cycle is a `ConfigError` of kind `defaults`) on unresolved trees, applies Hydra-grammar
+overrides (kind `override`; with a `schema`, a key the pydantic models declare can be set even if
+no YAML states it), then refuses any remaining `???` (kind `missing_value`, naming every key) and
+resolves interpolations (kind `interpolation`) into a plain `dict`. `validate_section` returns the
+validated model or a `ConfigError` of kind `section` with one line per problem and a fix. Sweeps
+and `@package` overrides are refused; assigning under a scalar never silently replaces it. Every
+error is a `ConfigError` (a `ValueError`); its `kind` (`ConfigKind`) says which step failed.
 The rules in full: docs/guides/token-capture.md, "Recipes: defaults chains and overrides".
 """
 
@@ -17,7 +18,7 @@ import typing
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import Override
@@ -27,7 +28,7 @@ from omegaconf.errors import OmegaConfBaseException
 from pydantic import BaseModel, ValidationError
 from yaml import YAMLError
 
-from nemo_rl.data.errors import FatalError
+from nemo_rl.data.errors import FatalError, Kinded
 
 DEFAULTS_KEY = "defaults"
 MISSING_MARK = "???"
@@ -35,28 +36,21 @@ MISSING_MARK = "???"
 ModelT = TypeVar("ModelT", bound=BaseModel)
 
 
-class ConfigError(FatalError, ValueError):
+ConfigKind = Literal["defaults", "override", "missing_value", "interpolation", "section"]
+"""What is wrong: the `defaults:` chain (a missing parent, a cycle, a malformed entry, an
+unreadable file); a command-line override that cannot be parsed or applied; mandatory (`???`)
+values never set (or a value a run needs left null); a `${...}` interpolation that cannot be
+resolved; a config section that failed its pydantic model (one line per problem)."""
+
+
+class ConfigError(Kinded, FatalError, ValueError):
     """A recipe, an override or a config section is invalid; the message says how to fix it."""
 
+    KINDS = typing.get_args(ConfigKind)
+    kind: ConfigKind
 
-class DefaultsError(ConfigError):
-    """The `defaults:` chain is broken: missing parent, cycle, malformed entry, unreadable file."""
-
-
-class OverrideError(ConfigError):
-    """A command-line override cannot be parsed or applied."""
-
-
-class MissingValueError(ConfigError):
-    """Mandatory (`???`) values were never set."""
-
-
-class InterpolationError(ConfigError):
-    """A `${...}` interpolation could not be resolved."""
-
-
-class SectionValidationError(ConfigError):
-    """A config section failed its pydantic model; one line per problem."""
+    def __init__(self, message: str, *, kind: ConfigKind) -> None:
+        super().__init__(message, kind=kind)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -66,17 +60,19 @@ class SectionValidationError(ConfigError):
 def _read_yaml(path: Path, referenced_by: Path | None) -> DictConfig:
     if not path.is_file():
         where = f" (listed in `defaults:` of {referenced_by})" if referenced_by else ""
-        raise DefaultsError(
+        raise ConfigError(
             f"config file {path} does not exist{where}; fix the path (parents are resolved "
-            f"relative to the directory of the file that names them)"
+            f"relative to the directory of the file that names them)",
+            kind="defaults",
         )
     try:
         loaded = OmegaConf.load(path)
     except (YAMLError, OmegaConfBaseException) as e:
-        raise DefaultsError(f"cannot parse YAML file {path}: {e}") from e
+        raise ConfigError(f"cannot parse YAML file {path}: {e}", kind="defaults") from e
     if not isinstance(loaded, DictConfig):
-        raise DefaultsError(
-            f"config file {path} must hold a mapping at top level, got a {type(loaded).__name__}"
+        raise ConfigError(
+            f"config file {path} must hold a mapping at top level, got a {type(loaded).__name__}",
+            kind="defaults",
         )
     return loaded
 
@@ -88,9 +84,10 @@ def _parent_paths(cfg: DictConfig, path: Path) -> list[Path]:
     raw = _node_value(cfg._get_node(DEFAULTS_KEY))
     entries = [raw] if isinstance(raw, str) else raw
     if not isinstance(entries, list) or not all(isinstance(x, str) and x for x in entries):
-        raise DefaultsError(
+        raise ConfigError(
             f"{path}: `defaults:` must be a relative path or a list of relative paths, "
-            f"got {raw!r}; fix: e.g. `defaults: ../base.yaml`"
+            f"got {raw!r}; fix: e.g. `defaults: ../base.yaml`",
+            kind="defaults",
         )
     return [(path.parent / entry).resolve() for entry in entries]
 
@@ -98,7 +95,7 @@ def _parent_paths(cfg: DictConfig, path: Path) -> list[Path]:
 def _load_chain(path: Path, stack: tuple[Path, ...], referenced_by: Path | None) -> DictConfig:
     if path in stack:
         chain = " -> ".join(str(p) for p in (*stack, path))
-        raise DefaultsError(f"cycle in `defaults:` chain: {chain}; remove one of these links")
+        raise ConfigError(f"cycle in `defaults:` chain: {chain}; remove one of these links", kind="defaults")
     own = _read_yaml(path, referenced_by)
     parents = _parent_paths(own, path)
     if DEFAULTS_KEY in own.keys():
@@ -115,9 +112,10 @@ def _merge(base: DictConfig, top: DictConfig, top_path: Path) -> DictConfig:
         merged = OmegaConf.merge(base, top)
     except OmegaConfBaseException as e:
         clashes = ", ".join(_kind_clashes(base, top, "")) or "<unknown>"
-        raise DefaultsError(
+        raise ConfigError(
             f"cannot merge {top_path} over the config before it: {_first_line(e)} (at {clashes}); "
-            f"fix: give that key the same kind of value (mapping or list) in both files"
+            f"fix: give that key the same kind of value (mapping or list) in both files",
+            kind="defaults",
         ) from e
     assert isinstance(merged, DictConfig)
     return merged
@@ -228,21 +226,24 @@ def parse_overrides(overrides: Sequence[str]) -> list[Override]:
         try:
             override = parser.parse_override(text)
         except HydraException as e:
-            raise OverrideError(
+            raise ConfigError(
                 f"cannot parse override {text!r}: {e}; fix: use key=value, +key=value, "
-                f"++key=value or ~key (quote values with spaces or special characters)"
+                f"++key=value or ~key (quote values with spaces or special characters)",
+                kind="override",
             ) from e
         if not override.key_or_group:
-            raise OverrideError(f"override {text!r} has an empty key; fix: use key=value")
+            raise ConfigError(f"override {text!r} has an empty key; fix: use key=value", kind="override")
         if override.package is not None:
-            raise OverrideError(
+            raise ConfigError(
                 f"override {text!r} uses @package, which recipes do not support; "
-                f"fix: write the full dotted key"
+                f"fix: write the full dotted key",
+                kind="override",
             )
         if override.is_sweep_override():
-            raise OverrideError(
+            raise ConfigError(
                 f"override {text!r} is a sweep; a recipe run takes one value per key; "
-                f"fix: quote the value if the comma is literal, e.g. key='a,b'"
+                f"fix: quote the value if the comma is literal, e.g. key='a,b'",
+                kind="override",
             )
         parsed.append(override)
     return parsed
@@ -264,9 +265,10 @@ def _ensure_parent(cfg: DictConfig, key: str, text: str) -> tuple[Any, str | int
         exists, child = _lookup(node, part)
         if not exists:
             if isinstance(node, ListConfig):
-                raise OverrideError(
+                raise ConfigError(
                     f"override {text!r}: {'.'.join(walked)} is not an index of the list at "
-                    f"{'.'.join(walked[:-1])} (length {len(node)}); fix: use an index in range"
+                    f"{'.'.join(walked[:-1])} (length {len(node)}); fix: use an index in range",
+                    kind="override",
                 )
             node[part] = {}
             child = node._get_node(part)
@@ -275,18 +277,20 @@ def _ensure_parent(cfg: DictConfig, key: str, text: str) -> tuple[Any, str | int
             node[part] = {}
             child = node._get_node(part)
         elif not _is_container(child):
-            raise OverrideError(
+            raise ConfigError(
                 f"override {text!r}: {'.'.join(walked)} holds the value "
                 f"{_node_value(child)!r}, not a mapping, so {key} cannot be set under it; "
-                f"fix: replace it whole, e.g. ++{'.'.join(walked)}={{...}}"
+                f"fix: replace it whole, e.g. ++{'.'.join(walked)}={{...}}",
+                kind="override",
             )
         node = child
     last = parts[-1]
     if isinstance(node, ListConfig):
         if not last.isdigit():
-            raise OverrideError(
+            raise ConfigError(
                 f"override {text!r}: {'.'.join(parts[:-1])} is a list, so {last!r} must be an "
-                f"index; fix: use {'.'.join(parts[:-1])}.<index>"
+                f"index; fix: use {'.'.join(parts[:-1])}.<index>",
+                kind="override",
             )
         return node, int(last)
     return node, last
@@ -295,9 +299,10 @@ def _ensure_parent(cfg: DictConfig, key: str, text: str) -> tuple[Any, str | int
 def _assign(cfg: DictConfig, key: str, value: Any, text: str) -> None:
     parent, last = _ensure_parent(cfg, key, text)
     if isinstance(parent, ListConfig) and not 0 <= int(last) < len(parent):
-        raise OverrideError(
+        raise ConfigError(
             f"override {text!r}: index {last} is out of range for the list at "
-            f"{key.rpartition('.')[0]} (length {len(parent)}); fix: use an index in range"
+            f"{key.rpartition('.')[0]} (length {len(parent)}); fix: use an index in range",
+            kind="override",
         )
     exists, current = _lookup(parent, str(last))
     if exists and isinstance(value, dict) and isinstance(current, DictConfig) and _is_container(
@@ -339,14 +344,16 @@ def apply_override(cfg: DictConfig, override: Override, schema: type[BaseModel] 
     exists = _key_exists(cfg, key)
     if override.is_delete():
         if not exists:
-            raise OverrideError(
-                f"cannot delete {key} ({text!r}): key does not exist; {_close_keys(cfg, key)}"
+            raise ConfigError(
+                f"cannot delete {key} ({text!r}): key does not exist; {_close_keys(cfg, key)}",
+                kind="override",
             )
         parent, node = _lookup_path(cfg, key)
         if value is not None and _node_value(node) != value:
-            raise OverrideError(
+            raise ConfigError(
                 f"cannot delete {key} ({text!r}): its value is {_node_value(node)!r}, "
-                f"not {value!r}; fix: use ~{key} to delete unconditionally"
+                f"not {value!r}; fix: use ~{key} to delete unconditionally",
+                kind="override",
             )
         last = key.rpartition(".")[2]
         if isinstance(parent, ListConfig):
@@ -355,18 +362,20 @@ def apply_override(cfg: DictConfig, override: Override, schema: type[BaseModel] 
             del parent[last]
     elif override.is_add():
         if exists:
-            raise OverrideError(
+            raise ConfigError(
                 f"cannot add {key} ({text!r}): key already exists; fix: use {key}=... to "
-                f"change it or ++{key}=... to add-or-change"
+                f"change it or ++{key}=... to add-or-change",
+                kind="override",
             )
         _assign(cfg, key, value, text)
     elif override.is_force_add():
         _assign(cfg, key, value, text)
     else:
         if not exists and not schema_declares(schema, key):
-            raise OverrideError(
+            raise ConfigError(
                 f"cannot override {key} ({text!r}): key does not exist; "
-                f"{_close_keys(cfg, key)}; fix: correct the key, or use +{key}=... to add it"
+                f"{_close_keys(cfg, key)}; fix: correct the key, or use +{key}=... to add it",
+                kind="override",
             )
         _assign(cfg, key, value, text)
 
@@ -387,13 +396,14 @@ def load_config(path: str | Path, overrides: Sequence[str] = (), schema: type[Ba
         apply_override(cfg, override, schema)
     missing = find_missing_keys(cfg)
     if missing:
-        raise MissingValueError(_missing_message(missing))
+        raise ConfigError(_missing_message(missing), kind="missing_value")
     try:
         resolved = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
     except OmegaConfBaseException as e:
-        raise InterpolationError(
+        raise ConfigError(
             f"cannot resolve {e.full_key}: {_first_line(e)}; fix: point the interpolation at an "
-            f"existing key or set {e.full_key} directly"
+            f"existing key or set {e.full_key} directly",
+            kind="interpolation",
         ) from e
     assert isinstance(resolved, dict)
     return resolved
@@ -486,15 +496,17 @@ def _format_error(error: dict, section: str, model_cls: type[BaseModel]) -> str:
 def validate_section(model_cls: type[ModelT], data: dict, section: str) -> ModelT:
     """Validate `data` (the recipe's `section` mapping) against `model_cls`."""
     if not isinstance(data, dict):
-        raise SectionValidationError(
+        raise ConfigError(
             f"{section}={data!r}: expected a mapping for section {section} "
-            f"(fix: make {section} a mapping of keys to values)"
+            f"(fix: make {section} a mapping of keys to values)",
+            kind="section",
         )
     try:
         return model_cls.model_validate(data)
     except ValidationError as e:
         lines = [_format_error(err, section, model_cls) for err in e.errors()]
-        raise SectionValidationError(
+        raise ConfigError(
             f"invalid config section {section or '<root>'} ({len(lines)} problem(s)):\n"
-            + "\n".join(lines)
+            + "\n".join(lines),
+            kind="section",
         ) from e

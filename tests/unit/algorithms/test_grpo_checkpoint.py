@@ -26,11 +26,8 @@ from nemo_rl.algorithms.grpo_single_controller import resumable_logs
 from nemo_rl.environments.datasets import PromptDataset, TaskPromptSource, task_pool
 from nemo_rl.environments.task import RowSampling
 from nemo_rl.utils.checkpoint import (
-    CheckpointDirNotEmptyError,
+    CheckpointError,
     CheckpointingConfig,
-    CheckpointMismatchError,
-    CorruptCheckpointError,
-    NoCheckpointError,
     capture_rng_states,
     commit_checkpoint,
 )
@@ -101,19 +98,23 @@ def test_trainer_state_checks_its_fields() -> None:
 
 def test_check_resumable_names_the_changed_field() -> None:
     check_resumable(_state(), seed=42, num_prompts_per_step=2)
-    with pytest.raises(CheckpointMismatchError, match=r"grpo.seed=7 but .* written with grpo.seed=42; .*fix: set grpo.seed=42"):
+    with pytest.raises(CheckpointError, match=r"grpo.seed=7 but .* written with grpo.seed=42; .*fix: set grpo.seed=42") as raised:
         check_resumable(_state(), seed=7, num_prompts_per_step=2)
-    with pytest.raises(CheckpointMismatchError, match=r"grpo.num_prompts_per_step=4 .* grpo.num_prompts_per_step=2"):
+    assert raised.value.kind == "mismatch"
+    with pytest.raises(CheckpointError, match=r"grpo.num_prompts_per_step=4 .* grpo.num_prompts_per_step=2") as raised:
         check_resumable(_state(), seed=42, num_prompts_per_step=4)
+    assert raised.value.kind == "mismatch"
 
 
 def test_check_prompt_position_refuses_other_prompts() -> None:
     check_prompt_position(_state(), TaskPromptSource(ARITH_TASK, 42, SAMPLING).batch(2, 2))
-    with pytest.raises(CheckpointMismatchError, match="gives step 2 other prompts"):
+    with pytest.raises(CheckpointError, match="gives step 2 other prompts") as raised:
         check_prompt_position(_state(), TaskPromptSource(ARITH_TASK, 42, SAMPLING).batch(3, 2))
+    assert raised.value.kind == "mismatch"
     hotter = RowSampling(temperature=0.5, top_p=1.0, max_output_tokens=48)
-    with pytest.raises(CheckpointMismatchError, match="gives step 2 other prompts"):
+    with pytest.raises(CheckpointError, match="gives step 2 other prompts") as raised:
         check_prompt_position(_state(), TaskPromptSource(ARITH_TASK, 42, hotter).batch(2, 2))
+    assert raised.value.kind == "mismatch"
 
 
 def _commit(root: Path, step: int) -> Path:
@@ -134,19 +135,22 @@ def test_prepare_without_a_checkpoint_dir_does_nothing() -> None:
 
 
 def test_resume_latest_without_a_checkpoint_is_a_named_error(tmp_path: Path) -> None:
-    with pytest.raises(NoCheckpointError, match=r"checkpointing.resume='latest' but checkpointing.checkpoint_dir=.*"
-                                                r"holds no complete checkpoint \(the folder does not exist\)"):
+    with pytest.raises(CheckpointError, match=r"checkpointing.resume='latest' but checkpointing.checkpoint_dir=.*"
+                                              r"holds no complete checkpoint \(the folder does not exist\)") as raised:
         prepare_checkpointing(_cfg(tmp_path / "missing", resume="latest"), [])
+    assert raised.value.kind == "no_checkpoint"
     (tmp_path / "step_3.tmp-1").mkdir()  # only a killed writer's leftover
-    with pytest.raises(NoCheckpointError, match="no step_<k> folder with its marker"):
+    with pytest.raises(CheckpointError, match="no step_<k> folder with its marker") as raised:
         prepare_checkpointing(_cfg(tmp_path, resume="latest"), [], progress=lambda _: None)
+    assert raised.value.kind == "no_checkpoint"
     assert not (tmp_path / "step_3.tmp-1").exists()
 
 
 def test_a_fresh_run_refuses_a_folder_with_checkpoints(tmp_path: Path) -> None:
     _commit(tmp_path, 1)
-    with pytest.raises(CheckpointDirNotEmptyError, match=r"already holds checkpoints of steps \[1\].*checkpointing.resume=latest"):
+    with pytest.raises(CheckpointError, match=r"already holds checkpoints of steps \[1\].*checkpointing.resume=latest") as raised:
         prepare_checkpointing(_cfg(tmp_path, enabled=True), [])
+    assert raised.value.kind == "dir_not_empty"
     assert prepare_checkpointing(_cfg(tmp_path / "new", enabled=True), []) is None
 
 
@@ -178,9 +182,11 @@ def test_resume_refuses_a_damaged_newest_checkpoint(tmp_path: Path) -> None:
     _commit(tmp_path, 1)
     newest = _commit(tmp_path, 2)
     (newest / "policy" / "weights").write_bytes(b"")
-    with pytest.raises(CorruptCheckpointError, match=r"step_2: policy/weights is 0 bytes"):
+    with pytest.raises(CheckpointError, match=r"step_2: policy/weights is 0 bytes") as raised:
         prepare_checkpointing(_cfg(tmp_path, resume="latest"), [])
+    assert raised.value.kind == "corrupt"
     (newest / "policy" / "weights").write_bytes(b"w")
     (newest / TRAINER_STATE_FILE).write_text("{}")
-    with pytest.raises(CorruptCheckpointError, match="not a valid TrainerState"):
+    with pytest.raises(CheckpointError, match="not a valid TrainerState") as raised:
         read_trainer_state(newest)
+    assert raised.value.kind == "corrupt"

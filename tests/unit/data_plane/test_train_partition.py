@@ -167,7 +167,7 @@ def test_a_failed_store_is_a_data_plane_placeholder(chains):
         def fetch(self, keys):
             return [{s.staging_key: s for s in chain.snapshots}[k] for k in keys]
 
-    plane = MemoryPlane(fail=DataPlaneError("store down"))
+    plane = MemoryPlane(fail=DataPlaneError("store down", kind="transport"))
     result = judge_from_source(Source(), item, CFG, lambda kept: store_many_rows(plane, "train", kept, 1.0, False))
     assert isinstance(result, Placeholder)
     assert (result.reason, result.detail, result.reward) == (

@@ -3,8 +3,8 @@
 Against a real aiohttp server on 127.0.0.1 (OS-picked port): N requests, sequential and
 concurrent, reuse one session and open no more connections than run at once; the session closes
 on `aclose()` / the environment's async exit and on the sync `stop()` path (from the loop's
-thread and from a worker thread); a request after close fails as `GymClientClosedError`; every
-request keeps its own deadline; a second loop is refused by name.
+thread and from a worker thread); a request after close fails as a `NemoGymError` of kind `client_closed`;
+every request keeps its own deadline; a second loop is refused (kind `client_loop`).
 """
 
 from __future__ import annotations
@@ -18,10 +18,8 @@ from aiohttp import web
 
 from nemo_rl.environments.nemo_gym import GymHttpClient, NemoGymEnvironment
 from nemo_rl.environments.nemo_gym_config import (
-    GymClientClosedError,
-    GymClientLoopError,
-    GymNotStartedError,
     NemoGymConfig,
+    NemoGymError,
 )
 from nemo_rl.token_capture.config import TokenCaptureConfig
 
@@ -124,9 +122,9 @@ async def test_a_request_after_close_fails_by_name(server: _CountingServer) -> N
     await client.request("GET", f"{server.url}/x", 5.0, **_errors("x"))
     await client.aclose()
     await client.aclose()  # idempotent
-    with pytest.raises(GymClientClosedError, match="HTTP client is closed"):
+    with pytest.raises(NemoGymError, match="HTTP client is closed") as raised:
         await client.request("GET", f"{server.url}/x", 5.0, **_errors("x"))
-    assert issubclass(GymClientClosedError, GymNotStartedError)
+    assert raised.value.kind == "client_closed"
 
 
 async def test_each_request_keeps_its_own_deadline() -> None:
@@ -196,8 +194,9 @@ async def test_a_second_loop_is_refused_by_name(server: _CountingServer) -> None
         asyncio.run(use())
 
     try:
-        with pytest.raises(GymClientLoopError, match="event loop that made its first request"):
+        with pytest.raises(NemoGymError, match="event loop that made its first request") as raised:
             await asyncio.to_thread(other_loop)
+        assert raised.value.kind == "client_loop"
     finally:
         await client.aclose()
 
@@ -209,8 +208,9 @@ async def test_the_environment_closes_its_session_on_async_exit(tmp_path: Path, 
     session = env._http.session()  # what the first run() / health poll makes
     await env.__aexit__(None, None, None)  # what `async with env:` runs on exit (no servers here)
     assert session.closed and env._http.closed
-    with pytest.raises(GymClientClosedError):
+    with pytest.raises(NemoGymError) as raised:
         env._http.session()
+    assert raised.value.kind == "client_closed"
 
 
 async def test_aclose_runs_the_blocking_teardown_off_the_loop(tmp_path: Path, monkeypatch) -> None:

@@ -22,9 +22,9 @@ from nemo_rl.environments.gym_servers import (
 from nemo_rl.environments.nemo_gym import NemoGymEnvironment, apply_reward_key
 from nemo_rl.environments.nemo_gym_config import (
     GymEnvironmentConfig,
-    GymEnvironmentNotFoundError,
     GymRequirementsError,
     NemoGymConfig,
+    NemoGymError,
 )
 from nemo_rl.token_capture.config import TokenCaptureConfig
 
@@ -67,13 +67,16 @@ def test_resolves_gyms_example_multi_step_by_name() -> None:
 
 
 def test_unknown_package_and_missing_dataset_are_named() -> None:
-    with pytest.raises(GymEnvironmentNotFoundError, match="no_such_env"):
+    with pytest.raises(NemoGymError, match="no_such_env") as raised:
         package_dir("no_such_env")
+    assert raised.value.kind == "env_not_found"
     cfg = GymEnvironmentConfig(resources_server="example_multi_step", dataset="package:data/nope.jsonl")
-    with pytest.raises(GymEnvironmentNotFoundError, match="nope.jsonl"):
+    with pytest.raises(NemoGymError, match="nope.jsonl") as raised:
         dataset_path(cfg, package_dir(cfg.resources_server))
-    with pytest.raises(GymEnvironmentNotFoundError, match="config_path"):
+    assert raised.value.kind == "env_not_found"
+    with pytest.raises(NemoGymError, match="config_path") as raised:
         resolve_gym_environment(GymEnvironmentConfig(resources_server="example_multi_step", config_path="configs/x.yaml"))
+    assert raised.value.kind == "env_not_found"
 
 
 def test_resources_and_agent_blocks_are_found_by_gyms_own_wiring() -> None:
@@ -89,8 +92,9 @@ def test_resources_and_agent_blocks_are_found_by_gyms_own_wiring() -> None:
     assert resources_block(doc, "pkg") == ("srv", {"entrypoint": "app.py", "domain": "d", "judge": 3})
     assert agent_block(doc, "srv") == ("srv_agent", {"entrypoint": "app.py", "x": 1})
     assert agent_block(doc, "none") == (None, {})
-    with pytest.raises(GymEnvironmentNotFoundError, match="exactly one"):
+    with pytest.raises(NemoGymError, match="exactly one") as raised:
         resources_block(doc, "other")
+    assert raised.value.kind == "env_not_found"
 
 
 def test_global_config_keeps_the_capture_wiring_for_a_gym_server(tmp_path: Path) -> None:
@@ -178,8 +182,9 @@ def test_any_installed_gym_agent_is_selectable_by_name(tmp_path: Path) -> None:
 def test_an_unknown_or_unsatisfied_agent_fails_before_launch_naming_env_agent() -> None:
     from nemo_rl.environments.gym_servers import check_agent
 
-    with pytest.raises(GymEnvironmentNotFoundError, match=r"env.agent=.no_such_agent.: no package responses_api_agents.no_such_agent is installed; use .compacting_agent. or a folder name under"):
+    with pytest.raises(NemoGymError, match=r"env.agent=.no_such_agent.: no package responses_api_agents.no_such_agent is installed; use .compacting_agent. or a folder name under") as raised:
         check_agent("no_such_agent")
+    assert raised.value.kind == "env_not_found"
     # langgraph_agent ships with Gym but needs langgraph, which this venv does not install.
     with pytest.raises(GymRequirementsError, match=r"Gym agent `responses_api_agents.langgraph_agent` needs .*langgraph.*pick another env.agent"):
         check_agent("langgraph_agent")

@@ -18,14 +18,13 @@ from nemo_rl.environments import nemo_gym_launch as launch
 from nemo_rl.environments.nemo_gym import (
     NemoGymConfig,
     NemoGymEnvironment,
+    NemoGymError,
     _parse_manifest,
     check_rollout_id,
     ledger_files,
     manifest_path,
 )
 from nemo_rl.environments.nemo_gym_config import (
-    CaptureModeError,
-    GymNotStartedError,
     GymServerStartError,
     GymRunError,
     GymRunTimeoutError,
@@ -241,10 +240,12 @@ def test_retire_removes_only_the_named_rollouts_files(tmp_path: Path) -> None:
 
 async def test_capture_only_calls_fail_loudly_in_legacy_mode(tmp_path: Path) -> None:
     env = _env(tmp_path, capture=False)
-    with pytest.raises(CaptureModeError, match="token_capture.enabled=true"):
+    with pytest.raises(NemoGymError, match="token_capture.enabled=true") as raised:
         env.retire(["a1"])
-    with pytest.raises(CaptureModeError, match="legacy gate keeps no ledger"):
+    assert raised.value.kind == "capture_mode"
+    with pytest.raises(NemoGymError, match="legacy gate keeps no ledger") as raised:
         await env.manifest("a1")
+    assert raised.value.kind == "capture_mode"
 
 
 async def test_run_checks_its_arguments_before_and_without_servers(tmp_path: Path) -> None:
@@ -254,10 +255,12 @@ async def test_run_checks_its_arguments_before_and_without_servers(tmp_path: Pat
         await capture_env.run(None, row)
     with pytest.raises(InvalidRolloutIdError, match="already carries _ng_rollout_id"):
         await capture_env.run("r1", {**row, "_ng_rollout_id": "r0"})
-    with pytest.raises(GymNotStartedError, match="await start"):
+    with pytest.raises(NemoGymError, match="await start") as raised:
         await capture_env.run("r1", row)
-    with pytest.raises(GymNotStartedError):
+    assert raised.value.kind == "not_started"
+    with pytest.raises(NemoGymError) as raised:
         await _env(tmp_path, capture=False).run(None, row)
+    assert raised.value.kind == "not_started"
 
 
 def test_start_error_message_names_server_reason_log_and_tail(tmp_path: Path) -> None:

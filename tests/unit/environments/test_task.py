@@ -9,7 +9,7 @@ import pydantic
 import pytest
 
 from examples.arith.gym_task import RESOURCES_SERVER, TASK
-from nemo_rl.environments.nemo_gym_config import DEFAULT_TASK, NemoGymConfig, TaskLoadError
+from nemo_rl.environments.nemo_gym_config import DEFAULT_TASK, NemoGymConfig, NemoGymError
 from nemo_rl.environments.task import GymTask, RowSampling, load_task
 
 SAMPLING = RowSampling(temperature=1.0, top_p=1.0, max_output_tokens=16)
@@ -40,8 +40,9 @@ def test_a_malformed_task_string_is_refused_by_the_config() -> None:
     ],
 )
 def test_load_errors_name_the_field_the_value_and_the_cause(spec: str, message: str) -> None:
-    with pytest.raises(TaskLoadError, match=message):
+    with pytest.raises(NemoGymError, match=message) as raised:
         load_task(spec)
+    assert raised.value.kind == "task_load"
 
 
 def test_any_object_with_a_resources_server_and_rows_is_a_task(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -8,7 +8,7 @@ import pytest
 from pydantic import ValidationError
 
 from nemo_rl.token_capture.config import TokenCaptureConfig
-from nemo_rl.utils.config import SectionValidationError, load_config, validate_section
+from nemo_rl.utils.config import ConfigError, load_config, validate_section
 
 
 def test_defaults() -> None:
@@ -162,8 +162,9 @@ def test_enabled_from_recipe_override(tmp_path: Path) -> None:
     ],
 )
 def test_invalid_values(data: dict, line: str) -> None:
-    with pytest.raises(SectionValidationError) as e:
+    with pytest.raises(ConfigError) as e:
         validate_section(TokenCaptureConfig, data, "token_capture")
+    assert e.value.kind == "section"
     assert str(e.value).splitlines() == [
         "invalid config section token_capture (1 problem(s)):",
         line,

@@ -17,7 +17,6 @@ from nemo_rl.utils.checkpoint import (
     MARKER_FILE,
     CheckpointError,
     CheckpointingConfig,
-    CorruptCheckpointError,
     DirEntry,
     EntryKind,
     RngStates,
@@ -173,8 +172,9 @@ def test_commit_writes_marker_and_renames_into_place(tmp_path: Path) -> None:
 
 def test_commit_never_overwrites(tmp_path: Path) -> None:
     commit_checkpoint(tmp_path, 1, _write_payload)
-    with pytest.raises(CheckpointError, match="already exists; a checkpoint is never overwritten"):
+    with pytest.raises(CheckpointError, match="already exists; a checkpoint is never overwritten") as raised:
         commit_checkpoint(tmp_path, 1, _write_payload)
+    assert raised.value.kind == "exists"
 
 
 def test_a_writer_killed_midway_leaves_a_leftover_that_is_never_loaded(tmp_path: Path) -> None:
@@ -197,17 +197,21 @@ def test_a_writer_killed_midway_leaves_a_leftover_that_is_never_loaded(tmp_path:
 def test_open_checkpoint_refuses_a_damaged_one(tmp_path: Path) -> None:
     path = commit_checkpoint(tmp_path, 2, _write_payload)
     (path / "policy" / "w.bin").write_bytes(b"\x00")
-    with pytest.raises(CorruptCheckpointError, match=r"policy/w.bin is 1 bytes but the marker recorded 200 bytes"):
+    with pytest.raises(CheckpointError, match=r"policy/w.bin is 1 bytes but the marker recorded 200 bytes") as raised:
         open_checkpoint(tmp_path, 2)
+    assert raised.value.kind == "corrupt"
     (path / "policy" / "w.bin").unlink()
-    with pytest.raises(CorruptCheckpointError, match=r"policy/w.bin is missing"):
+    with pytest.raises(CheckpointError, match=r"policy/w.bin is missing") as raised:
         open_checkpoint(tmp_path, 2)
+    assert raised.value.kind == "corrupt"
     (path / MARKER_FILE).write_text('{"step": 3, "files": {}}')
-    with pytest.raises(CorruptCheckpointError, match="does not describe step 2"):
+    with pytest.raises(CheckpointError, match="does not describe step 2") as raised:
         open_checkpoint(tmp_path, 2)
+    assert raised.value.kind == "corrupt"
     (path / MARKER_FILE).unlink()
-    with pytest.raises(CheckpointError, match="is not a complete checkpoint"):
+    with pytest.raises(CheckpointError, match="is not a complete checkpoint") as raised:
         open_checkpoint(tmp_path, 2)
+    assert raised.value.kind == "incomplete"
 
 
 def test_prune_keeps_the_newest_and_leaves_no_partial_folder(tmp_path: Path) -> None:
@@ -222,8 +226,9 @@ def test_prune_keeps_the_newest_and_leaves_no_partial_folder(tmp_path: Path) -> 
 def test_scan_of_a_missing_folder_is_empty_and_of_a_file_is_an_error(tmp_path: Path) -> None:
     assert scan(tmp_path / "nope") == []
     (tmp_path / "f").write_text("x")
-    with pytest.raises(CheckpointError, match="is not a folder"):
+    with pytest.raises(CheckpointError, match="is not a folder") as raised:
         scan(tmp_path / "f")
+    assert raised.value.kind == "not_a_folder"
 
 
 # --- RNG states -----------------------------------------------------------------------------------
@@ -268,10 +273,12 @@ def test_records_through_drops_later_steps_and_a_torn_tail() -> None:
 
 
 def test_records_through_names_a_bad_line() -> None:
-    with pytest.raises(CheckpointError, match=r"m.jsonl:2: not valid JSON"):
+    with pytest.raises(CheckpointError, match=r"m.jsonl:2: not valid JSON") as raised:
         records_through(_jsonl(1) + "garbage\n" + _jsonl(2), 5, "m.jsonl")
-    with pytest.raises(CheckpointError, match=r"m.jsonl:1: a record without an integer `step`"):
+    assert raised.value.kind == "unreadable_log"
+    with pytest.raises(CheckpointError, match=r"m.jsonl:1: a record without an integer `step`") as raised:
         records_through('{"x": 1}\n', 5, "m.jsonl")
+    assert raised.value.kind == "unreadable_log"
 
 
 def test_truncate_jsonl_after(tmp_path: Path) -> None:

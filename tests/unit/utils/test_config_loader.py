@@ -10,13 +10,7 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nemo_rl.utils.config import (
-    DefaultsError,
-    InterpolationError,
-    MissingValueError,
-    OverrideError,
-    load_config,
-)
+from nemo_rl.utils.config import ConfigError, load_config
 
 
 def write(path: Path, text: str) -> Path:
@@ -90,8 +84,9 @@ def test_diamond_is_not_a_cycle(tmp_path: Path) -> None:
 def test_unset_mandatory_value_names_the_path(tmp_path: Path) -> None:
     write(tmp_path / "base.yaml", "policy:\n  model_dir: ???\nrun:\n  seeds:\n    - 1\n    - ???\n")
     child = write(tmp_path / "c.yaml", "defaults: base.yaml\n")
-    with pytest.raises(MissingValueError) as e:
+    with pytest.raises(ConfigError) as e:
         load_config(child)
+    assert e.value.kind == "missing_value"
     assert str(e.value) == (
         "policy.model_dir is mandatory (???) and was not set: add policy.model_dir=<value> "
         "on the command line or in the recipe\n"
@@ -159,8 +154,9 @@ def test_force_add_fills_null_placeholder(tmp_path: Path) -> None:
 
 
 def test_unknown_key_override_names_it_and_close_keys(chain: Path) -> None:
-    with pytest.raises(OverrideError) as e:
+    with pytest.raises(ConfigError) as e:
         load_config(chain, ["grpo.max_num_step=3"])
+    assert e.value.kind == "override"
     assert str(e.value) == (
         "cannot override grpo.max_num_step ('grpo.max_num_step=3'): key does not exist; "
         "close existing keys: grpo.max_num_steps; "
@@ -169,14 +165,16 @@ def test_unknown_key_override_names_it_and_close_keys(chain: Path) -> None:
 
 
 def test_unknown_key_without_close_match_lists_siblings(chain: Path) -> None:
-    with pytest.raises(OverrideError) as e:
+    with pytest.raises(ConfigError) as e:
         load_config(chain, ["grpo.zzzzzzzz=1"])
+    assert e.value.kind == "override"
     assert "keys under grpo: max_num_steps, num_generations, group;" in str(e.value)
 
 
 def test_add_existing_key_is_an_error(chain: Path) -> None:
-    with pytest.raises(OverrideError) as e:
+    with pytest.raises(ConfigError) as e:
         load_config(chain, ["+grpo.max_num_steps=1"])
+    assert e.value.kind == "override"
     assert str(e.value) == (
         "cannot add grpo.max_num_steps ('+grpo.max_num_steps=1'): key already exists; "
         "fix: use grpo.max_num_steps=... to change it or ++grpo.max_num_steps=... to "
@@ -185,10 +183,12 @@ def test_add_existing_key_is_an_error(chain: Path) -> None:
 
 
 def test_delete_missing_key_and_conditional_delete(chain: Path) -> None:
-    with pytest.raises(OverrideError, match=r"^cannot delete grpo\.nope \('~grpo\.nope'\)"):
+    with pytest.raises(ConfigError, match=r"^cannot delete grpo\.nope \('~grpo\.nope'\)") as raised:
         load_config(chain, ["~grpo.nope"])
-    with pytest.raises(OverrideError) as e:
+    assert raised.value.kind == "override"
+    with pytest.raises(ConfigError) as e:
         load_config(chain, ["~grpo.max_num_steps=5"])
+    assert e.value.kind == "override"
     assert str(e.value) == (
         "cannot delete grpo.max_num_steps ('~grpo.max_num_steps=5'): its value is 20, not 5; "
         "fix: use ~grpo.max_num_steps to delete unconditionally"
@@ -197,8 +197,9 @@ def test_delete_missing_key_and_conditional_delete(chain: Path) -> None:
 
 
 def test_setting_under_a_scalar_is_an_error_not_a_clobber(chain: Path) -> None:
-    with pytest.raises(OverrideError) as e:
+    with pytest.raises(ConfigError) as e:
         load_config(chain, ["++grpo.max_num_steps.x=1"])
+    assert e.value.kind == "override"
     assert str(e.value) == (
         "override '++grpo.max_num_steps.x=1': grpo.max_num_steps holds the value 20, not a "
         "mapping, so grpo.max_num_steps.x cannot be set under it; fix: replace it whole, "
@@ -219,16 +220,18 @@ def test_setting_under_a_scalar_is_an_error_not_a_clobber(chain: Path) -> None:
     ],
 )
 def test_malformed_overrides(chain: Path, override: str, fragment: str) -> None:
-    with pytest.raises(OverrideError) as e:
+    with pytest.raises(ConfigError) as e:
         load_config(chain, [override])
+    assert e.value.kind == "override"
     assert fragment in str(e.value)
 
 
 def test_defaults_cycle_names_the_chain(tmp_path: Path) -> None:
     a = write(tmp_path / "a.yaml", "defaults: sub/b.yaml\nx: 1\n")
     b = write(tmp_path / "sub" / "b.yaml", "defaults: ../a.yaml\ny: 2\n")
-    with pytest.raises(DefaultsError) as e:
+    with pytest.raises(ConfigError) as e:
         load_config(a)
+    assert e.value.kind == "defaults"
     assert str(e.value) == (
         f"cycle in `defaults:` chain: {a.resolve()} -> {b.resolve()} -> {a.resolve()}; "
         f"remove one of these links"
@@ -237,14 +240,16 @@ def test_defaults_cycle_names_the_chain(tmp_path: Path) -> None:
 
 def test_self_cycle(tmp_path: Path) -> None:
     a = write(tmp_path / "a.yaml", "defaults: a.yaml\n")
-    with pytest.raises(DefaultsError, match="cycle in `defaults:` chain"):
+    with pytest.raises(ConfigError, match="cycle in `defaults:` chain") as raised:
         load_config(a)
+    assert raised.value.kind == "defaults"
 
 
 def test_missing_parent_names_parent_and_child(tmp_path: Path) -> None:
     child = write(tmp_path / "runs" / "c.yaml", "defaults: ../nope.yaml\n")
-    with pytest.raises(DefaultsError) as e:
+    with pytest.raises(ConfigError) as e:
         load_config(child)
+    assert e.value.kind == "defaults"
     assert str(e.value) == (
         f"config file {(tmp_path / 'nope.yaml').resolve()} does not exist (listed in "
         f"`defaults:` of {child.resolve()}); fix the path (parents are resolved relative to "
@@ -253,29 +258,34 @@ def test_missing_parent_names_parent_and_child(tmp_path: Path) -> None:
 
 
 def test_missing_root_file(tmp_path: Path) -> None:
-    with pytest.raises(DefaultsError, match=r"config file .*absent\.yaml does not exist; fix"):
+    with pytest.raises(ConfigError, match=r"config file .*absent\.yaml does not exist; fix") as raised:
         load_config(tmp_path / "absent.yaml")
+    assert raised.value.kind == "defaults"
 
 
 @pytest.mark.parametrize("defaults", ["[1, 2]", "{a: b}", "''"])
 def test_malformed_defaults_entry(tmp_path: Path, defaults: str) -> None:
     path = write(tmp_path / "c.yaml", f"defaults: {defaults}\n")
-    with pytest.raises(DefaultsError, match="`defaults:` must be a relative path or a list"):
+    with pytest.raises(ConfigError, match="`defaults:` must be a relative path or a list") as raised:
         load_config(path)
+    assert raised.value.kind == "defaults"
 
 
 def test_non_mapping_yaml_and_bad_yaml(tmp_path: Path) -> None:
-    with pytest.raises(DefaultsError, match="must hold a mapping at top level, got a ListConfig"):
+    with pytest.raises(ConfigError, match="must hold a mapping at top level, got a ListConfig") as raised:
         load_config(write(tmp_path / "l.yaml", "- 1\n- 2\n"))
-    with pytest.raises(DefaultsError, match="cannot parse YAML file"):
+    assert raised.value.kind == "defaults"
+    with pytest.raises(ConfigError, match="cannot parse YAML file") as raised:
         load_config(write(tmp_path / "bad.yaml", "a: [1, 2\n"))
+    assert raised.value.kind == "defaults"
 
 
 def test_mapping_list_clash_names_the_key(tmp_path: Path) -> None:
     write(tmp_path / "base.yaml", "outer:\n  l: [1, 2]\n")
     child = write(tmp_path / "c.yaml", "defaults: base.yaml\nouter:\n  l: {x: 1}\n")
-    with pytest.raises(DefaultsError) as e:
+    with pytest.raises(ConfigError) as e:
         load_config(child)
+    assert e.value.kind == "defaults"
     assert str(e.value).startswith(f"cannot merge {child.resolve()} over the config before it: ")
     assert str(e.value).endswith(
         "(at outer.l); fix: give that key the same kind of value (mapping or list) in both files"
@@ -284,8 +294,9 @@ def test_mapping_list_clash_names_the_key(tmp_path: Path) -> None:
 
 def test_unresolvable_interpolation_names_the_key(tmp_path: Path) -> None:
     path = write(tmp_path / "c.yaml", "a:\n  b: ${nowhere.x}\n")
-    with pytest.raises(InterpolationError) as e:
+    with pytest.raises(ConfigError) as e:
         load_config(path)
+    assert e.value.kind == "interpolation"
     assert str(e.value) == (
         "cannot resolve a.b: Interpolation key 'nowhere.x' not found; fix: point the "
         "interpolation at an existing key or set a.b directly"
@@ -354,8 +365,9 @@ def test_a_key_the_schema_declares_is_set_without_plus(tmp_path: Path) -> None:
         "env": {"max_steps": 2, "agent": "compacting_agent"}
     }
     # A typo is still refused with the same message as without a schema.
-    with pytest.raises(OverrideError, match=r"cannot override env.agnet .*key does not exist"):
+    with pytest.raises(ConfigError, match=r"cannot override env.agnet .*key does not exist") as raised:
         load_config(path, ["env.agnet=x"], schema=Schema)
+    assert raised.value.kind == "override"
 
 
 def test_a_dict_section_declared_by_a_model_takes_its_keys_without_plus() -> None:
@@ -364,5 +376,6 @@ def test_a_dict_section_declared_by_a_model_takes_its_keys_without_plus() -> Non
     recipe = Path(__file__).resolve().parents[3] / "examples" / "configs" / "grpo_capture_tiny_cpu.yaml"
     cfg = load_master_config(recipe, ["policy.lr_warmup_steps=5", "env.arith_problem_pool=16"])
     assert (cfg.policy["lr_warmup_steps"], cfg.env.arith_problem_pool) == (5, 16)
-    with pytest.raises(OverrideError, match=r"cannot override policy.lr_warmpu_steps .*key does not exist"):
+    with pytest.raises(ConfigError, match=r"cannot override policy.lr_warmpu_steps .*key does not exist") as raised:
         load_master_config(recipe, ["policy.lr_warmpu_steps=5"])
+    assert raised.value.kind == "override"
