@@ -9,12 +9,11 @@ import pytest
 
 from examples.arith.chain import Chain, chain_tool_output
 from examples.arith.tiny_model import TinyModelConfig, cache_folder
-from examples.arith.tiny_model import build
+from examples.arith.tiny_model import build, chain_model
 from examples.arith.tiny_model.build import read_build_info
 from examples.arith.tiny_model.chain_model import (
     CORPUS_NAME,
     FINE_TUNE_LR,
-    FINE_TUNE_STEPS,
     chain_cache_folder,
     chain_cache_key,
     chain_conversation,
@@ -47,14 +46,15 @@ def test_the_chained_variant_has_its_own_cache_folder(tmp_path: Path) -> None:
     assert chain_cache_key(SMALL) != chain_cache_key(cfg)
 
 
-def test_a_small_chained_build_fine_tunes_the_cached_default_build(tmp_path: Path) -> None:
+def test_a_small_chained_build_fine_tunes_the_cached_default_build(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(chain_model, "FINE_TUNE_STEPS", 2)  # the unit lane's budget; the key follows it
     small = SMALL
     folder = ensure_chain_tiny_model(small, cache_root=tmp_path, progress=lambda _: None)
     assert folder == chain_cache_folder(small, tmp_path)
     info = read_build_info(folder)
     base = cache_folder(small, tmp_path)
     assert (info["corpus"], info["cache_key"], info["base_model"]) == (CORPUS_NAME, chain_cache_key(small), str(base))
-    assert info["fine_tune"] == {"sft_steps": FINE_TUNE_STEPS, "learning_rate": FINE_TUNE_LR}
+    assert info["fine_tune"] == {"sft_steps": 2, "learning_rate": FINE_TUNE_LR}
     assert build.sha256_file(folder / "tokenizer.json") == build.sha256_file(base / "tokenizer.json")
     assert build.sha256_file(folder / "model.safetensors") != build.sha256_file(base / "model.safetensors")
     assert ensure_chain_tiny_model(small, cache_root=tmp_path, progress=pytest.fail) == folder  # no rebuild
