@@ -7,6 +7,10 @@ Contract:
   `python -m examples.arith.resources`) with the agent instance `arith_agent` wired to it.
 - The names (`arith_resources`, `arith_agent`) are the Gym global config's keys, so they also
   name the servers' log files (`gym_<name>.log`) and liveness probes.
+- `CHAINED_TASK` (`env.task: examples.arith.gym_task:CHAINED_TASK`) is the long-tail variant:
+  `build_chain_row` for each of `make_chains(seed, count, spec)` (k calculator calls per prompt,
+  see `examples.arith.chain`), served by `examples.arith.chain_resources` (`arith_chain_resources`,
+  agent `arith_chain_agent`). `TASK` is unchanged by it.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from examples.arith.chain import ChainSpec, build_chain_row, make_chains
 from examples.arith.rows import build_row
 from examples.arith.task import make_problems
 from nemo_rl.environments.nemo_gym_launch import ResourcesServer
@@ -41,3 +46,27 @@ class ArithGymTask:
 
 
 TASK = ArithGymTask()
+
+
+CHAIN_RESOURCES_MODULE = "examples.arith.chain_resources"
+CHAIN_RESOURCES_SERVER = ResourcesServer(
+    name="arith_chain_resources",
+    package="arith_chain",
+    module=CHAIN_RESOURCES_MODULE,
+    block={"entrypoint": "chain_resources.py", "domain": "math"},
+    agent_name="arith_chain_agent",
+)
+
+
+@dataclass(frozen=True)
+class ChainedArithGymTask:
+    """Chained arithmetic problems (k calculator calls each, k drawn from `spec`) as Gym `/run` rows."""
+
+    spec: ChainSpec = field(default_factory=ChainSpec)
+    resources_server: ResourcesServer = field(default=CHAIN_RESOURCES_SERVER)
+
+    def rows(self, seed: int, count: int, sampling: RowSampling) -> list[dict[str, Any]]:
+        return [build_chain_row(chain, sampling) for chain in make_chains(seed, count, self.spec)]
+
+
+CHAINED_TASK = ChainedArithGymTask()

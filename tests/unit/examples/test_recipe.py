@@ -59,3 +59,19 @@ def test_a_null_path_gets_the_tiny_model_and_a_set_path_is_kept(monkeypatch: pyt
 def test_a_run_refuses_a_null_model_path() -> None:
     with pytest.raises(ConfigError, match=r"model\.path is null: a run needs a local HF model folder"):
         model_path(load_recipe(TINY).config.model)
+
+
+def test_the_tiny_corpus_picks_the_chained_build(monkeypatch: pytest.MonkeyPatch) -> None:
+    built: list[tuple[str, TinyModelConfig]] = []
+    monkeypatch.setattr(example_recipe, "ensure_tiny_model", lambda cfg, progress=print: built.append(("arith", cfg)) or Path("/c/a"))
+    monkeypatch.setattr(
+        example_recipe, "ensure_chain_tiny_model", lambda cfg, progress=print: built.append(("chain", cfg)) or Path("/c/b"))
+    assert load_recipe(TINY).tiny_corpus == "arith"
+    assert resolve_model(load_recipe(TINY), progress=lambda _: None).model.path == "/c/a"
+    chained = load_recipe(TINY, ["model.tiny_corpus=arith_chain", "model.tiny.sft_steps=5"])
+    assert resolve_model(chained, progress=lambda _: None).model.path == "/c/b"
+    assert built == [("arith", TinyModelConfig()), ("chain", TinyModelConfig(sft_steps=5))]
+    with pytest.raises(ConfigError, match=r"model\.tiny_corpus='chains': Input should be 'arith' or 'arith_chain'"):
+        load_recipe(TINY, ["model.tiny_corpus=chains"])
+    with pytest.raises(ConfigError, match=r"unknown key model\.tiny_corpus"):
+        load_master_config(TINY, ["+model.tiny_corpus=arith_chain"])
