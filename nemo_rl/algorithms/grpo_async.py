@@ -295,7 +295,11 @@ async def async_step(run: GRPORun, producer: RolloutProducer, step: int, trainer
         assert cleaner is not None  # train_groups clears only with a train partition
         return clear_step_train_rows(cleaner, batch.plan.keys if batch.plan is not None else [], ids, dropped_keys)
 
-    if await train_groups(run, step, groups, metrics, clear, refit_tolerating_aborts):
+    def refit(run: GRPORun, step: int) -> dict[str, float]:
+        running = len(producer.running)  # read from the refit's thread: a count, never the dict's items
+        return {**refit_tolerating_aborts(run, step), "async/groups_running_at_refit": float(running)}
+
+    if await train_groups(run, step, groups, metrics, clear, refit):
         trainer.version = step  # the policy holds the weights of step `step`, refit or not
 
 

@@ -35,10 +35,11 @@ def test_enabled_true_is_accepted_with_capture_on(value):
     assert AsyncRolloutsConfig(enabled=True).enabled is True
 
 
-def test_the_async_recipe_runs_two_steps_in_flight_at_age_one():
+def test_the_async_recipe_runs_one_step_in_flight_at_age_one():
     cfg = load_master_config(RECIPE.parent / "grpo_async_tiny_cpu.yaml")
-    assert cfg.grpo.async_rollouts == AsyncRolloutsConfig(enabled=True, max_trajectory_age_steps=1, max_in_flight_groups=4)
-    assert in_flight_limit(cfg.grpo.async_rollouts, cfg.grpo.num_prompts_per_step) == 2 * cfg.grpo.num_prompts_per_step
+    assert cfg.grpo.async_rollouts == AsyncRolloutsConfig(enabled=True, max_trajectory_age_steps=1)
+    assert cfg.token_capture.enabled is True
+    assert in_flight_limit(cfg.grpo.async_rollouts, cfg.grpo.num_prompts_per_step) == cfg.grpo.num_prompts_per_step
 
 
 @pytest.mark.parametrize(("overrides", "message"), [
