@@ -2,9 +2,10 @@
 
 One run of `examples/configs/grpo_async_tiny_cpu.yaml` for 5 steps with `max_in_flight_groups`
 = 2 steps (so groups dispatched while step s trains are two updates old at step s+2 and dropped at
-age 1) and 8 rollouts per group in one micro-batch (generation outlasts training, so refits
-meet calls in flight). Everything asserted is read from the run's own records: `metrics.jsonl`
-(ages from the rows, engine idle and refit drains from the worker's counters, waits from the
+age 1), 8 rollouts per group, and each generation call admitted after a random 0.5..2 s
+(`slow_calls_hook`, an `NRL_INSTRUMENTATION` hook: the tiny model answers in a few tokens, so
+without it the rollouts finish before the trainer refits). Everything asserted is read from the
+run's own records: `metrics.jsonl` (ages from the rows, engine idle and refit drains from the worker's counters, waits from the
 trainer's timer) and `dispatched_prompts.jsonl` (one line per dispatch): always-N per step,
 overlap (rows trained with a version older than the trainer's), exact relations among the
 async/* metrics, dropped groups counted, re-dispatched and trained by their step, and a refit
@@ -40,7 +41,7 @@ def async_run(tmp_path_factory) -> tuple[list[dict], list[dict]]:
     proc = subprocess.run(
         [sys.executable, "examples/run_grpo_single_controller.py", "--config", RECIPE, *OVERRIDES,
          f"logger.log_dir={log_dir}"],
-        cwd=REPO, capture_output=True, text=True, timeout=1500, env={**os.environ, "PYTHONPATH": str(REPO)},
+        cwd=REPO, capture_output=True, text=True, timeout=1500, env={**os.environ, "PYTHONPATH": str(REPO), "NRL_INSTRUMENTATION": "tests.integration.slow_calls_hook"},
     )
     assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-6000:]}"
     return _jsonl(log_dir / "metrics.jsonl"), _jsonl(log_dir / "dispatched_prompts.jsonl")

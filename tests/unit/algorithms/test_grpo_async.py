@@ -171,3 +171,11 @@ async def test_a_step_that_can_never_complete_is_named_not_awaited_forever():
     producer2 = RolloutProducer(PromptLedger(2, 2), Scripted(), end=0)
     with pytest.raises(AsyncLoopError, match=r"step 1 waits for positions \[0, 1\] but no group is running"):
         await producer2.wait_head()
+
+
+def test_the_integration_tests_call_spreading_hook_is_a_complete_hook_module():
+    from nemo_rl.utils.instrumentation import load_hooks
+
+    hooks = load_hooks("tests.integration.slow_calls_hook")
+    assert len(hooks.aiohttp_middlewares("worker")) == 1 and hooks.aiohttp_middlewares("gym") == []
+    assert hooks.active() is False and hooks.server_module_argv("m") == ["m"]
