@@ -122,8 +122,9 @@ class RolloutProducer:
         self._error: BaseException | None = None
 
     @property
-    def running(self) -> tuple[GroupTicket, ...]:
-        return tuple(self._tasks)
+    def running_count(self) -> int:
+        """Groups running now (a plain count: safe to read from another thread, unlike the tickets)."""
+        return len(self._tasks)
 
     def fill(self) -> int:
         """Dispatch while the cap allows and positions below `end` remain; returns how many."""
@@ -296,7 +297,7 @@ async def async_step(run: GRPORun, producer: RolloutProducer, step: int, trainer
         return clear_step_train_rows(cleaner, batch.plan.keys if batch.plan is not None else [], ids, dropped_keys)
 
     def refit(run: GRPORun, step: int) -> dict[str, float]:
-        running = len(producer.running)  # read from the refit's thread: a count, never the dict's items
+        running = producer.running_count  # read on the refit's thread
         return {**refit_tolerating_aborts(run, step), "async/groups_running_at_refit": float(running)}
 
     if await train_groups(run, step, groups, metrics, clear, refit):
@@ -357,7 +358,6 @@ async def run_grpo_async(cfg: MasterConfig, progress=print) -> Path:
                     metrics.update(engine_step_metrics([f["engine_timing"] for f in facts],
                                                        [f["engine_timing"] for f in now]))
                     facts = now
-                metrics["async/in_flight_groups_after_step"] = float(ledger.in_flight)
                 await log_and_checkpoint(run, step, metrics, trainer.version)
         return run.logger.metrics_path
     finally:
