@@ -1,24 +1,35 @@
-"""The async loop's pure pieces: key ownership, the engine-counter metrics, the step's train-row
-clearing (only its own rollouts' keys), and the producer over the real ledger (cap, order,
-drops re-dispatched first, errors reach the trainer, teardown reports what was in flight)."""
+"""The async loop's pieces: key ownership, the engine-counter metrics, the step's train-row clearing
+(only its own rollouts' keys), the producer over the real ledger (cap, order, drops re-dispatched
+first, errors reach the trainer, teardown reports what was in flight), the trainer's gather
+(stale groups dropped whole, future versions refused), the resumed ledger and an aborted refit."""
 
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 import pytest
 
+from nemo_rl.algorithms import grpo_async
+from nemo_rl.algorithms.async_config import AsyncRolloutsConfig
 from nemo_rl.algorithms.errors import GRPOError
 from nemo_rl.algorithms.grpo_async import (
     AsyncLoopError,
     RolloutProducer,
+    TrainerClock,
     clear_step_train_rows,
     dispatch_record,
     engine_step_metrics,
+    gather_step,
     keys_of_rollouts,
+    ledger_for,
+    refit_tolerating_aborts,
 )
 from nemo_rl.data.rows import GroupResult, Placeholder, PlaceholderReason
 from nemo_rl.experience.prompt_queue import GroupTicket, PromptLedger
+from nemo_rl.experience.staleness import FutureWeightVersionError
+from nemo_rl.models.generation.vllm.worker import RefitAbortedWorkerError
+from tests.unit.experience.test_staleness import group_of
 
 
 def test_keys_of_rollouts_matches_the_whole_rollout_id_only():
@@ -179,3 +190,67 @@ def test_the_integration_tests_call_spreading_hook_is_a_complete_hook_module():
     hooks = load_hooks("tests.integration.slow_calls_hook")
     assert len(hooks.aiohttp_middlewares("worker")) == 1 and hooks.aiohttp_middlewares("gym") == []
     assert hooks.active() is False and hooks.server_module_argv("m") == ["m"]
+
+
+
+# -- the trainer's gather, the resumed ledger and an aborted refit, over stand-ins of the run -----
+
+
+def _run(p=2, max_age=1, cap=None, start_step=1):
+    grpo = SimpleNamespace(num_prompts_per_step=p, async_rollouts=AsyncRolloutsConfig(
+        enabled=True, max_trajectory_age_steps=max_age, max_in_flight_groups=cap))
+    said: list[str] = []
+    return SimpleNamespace(cfg=SimpleNamespace(grpo=grpo), start_step=start_step, progress=said.append, said=said)
+
+
+async def test_gather_drops_a_stale_group_whole_and_trains_its_re_run():
+    versions = {(0, 0): 2, (1, 0): 0, (1, 1): 3}  # (position, generation) -> the version its calls ran under
+
+    async def run_group(ticket):
+        return group_of(ticket.group_index, [[(versions[(ticket.position, ticket.generation)],)]] * 2)
+
+    run = _run()
+    producer = RolloutProducer(PromptLedger(2, 2), run_group, end=2)
+    metrics: dict[str, float] = {}
+    groups, dropped = await gather_step(run, producer, 1, TrainerClock(3), metrics)
+    assert [g.group_index for g in dropped] == [1] and len(groups) == 2
+    assert producer.ledger.step == 1 and producer.ledger.dropped_stale_total == 1
+    assert run.said == ["[step 1] dropped stale group p1.g0 (sync step 1 group 1): tokens older than version 2; "
+                        "re-queued"]
+    assert {k: v for k, v in metrics.items() if k != "async/trainer_wait_s"} == {
+        "async/dropped_stale_rollouts": 2.0, "async/trainer_version": 3.0,
+        "async/in_flight_groups": 0.0, "async/dropped_stale_groups": 1.0,
+        "async/trajectory_age_steps_min": 0.0, "async/trajectory_age_steps_mean": 0.5,
+        "async/trajectory_age_steps_max": 1.0,
+        "async/trajectory_age_steps/hist/0": 2.0, "async/trajectory_age_steps/hist/1": 2.0,
+        "async/trajectory_age_steps/hist/older": 0.0,
+    }
+    assert metrics["async/trainer_wait_s"] >= 0
+
+
+async def test_gather_refuses_rows_newer_than_the_trainer():
+    async def run_group(ticket):
+        return group_of(ticket.group_index, [[(4,)]])
+
+    producer = RolloutProducer(PromptLedger(1, 1), run_group, end=1)
+    with pytest.raises(FutureWeightVersionError, match="carries weight version 4 but the trainer holds version 3"):
+        await gather_step(_run(p=1), producer, 1, TrainerClock(3), {})
+
+
+def test_a_resumed_ledger_starts_at_the_checkpoints_step_and_draws_its_next_prompts():
+    ledger = ledger_for(_run(p=2, cap=4, start_step=3))
+    assert (ledger.step, ledger.next_position, ledger.max_in_flight, ledger.in_flight) == (2, 4, 4, 0)
+
+
+def test_an_aborted_refit_keeps_the_versions_the_workers_report(monkeypatch):
+    def aborted(run, step):
+        raise RefitAbortedWorkerError("vLLM worker 0: refit to version 5 aborted: 2 generation(s) still in flight")
+
+    monkeypatch.setattr(grpo_async, "refit_step", aborted)
+    run = _run()
+    run.stack = SimpleNamespace(workers=SimpleNamespace(weight_versions=lambda: [4]))
+    run.served_version = 4
+    assert refit_tolerating_aborts(run, 5) == {"refit/aborted": 1.0}
+    assert run.served_version == 4
+    assert run.said == ["[step 5] refit aborted (vLLM worker 0: refit to version 5 aborted: 2 generation(s) still in "
+                        "flight); the workers serve versions [4]"]

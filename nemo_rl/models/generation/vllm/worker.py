@@ -292,7 +292,8 @@ class VllmGenerationWorker:
         return {
             "worker_index": self._worker_index,
             "served_calls": self._service.stats["served_calls"],
-            "engine_timing": dataclasses.asdict(self._engine.timing()),
+            # None only for a service without an engine (a test's stand-in): `serve` needs one
+            "engine_timing": dataclasses.asdict(self._engine.timing()) if self._engine is not None else None,
             "served_rollouts_pending": self._service.served_rollouts_pending(),
             "calls": dict(self._service.stats),
             "capture_failures": list(self._service.capture_failures),
