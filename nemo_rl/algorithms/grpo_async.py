@@ -361,9 +361,11 @@ async def run_grpo_async(cfg: MasterConfig, progress=print) -> Path:
                 await log_and_checkpoint(run, step, metrics, trainer.version)
         return run.logger.metrics_path
     finally:
-        running, unconsumed = await producer.aclose()
-        if running or unconsumed:
-            progress(f"[async] stopped with {len(running)} group(s) running ({', '.join(t.key for t in running)}; "
-                     f"cancelled, accounted as aborted) and {len(unconsumed)} finished but not trained "
-                     f"({', '.join(t.key for t in unconsumed)}): none of their rollouts was trained")
-        await run.aclose()
+        try:
+            running, unconsumed = await producer.aclose()
+            if running or unconsumed:
+                progress(f"[async] stopped with {len(running)} group(s) running ({', '.join(t.key for t in running)}; "
+                         f"cancelled, accounted as aborted) and {len(unconsumed)} finished but not trained "
+                         f"({', '.join(t.key for t in unconsumed)}): none of their rollouts was trained")
+        finally:
+            await run.aclose()  # the teardown joins processes and Ray actors: off the event loop
