@@ -1,29 +1,19 @@
-"""The `grpo.async_rollouts` recipe section: the knobs of the (not yet wired) async GRPO loop.
+"""The `grpo.async_rollouts` recipe section: the knobs of the async GRPO loop.
 
-`AsyncRolloutsConfig` validates `enabled`, `max_trajectory_age_steps` (>= 0: how many policy
-updates may separate the weights that generated a group's oldest token from the weights the
-trainer holds when it trains the group) and `max_in_flight_groups` (>= 1; null: one step's
-groups, `grpo.num_prompts_per_step`). Every error names the key, the value and the fix
-(`nemo_rl.utils.config.validate_section` formats them).
-Invariant of this build: `enabled` is false. The loop that would honour `enabled: true` is not
-wired (see docs/design-docs/async-grpo.md, "Status"), so the schema refuses it instead of
-silently running the synchronous loop; the field is typed `Literal[False]` until the loop lands.
+`AsyncRolloutsConfig` validates `enabled` (false: today's synchronous loop, unchanged; true:
+`nemo_rl.algorithms.grpo_async`), `max_trajectory_age_steps` (>= 0: how many policy updates may
+separate the weights that generated a group's oldest token from the weights the trainer holds
+when it trains the group) and `max_in_flight_groups` (>= 1; null: one step's groups,
+`grpo.num_prompts_per_step`). Every error names the key, the value and the fix
+(`nemo_rl.utils.config.validate_section` formats them). The checks across sections (capture on,
+the cap against the step size) are `async_cross_check`'s, called by `validate_master`.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
-
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
-from pydantic_core import PydanticCustomError
+from pydantic import BaseModel, ConfigDict, Field
 
 ENABLED_KNOB = "grpo.async_rollouts.enabled"
-NOT_AVAILABLE = (
-    "the async GRPO loop is not available in this build: only its pure core is (the freshness rule in "
-    "nemo_rl.experience.staleness, the prompt ledger in nemo_rl.experience.prompt_queue); the loop that "
-    "overlaps rollouts with training is not wired yet (docs/design-docs/async-grpo.md, \"Status\"), so "
-    f"{ENABLED_KNOB}=true would not do what it says. Set {ENABLED_KNOB}=false"
-)
 
 
 class AsyncRolloutsConfig(BaseModel):
@@ -31,11 +21,12 @@ class AsyncRolloutsConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    enabled: Literal[False] = Field(
+    enabled: bool = Field(
         False,
         description=(
             "Overlap rollouts with training (a producer keeps groups in flight while the trainer trains on "
-            "finished ones). Refused in this build: the async loop is not wired yet; false runs today's loop."
+            "finished ones and refits). Needs token_capture.enabled=true (the loop reads each token's weight "
+            "version from the rows) and token_capture.on_component_failure=abort. false: today's loop, unchanged."
         ),
     )
     max_trajectory_age_steps: int = Field(
@@ -57,18 +48,6 @@ class AsyncRolloutsConfig(BaseModel):
         ),
     )
 
-    @field_validator("enabled", mode="before")
-    @classmethod
-    def _refuse_enabled(cls, value: Any) -> Any:
-        # Before the Literal check, so `true` gets the reason and the fix rather than "should be False".
-        try:
-            truthy = TypeAdapter(bool).validate_python(value)
-        except ValidationError:
-            return value  # not a boolean at all: the Literal check names the type
-        if truthy:
-            raise PydanticCustomError("async_loop_unavailable", NOT_AVAILABLE)
-        return value
-
 
 def in_flight_limit(cfg: AsyncRolloutsConfig, num_prompts_per_step: int) -> int:
     """The effective `max_in_flight_groups`: null is one step's groups; fewer than a step is refused."""
@@ -82,3 +61,27 @@ def in_flight_limit(cfg: AsyncRolloutsConfig, num_prompts_per_step: int) -> int:
             f"(fix: set grpo.async_rollouts.max_in_flight_groups >= {num_prompts_per_step}, or null)"
         )
     return limit
+
+
+def async_cross_check(cfg: AsyncRolloutsConfig, *, num_prompts_per_step: int, capture_enabled: bool,
+                      on_component_failure: str) -> str | None:
+    """Why this async section cannot run with the rest of the recipe (None: it can, or async is off)."""
+    if not cfg.enabled:
+        return None
+    if not capture_enabled:
+        return (
+            f"{ENABLED_KNOB}=true needs token_capture.enabled=true: the async loop reads every token's weight "
+            "version from the captured rows, and legacy rows (Gym's token echo) carry none (fix: set "
+            f"token_capture.enabled=true, or {ENABLED_KNOB}=false)"
+        )
+    if on_component_failure != "abort":
+        return (
+            f"{ENABLED_KNOB}=true supports token_capture.on_component_failure=abort only: restarting dead Gym "
+            "servers or finalizers under rollouts in flight is not built yet (fix: set "
+            f"token_capture.on_component_failure=abort, or {ENABLED_KNOB}=false)"
+        )
+    try:
+        in_flight_limit(cfg, num_prompts_per_step)
+    except ValueError as e:
+        return str(e)
+    return None

@@ -13,7 +13,7 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from nemo_rl.algorithms.async_config import AsyncRolloutsConfig
+from nemo_rl.algorithms.async_config import AsyncRolloutsConfig, async_cross_check
 from nemo_rl.data_plane import DataPlaneConfig
 from nemo_rl.environments.nemo_gym import NemoGymConfig
 from nemo_rl.models.generation.vllm.config import GenerationConfig
@@ -159,6 +159,11 @@ def validate_master(raw: dict) -> MasterConfig:
     mismatch = dtype_mismatch(pcfg.dtype, sections["generation"].vllm.dtype)
     if mismatch:
         raise ConfigError(mismatch, kind="section")
+    grpo, capture = sections["grpo"], sections["token_capture"]
+    refused = async_cross_check(grpo.async_rollouts, num_prompts_per_step=grpo.num_prompts_per_step,
+                                capture_enabled=capture.enabled, on_component_failure=capture.on_component_failure)
+    if refused:
+        raise ConfigError(refused, kind="section")
     return MasterConfig(policy=policy, **sections)
 
 

@@ -17,7 +17,7 @@ import asyncio
 import contextlib
 import shutil
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -150,9 +150,13 @@ def check_row_versions(groups: Sequence[GroupResult], served_version: int, step:
         )
 
 
-def save_checkpoint(run: GRPORun, step: int) -> Path:
-    """Write `step_<step>` atomically (policy, optimizer, TrainerState), then prune beyond keep_last."""
+def save_checkpoint(run: GRPORun, step: int, weight_version: int | None = None) -> Path:
+    """Write `step_<step>` atomically (policy, optimizer, TrainerState), then prune beyond keep_last.
+
+    `weight_version`: the version of the policy's weights (None: the served one, as the synchronous
+    loop's every worker serves what the policy holds)."""
     ckpt, grpo = run.cfg.checkpointing, run.cfg.grpo
+    version = run.served_version if weight_version is None else weight_version
     assert ckpt.checkpoint_dir is not None  # CheckpointingConfig requires it when enabled
     root = Path(ckpt.checkpoint_dir)
     t0 = time.monotonic()
@@ -160,7 +164,7 @@ def save_checkpoint(run: GRPORun, step: int) -> Path:
     def write(folder: Path) -> None:
         info = run.policy.save_state(folder / POLICY_SUBDIR)
         write_trainer_state(folder, TrainerState(
-            step=step, weight_version=run.served_version, masked_streak=run.masked_streak, seed=grpo.seed,
+            step=step, weight_version=version, masked_streak=run.masked_streak, seed=grpo.seed,
             num_prompts_per_step=grpo.num_prompts_per_step,
             prompt_batch_digest=batch_digest(run.prompts.batch(step, grpo.num_prompts_per_step)),
             policy_fingerprint=info.policy_fingerprint, optimizer_fingerprint=info.optimizer_fingerprint,
@@ -171,7 +175,7 @@ def save_checkpoint(run: GRPORun, step: int) -> Path:
     path = commit_checkpoint(root, step, write)
     pruned = prune_checkpoints(root, ckpt.keep_last)
     run.progress(
-        f"[checkpoint] step {step} saved to {path} in {time.monotonic() - t0:.1f}s (weight version {run.served_version})"
+        f"[checkpoint] step {step} saved to {path} in {time.monotonic() - t0:.1f}s (weight version {version})"
         + (f"; removed steps {pruned} (checkpointing.keep_last={ckpt.keep_last})" if pruned else "")
     )
     return path
@@ -274,8 +278,9 @@ def refit_step(run: GRPORun, step: int) -> dict[str, float]:
     return metrics
 
 
-async def refit_or_name_deaths(run: GRPORun, step: int, metrics: dict[str, float]) -> dict[str, float]:
-    """`refit_step`, or, when it fails because a component died after the rollouts, that death named.
+async def refit_or_name_deaths(run: GRPORun, step: int, metrics: dict[str, float],
+                               refit: Callable[[GRPORun, int], dict[str, float]] = refit_step) -> dict[str, float]:
+    """`refit` (`refit_step`), or, when it fails because a component died after the rollouts, that death named.
 
     `abort`: the step's metrics line is logged, then `ComponentFailedError` names the dead
     components (never the refit's raw traceback). `continue`: the refit is skipped
@@ -283,7 +288,7 @@ async def refit_or_name_deaths(run: GRPORun, step: int, metrics: dict[str, float
     while the component stays dead. A refit failure with every component alive propagates.
     """
     try:
-        return await asyncio.to_thread(refit_step, run, step)
+        return await asyncio.to_thread(refit, run, step)
     # A failed worker (fatal) and a failed refit call (recoverable) alike: the watch says whether a
     # death explains it; if none does, it propagates unchanged.
     except (WorkerError, WorkerFailedError) as error:
@@ -326,8 +331,8 @@ def resumable_logs(log_dir: Path) -> list[Path]:
     return [log_dir / METRICS_FILE, log_dir / FIRST_CALL_PROMPTS_FILE, log_dir / DISPATCHED_PROMPTS_FILE]
 
 
-async def run_grpo(cfg: MasterConfig, progress=print) -> Path:
-    """Run the loop; returns the metrics.jsonl path. Everything started is stopped on exit."""
+async def start_run(cfg: MasterConfig, progress) -> GRPORun | None:
+    """The checkpoint prepared and the stack set up (resumed when asked); None when nothing is left to run."""
     log_dir = Path(cfg.logger.log_dir)
     resume = prepare_checkpointing(cfg.checkpointing, resumable_logs(log_dir), progress)
     if resume is not None and resume.step >= cfg.grpo.max_num_steps:
@@ -335,11 +340,56 @@ async def run_grpo(cfg: MasterConfig, progress=print) -> Path:
             f"[checkpoint] the newest checkpoint {resume.folder} is of step {resume.step} >= grpo.max_num_steps="
             f"{cfg.grpo.max_num_steps}: nothing left to run (raise grpo.max_num_steps to train further)"
         )
-        return log_dir / METRICS_FILE
+        return None
     if resume is not None and not cfg.checkpointing.enabled:
         progress("[checkpoint] checkpointing.enabled=false: this resumed run writes no further checkpoints")
-    run = await setup(cfg, progress, resume)
-    ckpt = cfg.checkpointing
+    return await setup(cfg, progress, resume)
+
+
+async def train_groups(run: GRPORun, step: int, groups: Sequence[GroupResult], metrics: dict[str, float],
+                       clear: Callable[[StepBatch], dict[str, float]],
+                       refit: Callable[[GRPORun, int], dict[str, float]] = refit_step) -> bool:
+    """Build, train (unless masked), clear the train partition (`clear`), refit; True if it trained."""
+    cfg = run.cfg
+    step_batch = build_train_batch(groups, cfg.grpo.normalize_rewards,
+                                   cfg.token_capture.train_partition if cfg.token_capture.enabled else None)
+    trainable = step_batch.trainable
+    metrics["reward/mean"] = metrics.get("reward/mean", step_batch.rewards_mean)
+    metrics["steps/masked_consecutive"] = 0.0 if trainable else float(run.masked_streak + 1)
+    if not trainable:
+        _report_masked(run, step, metrics)
+    run.masked_streak = next_masked_streak(run.masked_streak, trainable, cfg.token_capture.max_consecutive_masked_steps, step)
+    if trainable:
+        # Blocking Ray calls run off the event loop (it may hold other I/O).
+        metrics.update(await asyncio.to_thread(train_step, run, step, step_batch))
+    if run.train_cleaner is not None and not any_down(_down(run), *DATA_PLANE_KINDS):
+        metrics.update(await asyncio.to_thread(clear, step_batch))
+    if trainable:
+        metrics.update(await refit_or_name_deaths(run, step, metrics, refit))
+    return trainable
+
+
+async def log_and_checkpoint(run: GRPORun, step: int, metrics: dict[str, float], weight_version: int | None = None) -> None:
+    """The step's metrics line, then its checkpoint when due."""
+    run.logger.log(step, metrics)
+    # After the metrics line: a run killed in between redoes this step from the previous
+    # checkpoint, and the resume cuts this line (resumable_logs) so no step is logged twice.
+    ckpt = run.cfg.checkpointing
+    if ckpt.enabled and should_save(step, ckpt.save_period, run.cfg.grpo.max_num_steps):
+        await asyncio.to_thread(save_checkpoint, run, step, weight_version)
+
+
+async def run_grpo(cfg: MasterConfig, progress=print) -> Path:
+    """Run the loop; returns the metrics.jsonl path. Everything started is stopped on exit.
+
+    With `grpo.async_rollouts.enabled` the async loop runs instead (`grpo_async.run_grpo_async`)."""
+    if cfg.grpo.async_rollouts.enabled:
+        from nemo_rl.algorithms.grpo_async import run_grpo_async  # it builds on this module
+
+        return await run_grpo_async(cfg, progress)
+    run = await start_run(cfg, progress)
+    if run is None:
+        return Path(cfg.logger.log_dir) / METRICS_FILE
     try:
         for step in range(run.start_step, cfg.grpo.max_num_steps + 1):
             metrics: dict[str, float] = dict(run.resume_metrics) if step == run.start_step else {}
@@ -349,27 +399,10 @@ async def run_grpo(cfg: MasterConfig, progress=print) -> Path:
                 if run.step_component_deaths and cfg.token_capture.on_component_failure == "abort":
                     run.logger.log(step, metrics)  # the step that stops the run keeps its accounting line
                     check_abort(cfg.token_capture.on_component_failure, run.step_component_deaths, step)
-                step_batch = build_train_batch(groups, cfg.grpo.normalize_rewards,
-                                               cfg.token_capture.train_partition if cfg.token_capture.enabled else None)
-                trainable = step_batch.trainable
-                metrics["reward/mean"] = metrics.get("reward/mean", step_batch.rewards_mean)
-                metrics["steps/masked_consecutive"] = 0.0 if trainable else float(run.masked_streak + 1)
-                if not trainable:
-                    _report_masked(run, step, metrics)
-                run.masked_streak = next_masked_streak(
-                    run.masked_streak, trainable, cfg.token_capture.max_consecutive_masked_steps, step)
-                if trainable:
-                    # Blocking Ray calls run off the event loop (it may hold other I/O).
-                    metrics.update(await asyncio.to_thread(train_step, run, step, step_batch))
-                if run.train_cleaner is not None and not any_down(_down(run), *DATA_PLANE_KINDS):
-                    metrics.update(await asyncio.to_thread(clear_train_rows, run.train_cleaner, step_batch.plan))
-                if trainable:
-                    metrics.update(await refit_or_name_deaths(run, step, metrics))
-            run.logger.log(step, metrics)
-            # After the metrics line: a run killed in between redoes this step from the previous
-            # checkpoint, and the resume cuts this line (resumable_logs) so no step is logged twice.
-            if ckpt.enabled and should_save(step, ckpt.save_period, cfg.grpo.max_num_steps):
-                await asyncio.to_thread(save_checkpoint, run, step)
+                cleaner = run.train_cleaner
+                await train_groups(run, step, groups, metrics,
+                                   lambda batch: clear_train_rows(cleaner, batch.plan))  # type: ignore[arg-type]
+            await log_and_checkpoint(run, step, metrics)
         return run.logger.metrics_path
     finally:
         await run.aclose()  # the teardown joins processes and Ray actors: off the event loop

@@ -248,6 +248,11 @@ class PromptLedger:
     def dropped_stale_total(self) -> int:
         return self._dropped_total
 
+    @property
+    def next_position(self) -> int:
+        """The position `dispatch()` would hand out next: the lowest re-queued one, else the next draw."""
+        return min(self._queue) if self._queue else self._next_draw
+
     def can_dispatch(self) -> bool:
         return len(self._live) < self._cap
 

@@ -278,8 +278,22 @@ class RolloutManager:
         """Fresh rollout ids for a group an external harness drives itself (see `collect_group`)."""
         return self._reserve(step, group_index, n)
 
+    @property
+    def run_id(self) -> str:
+        """This launch's id, the prefix of every rollout id it mints (an async loop mints with it too)."""
+        return self._cfg.run_id
+
     async def run_group(self, step: int, group_index: int, row: dict[str, Any], n: int) -> GroupResult:
-        rollout_ids = self._reserve(step, group_index, n)
+        return await self.run_group_as(group_index, self._reserve(step, group_index, n), row)
+
+    async def run_group_as(self, group_index: int, rollout_ids: Sequence[str], row: dict[str, Any]) -> GroupResult:
+        """`run_group` under ids the caller minted (the async loop's ledger tickets); same accounting.
+
+        The ids must be usable and distinct, and never given before in this launch (the ledger's
+        generations guarantee it); N is their count."""
+        rollout_ids = [check_rollout_id(rollout_id) for rollout_id in rollout_ids]
+        if not rollout_ids or len(set(rollout_ids)) != len(rollout_ids):
+            raise ValueError(f"group {group_index}: rollout ids must be distinct and at least one, got {rollout_ids}")
         if not self._cfg.capture.enabled:
             return await self._account(_GroupState(group_index, rollout_ids), self._legacy_group, row)
         runs = [functools.partial(self._run, rollout_id, row) for rollout_id in rollout_ids]

@@ -1,4 +1,4 @@
-"""`grpo.async_rollouts`: defaults, bounds, and `enabled: true` refused (the loop is not wired in this build)."""
+"""`grpo.async_rollouts`: defaults, bounds, and the cross-section checks of `enabled: true`."""
 
 from __future__ import annotations
 
@@ -29,15 +29,39 @@ def test_knobs_validate_and_enabled_false_is_accepted():
 
 
 @pytest.mark.parametrize("value", ["true", "True", "1"])
-def test_enabled_true_is_refused_naming_the_key_the_reason_and_the_fix(value):
-    with pytest.raises(ConfigError) as info:
-        load_master_config(RECIPE, [f"grpo.async_rollouts.enabled={value}"])
-    message = str(info.value)
-    assert "grpo.async_rollouts.enabled=" in message
-    assert "the async GRPO loop is not available in this build" in message
-    assert "Set grpo.async_rollouts.enabled=false" in message
-    with pytest.raises(ValidationError, match="not available in this build"):
-        AsyncRolloutsConfig(enabled=True)
+def test_enabled_true_is_accepted_with_capture_on(value):
+    cfg = load_master_config(RECIPE, [f"grpo.async_rollouts.enabled={value}"])
+    assert cfg.grpo.async_rollouts.enabled is True
+    assert AsyncRolloutsConfig(enabled=True).enabled is True
+
+
+def test_the_async_recipe_runs_one_step_in_flight_at_age_one():
+    cfg = load_master_config(RECIPE.parent / "grpo_async_tiny_cpu.yaml")
+    assert cfg.grpo.async_rollouts == AsyncRolloutsConfig(enabled=True, max_trajectory_age_steps=1)
+    assert cfg.token_capture.enabled is True
+    assert in_flight_limit(cfg.grpo.async_rollouts, cfg.grpo.num_prompts_per_step) == cfg.grpo.num_prompts_per_step
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["token_capture.enabled=false"],
+     r"grpo\.async_rollouts\.enabled=true needs token_capture\.enabled=true: .*legacy rows .* carry none \(fix: set "
+     r"token_capture\.enabled=true, or grpo\.async_rollouts\.enabled=false\)"),
+    (["token_capture.on_component_failure=continue"],
+     r"supports token_capture\.on_component_failure=abort only: .*\(fix: set token_capture\.on_component_failure=abort"),
+    (["grpo.async_rollouts.max_in_flight_groups=1"],
+     r"max_in_flight_groups=1 < grpo\.num_prompts_per_step=2: .*fix: set grpo\.async_rollouts\.max_in_flight_groups >= 2"),
+])
+def test_enabled_true_is_refused_against_the_rest_of_the_recipe_naming_the_fix(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_master_config(RECIPE, ["grpo.async_rollouts.enabled=true", *overrides])
+
+
+def test_the_cross_checks_hold_only_when_enabled():
+    # async off: a small cap or capture off is today's loop, which reads neither
+    cfg = load_master_config(RECIPE, ["token_capture.enabled=false", "grpo.async_rollouts.max_in_flight_groups=1"])
+    assert cfg.grpo.async_rollouts.enabled is False
+    with pytest.raises(ValidationError):
+        AsyncRolloutsConfig(enabled="maybe")
 
 
 @pytest.mark.parametrize(("override", "message"), [
@@ -45,7 +69,7 @@ def test_enabled_true_is_refused_naming_the_key_the_reason_and_the_fix(value):
      r"grpo\.async_rollouts\.max_trajectory_age_steps=-1: .*fix: set grpo\.async_rollouts\.max_trajectory_age_steps to a value >= 0"),
     ("grpo.async_rollouts.max_in_flight_groups=0",
      r"grpo\.async_rollouts\.max_in_flight_groups=0: .*fix: set grpo\.async_rollouts\.max_in_flight_groups to a value >= 1"),
-    ("grpo.async_rollouts.enabled=maybe", r"grpo\.async_rollouts\.enabled='maybe': Input should be False"),
+    ("grpo.async_rollouts.enabled=maybe", r"grpo\.async_rollouts\.enabled='maybe': Input should be a valid boolean"),
     ("+grpo.async_rollouts.bogus=1", r"grpo\.async_rollouts\.bogus=1: unknown key .*allowed keys: enabled, "
                                      r"max_trajectory_age_steps, max_in_flight_groups"),
 ])

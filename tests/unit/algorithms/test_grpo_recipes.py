@@ -13,9 +13,7 @@ from nemo_rl.data.rows import GroupResult, KeptRollout, Placeholder, Placeholder
 from nemo_rl.utils.config import ConfigError
 
 CONFIGS = sorted((Path(__file__).resolve().parents[3] / "examples" / "configs").glob("*.yaml"))
-# grpo_async_longtail_cpu.yaml sets grpo.async_rollouts.enabled: true, refused until the async loop
-# lands; tests/unit/examples/test_longtail_configs.py checks it whichever way.
-CHILD_RECIPES = [p for p in CONFIGS if p.name not in ("grpo_base.yaml", "grpo_async_longtail_cpu.yaml")]
+CHILD_RECIPES = [p for p in CONFIGS if p.name != "grpo_base.yaml"]
 
 
 def test_example_configs_exist():

@@ -1,26 +1,14 @@
-"""The long-tail recipes: the sync one loads as stated; the async one loads once the loop lands, else is refused by name."""
+"""The long-tail recipes: the sync one loads as stated; the async one is the sync one with async rollouts on."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
-
 from examples.arith.recipe import load_recipe
-from nemo_rl.algorithms.async_config import AsyncRolloutsConfig
-from nemo_rl.utils.config import ConfigError
 
 CONFIGS = Path(__file__).resolve().parents[3] / "examples" / "configs"
 SYNC = CONFIGS / "grpo_longtail_cpu.yaml"
 ASYNC = CONFIGS / "grpo_async_longtail_cpu.yaml"
-
-
-def _schema_accepts_async() -> bool:
-    try:
-        AsyncRolloutsConfig(enabled=True)
-    except ValueError:
-        return False
-    return True
 
 
 def test_the_sync_long_tail_recipe_runs_the_chained_task() -> None:
@@ -35,13 +23,8 @@ def test_the_sync_long_tail_recipe_runs_the_chained_task() -> None:
 
 
 def test_the_async_long_tail_recipe_is_the_sync_one_with_async_rollouts() -> None:
-    if _schema_accepts_async():
-        recipe = load_recipe(ASYNC)
-        assert recipe.config.grpo.async_rollouts.enabled is True
-        sync = load_recipe(SYNC, ["logger.log_dir=logs/grpo_async_longtail_cpu"]).config
-        assert recipe.config.model_dump(exclude={"grpo": {"async_rollouts"}}) == sync.model_dump(
-            exclude={"grpo": {"async_rollouts"}})
-    else:
-        with pytest.raises(ConfigError, match=r"grpo\.async_rollouts\.enabled=True"):
-            load_recipe(ASYNC)
-        assert load_recipe(ASYNC, ["grpo.async_rollouts.enabled=false"]).config.env.task.endswith(":CHAINED_TASK")
+    recipe = load_recipe(ASYNC)
+    assert recipe.config.grpo.async_rollouts.enabled is True
+    sync = load_recipe(SYNC, ["logger.log_dir=logs/grpo_async_longtail_cpu"]).config
+    assert recipe.config.model_dump(exclude={"grpo": {"async_rollouts"}}) == sync.model_dump(
+        exclude={"grpo": {"async_rollouts"}})

@@ -716,3 +716,22 @@ def test_step_counters_are_one_record_with_the_metric_names_of_the_step_line() -
     assert "retention/failures" not in counters.metrics(retention=False)
     with pytest.raises(ValueError, match="cannot be negative"):
         StepCounters(dropped_groups=-1)
+
+
+async def test_run_group_as_runs_under_the_given_ids_with_the_same_accounting():
+    manager, env, _, cleaner = _manager(["success", "run_error"])
+    ids = ["run7-s2-g1-i0-a3", "run7-s2-g1-i1-a3"]
+    group = await manager.run_group_as(1, ids, {})
+    assert manager.run_id == "run7"
+    assert [e.rollout_id for e in group.entries] == ids
+    assert (group.group_index, len(group.kept), len(group.placeholders)) == (1, 1, 1)
+    assert sorted(env.runs) == ids
+    assert env.retired == [ids]
+
+
+@pytest.mark.parametrize("ids", [[], ["a-i0", "a-i0"], ["-bad"]])
+async def test_run_group_as_refuses_ids_that_could_not_be_accounted(ids):
+    manager, env, _, _ = _manager(["success"])
+    with pytest.raises(ValueError):
+        await manager.run_group_as(0, ids, {})
+    assert env.runs == []

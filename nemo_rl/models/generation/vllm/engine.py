@@ -7,7 +7,8 @@ result carries the one version that generated all of its tokens. States `serving
 `refitting`, `failed`: every wait is bounded (`EngineDeadlines`); a drain past its deadline
 aborts the refit (old weights kept); a reload that fails or an engine that died is `failed`
 for good (`EngineFailedError`), never wedged in `refitting`. `core_processes()` reports the
-engine-core child processes for the component watch.
+engine-core child processes for the component watch; `timing()` the engine's own idle and
+refit-pause counters (the async loop's `async/engine_idle_fraction`, `async/refit_pause_s`).
 See docs/design-docs/vllm-worker-capture.md, "Engine states and deadlines".
 """
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import os
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -79,6 +81,23 @@ class EngineDeadlines:
     def refit_gate_s(self) -> float:
         """The longest a refit can keep the gate closed (drain + reload); a waiter never waits longer."""
         return self.refit_drain_s + self.refit_reload_s
+
+
+@dataclass(frozen=True)
+class EngineTiming:
+    """The engine's own clock and counters, cumulative since it started (read them before and after).
+
+    `idle_s`: seconds with no request admitted (the closed refit gate included); `refit_pause_s`:
+    seconds the refit gate was closed (drain + reload, aborted refits too); `refit_drained_calls`:
+    calls in flight when a refit closed the gate (they finish under the old version)."""
+
+    clock_s: float
+    idle_s: float
+    refits: int
+    refits_aborted: int
+    refit_pause_s: float
+    refit_drained_calls: int
+    refits_with_calls_in_flight: int
 
 
 @dataclass(frozen=True)
@@ -195,6 +214,11 @@ class VllmEngine:
         self._inflight = 0
         self._state = EngineState.SERVING
         self._failure: str | None = None
+        self._clock: Callable[[], float] = time.monotonic
+        self._idle_since: float | None = self._clock()  # None while a request is admitted
+        self._idle_s = 0.0
+        self._refits = self._refits_aborted = self._refit_drained_calls = self._refits_with_calls = 0
+        self._refit_pause_s = 0.0
 
     @classmethod
     def start(cls, model_dir: Path, cfg: VllmConfig, eos_token_id: int) -> "VllmEngine":
@@ -232,6 +256,13 @@ class VllmEngine:
     def inflight(self) -> int:
         return self._inflight
 
+    def timing(self) -> EngineTiming:
+        """The idle and refit counters now (`EngineTiming`); the current idle stretch is included."""
+        now = self._clock()
+        idle = self._idle_s + (now - self._idle_since if self._idle_since is not None else 0.0)
+        return EngineTiming(now, idle, self._refits, self._refits_aborted, self._refit_pause_s,
+                            self._refit_drained_calls, self._refits_with_calls)
+
     def _raise_if_failed(self) -> None:
         if self._state is EngineState.FAILED:
             raise EngineFailedError(f"the vLLM engine is failed: {self._failure}")
@@ -265,11 +296,16 @@ class VllmEngine:
             await self._wait_gate_open()
             self._raise_if_failed()
             self._inflight += 1
+            if self._idle_since is not None:
+                self._idle_s += self._clock() - self._idle_since
+                self._idle_since = None
             return self.weight_version
 
     async def _release(self) -> None:
         async with self._cond:
             self._inflight -= 1
+            if self._inflight == 0:
+                self._idle_since = self._clock()
             self._cond.notify_all()
 
     async def _last_output(self, prompt_ids: list[int], params: Any, request_id: str) -> Any:
@@ -389,11 +425,16 @@ class VllmEngine:
             await self._wait_gate_open()  # a concurrent refit finishes (or fails) first
             self._raise_if_failed()
             self._state = EngineState.REFITTING
+            closed_at, draining = self._clock(), self._inflight
+            self._refit_drained_calls += draining
+            self._refits_with_calls += int(draining > 0)
             try:
                 await asyncio.wait_for(self._cond.wait_for(lambda: self._inflight == 0), self._deadlines.refit_drain_s)
             except TimeoutError as e:
                 inflight = self._inflight
                 self._state = EngineState.SERVING
+                self._refits_aborted += 1
+                self._refit_pause_s += self._clock() - closed_at
                 self._cond.notify_all()
                 raise RefitAbortedError(
                     f"refit to version {version} aborted: {inflight} generation(s) still in flight after "
@@ -403,6 +444,8 @@ class VllmEngine:
             except BaseException:
                 # Cancelled while draining: nothing was reloaded, so the old weights still serve.
                 self._state = EngineState.SERVING
+                self._refits_aborted += 1
+                self._refit_pause_s += self._clock() - closed_at
                 self._cond.notify_all()
                 raise
         try:
@@ -422,6 +465,8 @@ class VllmEngine:
         async with self._cond:
             self.weight_version = version
             self._state = EngineState.SERVING
+            self._refits += 1
+            self._refit_pause_s += self._clock() - closed_at
             self._cond.notify_all()
 
     async def _reload(self, weights_dir: Path) -> None:

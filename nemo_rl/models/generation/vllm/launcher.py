@@ -259,6 +259,10 @@ class WorkerGroup:
         """Completions each worker has produced since it started (its own counter), in worker order."""
         return [stats["served_calls"] for stats in self.capture_stats()]
 
+    def engine_timings(self) -> list[dict]:
+        """Per worker (in worker order), its engine's own `EngineTiming` counters as a dict."""
+        return [stats["engine_timing"] for stats in self.capture_stats()]
+
     def prompt_logprobs(self, token_ids: list[int]) -> list[list[float]]:
         return self._get([h.prompt_logprobs.remote(token_ids) for h in self.handles], "prompt_logprobs")
 

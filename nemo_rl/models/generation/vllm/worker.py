@@ -15,6 +15,7 @@ Driver calls and `capture_stats()` counters: docs/design-docs/vllm-worker-captur
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from pathlib import Path
@@ -34,6 +35,11 @@ LOGGER = logging.getLogger(__name__)
 class WorkerError(RecoverableError, RuntimeError):
     """A generation-worker operation failed (the message names the operation and cause); the
     worker itself may serve on, so the caller decides (a missing served report, a skipped refit)."""
+
+
+class RefitAbortedWorkerError(WorkerError):
+    """A refit drained past `generation.vllm.refit_drain_timeout_s` and was aborted: the worker
+    serves on with its previous weights and version (the async loop tolerates it and reads versions)."""
 
 
 class WorkerFailedError(FatalError, RuntimeError):
@@ -215,7 +221,7 @@ class VllmGenerationWorker:
         try:
             await self._engine.reload_weights(Path(weights_dir), version)
         except RefitAbortedError as e:
-            raise WorkerError(f"vLLM worker {self._worker_index}: {e}") from e
+            raise RefitAbortedWorkerError(f"vLLM worker {self._worker_index}: {e}") from e
         except Exception as e:  # converted before it crosses the Ray boundary; a reload error also fails the engine
             raise WorkerError(
                 f"vLLM worker {self._worker_index}: refit to version {version} from {weights_dir} failed: "
@@ -286,6 +292,8 @@ class VllmGenerationWorker:
         return {
             "worker_index": self._worker_index,
             "served_calls": self._service.stats["served_calls"],
+            # None only for a service without an engine (a test's stand-in): `serve` needs one
+            "engine_timing": dataclasses.asdict(self._engine.timing()) if self._engine is not None else None,
             "served_rollouts_pending": self._service.served_rollouts_pending(),
             "calls": dict(self._service.stats),
             "capture_failures": list(self._service.capture_failures),

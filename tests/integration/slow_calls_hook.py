@@ -1,0 +1,53 @@
+"""An `NRL_INSTRUMENTATION` hook module for `test_async_grpo.py`: spread generation calls in time.
+
+Every `POST /v1/chat/completions` on a vLLM worker waits a random 0.5..2.0 s before the worker
+admits it (nothing about the call changes: same tokens, same capture). The tiny model answers
+in a few tokens, so without it a step's rollouts finish long before the trainer refits; with it,
+their calls are admitted while the trainer trains, so a refit meets calls in flight. Every other
+hook is a no-op.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from typing import Any
+
+from aiohttp import web
+
+DELAY_S = (0.5, 2.0)
+
+
+@web.middleware
+async def _spread(request: web.Request, handler):
+    if request.method == "POST" and request.path == "/v1/chat/completions":
+        await asyncio.sleep(random.uniform(*DELAY_S))
+    return await handler(request)
+
+
+def add_call_cost(part: str, seconds: float) -> None:
+    return None
+
+
+def set_call_fact(name: str, value: float) -> None:
+    return None
+
+
+def add_counter(name: str, value: float) -> None:
+    return None
+
+
+def active() -> bool:
+    return False
+
+
+def aiohttp_middlewares(role: str = "worker") -> list[Any]:
+    return [_spread] if role == "worker" else []
+
+
+def time_capture_calls(service: Any) -> None:
+    return None
+
+
+def server_module_argv(module: str) -> list[str]:
+    return [module]

@@ -1,0 +1,256 @@
+"""The async loop's pieces: key ownership, the engine-counter metrics, the step's train-row clearing
+(only its own rollouts' keys), the producer over the real ledger (cap, order, drops re-dispatched
+first, errors reach the trainer, teardown reports what was in flight), the trainer's gather
+(stale groups dropped whole, future versions refused), the resumed ledger and an aborted refit."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+
+from nemo_rl.algorithms import grpo_async
+from nemo_rl.algorithms.async_config import AsyncRolloutsConfig
+from nemo_rl.algorithms.errors import GRPOError
+from nemo_rl.algorithms.grpo_async import (
+    AsyncLoopError,
+    RolloutProducer,
+    TrainerClock,
+    clear_step_train_rows,
+    dispatch_record,
+    engine_step_metrics,
+    gather_step,
+    keys_of_rollouts,
+    ledger_for,
+    refit_tolerating_aborts,
+)
+from nemo_rl.data.rows import GroupResult, Placeholder, PlaceholderReason
+from nemo_rl.experience.prompt_queue import GroupTicket, PromptLedger
+from nemo_rl.experience.staleness import FutureWeightVersionError
+from nemo_rl.models.generation.vllm.worker import RefitAbortedWorkerError
+from tests.unit.experience.test_staleness import group_of
+
+
+def test_keys_of_rollouts_matches_the_whole_rollout_id_only():
+    keys = ["r-s1-g0-i0-a0#0", "r-s1-g0-i0-a0#1", "r-s1-g0-i1-a0#0", "r-s1-g0-i0-a01#0", "r-s2-g0-i0-a0#0"]
+    assert keys_of_rollouts(keys, ["r-s1-g0-i0-a0"]) == ["r-s1-g0-i0-a0#0", "r-s1-g0-i0-a0#1"]
+    assert keys_of_rollouts(keys, []) == []
+
+
+def _timing(clock, idle, pause=0.0, drained=0, aborted=0):
+    return {"clock_s": clock, "idle_s": idle, "refits": 0, "refits_aborted": aborted, "refit_pause_s": pause,
+            "refit_drained_calls": drained, "refits_with_calls_in_flight": int(drained > 0)}
+
+
+def test_engine_step_metrics_are_deltas_of_the_workers_own_counters():
+    before = [_timing(100.0, 10.0), _timing(50.0, 5.0, pause=1.0, drained=2)]
+    after = [_timing(110.0, 12.5, pause=0.5, drained=3), _timing(70.0, 15.0, pause=1.25, drained=2, aborted=1)]
+    assert engine_step_metrics(before, after) == {
+        "async/worker_0/engine_idle_fraction": 0.25, "async/worker_0/refit_pause_s": 0.5,
+        "async/worker_0/refit_calls_in_flight": 3.0,
+        "async/worker_1/engine_idle_fraction": 0.5, "async/worker_1/refit_pause_s": 0.25,
+        "async/worker_1/refit_calls_in_flight": 0.0,
+        "async/engine_idle_fraction": 0.375, "async/refit_pause_s": 0.5, "async/refit_calls_in_flight": 3.0,
+        "refit/aborted_workers": 1.0,
+    }
+
+
+def test_engine_step_metrics_refuse_a_clock_that_did_not_move_or_a_changed_worker_count():
+    with pytest.raises(GRPOError, match="engine clock did not advance"):
+        engine_step_metrics([_timing(1.0, 0.0)], [_timing(1.0, 0.0)])
+    with pytest.raises(GRPOError, match="same, non-zero count"):
+        engine_step_metrics([_timing(1.0, 0.0)], [])
+
+
+class FakeCleaner:
+    def __init__(self, keys):
+        self.keys = list(keys)
+        self.cleared: list[list[str]] = []
+
+    def clear(self, keys):
+        if keys:
+            self.cleared.append(list(keys))
+        self.keys = [k for k in self.keys if k not in set(keys)]
+
+    def remaining(self):
+        return list(self.keys)
+
+
+def test_the_step_clears_its_own_and_its_dropped_groups_keys_never_those_in_flight():
+    trained = ["a-i0#0", "a-i1#0"]
+    stray = ["a-i2#0"]  # a rollout masked after it was judged
+    dropped = ["d-i0#0"]  # a stale group dropped this step
+    in_flight = ["b-i0#0", "b-i1#0"]
+    cleaner = FakeCleaner(trained + stray + dropped + in_flight)
+    metrics = clear_step_train_rows(cleaner, trained, ["a-i0", "a-i1", "a-i2", "d-i0"], dropped)
+    assert cleaner.cleared == [trained, stray + dropped]
+    assert cleaner.keys == in_flight
+    assert metrics == {"retention/train_keys_cleared": 4.0, "retention/train_keys_stray": 1.0,
+                       "retention/train_keys_dropped_stale": 1.0, "retention/train_keys_remaining": 0.0,
+                       "retention/train_keys_in_flight": 2.0}
+
+
+def test_dispatch_records_name_the_sync_slot_position_and_generation():
+    record = dispatch_record(GroupTicket(5, 1, 2), {"prompt": "x"}, 3)
+    assert {k: v for k, v in record.items() if k != "digest"} == {
+        "step": 3, "group": 1, "position": 5, "generation": 1, "dispatched_during_step": 3}
+    assert len(record["digest"]) == 64
+
+
+def _failed_group(ticket: GroupTicket) -> GroupResult:
+    return GroupResult(ticket.group_index, (Placeholder(f"p{ticket.position}", ticket.group_index, 0,
+                                                         PlaceholderReason.RUN_FAILED, "x"),))
+
+
+class Scripted:
+    """Groups that finish when released (by position); records dispatch order."""
+
+    def __init__(self):
+        self.started: list[tuple[int, int]] = []
+        self.gates: dict[tuple[int, int], asyncio.Event] = {}
+        self.fail: set[int] = set()
+
+    async def __call__(self, ticket: GroupTicket) -> GroupResult:
+        self.started.append((ticket.position, ticket.generation))
+        await self.gates.setdefault((ticket.position, ticket.generation), asyncio.Event()).wait()
+        if ticket.position in self.fail:
+            raise RuntimeError(f"group {ticket.position} broke")
+        return _failed_group(ticket)
+
+    def release(self, position, generation=0):
+        self.gates.setdefault((position, generation), asyncio.Event()).set()
+
+
+async def test_the_producer_keeps_the_cap_filled_in_order_and_stops_at_the_end():
+    ledger, script = PromptLedger(2, 4), Scripted()
+    producer = RolloutProducer(ledger, script, end=6)
+    assert producer.fill() == 4
+    await asyncio.sleep(0)
+    assert script.started == [(0, 0), (1, 0), (2, 0), (3, 0)]
+    for p in (3, 2, 1, 0):  # finishing out of order: the head is still positions 0, 1
+        script.release(p)
+    head, groups = await producer.wait_head()
+    assert [t.position for t in head] == [0, 1] and len(groups) == 2
+    assert ledger.in_flight == 4  # finished groups hold the cap until the trainer consumes them
+    producer.commit(1, head, groups)
+    await asyncio.sleep(0)
+    assert script.started[4:] == [(4, 0), (5, 0)]
+    assert producer.fill() == 0  # position 6 is beyond the run's last step
+    assert ledger.step == 1
+
+
+async def test_a_dropped_group_is_re_dispatched_first_under_a_new_generation():
+    ledger, script = PromptLedger(2, 3), Scripted()
+    producer = RolloutProducer(ledger, script, end=4)
+    producer.fill()
+    for p in (0, 1, 2):
+        script.release(p)
+    head, _ = await producer.wait_head()
+    producer.drop(head[1])
+    await asyncio.sleep(0)
+    assert script.started[3:] == [(1, 1)]  # ahead of position 3
+    assert ledger.dropped_stale_total == 1
+    script.release(1, 1)
+    head, groups = await producer.wait_head()
+    assert [(t.position, t.generation) for t in head] == [(0, 0), (1, 1)]
+    producer.commit(1, head, groups)
+    await asyncio.sleep(0)
+    assert script.started[4:] == [(3, 0)]
+
+
+async def test_a_failing_group_reaches_the_trainer_and_teardown_reports_what_ran():
+    ledger, script = PromptLedger(2, 4), Scripted()
+    script.fail = {1}
+    producer = RolloutProducer(ledger, script, end=8)
+    producer.fill()
+    script.release(1)
+    script.release(2)
+    with pytest.raises(AsyncLoopError, match="a rollout group failed: RuntimeError: group 1 broke"):
+        await producer.wait_head()
+    assert producer.fill() == 0  # no dispatch after a failure
+    running, unconsumed = await producer.aclose()
+    assert sorted(t.position for t in running) == [0, 3]
+    assert [t.position for t in unconsumed] == [2]
+
+
+async def test_a_step_that_can_never_complete_is_named_not_awaited_forever():
+    ledger = PromptLedger(2, 2)
+    producer = RolloutProducer(ledger, Scripted(), end=1)  # the run ends inside the step: a wiring bug
+    producer.fill()
+    await producer.aclose()
+    producer2 = RolloutProducer(PromptLedger(2, 2), Scripted(), end=0)
+    with pytest.raises(AsyncLoopError, match=r"step 1 waits for positions \[0, 1\] but no group is running"):
+        await producer2.wait_head()
+
+
+def test_the_integration_tests_call_spreading_hook_is_a_complete_hook_module():
+    from nemo_rl.utils.instrumentation import load_hooks
+
+    hooks = load_hooks("tests.integration.slow_calls_hook")
+    assert len(hooks.aiohttp_middlewares("worker")) == 1 and hooks.aiohttp_middlewares("gym") == []
+    assert hooks.active() is False and hooks.server_module_argv("m") == ["m"]
+
+
+
+# -- the trainer's gather, the resumed ledger and an aborted refit, over stand-ins of the run -----
+
+
+def _run(p=2, max_age=1, cap=None, start_step=1):
+    grpo = SimpleNamespace(num_prompts_per_step=p, async_rollouts=AsyncRolloutsConfig(
+        enabled=True, max_trajectory_age_steps=max_age, max_in_flight_groups=cap))
+    said: list[str] = []
+    return SimpleNamespace(cfg=SimpleNamespace(grpo=grpo), start_step=start_step, progress=said.append, said=said)
+
+
+async def test_gather_drops_a_stale_group_whole_and_trains_its_re_run():
+    versions = {(0, 0): 2, (1, 0): 0, (1, 1): 3}  # (position, generation) -> the version its calls ran under
+
+    async def run_group(ticket):
+        return group_of(ticket.group_index, [[(versions[(ticket.position, ticket.generation)],)]] * 2)
+
+    run = _run()
+    producer = RolloutProducer(PromptLedger(2, 2), run_group, end=2)
+    metrics: dict[str, float] = {}
+    groups, dropped = await gather_step(run, producer, 1, TrainerClock(3), metrics)
+    assert [g.group_index for g in dropped] == [1] and len(groups) == 2
+    assert producer.ledger.step == 1 and producer.ledger.dropped_stale_total == 1
+    assert run.said == ["[step 1] dropped stale group p1.g0 (sync step 1 group 1): tokens older than version 2; "
+                        "re-queued"]
+    assert {k: v for k, v in metrics.items() if k != "async/trainer_wait_s"} == {
+        "async/dropped_stale_rollouts": 2.0, "async/trainer_version": 3.0,
+        "async/in_flight_groups": 0.0, "async/dropped_stale_groups": 1.0,
+        "async/trajectory_age_steps_min": 0.0, "async/trajectory_age_steps_mean": 0.5,
+        "async/trajectory_age_steps_max": 1.0,
+        "async/trajectory_age_steps/hist/0": 2.0, "async/trajectory_age_steps/hist/1": 2.0,
+        "async/trajectory_age_steps/hist/older": 0.0,
+    }
+    assert metrics["async/trainer_wait_s"] >= 0
+
+
+async def test_gather_refuses_rows_newer_than_the_trainer():
+    async def run_group(ticket):
+        return group_of(ticket.group_index, [[(4,)]])
+
+    producer = RolloutProducer(PromptLedger(1, 1), run_group, end=1)
+    with pytest.raises(FutureWeightVersionError, match="carries weight version 4 but the trainer holds version 3"):
+        await gather_step(_run(p=1), producer, 1, TrainerClock(3), {})
+
+
+def test_a_resumed_ledger_starts_at_the_checkpoints_step_and_draws_its_next_prompts():
+    ledger = ledger_for(_run(p=2, cap=4, start_step=3))
+    assert (ledger.step, ledger.next_position, ledger.max_in_flight, ledger.in_flight) == (2, 4, 4, 0)
+
+
+def test_an_aborted_refit_keeps_the_versions_the_workers_report(monkeypatch):
+    def aborted(run, step):
+        raise RefitAbortedWorkerError("vLLM worker 0: refit to version 5 aborted: 2 generation(s) still in flight")
+
+    monkeypatch.setattr(grpo_async, "refit_step", aborted)
+    run = _run()
+    run.stack = SimpleNamespace(workers=SimpleNamespace(weight_versions=lambda: [4]))
+    run.served_version = 4
+    assert refit_tolerating_aborts(run, 5) == {"refit/aborted": 1.0}
+    assert run.served_version == 4
+    assert run.said == ["[step 5] refit aborted (vLLM worker 0: refit to version 5 aborted: 2 generation(s) still in "
+                        "flight); the workers serve versions [4]"]
