@@ -1,20 +1,15 @@
-"""The project's error base, and one OpenAI-style error for every HTTP surface of ours.
+"""The project's error base, and the errors every process shares (docs/design-docs/errors.md).
 
-Contract (docs/design-docs/errors.md has the tables and the reasoning):
+Contract:
 - Every exception class in `nemo_rl` derives from exactly one of `RecoverableError` (this call,
   request, rollout or attempt failed; the run goes on) and `FatalError` (a component or the run
   cannot continue), both `NemoRLError`s; builtin bases stay beside them where callers rely on them.
-  `data` imports no other `nemo_rl` package, so every package can import the base.
-- A family whose members differed only by name is one class with a `kind` (`Kinded`): a
-  `Literal` of the family, validated at construction (an unknown kind is a bug: `ValueError`);
-  the message is unchanged, `repr()` shows the kind, and it pickles (Ray) with its kind.
-- An `ApiError` is an answer for the caller (`err_type`, message, `param`); its HTTP status follows
-  from the type (`STATUS_OF`), never from the raiser. `body()` / `encoded()` give the OpenAI error
-  body, byte-identical on both transports; only the transports (`models.generation.vllm.server`,
-  `environments.gate.ingress`) turn an `ApiError` into a response.
-- `PolicyError` (fatal) is the base of every policy failure (`nemo_rl.models.policy.errors`
-  subclasses it): `TrainBatchError` (a `TrainBatch` breaks an invariant) and `PolicyWorkerError`
-  (the policy actor re-raises every failure as one); strings only, so they cross Ray intact.
+- A family whose members differed only by name is one class with a validated `kind` (`Kinded`);
+  its message is unchanged and it pickles (Ray) with its kind.
+- An `ApiError`'s HTTP status follows from its type (`STATUS_OF`); only the transports
+  (`models.generation.vllm.server`, `environments.gate.ingress`) turn it into a response.
+- `PolicyError` (fatal) is the base of every policy failure; `TrainBatchError` and
+  `PolicyWorkerError` carry strings only, so they cross Ray intact.
 """
 
 from __future__ import annotations
