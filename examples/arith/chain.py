@@ -21,7 +21,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from examples.arith.task import CALCULATOR_TOOL_RESPONSES, CalculatorError, Problem, calculate
+from examples.arith.rows import calculator_run_params
+from examples.arith.task import CalculatorError, Problem, calculate
 from examples.arith.task import verify as verify_answer
 from nemo_rl.environments.task import RowSampling
 
@@ -152,16 +153,7 @@ def verify_chain(final_text: str, chain: Chain) -> float:
 def build_chain_row(chain: Chain, sampling: RowSampling) -> dict[str, Any]:
     """The agent /run body: system + user input, the calculator tool, sampling, the chain as ground truth."""
     return {
-        "responses_create_params": {
-            "input": [
-                {"role": "system", "content": CHAIN_SYSTEM_PROMPT},
-                {"role": "user", "content": chain_prompt(chain)},
-            ],
-            "tools": [dict(CALCULATOR_TOOL_RESPONSES)],
-            "temperature": sampling.temperature,
-            "top_p": sampling.top_p,
-            "max_output_tokens": sampling.max_output_tokens,
-        },
+        "responses_create_params": calculator_run_params(CHAIN_SYSTEM_PROMPT, chain_prompt(chain), sampling),
         START_FIELD: chain.start,
         LINKS_FIELD: [[op, d] for op, d in chain.links],
         ANSWER_FIELD: chain.answer,

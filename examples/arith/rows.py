@@ -41,19 +41,24 @@ class InvalidGroundTruthError(ValueError):
     """A dataset row's `answer` does not match its `expression`."""
 
 
+def calculator_run_params(system_prompt: str, user_text: str, sampling: RowSampling) -> dict[str, Any]:
+    """`responses_create_params` of a calculator task's /run body: system + user input, the tool, sampling."""
+    return {
+        "input": [
+            {"role": "system", "content": system_prompt},
+            {"role": "user", "content": user_text},
+        ],
+        "tools": [dict(CALCULATOR_TOOL_RESPONSES)],
+        "temperature": sampling.temperature,
+        "top_p": sampling.top_p,
+        "max_output_tokens": sampling.max_output_tokens,
+    }
+
+
 def build_row(problem: Problem, sampling: RowSampling) -> dict[str, Any]:
     """The agent /run body for one problem (see the module docstring)."""
     return {
-        "responses_create_params": {
-            "input": [
-                {"role": "system", "content": SYSTEM_PROMPT},
-                {"role": "user", "content": user_prompt(problem)},
-            ],
-            "tools": [dict(CALCULATOR_TOOL_RESPONSES)],
-            "temperature": sampling.temperature,
-            "top_p": sampling.top_p,
-            "max_output_tokens": sampling.max_output_tokens,
-        },
+        "responses_create_params": calculator_run_params(SYSTEM_PROMPT, user_prompt(problem), sampling),
         EXPRESSION_FIELD: problem.expression,
         ANSWER_FIELD: problem.answer,
     }
