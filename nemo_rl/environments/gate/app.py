@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Awaitable, Callable, Mapping, MutableMapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +35,11 @@ from nemo_gym.token_id_capture.protocols import install_lineage_store
 from nemo_rl.data.errors import FatalError
 from nemo_rl.environments.gate.ingress import (
     GATE_GUARD_KEY,
+    ASGIApp,
+    Message,
+    Receive,
+    Scope,
+    Send,
     GateGuardConfig,
     GateGuardMiddleware,
     WorkerContextLimit,
@@ -43,12 +48,6 @@ from nemo_rl.environments.gate.ingress import (
 )
 from nemo_rl.environments.gate.ledger import BranchingCaptureLedger
 from responses_api_models.vllm_model.app import _PROPAGATE_CONTEXT_ERROR_ATTRIBUTE, VLLMModel
-
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 CHAT_PATH_SUFFIX = "/chat/completions"
 

@@ -218,6 +218,15 @@ class GateGuardMiddleware:
         rollout_id, route = split_rollout_path(raw_path)
         if route.startswith(CONTROL_PREFIX):  # with or without a rollout prefix (Gym strips it first)
             self._check_control(scope, route)
+        elif rollout_id is None and route.startswith("/" + CAPTURE_SEGMENT + "/"):
+            # Gym would answer a bare 404: say what the capture route needs (a client that collapses
+            # `/ng-rollout/../` dot segments sends exactly this).
+            raise ApiError(
+                "invalid_rollout_id",
+                f"{route} is the capture route without its rollout prefix; send it as "
+                f"/ng-rollout/<rollout id>/{CAPTURE_SEGMENT}/...",
+                "path",
+            )
         if rollout_id is not None:
             check_rollout_id(rollout_id, self._cfg.max_rollout_id_chars)
         kind = GENERATING_ROUTES.get(route)

@@ -330,6 +330,8 @@ BAD_CASES = [
      json.dumps(CHAT).encode(), 400, "invalid_rollout_id", "rollout_id"),
     ("rollout-id-dots", "POST", "/ng-rollout/%2E%2E/training-token-capture/v1/chat/completions",
      json.dumps(CHAT).encode(), 400, "invalid_rollout_id", "rollout_id"),
+    ("capture-route-without-rollout", "POST", "/training-token-capture/v1/chat/completions",
+     json.dumps(CHAT).encode(), 400, "invalid_rollout_id", "path"),
     ("responses-negative", "POST", "/ng-rollout/r1/v1/responses", json.dumps({**RESPONSES, "max_output_tokens": -1}).encode(),
      400, "invalid_request", "max_output_tokens"),
     ("responses-huge", "POST", "/ng-rollout/r1/v1/responses", json.dumps({**RESPONSES, "max_output_tokens": 10**9}).encode(),
