@@ -24,7 +24,7 @@ from typing import Any
 
 from nemo_rl.algorithms.async_config import in_flight_limit
 from nemo_rl.algorithms.errors import GRPOError
-from nemo_rl.algorithms.grpo_checkpoint import DISPATCHED_PROMPTS_FILE, batch_digest
+from nemo_rl.algorithms.grpo_checkpoint import DISPATCHED_PROMPTS_FILE, batch_digest, ledger_to_resume
 from nemo_rl.algorithms.grpo_config import MasterConfig
 from nemo_rl.algorithms.grpo_health import check_abort, component_metrics, step_deaths
 from nemo_rl.algorithms.grpo_single_controller import (
@@ -40,7 +40,7 @@ from nemo_rl.data.rows import GroupResult, RowRef
 from nemo_rl.data.train import KEY_SEPARATOR
 from nemo_rl.data_plane.train_rows import TrainRowCleaner
 from nemo_rl.distributed.component_watch import ComponentKind, any_down
-from nemo_rl.experience.prompt_queue import GroupTicket, LedgerSnapshot, PromptLedger
+from nemo_rl.experience.prompt_queue import GroupTicket, PromptLedger
 from nemo_rl.experience.staleness import age_histogram_metrics, split_fresh, trajectory_age_metrics
 from nemo_rl.models.generation.vllm.worker import RefitAbortedWorkerError
 from nemo_rl.token_capture.metrics import finalize_metrics, first_call_prompt_records
@@ -310,11 +310,21 @@ async def _worker_facts(run: GRPORun) -> list[dict]:
 
 
 def ledger_for(run: GRPORun) -> PromptLedger:
-    """A ledger whose step is the run's last committed one (a resume re-dispatches what was in flight)."""
-    grpo = run.cfg.grpo
-    p, cap = grpo.num_prompts_per_step, in_flight_limit(grpo.async_rollouts, grpo.num_prompts_per_step)
-    done = run.start_step - 1
-    return PromptLedger.restore(LedgerSnapshot(groups_per_step=p, step=done, next_draw=done * p, pending=()), p, cap)
+    """The run's ledger: fresh, or the resumed checkpoint's (`ledger_to_resume`: its prompts in flight
+    are re-dispatched first, under new generations); says what it restored."""
+    grpo, state = run.cfg.grpo, run.resumed_from
+    p = grpo.num_prompts_per_step
+    ledger = ledger_to_resume(state, p, in_flight_limit(grpo.async_rollouts, p))
+    snapshot = state.prompt_ledger if state is not None else None
+    if state is not None and snapshot is None:
+        run.progress(f"[async] the checkpoint of step {state.step} holds no prompt ledger (format {state.format}, the "
+                     f"synchronous loop's: nothing was in flight); drawing from position {ledger.next_position}")
+    elif snapshot is not None:
+        run.progress(f"[async] restored the prompt ledger of step {snapshot.step}: positions {list(ledger.queued)} are "
+                     f"dispatched first (in flight at the checkpoint, as position.new generation: "
+                     f"{[f'p{p.position}.g{p.generations}' for p in snapshot.in_flight]}), then new draws from "
+                     f"{snapshot.next_draw}")
+    return ledger
 
 
 def group_runner(run: GRPORun, ledger: PromptLedger) -> Callable[[GroupTicket], Awaitable[GroupResult]]:
@@ -358,7 +368,7 @@ async def run_grpo_async(cfg: MasterConfig, progress=print) -> Path:
                     metrics.update(engine_step_metrics([f["engine_timing"] for f in facts],
                                                        [f["engine_timing"] for f in now]))
                     facts = now
-                await log_and_checkpoint(run, step, metrics, trainer.version)
+                await log_and_checkpoint(run, step, metrics, trainer.version, ledger)
         return run.logger.metrics_path
     finally:
         try:

@@ -4,12 +4,14 @@ A checkpoint `step_<k>` holds `policy/` (`PolicyCore.save_state`) and `trainer_s
 `TrainerState`: step, served weight version, masked-step streak, driver RNG states, the engine's
 probe logprobs, the dataloader position). The dataloader position IS the step (prompt sources
 are pure in (seed, step)), so `check_resumable` / `check_prompt_position` refuse a recipe that
-would dispatch other prompts. `prepare_checkpointing` runs before anything starts: it removes
+would dispatch other prompts. Format 1 (the synchronous loop) holds nothing more; format 2 (the
+async loop) adds `prompt_ledger`, the ledger at step k (its groups in flight), which
+`ledger_to_resume` restores. `prepare_checkpointing` runs before anything starts: it removes
 leftovers, picks the newest complete checkpoint or refuses a folder that already holds some,
 and cuts the JSONL logs back to step k.
 Invariant: `resume=latest` without a checkpoint is a `CheckpointError` (kind `no_checkpoint`), never a
-fresh start.
-See docs/design-docs/token-capture-reliability.md, "What a GRPO checkpoint holds".
+fresh start. See docs/design-docs/token-capture-reliability.md, "What a GRPO checkpoint holds",
+and docs/design-docs/async-grpo.md, "Resume".
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from nemo_rl.utils.checkpoint import (
     CheckpointError,
@@ -33,6 +35,7 @@ from nemo_rl.utils.checkpoint import (
     scan,
     truncate_jsonl_after,
 )
+from nemo_rl.experience.prompt_queue import LedgerSnapshot, PromptLedger, SnapshotMismatchError
 
 TRAINER_STATE_FILE = "trainer_state.json"
 POLICY_SUBDIR = "policy"
@@ -40,11 +43,11 @@ DISPATCHED_PROMPTS_FILE = "dispatched_prompts.jsonl"
 
 
 class TrainerState(BaseModel):
-    """The driver's side of a checkpoint (see the module docstring)."""
+    """The driver's side of a checkpoint (see the module docstring); format 2 iff `prompt_ledger` is set."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    format: Literal[1] = 1
+    format: Literal[1, 2] = 1
     step: int = Field(ge=1, description="The last completed step; the resumed run starts at step + 1.")
     weight_version: int = Field(ge=0, description="The version every engine served when the step ended.")
     masked_streak: int = Field(ge=0)
@@ -56,6 +59,25 @@ class TrainerState(BaseModel):
     policy_steps_taken: int = Field(ge=0)
     engine_probe: tuple[float, ...] = Field(min_length=1, description="The engine's probe logprobs at save time.")
     rng: RngStates
+    prompt_ledger: LedgerSnapshot | None = Field(
+        None, description="Format 2 (the async loop): the prompt ledger when step `step` was saved; format 1: absent."
+    )
+
+    @model_validator(mode="after")
+    def _ledger_is_the_steps(self) -> "TrainerState":
+        ledger = self.prompt_ledger
+        if (self.format == 2) != (ledger is not None):
+            raise ValueError(
+                f"format={self.format} with prompt_ledger {'set' if ledger is not None else 'absent'}: format 2 (the "
+                "async loop) holds the prompt ledger's snapshot, format 1 (the synchronous loop) holds none"
+            )
+        if ledger is not None and ledger.step != self.step:
+            raise ValueError(f"prompt_ledger.step={ledger.step} but step={self.step}: the snapshot must be the "
+                             "ledger of the step the checkpoint saved")
+        if ledger is not None and ledger.groups_per_step != self.num_prompts_per_step:
+            raise ValueError(f"prompt_ledger.groups_per_step={ledger.groups_per_step} but num_prompts_per_step="
+                             f"{self.num_prompts_per_step}: the snapshot's positions would name other prompts")
+        return self
 
 
 @dataclass(frozen=True)
@@ -82,7 +104,9 @@ def prompt_records(step: int, rows: Sequence[Mapping[str, Any]]) -> list[dict[st
 
 def write_trainer_state(folder: Path, state: TrainerState) -> Path:
     path = folder / TRAINER_STATE_FILE
-    path.write_text(state.model_dump_json(indent=1) + "\n", encoding="utf-8")
+    # Format 1 without the absent field: the synchronous loop's file stays what it was.
+    exclude = {"prompt_ledger"} if state.prompt_ledger is None else None
+    path.write_text(state.model_dump_json(indent=1, exclude=exclude) + "\n", encoding="utf-8")
     return path  # made durable by commit_checkpoint's fsync of the whole folder
 
 
@@ -119,6 +143,27 @@ def check_prompt_position(state: TrainerState, rows_of_step: Sequence[Mapping[st
             "the grpo sampling keys changed (fix: resume with the recipe the checkpoint was written with)",
             kind="mismatch",
         )
+
+
+def ledger_to_resume(state: TrainerState | None, groups_per_step: int, max_in_flight: int) -> PromptLedger:
+    """The async loop's prompt ledger at its start: fresh (no resume); at the checkpoint's step with
+    nothing pending (format 1: the synchronous loop had no group in flight); or format 2's snapshot
+    restored, every drawn, unconsumed prompt queued first and each dispatched one under a generation
+    the snapshot never issued. A snapshot of another batch size is a `CheckpointError` (`mismatch`)."""
+    if state is None:
+        return PromptLedger(groups_per_step, max_in_flight)
+    snapshot = state.prompt_ledger or LedgerSnapshot(
+        groups_per_step=state.num_prompts_per_step, step=state.step, next_draw=state.step * state.num_prompts_per_step,
+        pending=())
+    try:
+        return PromptLedger.restore(snapshot, groups_per_step, max_in_flight)
+    except SnapshotMismatchError as e:
+        raise CheckpointError(
+            f"grpo.num_prompts_per_step={groups_per_step} but the prompt ledger of the checkpoint of step {state.step} "
+            f"has groups_per_step={snapshot.groups_per_step}: its positions would name other prompts (fix: set "
+            f"grpo.num_prompts_per_step={snapshot.groups_per_step}, or start a new run without checkpointing.resume)",
+            kind="mismatch",
+        ) from e
 
 
 def prepare_checkpointing(

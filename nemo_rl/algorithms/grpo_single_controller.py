@@ -49,6 +49,7 @@ from nemo_rl.data_plane.train_rows import TrainRowCleaner
 from nemo_rl.algorithms.refit import refit_to
 from nemo_rl.algorithms.setup import GRPORun, setup
 from nemo_rl.distributed.component_watch import DATA_PLANE_KINDS, ComponentKind, any_down
+from nemo_rl.experience.prompt_queue import LedgerSnapshot, PromptLedger
 from nemo_rl.experience.rollout_manager import component_failure_detail
 from nemo_rl.models.generation.vllm.worker import WorkerError, WorkerFailedError
 from nemo_rl.token_capture.metrics import finalize_metrics, first_call_prompt_records
@@ -150,11 +151,13 @@ def check_row_versions(groups: Sequence[GroupResult], served_version: int, step:
         )
 
 
-def save_checkpoint(run: GRPORun, step: int, weight_version: int | None = None) -> Path:
+def save_checkpoint(run: GRPORun, step: int, weight_version: int | None = None,
+                    prompt_ledger: LedgerSnapshot | None = None) -> Path:
     """Write `step_<step>` atomically (policy, optimizer, TrainerState), then prune beyond keep_last.
 
     `weight_version`: the version of the policy's weights (None: the served one, as the synchronous
-    loop's every worker serves what the policy holds)."""
+    loop's every worker serves what the policy holds). `prompt_ledger`: the async loop's snapshot
+    (a format-2 TrainerState); None writes format 1, as the synchronous loop always does."""
     ckpt, grpo = run.cfg.checkpointing, run.cfg.grpo
     version = run.served_version if weight_version is None else weight_version
     assert ckpt.checkpoint_dir is not None  # CheckpointingConfig requires it when enabled
@@ -169,13 +172,15 @@ def save_checkpoint(run: GRPORun, step: int, weight_version: int | None = None) 
             prompt_batch_digest=batch_digest(run.prompts.batch(step, grpo.num_prompts_per_step)),
             policy_fingerprint=info.policy_fingerprint, optimizer_fingerprint=info.optimizer_fingerprint,
             policy_steps_taken=info.steps_taken, engine_probe=tuple(run.previous_engine_probe),
-            rng=capture_rng_states(),
+            rng=capture_rng_states(), format=1 if prompt_ledger is None else 2, prompt_ledger=prompt_ledger,
         ))
 
     path = commit_checkpoint(root, step, write)
     pruned = prune_checkpoints(root, ckpt.keep_last)
+    in_flight = "" if prompt_ledger is None else (
+        f", prompts in flight {[p.position for p in prompt_ledger.in_flight]}, drawn up to {prompt_ledger.next_draw}")
     run.progress(
-        f"[checkpoint] step {step} saved to {path} in {time.monotonic() - t0:.1f}s (weight version {version})"
+        f"[checkpoint] step {step} saved to {path} in {time.monotonic() - t0:.1f}s (weight version {version}{in_flight})"
         + (f"; removed steps {pruned} (checkpointing.keep_last={ckpt.keep_last})" if pruned else "")
     )
     return path
@@ -369,14 +374,17 @@ async def train_groups(run: GRPORun, step: int, groups: Sequence[GroupResult], m
     return trainable
 
 
-async def log_and_checkpoint(run: GRPORun, step: int, metrics: dict[str, float], weight_version: int | None = None) -> None:
-    """The step's metrics line, then its checkpoint when due."""
+async def log_and_checkpoint(run: GRPORun, step: int, metrics: dict[str, float], weight_version: int | None = None,
+                             ledger: PromptLedger | None = None) -> None:
+    """The step's metrics line, then its checkpoint when due (with `ledger`'s snapshot: the async loop)."""
     run.logger.log(step, metrics)
     # After the metrics line: a run killed in between redoes this step from the previous
     # checkpoint, and the resume cuts this line (resumable_logs) so no step is logged twice.
     ckpt = run.cfg.checkpointing
     if ckpt.enabled and should_save(step, ckpt.save_period, run.cfg.grpo.max_num_steps):
-        await asyncio.to_thread(save_checkpoint, run, step, weight_version)
+        # Here, on the event loop that owns the ledger: the group tasks change it while the save's thread runs.
+        snapshot = ledger.snapshot() if ledger is not None else None
+        await asyncio.to_thread(save_checkpoint, run, step, weight_version, snapshot)
 
 
 async def run_grpo(cfg: MasterConfig, progress=print) -> Path:

@@ -3,7 +3,7 @@
 `start_stack` starts or joins Ray, spawns the vLLM workers, starts the data plane (capture only)
 and the Gym servers while the engines load, then lets the workers serve; every step has its own
 deadline. `setup(cfg, progress, resume)` returns a `GRPORun`, proves the refit folder shared,
-writes `<log_dir>/run_info.json` (venv, placement, components) and, with `resume`, restores
+writes `<log_dir>/run_info.json` (run id, venv, placement, components) and, with `resume`, restores
 the checkpoint (fingerprints checked, every engine refit to the saved version).
 Invariants: `Stack.stop()` tears down exactly what was started, in reverse order, idempotently,
 and a failure stops what came before it; inside coroutines no blocking Ray call runs on the
@@ -24,7 +24,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from nemo_rl.algorithms.errors import GRPOError, StaleWeightsError
-from nemo_rl.algorithms.grpo_checkpoint import POLICY_SUBDIR, ResumePoint, check_prompt_position, check_resumable
+from nemo_rl.algorithms.grpo_checkpoint import (
+    POLICY_SUBDIR,
+    ResumePoint,
+    TrainerState,
+    check_prompt_position,
+    check_resumable,
+)
 from nemo_rl.algorithms.grpo_config import REFIT_DIR_KNOB, MasterConfig, model_path, policy_config, refit_root
 from nemo_rl.algorithms.grpo_health import build_watch
 from nemo_rl.algorithms.refit import max_abs_diff, refit_to
@@ -229,6 +235,7 @@ class GRPORun:
     masked_streak: int = 0
     start_step: int = 1
     resume_metrics: dict[str, float] = field(default_factory=dict)
+    resumed_from: TrainerState | None = None  # the checkpoint's state (the async loop restores its prompt ledger)
 
     def close(self) -> None:
         """Stop everything this run started (idempotent per component; blocking: sync callers)."""
@@ -346,6 +353,7 @@ def restore_from_checkpoint(run: GRPORun, resume: ResumePoint) -> dict:
     run.previous_engine_probe = engine_probe
     run.masked_streak = state.masked_streak
     run.start_step = state.step + 1
+    run.resumed_from = state
     run.worker_calls = run.stack.workers.served_calls()
     restore_rng_states(state.rng)
     run.resume_metrics = {
@@ -472,7 +480,8 @@ async def setup(
             previous_engine_probe=list(start.engine_probe), served_version=start.served_version,
             worker_calls=list(start.worker_calls),
         )
-        run_info = dict(start.run_info)
+        # The run id prefixes every rollout id; fresh per launch, so a resumed run's ids are new too.
+        run_info = {"run_id": manager.run_id, **start.run_info}
         if resume is not None:
             run_info["resume"] = await asyncio.to_thread(restore_from_checkpoint, run, resume)
         write_run_info(log_dir, run_info)

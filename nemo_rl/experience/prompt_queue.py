@@ -169,6 +169,11 @@ class LedgerSnapshot(BaseModel):
     @model_validator(mode="after")
     def _covers_the_drawn(self) -> "LedgerSnapshot":
         consumed = self.step * self.groups_per_step
+        if self.next_draw < consumed:
+            raise ValueError(
+                f"next_draw={self.next_draw} < {consumed} (= step {self.step} x groups_per_step "
+                f"{self.groups_per_step}): steps 1..{self.step} consumed prompts that were never drawn"
+            )
         positions = [p.position for p in self.pending]
         if positions != list(range(consumed, self.next_draw)):
             raise ValueError(

@@ -1,7 +1,8 @@
 """The async loop's pieces: key ownership, the engine-counter metrics, the step's train-row clearing
 (only its own rollouts' keys), the producer over the real ledger (cap, order, drops re-dispatched
 first, errors reach the trainer, teardown reports what was in flight), the trainer's gather
-(stale groups dropped whole, future versions refused), the resumed ledger and an aborted refit."""
+(stale groups dropped whole, future versions refused) and an aborted refit; the resumed ledger is
+test_grpo_checkpoint_ledger.py's."""
 
 from __future__ import annotations
 
@@ -22,7 +23,6 @@ from nemo_rl.algorithms.grpo_async import (
     engine_step_metrics,
     gather_step,
     keys_of_rollouts,
-    ledger_for,
     refit_tolerating_aborts,
 )
 from nemo_rl.data.rows import GroupResult, Placeholder, PlaceholderReason
@@ -193,7 +193,7 @@ def test_the_integration_tests_call_spreading_hook_is_a_complete_hook_module():
 
 
 
-# -- the trainer's gather, the resumed ledger and an aborted refit, over stand-ins of the run -----
+# -- the trainer's gather and an aborted refit, over stand-ins of the run -----
 
 
 def _run(p=2, max_age=1, cap=None, start_step=1):
@@ -235,11 +235,6 @@ async def test_gather_refuses_rows_newer_than_the_trainer():
     producer = RolloutProducer(PromptLedger(1, 1), run_group, end=1)
     with pytest.raises(FutureWeightVersionError, match="carries weight version 4 but the trainer holds version 3"):
         await gather_step(_run(p=1), producer, 1, TrainerClock(3), {})
-
-
-def test_a_resumed_ledger_starts_at_the_checkpoints_step_and_draws_its_next_prompts():
-    ledger = ledger_for(_run(p=2, cap=4, start_step=3))
-    assert (ledger.step, ledger.next_position, ledger.max_in_flight, ledger.in_flight) == (2, 4, 4, 0)
 
 
 def test_an_aborted_refit_keeps_the_versions_the_workers_report(monkeypatch):
