@@ -3,14 +3,20 @@
 A driver started by a test carries `TAG_VAR=<uuid>` in its environment; everything it starts
 inherits it (its Ray cluster, the Gym servers in their own sessions, the vLLM worker and its
 engine core). A (pid, start time) pair names one process, since pids are reused.
+`run_then_sigkill` (a pre-emption: SIGKILL the driver once a condition holds, then whatever it
+left, checked gone) and `left_after_exit` are what the kill-and-resume tests share.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
+import subprocess
 import tempfile
 import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -114,3 +120,62 @@ def _ray_temp_dirs(pids: set[int]) -> set[str]:
     """The private Ray temp dirs (RAY_TMPDIR) these processes ran under, made by init_local_ray."""
     prefix = os.path.join(tempfile.gettempdir(), "nrl-ray-")
     return {d for pid in pids if (d := _environ(pid).get("RAY_TMPDIR", "")).startswith(prefix)}
+
+
+@dataclass(frozen=True)
+class KilledRun:
+    """What `run_then_sigkill` did: seconds from start to kill, the processes that outlived the driver."""
+
+    seconds: float
+    family_size: int
+    survivors: dict[int, str]  # pid -> command line; killed by PID after the driver
+
+
+def run_then_sigkill(argv: Sequence[str], *, cwd: Path, env: Mapping[str, str], out: Path,
+                     ready: Callable[[], bool], deadline_s: float) -> KilledRun:
+    """Start `argv` (output to `out`, `env` carrying TAG_VAR); once `ready()` holds, SIGKILL the driver,
+    then every process of its family still there, by PID; check none is left and remove its private
+    Ray dir. Fails the test if the run exits or `deadline_s` passes before `ready()`."""
+    tag = env[TAG_VAR]
+    family: dict[int, int] = {}
+    ray_dirs: set[str] = set()
+    t0 = time.monotonic()
+    with out.open("wb") as sink:
+        proc = subprocess.Popen(list(argv), cwd=cwd, env=dict(env), stdout=sink, stderr=subprocess.STDOUT)
+    try:
+        end = t0 + deadline_s
+        while not ready():
+            if proc.poll() is not None:
+                pytest.fail(f"the run exited ({proc.returncode}) before the kill point:\n{out.read_text()[-6000:]}")
+            if time.monotonic() > end:
+                pytest.fail(f"no kill point within {deadline_s:g}s:\n{out.read_text()[-6000:]}")
+            time.sleep(0.2)
+        family = _snapshot(_descendants(proc.pid) | _tagged(tag))
+        ray_dirs = _ray_temp_dirs(set(family))
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+        time.sleep(2.0)  # what dies with the driver (Ray's fate-sharing) has had time to go
+        family.update(_snapshot(_tagged(tag)))  # anything started between the snapshot and the kill
+        family.pop(proc.pid, None)
+        survivors = {pid: _command(pid) for pid in _still_there(family)}
+        _kill_leftovers(family)
+        for d in ray_dirs:
+            shutil.rmtree(d, ignore_errors=True)  # the killed driver's private Ray dir; no one else uses it
+    seconds = time.monotonic() - t0
+    assert len(ray_dirs) == 1, ray_dirs
+    assert _tagged(tag) == set(), "a process of the killed run is still alive"
+    assert _mentioning(next(iter(ray_dirs))) == [], "a Ray process of the killed run's cluster is still alive"
+    return KilledRun(seconds=seconds, family_size=len(family), survivors=survivors)
+
+
+def left_after_exit(tag: str, linger_s: float) -> dict[int, str]:
+    """Processes tagged `tag` still alive `linger_s` after their run exited (Ray stops its daemons
+    asynchronously: on a loaded host one may still be exiting when the driver returns)."""
+    end = time.monotonic() + linger_s
+    while _tagged(tag) and time.monotonic() < end:
+        time.sleep(0.5)
+    return {pid: _command(pid) for pid in _tagged(tag)}
