@@ -327,14 +327,42 @@ def ledger_for(run: GRPORun) -> PromptLedger:
     return ledger
 
 
+class StepRows:
+    """The prompt rows of each synchronous step, built once per step rather than once per group.
+
+    `row(ticket, committed)` first forgets every step `<= committed` (the trainer consumed it: the
+    ledger never issues a ticket of a consumed step again, and one that comes anyway is an
+    `AsyncLoopError`), so the cache holds only steps with positions in flight: at most
+    `max_in_flight_groups // P + 1` of them. Rows are the prompt source's own (pure in seed, step)."""
+
+    def __init__(self, build: Callable[[int], Sequence[Mapping[str, Any]]]) -> None:
+        self._build = build
+        self._rows: dict[int, Sequence[Mapping[str, Any]]] = {}
+
+    @property
+    def cached_steps(self) -> tuple[int, ...]:
+        return tuple(sorted(self._rows))
+
+    def row(self, ticket: GroupTicket, committed: int) -> Mapping[str, Any]:
+        """The ticket's prompt row; `committed` is the ledger's last consumed step."""
+        if ticket.sync_step <= committed:
+            raise AsyncLoopError(f"ticket {ticket.key} is of step {ticket.sync_step}, already consumed (step {committed})")
+        for step in [s for s in self._rows if s <= committed]:
+            del self._rows[step]
+        if ticket.sync_step not in self._rows:
+            self._rows[ticket.sync_step] = self._build(ticket.sync_step)
+        return self._rows[ticket.sync_step][ticket.group_index]
+
+
 def group_runner(run: GRPORun, ledger: PromptLedger) -> Callable[[GroupTicket], Awaitable[GroupResult]]:
-    """Runs one ticket's group: its prompt row, a dispatch record, the manager under the ticket's ids."""
+    """Runs one ticket's group: its prompt row (`StepRows`), a dispatch record, the manager under the ticket's ids."""
     cfg = run.cfg
     p, n = cfg.grpo.num_prompts_per_step, cfg.grpo.num_generations_per_prompt
     log = Path(cfg.logger.log_dir) / DISPATCHED_PROMPTS_FILE
+    rows = StepRows(lambda step: run.prompts.batch(step, p))
 
     async def run_ticket(ticket: GroupTicket) -> GroupResult:
-        row = run.prompts.batch(ticket.sync_step, p)[ticket.group_index]
+        row = rows.row(ticket, ledger.step)
         append_jsonl(log, [dispatch_record(ticket, row, ledger.step + 1)])
         return await run.manager.run_group_as(ticket.group_index, ticket.rollout_ids(run.manager.run_id, n), row)
 

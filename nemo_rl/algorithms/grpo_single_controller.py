@@ -374,6 +374,22 @@ async def train_groups(run: GRPORun, step: int, groups: Sequence[GroupResult], m
     return trainable
 
 
+async def engine_window_metrics(run: GRPORun, before: Sequence[dict] | None) -> tuple[dict[str, float], list[dict] | None]:
+    """The synchronous loop's engine metrics since `before` (a previous reading), and the new reading.
+
+    The same keys and counters as the async loop (`grpo_async.engine_step_metrics`: the engines' own
+    idle clock, so `async/engine_idle_fraction` compares the two loops directly). A dead worker has
+    no counter: the reading is None and the step logs none; a step after a None reading logs none."""
+    if any_down(_down(run), ComponentKind.VLLM_WORKER):
+        return {}, None
+    now = await asyncio.to_thread(run.stack.workers.engine_timings)
+    if before is None:
+        return {}, now
+    from nemo_rl.algorithms.grpo_async import engine_step_metrics  # it builds on this module
+
+    return engine_step_metrics(before, now), now
+
+
 async def log_and_checkpoint(run: GRPORun, step: int, metrics: dict[str, float], weight_version: int | None = None,
                              ledger: PromptLedger | None = None) -> None:
     """The step's metrics line, then its checkpoint when due (with `ledger`'s snapshot: the async loop)."""
@@ -399,6 +415,7 @@ async def run_grpo(cfg: MasterConfig, progress=print) -> Path:
     if run is None:
         return Path(cfg.logger.log_dir) / METRICS_FILE
     try:
+        _, timings = await engine_window_metrics(run, None)
         for step in range(run.start_step, cfg.grpo.max_num_steps + 1):
             metrics: dict[str, float] = dict(run.resume_metrics) if step == run.start_step else {}
             with Timer("step_s", metrics):
@@ -410,6 +427,8 @@ async def run_grpo(cfg: MasterConfig, progress=print) -> Path:
                 cleaner = run.train_cleaner
                 await train_groups(run, step, groups, metrics,
                                    lambda batch: clear_train_rows(cleaner, batch.plan))  # type: ignore[arg-type]
+                engine, timings = await engine_window_metrics(run, timings)
+            metrics.update(engine)
             await log_and_checkpoint(run, step, metrics)
         return run.logger.metrics_path
     finally:
