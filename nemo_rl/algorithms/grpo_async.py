@@ -9,6 +9,8 @@ arrive during the swap; an aborted drain keeps the old weights and is counted).
 Invariants: per step `rollouts/dispatched == kept + placeholders` over the step's groups; no
 trained token is older than `max_trajectory_age_steps` or newer than the trainer's version (read
 from the rows); every dispatched group is trained, dropped and re-run, or reported at exit.
+A death (on_component_failure=abort) halts dispatching; the step that sees it is logged, then
+`ComponentFailedError` names it, as it does any failure a death explains (`_name_deaths`).
 See docs/design-docs/async-grpo.md and docs/guides/async-grpo.md.
 """
 
@@ -287,7 +289,7 @@ async def _name_deaths(run: GRPORun, step: int, metrics: dict[str, float], what:
     if "rollouts/dispatched" in metrics:  # the step was accounted: its line is kept
         run.logger.log(step, metrics)
     named = "; ".join(f"{name} died: {detail}" for name, detail in sorted(deaths.items()))
-    trained = "the step was trained, not refit" if "train/num_samples" in metrics else "nothing of the step was trained"
+    trained = "the step was trained" if "train/num_samples" in metrics else "nothing of the step was trained"
     raise ComponentFailedError(
         f"step {step}: {what} failed ({type(error).__name__}: {str(error)[:200]}) and {named}; {trained}. "
         "token_capture.on_component_failure=abort stops the run (resume from the last checkpoint)"

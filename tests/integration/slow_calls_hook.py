@@ -5,7 +5,7 @@ admits it (nothing about the call changes: same tokens, same capture). The tiny 
 in a few tokens, so without it a step's rollouts finish long before the trainer refits; with it,
 their calls are admitted while the trainer trains, so a refit meets calls in flight. Every other
 hook is a no-op. `NRL_TEST_CALL_DELAY_S=lo,hi` (inherited by the worker) widens the window (the async
-chaos test holds calls 2..4 s, so a kill lands while calls are in flight).
+chaos test holds calls 6..10 s, so a kill lands while calls are in flight).
 """
 
 from __future__ import annotations
