@@ -296,11 +296,17 @@ async def _name_deaths(run: GRPORun, step: int, metrics: dict[str, float], what:
     ) from error
 
 
-def _check_deaths(run: GRPORun, step: int, metrics: dict[str, float]) -> None:
-    """Deaths since the last step are named; with `abort` the step's line is logged and the run stops."""
+async def _check_deaths(run: GRPORun, step: int, metrics: dict[str, float]) -> None:
+    """Deaths since the last step are named; with `abort` the step's line is logged and the run stops.
+
+    Before stopping, one more liveness round: components that died together (a node, say) but were
+    found a round apart are named together, in the step that saw the first."""
     if run.watch is None:
         return
     deaths = step_deaths(run.watch, run.pool, run.progress)
+    if deaths:
+        await run.watch.poll()
+        deaths.update(step_deaths(run.watch, run.pool, run.progress))
     metrics.update(component_metrics(deaths, run.watch.down(), 0, 0))
     if deaths:
         run.logger.log(step, metrics)  # the step that stops the run keeps its accounting line
@@ -326,7 +332,7 @@ async def async_step(run: GRPORun, producer: RolloutProducer, step: int, trainer
     metrics.update(counters.metrics(retention=run.cleaner is not None))
     if metrics["rollouts/dispatched"] != metrics["finalize/kept_rollouts"] + metrics["finalize/placeholders"]:
         raise GRPOError(f"step {step}: always-N accounting broke: {metrics}")
-    _check_deaths(run, step, metrics)
+    await _check_deaths(run, step, metrics)
     if cfg.logger.dump_first_call_prompt_ids:
         append_jsonl(Path(cfg.logger.log_dir) / FIRST_CALL_PROMPTS_FILE, first_call_prompt_records(step, groups))
     ids = [e.rollout_id for g in (*groups, *dropped) for e in g.entries]

@@ -368,3 +368,21 @@ def test_dispatch_halts_once_the_watch_finds_any_death_and_says_so_once():
     assert halted() is True and halted() is True
     assert run.said == ["[async] finalizer_0 died: no more groups are dispatched; the run stops at the step that "
                         "sees it (token_capture.on_component_failure=abort)"]
+
+
+async def test_the_step_that_sees_a_death_names_those_found_one_round_later_with_it():
+    from nemo_rl.distributed.component_watch import ComponentDeath, Role
+
+    gate = ComponentDeath("gate", Role.ROLLOUT_PATH, "Gym server policy_model (pid 7) killed by SIGKILL", 1.0)
+    unit = ComponentDeath("tq_storage_unit_0", Role.ROLLOUT_PATH, "TransferQueue storage_unit_0 (Ray actor) is gone", 2.0)
+    run, logged = _death_run([gate])
+
+    async def poll():  # the storage unit's death is found by the next round
+        run.watch.deaths.append(unit)
+
+    run.watch.poll = poll
+    run.cfg.token_capture = SimpleNamespace(on_component_failure="abort")
+    with pytest.raises(ComponentFailedError, match=r"^step 3: gate died: Gym server policy_model \(pid 7\) killed by "
+                                                   r"SIGKILL; tq_storage_unit_0 died: TransferQueue storage_unit_0"):
+        await grpo_async._check_deaths(run, 3, {"rollouts/dispatched": 8.0})
+    assert [(step, m["component/deaths"]) for step, m in logged] == [(3, 2.0)]
