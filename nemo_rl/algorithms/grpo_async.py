@@ -9,6 +9,8 @@ arrive during the swap; an aborted drain keeps the old weights and is counted).
 Invariants: per step `rollouts/dispatched == kept + placeholders` over the step's groups; no
 trained token is older than `max_trajectory_age_steps` or newer than the trainer's version (read
 from the rows); every dispatched group is trained, dropped and re-run, or reported at exit.
+A death (on_component_failure=abort) halts dispatching; the step that sees it is logged, then
+`ComponentFailedError` names it, as it does any failure a death explains (`_name_deaths`).
 See docs/design-docs/async-grpo.md and docs/guides/async-grpo.md.
 """
 
@@ -23,10 +25,10 @@ from pathlib import Path
 from typing import Any
 
 from nemo_rl.algorithms.async_config import in_flight_limit
-from nemo_rl.algorithms.errors import GRPOError
+from nemo_rl.algorithms.errors import GRPOError, MaskedStepsError
 from nemo_rl.algorithms.grpo_checkpoint import DISPATCHED_PROMPTS_FILE, batch_digest, ledger_to_resume
 from nemo_rl.algorithms.grpo_config import MasterConfig
-from nemo_rl.algorithms.grpo_health import check_abort, component_metrics, step_deaths
+from nemo_rl.algorithms.grpo_health import ComponentFailedError, check_abort, component_metrics, step_deaths
 from nemo_rl.algorithms.grpo_single_controller import (
     GRPORun,
     StepBatch,
@@ -109,13 +111,16 @@ class RolloutProducer:
     """Keeps the ledger's in-flight cap filled with group tasks (positions below `end` only).
 
     A group that comes back is finished in the ledger and more are dispatched at once; a group task
-    that raises stops dispatching and the error reaches the trainer at its next wait. Not
-    thread-safe: the driver's event loop owns it (and the ledger)."""
+    that raises stops dispatching and the error reaches the trainer at its next wait. `halted()`
+    (a component died: the run stops at the step that sees it) stops dispatching too, so no group
+    is started that could never train. Not thread-safe: the driver's event loop owns it (and the ledger)."""
 
-    def __init__(self, ledger: PromptLedger, run_group: Callable[[GroupTicket], Awaitable[GroupResult]], end: int) -> None:
+    def __init__(self, ledger: PromptLedger, run_group: Callable[[GroupTicket], Awaitable[GroupResult]], end: int,
+                 halted: Callable[[], bool] = lambda: False) -> None:
         self.ledger = ledger
         self._run_group = run_group
         self._end = end
+        self._halted = halted
         self._results: dict[GroupTicket, GroupResult] = {}
         self._tasks: dict[GroupTicket, asyncio.Task] = {}
         self._changed = asyncio.Event()
@@ -129,7 +134,8 @@ class RolloutProducer:
     def fill(self) -> int:
         """Dispatch while the cap allows and positions below `end` remain; returns how many."""
         started = 0
-        while self._error is None and self.ledger.can_dispatch() and self.ledger.next_position < self._end:
+        while (self._error is None and not self._halted() and self.ledger.can_dispatch()
+               and self.ledger.next_position < self._end):
             ticket = self.ledger.dispatch()
             self._tasks[ticket] = asyncio.create_task(self._one(ticket), name=f"rollout-group-{ticket.key}")
             started += 1
@@ -157,9 +163,10 @@ class RolloutProducer:
             if head is not None:
                 return head, [self._results[t] for t in head]
             if not self._tasks:
+                why = "dispatching is halted (a component died)" if self._halted() else "none can be dispatched"
                 raise AsyncLoopError(
                     f"step {self.ledger.step + 1} waits for positions {list(self.ledger.waiting_for())} but no group "
-                    f"is running and none can be dispatched (end={self._end}, in flight {self.ledger.in_flight})"
+                    f"is running and {why} (end={self._end}, in flight {self.ledger.in_flight})"
                 )
             self._changed.clear()
             await self._changed.wait()
@@ -178,15 +185,20 @@ class RolloutProducer:
             del self._results[ticket]
         self.fill()
 
-    async def aclose(self) -> tuple[tuple[GroupTicket, ...], tuple[GroupTicket, ...]]:
+    async def aclose(self, deadline_s: float) -> tuple[tuple[GroupTicket, ...], tuple[GroupTicket, ...],
+                                                     tuple[GroupTicket, ...]]:
         """Stop dispatching, cancel every running group (the manager accounts each as aborted) and wait
-        for their cleanup; returns (the tickets that were running, the finished ones never consumed)."""
+        up to `deadline_s` for their cleanup (retention, bounded by its own deadline); returns (the
+        tickets that were running, the finished ones never consumed, those still cleaning up at the
+        deadline: left to the teardown, which stops what they wait on)."""
         self._error = self._error or AsyncLoopError("the producer was closed")  # no dispatch from here on
-        running, tasks = tuple(self._tasks), tuple(self._tasks.values())
-        for task in tasks:
+        running, tasks = tuple(self._tasks), dict(self._tasks)
+        for task in tasks.values():
             task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        return running, tuple(self._results)
+        if tasks:
+            await asyncio.wait(tasks.values(), timeout=deadline_s)
+        stuck = tuple(ticket for ticket, task in tasks.items() if not task.done())
+        return running, tuple(self._results), stuck
 
 
 # -- the trainer's step --------------------------------------------------------------------------
@@ -237,6 +249,9 @@ async def gather_step(run: GRPORun, producer: RolloutProducer, step: int, traine
     """Wait for step `step`'s groups, dropping stale ones until all are fresh; commit; (groups, dropped)."""
     max_age = run.cfg.grpo.async_rollouts.max_trajectory_age_steps
     waited, dropped = 0.0, []
+    producer.fill()
+    if producer.ledger.head() is None:  # the trainer idles from here: say on what (a chaos test's cue too)
+        run.progress(f"[step {step}] waiting for its groups ({producer.running_count} group(s) running)")
     while True:
         t0 = time.monotonic()
         head, groups = await producer.wait_head()
@@ -260,11 +275,38 @@ async def gather_step(run: GRPORun, producer: RolloutProducer, step: int, traine
     return groups, dropped
 
 
-def _check_deaths(run: GRPORun, step: int, metrics: dict[str, float]) -> None:
-    """Deaths since the last step are named; with `abort` the step's line is logged and the run stops."""
+async def _name_deaths(run: GRPORun, step: int, metrics: dict[str, float], what: str, error: BaseException) -> None:
+    """After `what` of step `step` failed with `error`: one liveness round now; a death it finds is named
+    (ComponentFailedError from `error`, after the step's line when its accounting is complete), never
+    the failure's raw traceback. With no death, returns and the caller re-raises `error` unchanged."""
+    if run.watch is None:
+        return
+    await run.watch.poll()
+    deaths = step_deaths(run.watch, run.pool, run.progress)
+    if not deaths:
+        return
+    metrics.update(component_metrics(deaths, run.watch.down(), 0, 0))
+    if "rollouts/dispatched" in metrics:  # the step was accounted: its line is kept
+        run.logger.log(step, metrics)
+    named = "; ".join(f"{name} died: {detail}" for name, detail in sorted(deaths.items()))
+    trained = "the step was trained" if "train/num_samples" in metrics else "nothing of the step was trained"
+    raise ComponentFailedError(
+        f"step {step}: {what} failed ({type(error).__name__}: {str(error)[:200]}) and {named}; {trained}. "
+        "token_capture.on_component_failure=abort stops the run (resume from the last checkpoint)"
+    ) from error
+
+
+async def _check_deaths(run: GRPORun, step: int, metrics: dict[str, float]) -> None:
+    """Deaths since the last step are named; with `abort` the step's line is logged and the run stops.
+
+    Before stopping, one more liveness round: components that died together (a node, say) but were
+    found a round apart are named together, in the step that saw the first."""
     if run.watch is None:
         return
     deaths = step_deaths(run.watch, run.pool, run.progress)
+    if deaths:
+        await run.watch.poll()
+        deaths.update(step_deaths(run.watch, run.pool, run.progress))
     metrics.update(component_metrics(deaths, run.watch.down(), 0, 0))
     if deaths:
         run.logger.log(step, metrics)  # the step that stops the run keeps its accounting line
@@ -277,7 +319,11 @@ async def async_step(run: GRPORun, producer: RolloutProducer, step: int, trainer
     cfg = run.cfg
     if run.finalizer is not None:
         run.finalizer.seconds = 0.0
-    groups, dropped = await gather_step(run, producer, step, trainer, metrics)
+    try:
+        groups, dropped = await gather_step(run, producer, step, trainer, metrics)
+    except AsyncLoopError as error:  # a group failed: a death that explains it is named, not the group's error
+        await _name_deaths(run, step, metrics, "a rollout group", error)
+        raise
     if run.watch is not None:
         await run.watch.poll()  # a death at the very end of the wait is named in this step
     metrics["timing/finalize_s"] = run.finalizer.seconds if run.finalizer is not None else 0.0
@@ -286,7 +332,7 @@ async def async_step(run: GRPORun, producer: RolloutProducer, step: int, trainer
     metrics.update(counters.metrics(retention=run.cleaner is not None))
     if metrics["rollouts/dispatched"] != metrics["finalize/kept_rollouts"] + metrics["finalize/placeholders"]:
         raise GRPOError(f"step {step}: always-N accounting broke: {metrics}")
-    _check_deaths(run, step, metrics)
+    await _check_deaths(run, step, metrics)
     if cfg.logger.dump_first_call_prompt_ids:
         append_jsonl(Path(cfg.logger.log_dir) / FIRST_CALL_PROMPTS_FILE, first_call_prompt_records(step, groups))
     ids = [e.rollout_id for g in (*groups, *dropped) for e in g.entries]
@@ -300,7 +346,15 @@ async def async_step(run: GRPORun, producer: RolloutProducer, step: int, trainer
         running = producer.running_count  # read on the refit's thread
         return {**refit_tolerating_aborts(run, step), "async/groups_running_at_refit": float(running)}
 
-    if await train_groups(run, step, groups, metrics, clear, refit):
+    try:
+        trained = await train_groups(run, step, groups, metrics, clear, refit)
+    except (ComponentFailedError, MaskedStepsError):
+        raise  # already named
+    except Exception as error:  # noqa: BLE001 - re-raised unchanged unless a death explains it
+        # A component that died after this step's check (the data plane under the train read, say).
+        await _name_deaths(run, step, metrics, "training", error)
+        raise
+    if trained:
         trainer.version = step  # the policy holds the weights of step `step`, refit or not
 
 
@@ -369,13 +423,37 @@ def group_runner(run: GRPORun, ledger: PromptLedger) -> Callable[[GroupTicket], 
     return run_ticket
 
 
+def dispatch_halt(run: GRPORun) -> Callable[[], bool]:
+    """The producer's halt: true once the watch found any component dead (under `abort`, the only policy
+    async runs, the run stops at the step that sees it, so a group dispatched now could never train)."""
+    said = False
+
+    def halted() -> bool:
+        nonlocal said
+        dead = run.watch.dead() if run.watch is not None else {}
+        if dead and not said:
+            said = True
+            run.progress(f"[async] {', '.join(sorted(dead))} died: no more groups are dispatched; the run stops "
+                         "at the step that sees it (token_capture.on_component_failure=abort)")
+        return bool(dead)
+
+    return halted
+
+
+def teardown_deadline_s(cfg: MasterConfig) -> float:
+    """How long the exit waits for cancelled groups' cleanup: their retention, bounded by stage_timeout_s
+    per job, plus a margin for the event loop (a group still cleaning up after it is reported)."""
+    return 2.0 * cfg.token_capture.stage_timeout_s + 5.0
+
+
 async def run_grpo_async(cfg: MasterConfig, progress=print) -> Path:
     """The async loop (see the module docstring); returns the metrics.jsonl path. Stops everything on exit."""
     run = await start_run(cfg, progress)
     if run is None:
         return Path(cfg.logger.log_dir) / METRICS_FILE
     ledger = ledger_for(run)
-    producer = RolloutProducer(ledger, group_runner(run, ledger), cfg.grpo.max_num_steps * cfg.grpo.num_prompts_per_step)
+    producer = RolloutProducer(ledger, group_runner(run, ledger), cfg.grpo.max_num_steps * cfg.grpo.num_prompts_per_step,
+                               halted=dispatch_halt(run))
     trainer = TrainerClock(run.served_version)
     progress(f"[async] max_in_flight_groups={ledger.max_in_flight}, max_trajectory_age_steps="
              f"{cfg.grpo.async_rollouts.max_trajectory_age_steps}, trainer at weight version {trainer.version}")
@@ -389,7 +467,11 @@ async def run_grpo_async(cfg: MasterConfig, progress=print) -> Path:
                 with Timer("step_s", metrics):
                     await async_step(run, producer, step, trainer, metrics)
                     worker_down = run.watch is not None and any_down(run.watch.down(), ComponentKind.VLLM_WORKER)
-                    now = None if worker_down else await _worker_facts(run)  # a dead worker has no counter
+                    try:
+                        now = None if worker_down else await _worker_facts(run)  # a dead worker has no counter
+                    except Exception as error:  # noqa: BLE001 - re-raised unchanged unless a death explains it
+                        await _name_deaths(run, step, metrics, "reading the workers' counters", error)
+                        raise
                 if now is not None:
                     metrics.update(worker_call_metrics([f["served_calls"] for f in facts],
                                                        [f["served_calls"] for f in now]))
@@ -400,10 +482,13 @@ async def run_grpo_async(cfg: MasterConfig, progress=print) -> Path:
         return run.logger.metrics_path
     finally:
         try:
-            running, unconsumed = await producer.aclose()
+            running, unconsumed, stuck = await producer.aclose(teardown_deadline_s(cfg))
             if running or unconsumed:
                 progress(f"[async] stopped with {len(running)} group(s) running ({', '.join(t.key for t in running)}; "
                          f"cancelled, accounted as aborted) and {len(unconsumed)} finished but not trained "
                          f"({', '.join(t.key for t in unconsumed)}): none of their rollouts was trained")
+            if stuck:
+                progress(f"[async] {len(stuck)} cancelled group(s) still cleaning up after {teardown_deadline_s(cfg)}s "
+                         f"({', '.join(t.key for t in stuck)}): left to the teardown")
         finally:
             await run.aclose()  # the teardown joins processes and Ray actors: off the event loop

@@ -332,6 +332,8 @@ class RolloutManager:
             raise
         finally:
             failures = await self._retain(state)
+            if failures and result is not None and self._health is not None and not self._health.down():
+                await self._health.poll()  # a unit that died under the clear fails it before the watch's next round
             down = self._health.down() if self._health is not None else {}
             if failures and result is not None and down:
                 self._retention_failures += 1

@@ -4,18 +4,21 @@ Every `POST /v1/chat/completions` on a vLLM worker waits a random 0.5..2.0 s bef
 admits it (nothing about the call changes: same tokens, same capture). The tiny model answers
 in a few tokens, so without it a step's rollouts finish long before the trainer refits; with it,
 their calls are admitted while the trainer trains, so a refit meets calls in flight. Every other
-hook is a no-op.
+hook is a no-op. `NRL_TEST_CALL_DELAY_S=lo,hi` (inherited by the worker) widens the window (the async
+chaos test holds calls 6..10 s, so a kill lands while calls are in flight).
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 from typing import Any
 
 from aiohttp import web
 
-DELAY_S = (0.5, 2.0)
+DELAY_VAR = "NRL_TEST_CALL_DELAY_S"
+DELAY_S = tuple(float(x) for x in os.environ.get(DELAY_VAR, "0.5,2.0").split(","))
 
 
 @web.middleware

@@ -29,113 +29,22 @@ listed, killed by PID and reported.
 
 from __future__ import annotations
 
-import json
-import os
-import re
-import shutil
-import signal
-import subprocess
-import sys
-import time
-import uuid
-from dataclasses import dataclass, field
-from pathlib import Path
-
 import pytest
 
-from tests.integration.process_family import (
-    TAG_VAR,
-    _command,
-    _descendants,
-    _kill_leftovers,
-    _ray_temp_dirs,
-    _snapshot,
-    _still_there,
-    _tagged,
+from tests.integration.chaos_driver import (
+    STEP_AFTER_DEATH_MAX_S,
+    ChaosRun,
+    Kill,
+    check_every_step,
+    drive,
+    driver_lines,
 )
 
-REPO = Path(__file__).resolve().parents[2]
 RECIPE = "examples/configs/grpo_capture_tiny_cpu.yaml"
-RUN_DEADLINE_S = 1500
-# A dead component must be named, and the step accounted, long before any rollout deadline
-# (`env.run_timeout_s` is 600 s): detection is within component_check_interval_s (1 s).
-STEP_AFTER_DEATH_MAX_S = 60.0
 
 
-@dataclass
-class Kill:
-    trigger: str  # a regex matched against the driver's output lines
-    component: str  # a key of run_info.json["components"]
-    killed_at: float | None = None
-    pid: int | None = None
-
-
-@dataclass
-class ChaosRun:
-    returncode: int
-    output: str
-    metrics: list[dict]
-    kills: list[Kill]
-    exited_at: float
-    log_dir: Path
-    leftovers: dict[int, str] = field(default_factory=dict)
-
-
-def _jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-
-def _drive(tmp: Path, overrides: list[str], kills: list[Kill]) -> ChaosRun:
-    """Run the driver; SIGKILL each component when its trigger line appears (in order)."""
-    log_dir = tmp / "logs"
-    out = tmp / "driver.out"
-    tag = uuid.uuid4().hex
-    env = {**os.environ, "PYTHONPATH": str(REPO), TAG_VAR: tag}
-    command = [sys.executable, "examples/run_grpo_single_controller.py", "--config", RECIPE,
-               f"logger.log_dir={log_dir}", *overrides]
-    family: dict[int, int] = {}
-    pending = list(kills)
-    end = time.monotonic() + RUN_DEADLINE_S
-    with out.open("wb") as sink:
-        proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=sink, stderr=subprocess.STDOUT)
-    try:
-        while proc.poll() is None:
-            if time.monotonic() > end:
-                pytest.fail(f"the run did not end within {RUN_DEADLINE_S}s:\n{out.read_text()[-6000:]}")
-            family.update(_snapshot(_descendants(proc.pid)))
-            if pending and re.search(pending[0].trigger, out.read_text(errors="replace"), re.MULTILINE):
-                kill = pending.pop(0)
-                pids = json.loads((log_dir / "run_info.json").read_text())["components"]
-                kill.pid = pids[kill.component]
-                os.kill(kill.pid, signal.SIGKILL)
-                kill.killed_at = time.monotonic()
-                print(f"[chaos] SIGKILL {kill.component} (pid {kill.pid}) on /{kill.trigger}/")
-            time.sleep(0.05)
-        exited_at = time.monotonic()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=30)
-        family.update(_snapshot(_tagged(tag)))
-        family.pop(proc.pid, None)
-        ray_dirs = _ray_temp_dirs(set(family))
-        time.sleep(2.0)  # what shares the driver's fate has had time to go
-        leftovers = {pid: _command(pid) for pid in _still_there(family)}
-        _kill_leftovers(family)
-        for d in ray_dirs:
-            shutil.rmtree(d, ignore_errors=True)
-    assert not pending, f"triggers never seen: {[k.trigger for k in pending]}\n{out.read_text()[-6000:]}"
-    return ChaosRun(proc.returncode, out.read_text(errors="replace"), _jsonl(log_dir / "metrics.jsonl"), kills,
-                    exited_at, log_dir, leftovers)
-
-
-def _check_every_step(run: ChaosRun) -> None:
-    for m in run.metrics:
-        assert m["rollouts/dispatched"] == m["finalize/kept_rollouts"] + m["finalize/placeholders"], m
-        if "train/num_samples" in m:  # trained: exactly the rows finalized this step
-            assert m["train/num_samples"] == m["finalize/rows"] > 0, m
-        else:
-            assert m["finalize/kept_rollouts"] == 0, m
+def _drive(tmp, overrides: list[str], kills: list[Kill]) -> ChaosRun:
+    return drive(tmp, RECIPE, overrides, kills)
 
 
 @pytest.fixture(scope="module")
@@ -165,13 +74,9 @@ def legacy_run(tmp_path_factory) -> ChaosRun:
     return _drive(tmp_path_factory.mktemp("chaos_legacy"), overrides, [Kill(r"^\[step 2\] dispatching", "vllm_worker_0")])
 
 
-def _run_info(run: ChaosRun) -> dict:
-    return json.loads((run.log_dir / "run_info.json").read_text())
-
-
 @pytest.mark.integration
 def test_continue_gate_death_is_named_at_once_and_the_restarted_gate_is_picked_up(continue_run: ChaosRun) -> None:
-    _check_every_step(continue_run)
+    check_every_step(continue_run)
     by_step = {m["step"]: m for m in continue_run.metrics}
     step2, step3 = by_step[2], by_step[3]
     assert step2["component/deaths"] == 1.0
@@ -227,16 +132,15 @@ def test_continue_dead_storage_unit_masks_steps_then_the_run_stops_loudly(contin
 
 @pytest.mark.integration
 def test_abort_engine_core_death_stops_the_run_naming_it_after_the_step_is_accounted(abort_run: ChaosRun) -> None:
-    _check_every_step(abort_run)
+    check_every_step(abort_run)
     kill = abort_run.kills[0]
     assert abort_run.returncode != 0
     core = f"vllm_worker_0/engine_core died: vLLM worker 0 engine core EngineCore (pid {kill.pid}) killed by SIGKILL"
     assert f"[health] {core}" in abort_run.output
     assert f"ComponentFailedError: step 2: {core}." in abort_run.output
-    # The driver's own lines (worker logs reach it prefixed, in colour, with their actor): no refit traceback.
-    driver_lines = [line for line in abort_run.output.splitlines()
-                    if not re.sub(r"\x1b\[[0-9;]*m", "", line).startswith(("(", " "))]
-    assert not [line for line in driver_lines if "EngineDeadError" in line or "RefitFailedError" in line]
+    # The driver's own lines: no refit traceback.
+    lines = driver_lines(abort_run.output)
+    assert not [line for line in lines if "EngineDeadError" in line or "RefitFailedError" in line]
     assert "vllm_worker_0 died" not in abort_run.output  # the worker actor lived on; only its engine core died
     assert [m["step"] for m in abort_run.metrics] == [1, 2]
     step2 = abort_run.metrics[1]
@@ -249,8 +153,8 @@ def test_abort_engine_core_death_stops_the_run_naming_it_after_the_step_is_accou
 
 @pytest.mark.integration
 def test_legacy_path_worker_death_is_named_within_the_watch_deadline(legacy_run: ChaosRun) -> None:
-    _check_every_step(legacy_run)
-    components = _run_info(legacy_run)["components"]
+    check_every_step(legacy_run)
+    components = legacy_run.run_info()["components"]
     # What the legacy path has (Gym servers, the worker, its engine core), and nothing it lacks.
     assert {"gate", "vllm_worker_0", "vllm_worker_0/engine_core"} <= set(components)
     assert not [name for name in components if name.startswith(("tq_", "finalizer_"))], components

@@ -14,11 +14,13 @@ import pytest
 from nemo_rl.algorithms import grpo_async
 from nemo_rl.algorithms.async_config import AsyncRolloutsConfig
 from nemo_rl.algorithms.errors import GRPOError
+from nemo_rl.algorithms.grpo_health import ComponentFailedError
 from nemo_rl.algorithms.grpo_async import (
     AsyncLoopError,
     RolloutProducer,
     TrainerClock,
     clear_step_train_rows,
+    dispatch_halt,
     dispatch_record,
     engine_step_metrics,
     gather_step,
@@ -169,16 +171,17 @@ async def test_a_failing_group_reaches_the_trainer_and_teardown_reports_what_ran
     with pytest.raises(AsyncLoopError, match="a rollout group failed: RuntimeError: group 1 broke"):
         await producer.wait_head()
     assert producer.fill() == 0  # no dispatch after a failure
-    running, unconsumed = await producer.aclose()
+    running, unconsumed, stuck = await producer.aclose(deadline_s=5.0)
     assert sorted(t.position for t in running) == [0, 3]
     assert [t.position for t in unconsumed] == [2]
+    assert stuck == ()
 
 
 async def test_a_step_that_can_never_complete_is_named_not_awaited_forever():
     ledger = PromptLedger(2, 2)
     producer = RolloutProducer(ledger, Scripted(), end=1)  # the run ends inside the step: a wiring bug
     producer.fill()
-    await producer.aclose()
+    await producer.aclose(deadline_s=5.0)
     producer2 = RolloutProducer(PromptLedger(2, 2), Scripted(), end=0)
     with pytest.raises(AsyncLoopError, match=r"step 1 waits for positions \[0, 1\] but no group is running"):
         await producer2.wait_head()
@@ -215,7 +218,8 @@ async def test_gather_drops_a_stale_group_whole_and_trains_its_re_run():
     groups, dropped = await gather_step(run, producer, 1, TrainerClock(3), metrics)
     assert [g.group_index for g in dropped] == [1] and len(groups) == 2
     assert producer.ledger.step == 1 and producer.ledger.dropped_stale_total == 1
-    assert run.said == ["[step 1] dropped stale group p1.g0 (sync step 1 group 1): tokens older than version 2; "
+    assert run.said == ["[step 1] waiting for its groups (2 group(s) running)",
+                        "[step 1] dropped stale group p1.g0 (sync step 1 group 1): tokens older than version 2; "
                         "re-queued"]
     assert {k: v for k, v in metrics.items() if k != "async/trainer_wait_s"} == {
         "async/dropped_stale_rollouts": 2.0, "async/trainer_version": 3.0,
@@ -249,3 +253,131 @@ def test_an_aborted_refit_keeps_the_versions_the_workers_report(monkeypatch):
     assert run.served_version == 4
     assert run.said == ["[step 5] refit aborted (vLLM worker 0: refit to version 5 aborted: 2 generation(s) still in "
                         "flight); the workers serve versions [4]"]
+
+
+# -- the death path: dispatch halts on a death, a failure a death explains is named, teardown is bounded --
+
+
+async def test_a_halted_producer_dispatches_nothing_and_a_step_it_cannot_finish_says_why():
+    dead: dict[str, str] = {}
+    ledger, script = PromptLedger(2, 3), Scripted()
+    producer = RolloutProducer(ledger, script, end=8, halted=lambda: bool(dead))
+    assert producer.fill() == 3
+    dead["gate"] = "Gym server policy_model (pid 7) killed by SIGKILL"
+    for p in (0, 1):
+        script.release(p)
+    head, groups = await producer.wait_head()
+    producer.commit(1, head, groups)  # frees two slots: none is filled
+    await asyncio.sleep(0)
+    assert script.started == [(0, 0), (1, 0), (2, 0)] and ledger.in_flight == 1
+    script.release(2)
+    with pytest.raises(AsyncLoopError, match=r"step 2 waits for positions \[3\] but no group is running and "
+                                             r"dispatching is halted \(a component died\)"):
+        await producer.wait_head()
+
+
+async def test_teardown_waits_for_cancelled_groups_up_to_its_deadline_and_reports_the_stuck_ones():
+    release = asyncio.Event()
+
+    async def slow_cleanup(ticket):
+        try:
+            await asyncio.Event().wait()
+        finally:  # like the manager's retention after a cancel, bounded only by its own deadline
+            if ticket.position == 1:
+                await release.wait()
+        raise AssertionError("unreachable")
+
+    producer = RolloutProducer(PromptLedger(2, 2), slow_cleanup, end=2)
+    producer.fill()
+    await asyncio.sleep(0)
+    running, unconsumed, stuck = await producer.aclose(deadline_s=0.05)
+    assert [t.position for t in running] == [0, 1] and unconsumed == ()
+    assert [t.key for t in stuck] == ["p1.g0"]
+    release.set()
+    await asyncio.sleep(0.01)
+    assert producer.running_count == 0
+
+
+class FakeWatch:
+    def __init__(self, deaths):
+        self.deaths, self.polls = deaths, 0
+
+    async def poll(self):
+        self.polls += 1
+
+    def take_deaths(self):
+        deaths, self.deaths = self.deaths, []
+        return deaths
+
+    def down(self):
+        return {"tq_storage_unit_0": "TransferQueue storage_unit_0 (Ray actor) is gone"}
+
+    def dead(self):
+        return {d.name: d for d in self.deaths}
+
+
+def _death_run(deaths):
+    logged: list[tuple[int, dict]] = []
+    run = _run()
+    run.watch, run.pool = FakeWatch(deaths), None
+    run.logger = SimpleNamespace(log=lambda step, metrics: logged.append((step, dict(metrics))))
+    return run, logged
+
+
+async def test_a_failure_a_death_explains_is_named_after_the_accounted_step_line():
+    from nemo_rl.distributed.component_watch import ComponentDeath, Role
+
+    death = ComponentDeath("tq_storage_unit_0", Role.ROLLOUT_PATH, "TransferQueue storage_unit_0 (Ray actor) is gone", 1.0)
+    run, logged = _death_run([death])
+    metrics = {"rollouts/dispatched": 8.0}
+    error = RuntimeError("read failed")
+    with pytest.raises(ComponentFailedError) as raised:
+        await grpo_async._name_deaths(run, 4, metrics, "training", error)
+    assert str(raised.value) == (
+        "step 4: training failed (RuntimeError: read failed) and tq_storage_unit_0 died: TransferQueue storage_unit_0 "
+        "(Ray actor) is gone; nothing of the step was trained. token_capture.on_component_failure=abort stops the "
+        "run (resume from the last checkpoint)")
+    assert raised.value.__cause__ is error and run.watch.polls == 1
+    assert logged == [(4, {"rollouts/dispatched": 8.0, "component/deaths": 1.0, "component/down": 1.0,
+                           "component/restarts": 0.0, "finalize/replaced_workers": 0.0})]
+    # unaccounted (a group failed before the step's head was complete): named, no line
+    run, logged = _death_run([death])
+    with pytest.raises(ComponentFailedError, match="step 4: a rollout group failed"):
+        await grpo_async._name_deaths(run, 4, {}, "a rollout group", error)
+    assert logged == []
+
+
+async def test_a_failure_no_death_explains_is_left_to_propagate_unchanged():
+    run, logged = _death_run([])
+    assert await grpo_async._name_deaths(run, 2, {"rollouts/dispatched": 8.0}, "training", RuntimeError("x")) is None
+    assert logged == [] and run.watch.polls == 1
+
+
+def test_dispatch_halts_once_the_watch_finds_any_death_and_says_so_once():
+    from nemo_rl.distributed.component_watch import ComponentDeath, Role
+
+    run, _ = _death_run([])
+    halted = dispatch_halt(run)
+    assert halted() is False and run.said == []
+    run.watch.deaths = [ComponentDeath("finalizer_0", Role.OFF_PATH, "finalizer worker finalizer_0 (Ray actor) is gone", 1.0)]
+    assert halted() is True and halted() is True
+    assert run.said == ["[async] finalizer_0 died: no more groups are dispatched; the run stops at the step that "
+                        "sees it (token_capture.on_component_failure=abort)"]
+
+
+async def test_the_step_that_sees_a_death_names_those_found_one_round_later_with_it():
+    from nemo_rl.distributed.component_watch import ComponentDeath, Role
+
+    gate = ComponentDeath("gate", Role.ROLLOUT_PATH, "Gym server policy_model (pid 7) killed by SIGKILL", 1.0)
+    unit = ComponentDeath("tq_storage_unit_0", Role.ROLLOUT_PATH, "TransferQueue storage_unit_0 (Ray actor) is gone", 2.0)
+    run, logged = _death_run([gate])
+
+    async def poll():  # the storage unit's death is found by the next round
+        run.watch.deaths.append(unit)
+
+    run.watch.poll = poll
+    run.cfg.token_capture = SimpleNamespace(on_component_failure="abort")
+    with pytest.raises(ComponentFailedError, match=r"^step 3: gate died: Gym server policy_model \(pid 7\) killed by "
+                                                   r"SIGKILL; tq_storage_unit_0 died: TransferQueue storage_unit_0"):
+        await grpo_async._check_deaths(run, 3, {"rollouts/dispatched": 8.0})
+    assert [(step, m["component/deaths"]) for step, m in logged] == [(3, 2.0)]
