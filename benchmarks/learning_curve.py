@@ -178,6 +178,39 @@ def wall_ratio(sync_wall: Mapping[int, Sequence[float]], async_wall: Mapping[int
     return out
 
 
+def build_summary(
+    runs: Mapping[str, Mapping[int, tuple[Sequence[float], Sequence[float]]]],
+    run_time: Mapping[str, Mapping[int, float]],
+    compare: bool,
+    control: Mapping[int, Sequence[float]] | None = None,
+) -> dict:
+    """summary.json's figures: `summarize` per mode with `wall_s` and `run_time_s`, at the top level for
+    one mode, under `sync` and `async` with `compare` (plus `seeds` and `wall_ratio`); `mode`, `steps`,
+    and `control` when given. `runs[mode][seed] = (rewards, cumulative wall seconds)`."""
+    modes = list(runs)
+    if compare and sorted(modes) != ["async", "sync"]:
+        raise CurveError(f"a comparison needs a sync and an async run set, got {modes}")
+    if not compare and len(modes) != 1:
+        raise CurveError(f"one mode without compare, got {modes}")
+    per_mode = {}
+    for mode in modes:
+        seeds = list(runs[mode])
+        per_mode[mode] = {
+            **summarize({s: runs[mode][s][0] for s in seeds}, wall={s: runs[mode][s][1] for s in seeds}),
+            "run_time_s": [run_time[mode][s] for s in seeds],
+        }
+    if compare:
+        wall = {m: {s: w for s, (_, w) in runs[m].items()} for m in modes}
+        summary = {"mode": "compare", "seeds": list(runs["sync"]), "sync": per_mode["sync"],
+                   "async": per_mode["async"], "wall_ratio": wall_ratio(wall["sync"], wall["async"])}
+    else:
+        summary = {"mode": modes[0], **per_mode[modes[0]]}
+    summary["steps"] = len(next(iter(runs[modes[0]].values()))[0])
+    if control:
+        summary["control"] = summarize(control)
+    return summary
+
+
 def plot(
     runs: Mapping[str, Mapping[int, tuple[Sequence[float], Sequence[float]]]],
     path: Path,
@@ -284,32 +317,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             control[seed] = run_seed(args.config, seed, args.steps, args.out, extra, name="control")[0]
             first, last = window_means(control[seed])
             _log(f"control {seed}: first5 {first:.3f} last5 {last:.3f}")
-    per_mode = {
-        m: {**summarize({s: r for s, (r, _) in runs[m].items()}, wall={s: w for s, (_, w) in runs[m].items()}),
-            "run_time_s": [run_time[m][s] for s in seeds]}
-        for m in modes
-    }
-    summary: dict = {"mode": "compare" if args.compare else modes[0]}
-    if args.compare:
-        summary.update({"seeds": seeds, "sync": per_mode["sync"], "async": per_mode["async"],
-                        "wall_ratio": wall_ratio({s: w for s, (_, w) in runs["sync"].items()},
-                                                 {s: w for s, (_, w) in runs["async"].items()})})
-    else:
-        summary.update(per_mode[modes[0]])
-    if control:
-        summary["control"] = summarize(control)
-    summary.update({
-        "config": str(args.config),
-        "overrides": list(args.overrides),
-        "steps": len(next(iter(runs[modes[0]].values()))[0]),
-        "wall_time_s": round(time.monotonic() - t0, 1),
-    })
+    summary = build_summary(runs, run_time, compare=args.compare, control=control)
+    summary.update({"config": str(args.config), "overrides": list(args.overrides),
+                    "wall_time_s": round(time.monotonic() - t0, 1)})
     (args.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     plot(runs, args.out / "curve.png", f"{args.config.name}: {REWARD_KEY} ({', '.join(modes)}; seeds {seeds})", control)
     _log(f"wrote {args.out / 'summary.json'} and {args.out / 'curve.png'} in {summary['wall_time_s']:.0f} s")
-    brief = {m: {k: per_mode[m][k] for k in ("reward_first5", "reward_last5", "rising", "wall_total_s")} for m in modes}
+    per_mode = {m: summary[m] for m in modes} if args.compare else {modes[0]: summary}
+    brief = {m: {k: s[k] for k in ("reward_first5", "reward_last5", "rising", "wall_total_s")} for m, s in per_mode.items()}
     print(json.dumps({"seeds": seeds, **brief, "wall_time_s": summary["wall_time_s"]}))
-    return 0 if all(all(per_mode[m]["rising"]) for m in modes) else 1
+    return 0 if all(all(s["rising"]) for s in per_mode.values()) else 1
 
 
 if __name__ == "__main__":

@@ -137,3 +137,28 @@ def test_each_mode_loads_the_learning_recipe_and_differs_from_the_other_only_in_
     assert cfg["async"].token_capture.enabled and cfg["async"].token_capture.on_component_failure == "abort"
     assert cfg["async"].model_dump(exclude={"grpo": {"async_rollouts"}}) == cfg["sync"].model_dump(
         exclude={"grpo": {"async_rollouts"}})
+
+
+def _wall(step_s, n):
+    return [step_s * i for i in range(1, n + 1)]
+
+
+def test_build_summary_for_a_comparison_nests_the_modes_and_divides_their_loop_times():
+    runs = {"async": {1: (RISING, _wall(2.0, 12)), 2: (FLAT, _wall(1.0, 10))},
+            "sync": {1: (RISING, _wall(3.0, 12)), 2: (FLAT, _wall(1.5, 10))}}
+    s = lc.build_summary(runs, {"async": {1: 100.0, 2: 90.0}, "sync": {1: 120.0, 2: 95.0}}, compare=True)
+    assert (s["mode"], s["seeds"], s["steps"]) == ("compare", [1, 2], 12)
+    assert s["wall_ratio"] == [1.5, 1.5]
+    assert s["sync"]["wall_total_s"] == [36.0, 15.0] and s["async"]["wall_total_s"] == [24.0, 10.0]
+    assert s["sync"]["run_time_s"] == [120.0, 95.0] and s["async"]["rising"] == [True, False]
+    assert "control" not in s and "reward_first5" not in s
+    json.dumps(s)
+
+
+def test_build_summary_for_one_mode_stays_flat_as_before_and_keeps_the_control():
+    runs = {"async": {1: (RISING, _wall(2.0, 12))}}
+    s = lc.build_summary(runs, {"async": {1: 50.0}}, compare=False, control={1: FLAT})
+    assert (s["mode"], s["seeds"], s["steps"], s["reward_last5"]) == ("async", [1], 12, [0.82])
+    assert s["wall_s"]["1"][-1] == 24.0 and s["control"]["reward_last5"] == [0.5]
+    with pytest.raises(lc.CurveError, match="a comparison needs a sync and an async run set"):
+        lc.build_summary(runs, {"async": {1: 50.0}}, compare=True)
