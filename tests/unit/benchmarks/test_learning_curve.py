@@ -78,3 +78,87 @@ def test_summarize_one_number_per_seed():
     assert s["rising"] == [True, False]
     assert s["rewards"]["2"] == FLAT
     json.dumps(s)  # serialisable as written to summary.json
+
+
+def test_step_wall_s_is_the_cumulative_step_time_of_the_reward_steps_in_step_order():
+    lines = [
+        json.dumps({"step": 2, "reward/mean": 0.5, "timing/step_s": 12.5}),
+        json.dumps({"step": 3, "timing/step_s": 99.0}),  # no reward: neither a point nor counted
+        "",
+        json.dumps({"step": 1, "reward/mean": 0.25, "timing/step_s": 10.0}),
+        json.dumps({"step": 4, "reward/mean": 0.75, "timing/step_s": 7.25}),
+    ]
+    assert lc.step_rewards(lines) == [0.25, 0.5, 0.75]
+    assert lc.step_wall_s(lines) == [10.0, 22.5, 29.75]
+
+
+def test_a_reward_step_without_its_step_time_is_an_error():
+    lines = _lines([0.5], extra={"timing/step_s": 3.0}) + _lines([0.6], start=2)
+    with pytest.raises(lc.CurveError, match="step 2 has reward/mean but no timing/step_s"):
+        lc.step_wall_s(lines)
+
+
+def test_summarize_with_wall_times_adds_them_per_seed():
+    wall = {1: [float(i) for i in range(1, 13)], 2: [2.0 * i for i in range(1, 11)]}
+    s = lc.summarize({1: RISING, 2: FLAT}, wall=wall)
+    assert s["wall_s"] == {"1": [float(i) for i in range(1, 13)], "2": [2.0 * i for i in range(1, 11)]}
+    assert s["wall_total_s"] == [12.0, 20.0]
+    assert "wall_s" not in lc.summarize({1: RISING})
+    with pytest.raises(lc.CurveError, match="seed 2: 9 wall times for 10 rewards"):
+        lc.summarize({1: RISING, 2: FLAT}, wall={1: wall[1], 2: wall[2][:9]})
+
+
+def test_run_plan_runs_every_mode_of_a_seed_before_the_next_seed():
+    assert lc.run_plan([1, 2], ["async", "sync"]) == [("async", 1), ("sync", 1), ("async", 2), ("sync", 2)]
+    assert lc.run_plan([7], ["sync"]) == [("sync", 7)]
+    for bad in (["sync", "sync"], ["fast"], []):
+        with pytest.raises(lc.CurveError, match="need distinct modes"):
+            lc.run_plan([1], bad)
+
+
+def test_mode_overrides_turn_async_on_with_what_it_needs_and_sync_off():
+    assert lc.MODE_OVERRIDES["sync"] == ("grpo.async_rollouts.enabled=false",)
+    assert set(lc.MODE_OVERRIDES["async"]) == {
+        "grpo.async_rollouts.enabled=true", "token_capture.enabled=true", "token_capture.on_component_failure=abort"}
+
+
+def test_wall_ratio_is_sync_seconds_over_async_seconds_per_seed():
+    sync = {1: [10.0, 30.0], 2: [5.0, 15.0]}
+    assert lc.wall_ratio(sync, {2: [4.0, 12.0], 1: [8.0, 20.0]}) == [1.5, 1.25]
+    with pytest.raises(lc.CurveError, match="seed 1: sync ran 2 steps, async 1"):
+        lc.wall_ratio(sync, {1: [8.0], 2: [4.0, 12.0]})
+
+
+def test_each_mode_loads_the_learning_recipe_and_differs_from_the_other_only_in_the_async_switch():
+    from examples.arith.recipe import load_recipe
+
+    cfg = {m: load_recipe(lc.DEFAULT_CONFIG, list(lc.MODE_OVERRIDES[m])).config for m in ("sync", "async")}
+    assert cfg["async"].grpo.async_rollouts.enabled is True and cfg["sync"].grpo.async_rollouts.enabled is False
+    assert cfg["async"].token_capture.enabled and cfg["async"].token_capture.on_component_failure == "abort"
+    assert cfg["async"].model_dump(exclude={"grpo": {"async_rollouts"}}) == cfg["sync"].model_dump(
+        exclude={"grpo": {"async_rollouts"}})
+
+
+def _wall(step_s, n):
+    return [step_s * i for i in range(1, n + 1)]
+
+
+def test_build_summary_for_a_comparison_nests_the_modes_and_divides_their_loop_times():
+    runs = {"async": {1: (RISING, _wall(2.0, 12)), 2: (FLAT, _wall(1.0, 10))},
+            "sync": {1: (RISING, _wall(3.0, 12)), 2: (FLAT, _wall(1.5, 10))}}
+    s = lc.build_summary(runs, {"async": {1: 100.0, 2: 90.0}, "sync": {1: 120.0, 2: 95.0}}, compare=True)
+    assert (s["mode"], s["seeds"], s["steps"]) == ("compare", [1, 2], 12)
+    assert s["wall_ratio"] == [1.5, 1.5]
+    assert s["sync"]["wall_total_s"] == [36.0, 15.0] and s["async"]["wall_total_s"] == [24.0, 10.0]
+    assert s["sync"]["run_time_s"] == [120.0, 95.0] and s["async"]["rising"] == [True, False]
+    assert "control" not in s and "reward_first5" not in s
+    json.dumps(s)
+
+
+def test_build_summary_for_one_mode_stays_flat_as_before_and_keeps_the_control():
+    runs = {"async": {1: (RISING, _wall(2.0, 12))}}
+    s = lc.build_summary(runs, {"async": {1: 50.0}}, compare=False, control={1: FLAT})
+    assert (s["mode"], s["seeds"], s["steps"], s["reward_last5"]) == ("async", [1], 12, [0.82])
+    assert s["wall_s"]["1"][-1] == 24.0 and s["control"]["reward_last5"] == [0.5]
+    with pytest.raises(lc.CurveError, match="a comparison needs a sync and an async run set"):
+        lc.build_summary(runs, {"async": {1: 50.0}}, compare=True)
