@@ -30,6 +30,7 @@ from nemo_rl.algorithms.grpo_checkpoint import DISPATCHED_PROMPTS_FILE, batch_di
 from nemo_rl.algorithms.grpo_config import MasterConfig
 from nemo_rl.algorithms.grpo_health import ComponentFailedError, check_abort, component_metrics, step_deaths
 from nemo_rl.algorithms.grpo_single_controller import (
+    engine_step_metrics,
     GRPORun,
     StepBatch,
     log_and_checkpoint,
@@ -65,37 +66,6 @@ def keys_of_rollouts(keys: Iterable[str], rollout_ids: Iterable[str]) -> list[st
 def group_row_keys(groups: Iterable[GroupResult]) -> list[str]:
     """The train-partition keys the groups' kept rows name (RowRefs only; TrainRows have none)."""
     return [row.key for group in groups for row in group.rows if isinstance(row, RowRef)]
-
-
-def engine_step_metrics(before: Sequence[Mapping[str, Any]], after: Sequence[Mapping[str, Any]]) -> dict[str, float]:
-    """`async/*` engine metrics of the window between two reads of every worker's `EngineTiming`.
-
-    Per worker i: `async/worker_<i>/engine_idle_fraction` (engine seconds with no request / engine
-    seconds elapsed, both from the worker's own clock), `async/worker_<i>/refit_pause_s` (seconds its
-    refit gate was closed), `async/worker_<i>/refit_calls_in_flight` (calls that were running when a
-    refit closed the gate). Across workers: the mean idle fraction, the max pause, the summed calls
-    and `refit/aborted_workers` (refits aborted by a drain past its deadline)."""
-    if len(before) != len(after) or not after:
-        raise GRPOError(f"engine timings of {len(before)} then {len(after)} workers: need the same, non-zero count")
-    metrics: dict[str, float] = {}
-    idle, pause, calls, aborted = [], [], 0, 0
-    for i, (a, b) in enumerate(zip(before, after)):
-        elapsed = b["clock_s"] - a["clock_s"]
-        if elapsed <= 0:
-            raise GRPOError(f"worker {i}'s engine clock did not advance ({a['clock_s']} -> {b['clock_s']})")
-        idle.append((b["idle_s"] - a["idle_s"]) / elapsed)
-        pause.append(b["refit_pause_s"] - a["refit_pause_s"])
-        drained = b["refit_drained_calls"] - a["refit_drained_calls"]
-        calls += drained
-        aborted += int(b["refits_aborted"] > a["refits_aborted"])
-        metrics[f"async/worker_{i}/engine_idle_fraction"] = idle[-1]
-        metrics[f"async/worker_{i}/refit_pause_s"] = pause[-1]
-        metrics[f"async/worker_{i}/refit_calls_in_flight"] = float(drained)
-    metrics["async/engine_idle_fraction"] = sum(idle) / len(idle)
-    metrics["async/refit_pause_s"] = max(pause)
-    metrics["async/refit_calls_in_flight"] = float(calls)
-    metrics["refit/aborted_workers"] = float(aborted)
-    return metrics
 
 
 def dispatch_record(ticket: GroupTicket, row: Mapping[str, Any], launch_step: int) -> dict[str, Any]:

@@ -17,9 +17,10 @@ import asyncio
 import contextlib
 import shutil
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from nemo_rl.algorithms.errors import GRPOError, MaskedStepsError, StaleWeightsError
 from nemo_rl.algorithms.grpo import ClippedPGLossFn, compute_group_advantages
@@ -374,10 +375,41 @@ async def train_groups(run: GRPORun, step: int, groups: Sequence[GroupResult], m
     return trainable
 
 
+def engine_step_metrics(before: Sequence[Mapping[str, Any]], after: Sequence[Mapping[str, Any]]) -> dict[str, float]:
+    """`async/*` engine metrics of the window between two reads of every worker's `EngineTiming`.
+
+    Per worker i: `async/worker_<i>/engine_idle_fraction` (engine seconds with no request / engine
+    seconds elapsed, both from the worker's own clock), `async/worker_<i>/refit_pause_s` (seconds its
+    refit gate was closed), `async/worker_<i>/refit_calls_in_flight` (calls that were running when a
+    refit closed the gate). Across workers: the mean idle fraction, the max pause, the summed calls
+    and `refit/aborted_workers` (refits aborted by a drain past its deadline)."""
+    if len(before) != len(after) or not after:
+        raise GRPOError(f"engine timings of {len(before)} then {len(after)} workers: need the same, non-zero count")
+    metrics: dict[str, float] = {}
+    idle, pause, calls, aborted = [], [], 0, 0
+    for i, (a, b) in enumerate(zip(before, after)):
+        elapsed = b["clock_s"] - a["clock_s"]
+        if elapsed <= 0:
+            raise GRPOError(f"worker {i}'s engine clock did not advance ({a['clock_s']} -> {b['clock_s']})")
+        idle.append((b["idle_s"] - a["idle_s"]) / elapsed)
+        pause.append(b["refit_pause_s"] - a["refit_pause_s"])
+        drained = b["refit_drained_calls"] - a["refit_drained_calls"]
+        calls += drained
+        aborted += int(b["refits_aborted"] > a["refits_aborted"])
+        metrics[f"async/worker_{i}/engine_idle_fraction"] = idle[-1]
+        metrics[f"async/worker_{i}/refit_pause_s"] = pause[-1]
+        metrics[f"async/worker_{i}/refit_calls_in_flight"] = float(drained)
+    metrics["async/engine_idle_fraction"] = sum(idle) / len(idle)
+    metrics["async/refit_pause_s"] = max(pause)
+    metrics["async/refit_calls_in_flight"] = float(calls)
+    metrics["refit/aborted_workers"] = float(aborted)
+    return metrics
+
+
 async def engine_window_metrics(run: GRPORun, before: Sequence[dict] | None) -> tuple[dict[str, float], list[dict] | None]:
     """The synchronous loop's engine metrics since `before` (a previous reading), and the new reading.
 
-    The same keys and counters as the async loop (`grpo_async.engine_step_metrics`: the engines' own
+    The same keys and counters as the async loop (`engine_step_metrics`: the engines' own
     idle clock, so `async/engine_idle_fraction` compares the two loops directly). A dead worker has
     no counter: the reading is None and the step logs none; a step after a None reading logs none."""
     if any_down(_down(run), ComponentKind.VLLM_WORKER):
@@ -385,8 +417,6 @@ async def engine_window_metrics(run: GRPORun, before: Sequence[dict] | None) -> 
     now = await asyncio.to_thread(run.stack.workers.engine_timings)
     if before is None:
         return {}, now
-    from nemo_rl.algorithms.grpo_async import engine_step_metrics  # it builds on this module
-
     return engine_step_metrics(before, now), now
 
 
