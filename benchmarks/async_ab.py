@@ -38,7 +38,6 @@ import argparse
 import asyncio
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -47,6 +46,8 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+from nemo_rl.utils.child_process import wait_for_group
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = REPO_ROOT / "examples" / "configs"
@@ -324,16 +325,7 @@ def _run_child(argv: list[str], log_path: Path, timeout_s: float, tag: str) -> d
         reader = threading.Thread(target=pump, daemon=True)
         reader.start()
         try:
-            code = proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            _log(f"{tag}: no exit within {timeout_s:.0f}s; SIGTERM to its process group, then SIGKILL")
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=60.0)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=30.0)
-            raise BenchError(f"{tag} did not finish within --arm-timeout-s={timeout_s}; see {log_path}") from None
+            code = wait_for_group(proc, timeout_s, tag, log_path, BenchError, _log)
         finally:
             reader.join(timeout=10.0)
     if code != 0:

@@ -75,7 +75,6 @@ import os
 import pickle
 import random
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -85,6 +84,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from nemo_rl.utils.child_process import wait_for_group
 from nemo_rl.utils.logger import metrics_by_step
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -464,16 +464,7 @@ def _run_child(argv: list[str], log_path: Path, env: Mapping[str, str], timeout_
         reader = threading.Thread(target=pump, daemon=True)
         reader.start()
         try:
-            code = proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            _log(f"{tag}: no exit within {timeout_s:.0f}s; SIGTERM to its process group, then SIGKILL")
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=60.0)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=30.0)
-            raise BenchError(f"{tag} did not finish within --arm-timeout-s={timeout_s}; see {log_path}") from None
+            code = wait_for_group(proc, timeout_s, tag, log_path, BenchError, _log)
         finally:
             reader.join(timeout=10.0)
             sampler.stop()
