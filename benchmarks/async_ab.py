@@ -41,7 +41,6 @@ import os
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -322,14 +321,7 @@ def _run_child(argv: list[str], log_path: Path, timeout_s: float, tag: str) -> d
                 elif "Error" in line:
                     print(f"[{tag}] {line.rstrip()}", file=sys.stderr, flush=True)
 
-        reader = threading.Thread(target=pump, daemon=True)
-        reader.start()
-        try:
-            code = wait_for_group(proc, timeout_s, tag, log_path, BenchError, _log)
-        finally:
-            reader.join(timeout=10.0)
-    if code != 0:
-        raise BenchError(f"{tag} exited with status {code}; see {log_path}")
+        wait_for_group(proc, timeout_s, tag, log_path, BenchError, _log, pump)
     run = {"wall_s": round(time.monotonic() - started, 1), "load_before": load_before,
            "load_after": [round(x, 2) for x in os.getloadavg()]}
     (log_path.parent / "run.json").write_text(json.dumps(run, indent=1))

@@ -461,15 +461,10 @@ def _run_child(argv: list[str], log_path: Path, env: Mapping[str, str], timeout_
                 if line.startswith(("[step", "[stack]", "[capture_ab", "[synthetic")) or "Error" in line:
                     print(f"[{tag}] {line.rstrip()}", file=sys.stderr, flush=True)
 
-        reader = threading.Thread(target=pump, daemon=True)
-        reader.start()
         try:
-            code = wait_for_group(proc, timeout_s, tag, log_path, BenchError, _log)
+            wait_for_group(proc, timeout_s, tag, log_path, BenchError, _log, pump)
         finally:
-            reader.join(timeout=10.0)
             sampler.stop()
-    if code != 0:
-        raise BenchError(f"{tag} exited with status {code}; see {log_path}")
     run = {
         "wall_s": time.monotonic() - started,
         "load_before": load_before,

@@ -21,10 +21,25 @@ def _spawn(code: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
 
 
-def test_a_child_that_exits_in_time_gives_its_status_and_no_progress_line():
+def _pump_of(proc: subprocess.Popen, lines: list[str]):
+    def pump() -> None:
+        assert proc.stdout is not None
+        lines.extend(proc.stdout)
+    return pump
+
+
+def test_a_child_that_exits_0_in_time_is_waited_for_with_its_output_read():
+    proc = subprocess.Popen([sys.executable, "-c", "print('one'); print('two')"], stdout=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    lines: list[str] = []
     said: list[str] = []
-    assert wait_for_group(_spawn("raise SystemExit(3)"), 30.0, "arm", Path("log"), _ArmError, said.append) == 3
-    assert said == []
+    wait_for_group(proc, 30.0, "arm", Path("log"), _ArmError, said.append, _pump_of(proc, lines))
+    assert (proc.returncode, lines, said) == (0, ["one\n", "two\n"], [])
+
+
+def test_a_non_zero_exit_is_the_callers_error_naming_the_status_and_the_log():
+    with pytest.raises(_ArmError, match=r"^async_r1 exited with status 3; see arm\.log$"):
+        wait_for_group(_spawn("raise SystemExit(3)"), 30.0, "async_r1", Path("arm.log"), _ArmError, print, lambda: None)
 
 
 def test_a_hung_child_and_its_grandchild_are_stopped_and_named(monkeypatch, tmp_path):
@@ -41,7 +56,7 @@ def test_a_hung_child_and_its_grandchild_are_stopped_and_named(monkeypatch, tmp_
     grandchild = int(pid_file.read_text())
     said: list[str] = []
     with pytest.raises(_ArmError) as info:
-        wait_for_group(proc, 0.5, "sync_r0", tmp_path / "sync.log", _ArmError, said.append)
+        wait_for_group(proc, 0.5, "sync_r0", tmp_path / "sync.log", _ArmError, said.append, lambda: None)
     assert str(info.value) == f"sync_r0 did not finish within --arm-timeout-s=0.5; see {tmp_path / 'sync.log'}"
     assert said == ["sync_r0: no exit within 0s; SIGTERM to its process group, then SIGKILL"]
     assert proc.returncode is not None
