@@ -5,7 +5,8 @@ admits it (nothing about the call changes: same tokens, same capture). The tiny 
 in a few tokens, so without it a step's rollouts finish long before the trainer refits; with it,
 their calls are admitted while the trainer trains, so a refit meets calls in flight. Every other
 hook is a no-op. `NRL_TEST_CALL_DELAY_S=lo,hi` (inherited by the worker) widens the window (the async
-chaos test holds calls 6..10 s, so a kill lands while calls are in flight).
+chaos test holds calls 6..10 s, so a kill lands while calls are in flight). `NRL_TEST_ENGINE_HOLD_S=lo,hi`
+holds each admitted generation inside the engine (`time_capture_calls` wraps the engine's stream).
 """
 
 from __future__ import annotations
@@ -19,6 +20,11 @@ from aiohttp import web
 
 DELAY_VAR = "NRL_TEST_CALL_DELAY_S"
 DELAY_S = tuple(float(x) for x in os.environ.get(DELAY_VAR, "0.5,2.0").split(","))
+# Seconds an admitted generation is held inside the engine (counted in flight, so a refit that closes
+# the gate meanwhile must drain it): a refit meets calls in flight by construction, not by a race
+# between the tiny model's sub-second answers and the trainer's speed. "0,0" (default): no hold.
+HOLD_VAR = "NRL_TEST_ENGINE_HOLD_S"
+HOLD_S = tuple(float(x) for x in os.environ.get(HOLD_VAR, "0,0").split(","))
 
 
 @web.middleware
@@ -49,6 +55,17 @@ def aiohttp_middlewares(role: str = "worker") -> list[Any]:
 
 
 def time_capture_calls(service: Any) -> None:
+    """Wrap the worker's engine generation (between its admit and release) with the `HOLD_S` hold."""
+    if max(HOLD_S) <= 0:
+        return None
+    engine = service._engine
+    generate = engine._last_output
+
+    async def held(*args: Any, **kwargs: Any) -> Any:
+        await asyncio.sleep(random.uniform(*HOLD_S))
+        return await generate(*args, **kwargs)
+
+    engine._last_output = held
     return None
 
 

@@ -29,6 +29,9 @@ STEPS, P, N, MAX_AGE, CAP = 5, 2, 8, 1, 4  # P and MAX_AGE are the recipe's
 OVERRIDES = (f"grpo.max_num_steps={STEPS}", f"grpo.num_generations_per_prompt={N}",
              f"grpo.async_rollouts.max_in_flight_groups={CAP}", f"policy.train_micro_batch_size={P * N}")
 AGE = "async/trajectory_age_steps"
+# Every admitted generation is held 4..8 s inside the engine (slow_calls_hook): a rollout then takes longer than a
+# step's training, so groups dispatched at a commit are still generating when that step's refit closes the gate.
+ENGINE_HOLD_S = "4.0,8.0"
 
 
 def _jsonl(path: Path) -> list[dict]:
@@ -41,7 +44,8 @@ def async_run(tmp_path_factory) -> tuple[list[dict], list[dict]]:
     proc = subprocess.run(
         [sys.executable, "examples/run_grpo_single_controller.py", "--config", RECIPE, *OVERRIDES,
          f"logger.log_dir={log_dir}"],
-        cwd=REPO, capture_output=True, text=True, timeout=1500, env={**os.environ, "PYTHONPATH": str(REPO), "NRL_INSTRUMENTATION": "tests.integration.slow_calls_hook"},
+        cwd=REPO, capture_output=True, text=True, timeout=1500, env={**os.environ, "PYTHONPATH": str(REPO), "NRL_INSTRUMENTATION": "tests.integration.slow_calls_hook",
+                                                             "NRL_TEST_ENGINE_HOLD_S": ENGINE_HOLD_S},
     )
     assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-6000:]}"
     return _jsonl(log_dir / "metrics.jsonl"), _jsonl(log_dir / "dispatched_prompts.jsonl")
