@@ -308,6 +308,22 @@ def vllm_spec(flavor: str) -> VenvSpec:
     )
 
 
+HARNESS_SPEC_PREFIX = "harness-"
+
+
+def harness_spec(harness: str) -> VenvSpec:
+    """The venv of an agent harness that runs as a subprocess with its own pins (`venv_specs/harness-<name>.txt`).
+
+    A harness (e.g. `openai-agents`, the Agents SDK) needs libraries the project cannot share
+    (another major `openai`), so it gets a venv of its own, keyed by its spec file like any flavor.
+    """
+    path = SPECS_DIR / f"{HARNESS_SPEC_PREFIX}{harness}.txt"
+    if not path.is_file():
+        known = sorted(p.stem[len(HARNESS_SPEC_PREFIX):] for p in SPECS_DIR.glob(f"{HARNESS_SPEC_PREFIX}*.txt"))
+        raise ValueError(f"harness={harness!r} has no spec {path.name}; known harnesses: {known}")
+    return VenvSpec(name=f"{HARNESS_SPEC_PREFIX}{harness}", requirements_file=path)
+
+
 __all__ = [
     "Builder",
     "VenvBuildError",
@@ -315,6 +331,7 @@ __all__ = [
     "embedded_path_files",
     "ensure_venv",
     "forced_rebuild",
+    "harness_spec",
     "is_complete",
     "leftovers",
     "publish",
