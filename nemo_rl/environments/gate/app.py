@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +32,8 @@ from nemo_gym.global_config import get_global_config_dict
 from nemo_gym.openai_utils import NeMoGymChatCompletionCreateParamsNonStreaming, NeMoGymResponseCreateParamsNonStreaming
 from nemo_gym.token_id_capture.config import token_id_capture_config
 from nemo_gym.token_id_capture.protocols import install_lineage_store
-from nemo_rl.data.errors import FatalError
+from nemo_rl.data.errors import ApiError, FatalError
+from nemo_rl.data.request_rules import RequestFieldError
 from nemo_rl.environments.gate.ingress import (
     GATE_GUARD_KEY,
     ASGIApp,
@@ -43,13 +44,16 @@ from nemo_rl.environments.gate.ingress import (
     GateGuardConfig,
     GateGuardMiddleware,
     WorkerContextLimit,
+    answer_error,
     normalize_chat_body,
     normalize_chat_request,
 )
 from nemo_rl.environments.gate.ledger import BranchingCaptureLedger
+from nemo_rl.environments.gate.responses_fields import normalize_responses_body
 from responses_api_models.vllm_model.app import _PROPAGATE_CONTEXT_ERROR_ATTRIBUTE, VLLMModel
 
 CHAT_PATH_SUFFIX = "/chat/completions"
+RESPONSES_PATH_SUFFIX = "/responses"
 
 
 class CaptureGateConfigError(FatalError, ValueError):
@@ -120,19 +124,31 @@ def _with_content_length(scope: Scope, length: int) -> Scope:
     return {**scope, "headers": headers}
 
 
+def body_normalizer(scope: Scope) -> Callable[[bytes], bytes] | None:
+    """The body rewrite of a POST to a chat or Responses route (None for any other request; pure)."""
+    if scope.get("type") != "http" or str(scope.get("method") or "").upper() != "POST":
+        return None
+    path = str(scope.get("path") or "")
+    if path.endswith(CHAT_PATH_SUFFIX):
+        return normalize_chat_body
+    if path.endswith(RESPONSES_PATH_SUFFIX):
+        return normalize_responses_body
+    return None
+
+
 class NormalizeChatRequestMiddleware:
-    """Pure ASGI middleware: `normalize_chat_body` on POST bodies whose path ends with `/chat/completions`."""
+    """Pure ASGI middleware: `body_normalizer(scope)` on chat and Responses POST bodies.
+
+    A refused Responses field (`RequestFieldError`) is answered 400 naming it; the guard outside
+    refuses it first, so this only holds when the normaliser runs without the guard.
+    """
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        is_chat_post = (
-            scope.get("type") == "http"
-            and str(scope.get("method") or "").upper() == "POST"
-            and str(scope.get("path") or "").endswith(CHAT_PATH_SUFFIX)
-        )
-        if not is_chat_post:
+        normalize = body_normalizer(scope)
+        if normalize is None:
             await self.app(scope, receive, send)
             return
         received: list[Message] = []
@@ -144,7 +160,11 @@ class NormalizeChatRequestMiddleware:
         # A disconnect before the full body is replayed as it came; the app handles it.
         if received[-1].get("type") == "http.request":
             raw = b"".join(m.get("body", b"") or b"" for m in received)
-            normalized = normalize_chat_body(raw)
+            try:
+                normalized = normalize(raw)
+            except RequestFieldError as e:
+                await answer_error(send, ApiError("invalid_request", e.message, e.field))
+                return
             if normalized is not raw:
                 received = [{"type": "http.request", "body": normalized, "more_body": False}]
                 scope = _with_content_length(scope, len(normalized))

@@ -2,9 +2,9 @@
 
 `GateGuardMiddleware` (pure ASGI, outside Gym's middlewares, Gym's code untouched) checks rollout
 ids, the control routes' bearer (never logged or echoed), body size, JSON and the chat request
-rules (`request_rules`, with the worker's `max_model_len`, read once); a refusal is a named 4xx
-JSON error (type and field), so nothing is ledgered and nothing reaches the worker; a request it
-lets through is replayed byte for byte. `BodyLimitMiddleware` is the body limit alone.
+rules (`request_rules`, with the worker's `max_model_len`, read once) and the Responses field
+rules (`responses_fields`); a refusal is a named 4xx JSON error (type and field), so nothing is
+ledgered and nothing reaches the worker; a request it lets through is replayed byte for byte. `BodyLimitMiddleware` is the body limit alone.
 `normalize_chat_request` (pure) drops the response-only and echoed-null fields the `openai`
 client puts in assistant turns (sets derived from the installed SDK's types at import); it
 returns `body` itself when nothing changes. Invariant: nothing Gym's lineage fingerprint or
@@ -42,6 +42,7 @@ from nemo_rl.data.request_rules import (
     parse_json_body,
     show,
 )
+from nemo_rl.environments.gate.responses_fields import normalize_responses_request
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -209,7 +210,7 @@ class GateGuardMiddleware:
         try:
             replay = await self._check(scope, receive)
         except ApiError as e:
-            await _answer(send, e)
+            await answer_error(send, e)
             return
         await self.app(scope, replay or receive, send)
 
@@ -297,6 +298,7 @@ class GateGuardMiddleware:
                 check_chat_request(body, max_model_len=max_model_len)
             else:
                 check_sampling_fields(body, TOKEN_FIELDS[kind], max_model_len)
+                body = normalize_responses_request(body) if kind == "responses" else body
         except RequestFieldError as e:
             raise ApiError("invalid_request", e.message, e.field) from e
         try:
@@ -336,7 +338,7 @@ class BodyLimitMiddleware:
         )
         for key, value in scope.get("headers") or []:
             if key.lower() == b"content-length" and value.strip().isdigit() and int(value) > self._limit:
-                await _answer(send, error)
+                await answer_error(send, error)
                 return
         received: list[Message] = []
         size = 0
@@ -347,7 +349,7 @@ class BodyLimitMiddleware:
                 break
             size += len(message.get("body", b"") or b"")
             if size > self._limit:
-                await _answer(send, error)
+                await answer_error(send, error)
                 return
             if not message.get("more_body", False):
                 break
@@ -360,7 +362,7 @@ class BodyLimitMiddleware:
         await self.app(scope, replay, send)
 
 
-async def _answer(send: Send, error: ApiError) -> None:
+async def answer_error(send: Send, error: ApiError) -> None:
     body = error.encoded()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode("ascii"))]
     if error.status == 401:

@@ -338,6 +338,12 @@ BAD_CASES = [
      400, "invalid_request", "max_output_tokens"),
     ("responses-bad-input", "POST", "/ng-rollout/r1/v1/responses", json.dumps({"model": "tiny", "input": 7}).encode(),
      400, "invalid_request", "input"),
+    ("responses-store-true", "POST", "/ng-rollout/r1/v1/responses", json.dumps({**RESPONSES, "store": True}).encode(),
+     400, "invalid_request", "store"),
+    ("responses-previous-id", "POST", "/ng-rollout/r1/v1/responses",
+     json.dumps({**RESPONSES, "previous_response_id": "resp_1"}).encode(), 400, "invalid_request", "previous_response_id"),
+    ("responses-logprobs-include", "POST", "/ng-rollout/r1/v1/responses",
+     json.dumps({**RESPONSES, "include": ["message.output_text.logprobs"]}).encode(), 400, "invalid_request", "include"),
     ("messages-huge", "POST", "/v1/messages",
      json.dumps({"model": "tiny", "max_tokens": 10**9, "messages": [{"role": "user", "content": "hi"}]}).encode(),
      400, "invalid_request", "max_tokens"),
@@ -371,6 +377,26 @@ async def test_a_good_call_is_served_and_ledgered_once_between_bad_ones(stack: S
     assert manifest.status_code == 200
     assert [r["mode"] for r in manifest.json()["records"]] == ["text"] and manifest.json()["failures"] == []
     assert list(stack.staging.records) == [f"r1/{manifest.json()['records'][0]['model_call_id']}"]
+
+
+async def test_the_agents_sdk_responses_call_is_served_and_ledgered_once(stack: Stack) -> None:
+    # The Agents SDK's first /v1/responses body as sent (include: []), plus the accepted fields a harness may add.
+    sdk_body = json.loads((Path(__file__).parent / "data" / "agents_sdk_0_24_first_responses_call.json").read_text())
+    path = "/ng-rollout/r1/training-token-capture/v1/responses"
+    extras = {"store": False, "parallel_tool_calls": True, "truncation": "disabled", "metadata": {"k": "v"},
+              "prompt_cache_key": "p", "service_tier": "auto", "user": "u", "include": ["reasoning.encrypted_content"]}
+    for body in (sdk_body, {**sdk_body, **extras}):
+        resp = await stack.gate.post(path, json=body)
+        assert resp.status_code == 200, resp.text
+        texts = [part["text"] for item in resp.json()["output"] if item["type"] == "message" for part in item["content"]]
+        assert texts == ["The answer is 17."]
+    manifest = await stack.gate.get("/training-token-capture/control/rollouts/r1/manifest",
+                                    headers={"Authorization": f"Bearer {BEARER}"})
+    records = manifest.json()["records"]
+    # The same input twice: identical siblings, two committed calls, each staged once.
+    assert [r["mode"] for r in records] == ["text", "text"] and manifest.json()["failures"] == []
+    assert sorted(stack.staging.records) == sorted(f"r1/{r['model_call_id']}" for r in records)
+    assert stack.engine.prompts[0] == stack.engine.prompts[1]  # the dropped fields changed no prompt token
 
 
 async def test_the_manifest_route_is_401_without_403_wrong_and_checks_the_id_after_auth(stack: Stack) -> None:
