@@ -57,6 +57,7 @@ class PlaceholderReason(str, Enum):
     TERMINAL_DECLARED_UNMATCHED = "terminal_declared_unmatched"
     DECLARED_TERMINAL_UNCAPTURED = "declared_terminal_uncaptured"
     TERMINAL_WITNESS_DISAGREEMENT = "terminal_witness_disagreement"
+    TERMINAL_WITNESS_UNMATCHED = "terminal_witness_unmatched"
     SERVED_NOT_STAGED = "served_not_staged"
     MIXED_WEIGHT_VERSION = "mixed_weight_version"
     GROUP_BELOW_MIN_VALID_FRACTION = "group_below_min_valid_fraction"

@@ -61,7 +61,8 @@ class CaptureHealthThresholds(BaseModel):
 
     zero_reasons: frozenset[str] = Field(default=frozenset({
         "capture_poisoned", "verification_failed", "terminal_declared_unmatched", "declared_terminal_uncaptured",
-        "terminal_witness_disagreement", "terminal_selection_failed", "empty_manifest", "mixed_weight_version",
+        "terminal_witness_disagreement", "terminal_witness_unmatched", "terminal_selection_failed", "empty_manifest",
+        "mixed_weight_version",
         "legacy_token_echo_missing", "legacy_invalid_echo",
     }), description="broken contracts: any count fails")
     transport_reasons: frozenset[str] = Field(default=frozenset({

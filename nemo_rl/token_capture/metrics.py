@@ -86,6 +86,12 @@ def first_call_prompt_records(step: int, groups: Sequence[GroupResult]) -> list[
     return records
 
 
+def heuristic_picks(entries: Sequence[KeptRollout | Placeholder]) -> int:
+    """Rollouts whose terminal Gym's parent-link walk picked (no declaration or witness named it)."""
+    return sum(1 for entry in entries if entry.terminal_selection == "heuristic"
+               and not (isinstance(entry, Placeholder) and entry.reason is PlaceholderReason.TERMINAL_SELECTION_FAILED))
+
+
 def finalize_metrics(groups: Sequence[GroupResult], queue_waits_ms: Sequence[float]) -> dict[str, float]:
     entries = [entry for group in groups for entry in group.entries]
     kept = [entry for entry in entries if isinstance(entry, KeptRollout)]
@@ -111,6 +117,7 @@ def finalize_metrics(groups: Sequence[GroupResult], queue_waits_ms: Sequence[flo
         "finalize/capture_poisoned_rollouts": float(reasons[PlaceholderReason.CAPTURE_POISONED]),
         "finalize/invalid_row_rate": _ratio(len(placeholders), len(entries)),
         "finalize/heuristic_terminal_fraction": _ratio(selected["heuristic"], sum(selected.values())),
+        "finalize/heuristic_terminal_picks": float(heuristic_picks(entries)),
         "finalize/terminal_witness_disagreements": float(disagreements),
         "finalize/calls_per_rollout": _ratio(sum(len(row.model_call_ids) for row in rows), len(rows)),
         "finalize/queue_wait_ms": _ratio(sum(queue_waits_ms), len(queue_waits_ms)),

@@ -82,6 +82,7 @@ def test_metrics_over_mixed_groups():
         "finalize/invalid_row_rate": 5 / 8,
         # selections named: a, b(h), c(h), e, f -> 2 heuristic of 5
         "finalize/heuristic_terminal_fraction": 2 / 5,
+        "finalize/heuristic_terminal_picks": 2.0,  # b (kept) and c (picked, then masked for another reason)
         "finalize/terminal_witness_disagreements": 1.0,
         "finalize/calls_per_rollout": 7 / 4,  # (3 + 1 + 1 + 2) / 4 rows
         "finalize/queue_wait_ms": 20.0,
@@ -134,6 +135,7 @@ def test_empty_denominators_are_zero_not_errors():
         "finalize/capture_poisoned_rollouts": 0.0,
         "finalize/invalid_row_rate": 0.0,
         "finalize/heuristic_terminal_fraction": 0.0,
+        "finalize/heuristic_terminal_picks": 0.0,
         "finalize/terminal_witness_disagreements": 0.0,
         "finalize/calls_per_rollout": 0.0,
         "finalize/queue_wait_ms": 0.0,
@@ -199,3 +201,20 @@ def test_abandoned_retries_are_outside_the_kept_fraction():
     assert metrics["finalize/kept_generated_token_fraction"] == 1.0  # 2 kept of 10 served - 8 abandoned
     assert (metrics["finalize/abandoned_retry_calls"], metrics["finalize/abandoned_retry_tokens"]) == (3.0, 8.0)
     assert not any(key.startswith("finalize/unverifiable_generated_tokens/") for key in metrics)
+
+
+def test_the_heuristic_pick_counter_counts_walk_picks_only():
+    # kept by the walk, kept by a declared output witness, and a walk that could not choose (no pick).
+    group = GroupResult(0, (
+        _kept([_row("a", 0, 0, calls=2, reward=1.0, selection="heuristic")]),
+        _kept([_row("b", 0, 1, calls=2, reward=1.0, selection="content")]),
+        Placeholder("c", 0, 2, R.TERMINAL_SELECTION_FAILED, "terminal_selection_failed:ambiguous_terminal", 1.0,
+                    "heuristic"),
+        Placeholder("d", 0, 3, R.TERMINAL_WITNESS_UNMATCHED, "matches no committed call's output", 1.0, "content"),
+    ))
+
+    metrics = finalize_metrics([group], [])
+
+    assert metrics["finalize/heuristic_terminal_picks"] == 1.0
+    assert metrics["finalize/terminal_selection/heuristic"] == 2.0  # selection named, picked or not
+    assert metrics["finalize/placeholders/terminal_witness_unmatched"] == 1.0

@@ -14,6 +14,8 @@ from nemo_rl.data.rows import PlaceholderReason
 from nemo_rl.token_capture import receipt as receipt_module
 from nemo_rl.token_capture.receipt import (
     TERMINAL_CALL_KEY,
+    TERMINAL_OUTPUT_FINGERPRINT_KEY,
+    TERMINAL_OUTPUT_TEXT_KEY,
     TERMINAL_RESPONSE_ID_KEY,
     TerminalChoice,
     UnknownAttributionMethodError,
@@ -178,3 +180,76 @@ def test_a_choice_is_a_call_or_a_rejection_never_both():
 )
 def test_reward_is_a_finite_number_or_none(result, expected):
     assert reward_of(result) == expected
+
+
+# --- the output witness: a client with no response id declares the scored output's text ---------
+
+
+def _with_output(record, text: str):
+    return record.model_copy(update={"output_fingerprint": assistant_fingerprint([{"role": "assistant", "content": text}]),
+                                     "fingerprint_version": FINGERPRINT_VERSION})
+
+
+def test_the_output_keys_are_ours_and_not_gyms():
+    assert (TERMINAL_OUTPUT_TEXT_KEY, TERMINAL_OUTPUT_FINGERPRINT_KEY) == (
+        "terminal_output_text", "terminal_output_fingerprint")
+    assert not hasattr(delivery, "TERMINAL_OUTPUT_TEXT_KEY")
+
+
+def test_an_output_witness_picks_the_terminal_among_siblings_and_retries(trees):
+    # c0 -> {retry a, retry b (identical to a), distinct c}: the harness scored c's text.
+    tree = trees.build(RID, [trees.Call("c0", None, trees.Turn((1, 2), (3,), (-0.5,))),
+                             trees.Call("a", "c0", trees.Turn((4,), (5,), (-0.1,))),
+                             trees.Call("b", "c0", trees.Turn((4,), (5,), (-0.1,))),
+                             trees.Call("c", "c0", trees.Turn((4,), (6,), (-0.1,)))])
+    by_id = tree.by_id
+    records = [_with_output(by_id["c0"], "calling"), _with_output(by_id["a"], "It is 5."),
+               _with_output(by_id["b"], "It is 5."), _with_output(by_id["c"], "It is 6.")]
+    without = trees.run_result(1.0, None)
+
+    assert choose_terminal(records, {**without, TERMINAL_OUTPUT_TEXT_KEY: "It is 6."}) == TerminalChoice(
+        "c", "content", "output_witness")
+    # Identical retries (same full sequence) are one answer: the smallest call id.
+    assert choose_terminal(records, {**without, TERMINAL_OUTPUT_TEXT_KEY: "It is 5."}) == TerminalChoice(
+        "a", "content", "output_witness")
+    fingerprint = assistant_fingerprint([{"role": "assistant", "content": "It is 6."}])
+    assert choose_terminal(records, {**without, TERMINAL_OUTPUT_FINGERPRINT_KEY: fingerprint}).call_id == "c"
+    # Without the witness the walk cannot choose among the childless siblings.
+    assert choose_terminal(records, without).rejection is R.TERMINAL_SELECTION_FAILED
+
+
+def test_an_output_witness_matching_no_call_masks_and_never_falls_back_to_the_walk(chains):
+    chain = chains.build(RID)
+    records = [_with_output(chain.records[0], "calling"), _with_output(chain.terminal, "It is 5.")]
+    result = {**chains.run_result(1.0, None), TERMINAL_OUTPUT_TEXT_KEY: "It is 7."}
+
+    assert choose_terminal(records, chains.run_result(1.0, None)).selection == "heuristic"  # the walk would pick call1
+    fingerprint = assistant_fingerprint([{"role": "assistant", "content": "It is 7."}])
+    assert choose_terminal(records, result) == TerminalChoice(
+        None, "content", "output_witness_unmatched", R.TERMINAL_WITNESS_UNMATCHED,
+        f"terminal_output_text/terminal_output_fingerprint {fingerprint[:16]}... matches no committed call's output")
+    # Records without fingerprints (or of another canonicalisation version) never match.
+    stale = [r.model_copy(update={"fingerprint_version": FINGERPRINT_VERSION + 1}) for r in records]
+    assert choose_terminal(stale, {**result, TERMINAL_OUTPUT_TEXT_KEY: "It is 5."}).rejection is R.TERMINAL_WITNESS_UNMATCHED
+
+
+def test_an_output_witness_naming_distinct_calls_is_ambiguous(trees):
+    tree = trees.build(RID, [trees.Call("x", None, trees.Turn((1,), (3,), (-0.5,))),
+                             trees.Call("y", None, trees.Turn((2,), (3,), (-0.5,)))])
+    records = [_with_output(r, "It is 5.") for r in tree.records]
+
+    assert choose_terminal(records, {**trees.run_result(1.0, None), TERMINAL_OUTPUT_TEXT_KEY: "It is 5."}) == TerminalChoice(
+        None, "content", "output_witness_ambiguous", R.TERMINAL_SELECTION_FAILED,
+        "terminal_selection_failed:output_witness_ambiguous ['x', 'y']")
+
+
+def test_an_output_witness_and_a_declared_id_must_agree(chains):
+    chain = chains.build(RID)
+    records = [_with_output(chain.records[0], "calling"), _with_output(chain.terminal, "It is 5.")]
+    base = {**chains.run_result(1.0, None), TERMINAL_OUTPUT_TEXT_KEY: "It is 5."}
+
+    agree = choose_terminal(records, {**base, TERMINAL_RESPONSE_ID_KEY: chain.terminal.response_id})
+    assert (agree.call_id, agree.selection) == ("call1", "declared")
+    trail = "witness_disagreement[output=call1;declared=call0]"
+    assert choose_terminal(records, {**base, TERMINAL_RESPONSE_ID_KEY: chain.records[0].response_id}) == TerminalChoice(
+        None, None, trail, R.TERMINAL_WITNESS_DISAGREEMENT, trail, witness_disagreement=True)
