@@ -29,6 +29,12 @@ behaviour through `openai.AsyncOpenAI(base_url=<gate>/ng-rollout/<id>/training-t
                    session, which the gate may route to any worker; the continuation is re-sent
                    (each re-send a retry sibling) until a worker other than its parent's serves it.
                    Its exactness proves a worker continues a rollout from ids another worker staged.
+- responses_api    the OpenAI Agents SDK's `Runner.run(max_turns=4)` with its default model
+                   (`OpenAIResponsesModel`, the Responses API) and the calculator tool, run by
+                   `examples/harness/agents_sdk_driver.py` in its own venv (`harness-openai-agents`);
+                   the last response id it saw is the declared terminal.
+- agents_sdk_chat  the same over `OpenAIChatCompletionsModel`: the SDK sees no response id, so the
+                   outcome declares the scored output's text (`terminal_output_text`) as the witness.
 
 Every line also names the workers that served the rollout's committed calls (`workers`, from
 each worker's own engine records) and counts `cross_worker_continuations` (token-in calls
@@ -75,6 +81,7 @@ import openai
 from examples.arith.rows import calculator_tool_output
 from examples.arith.task import CALCULATOR_TOOL, SYSTEM_PROMPT, make_problems, user_prompt
 from examples.arith.tiny_model import TinyModelConfig, ensure_tiny_model
+from examples.harness.agents_sdk_scenarios import AgentsSdkRunError, run_agents_sdk, sdk_outcome
 from nemo_gym.token_id_capture.fingerprint import assistant_fingerprint
 
 from nemo_rl.data.rows import KeptRollout, PlaceholderReason
@@ -88,7 +95,7 @@ from nemo_rl.models.generation.vllm.config import GenerationConfig
 from nemo_rl.token_capture.audit import audit_train_row
 from nemo_rl.token_capture.config import TokenCaptureConfig
 from nemo_rl.token_capture.judge import RunFailure
-from nemo_rl.token_capture.receipt import TERMINAL_RESPONSE_ID_KEY
+from nemo_rl.token_capture.receipt import TERMINAL_OUTPUT_TEXT_KEY, TERMINAL_RESPONSE_ID_KEY
 
 MIN_FRACTION = 0.99
 EDIT_PREFIX = "Let me restate my previous step. "
@@ -134,8 +141,11 @@ class ScenarioRun:
     kept: Any = None  # the ChatCompletion the harness scored
     calls: list[CallLog] = field(default_factory=list)
     facts: dict[str, Any] = field(default_factory=dict)
+    declared_outcome: dict[str, Any] | None = None  # a subprocess harness's own outcome (the Agents SDK)
 
     def outcome(self) -> dict[str, Any]:
+        if self.declared_outcome is not None:
+            return self.declared_outcome
         message = self.kept.choices[0].message
         content = (message.content or "").strip()
         return {
@@ -156,6 +166,7 @@ class Harness:
             "max_retries": 0,
         }
         self.client = openai.AsyncOpenAI(**self._client_kwargs)
+        self.base_url = self._client_kwargs["base_url"]
         self.model = model
         self.max_tokens = args.max_tokens
         self.run = run
@@ -426,6 +437,26 @@ async def scenario_cross_worker(h: Harness, ctx: Context, run: ScenarioRun) -> N
     run.kept = reply
 
 
+async def _agents_sdk(h: Harness, ctx: Context, run: ScenarioRun, mode: str) -> None:
+    """The Agents SDK's `Runner.run` tool loop, in its own venv, against this rollout's capture route."""
+    sdk = await run_agents_sdk(h.base_url, h.model, user_prompt(ctx.problems[0]), mode, max_tokens=h.max_tokens,
+                               timeout_s=SDK_DRIVER_TIMEOUT_S, log=log)
+    run.facts.update(sdk_mode=sdk.mode, sdk_final_output=sdk.final_output, sdk_response_ids=list(sdk.response_ids),
+                     sdk_tool_calls=sdk.tool_calls, sdk_error=sdk.error, sdk_seconds=sdk.seconds)
+    log(f"[agents-sdk:{mode}] {json.dumps(run.facts)}")
+    if sdk.error is not None:
+        raise AgentsSdkRunError(sdk.error)
+    run.declared_outcome = sdk_outcome(sdk)
+
+
+async def scenario_responses_api(h: Harness, ctx: Context, run: ScenarioRun) -> None:
+    await _agents_sdk(h, ctx, run, "responses")  # the SDK's default model: OpenAIResponsesModel
+
+
+async def scenario_agents_sdk_chat(h: Harness, ctx: Context, run: ScenarioRun) -> None:
+    await _agents_sdk(h, ctx, run, "chat")  # OpenAIChatCompletionsModel: no response id, an output witness
+
+
 SCENARIOS: dict[str, Callable[[Harness, Context, ScenarioRun], Awaitable[None]]] = {
     "plain": scenario_plain,
     "distinct_retry": scenario_distinct_retry,
@@ -436,7 +467,10 @@ SCENARIOS: dict[str, Callable[[Harness, Context, ScenarioRun], Awaitable[None]]]
     "failed_final": scenario_failed_final,
     "subagent": scenario_subagent,
     "cross_worker": scenario_cross_worker,
+    "responses_api": scenario_responses_api,
+    "agents_sdk_chat": scenario_agents_sdk_chat,
 }
+SDK_DRIVER_TIMEOUT_S = 240.0
 MULTI_WORKER_SCENARIOS = {"cross_worker"}
 CROSS_WORKER_MAX_SENDS = 8  # the gate hashes fresh sessions over the workers: 2 workers miss 8 times with p = 1/256
 
@@ -495,6 +529,7 @@ def summarize(name: str, rollout_id: str, run: ScenarioRun, outcome, entry, mani
         "text_root_records": sum(1 for r in records if r.mode != "token_in"),
         "terminal_selection": entry.terminal_selection,
         "declared_terminal": outcome.get(TERMINAL_RESPONSE_ID_KEY) if isinstance(outcome, dict) else None,
+        "declared_output_witness": outcome.get(TERMINAL_OUTPUT_TEXT_KEY) if isinstance(outcome, dict) else None,
         "engine_records_found": sum(1 for r in records if r.response_id in engine),
         "client_calls": [f"{c.label}:{'ok' if c.ok else 'error'}" for c in run.calls],
         **run.facts,
@@ -605,7 +640,8 @@ async def main(args: argparse.Namespace) -> list[dict[str, Any]]:
             harness = Harness(stack.env.gate_url, rollout_id, generation.model_name, args, run)
             try:
                 await asyncio.wait_for(SCENARIOS[name](harness, ctx, run), args.scenario_timeout_s)
-                outcome: dict[str, Any] | RunFailure = run.outcome() if run.kept is not None else RunFailure(
+                done = run.kept is not None or run.declared_outcome is not None
+                outcome: dict[str, Any] | RunFailure = run.outcome() if done else RunFailure(
                     PlaceholderReason.RUN_FAILED, "the harness kept no completion")
             except asyncio.TimeoutError:
                 outcome = RunFailure(PlaceholderReason.RUN_TIMEOUT, f"scenario exceeded {args.scenario_timeout_s}s")

@@ -149,6 +149,21 @@ def test_shipped_vllm_specs_are_fully_pinned():
             assert not any(l.split("==")[0] in ("torchvision", "torchaudio", "torchcodec", "triton") for l in lines)
 
 
+def test_the_agents_sdk_harness_spec_is_fully_pinned_with_openai_3():
+    spec = venvs.harness_spec("openai-agents")
+    assert spec.name == "harness-openai-agents" and spec.local_packages == ()
+    pins = dict(l.split("==") for l in spec.requirements_file.read_text().splitlines() if l and not l.startswith("#"))
+    assert pins["openai-agents"] == "0.24.0" and pins["openai"].startswith("3.")
+    assert "torch" not in pins and "vllm" not in pins and "nemo-gym" not in pins  # only what the SDK needs
+    assert venvs.venv_folder_name(spec.name, spec_hash(spec, "3.11")) != venvs.venv_folder_name(
+        "vllm-cpu", spec_hash(venvs.vllm_spec("cpu"), "3.11"))
+
+
+def test_an_unknown_harness_names_the_known_ones():
+    with pytest.raises(ValueError, match=r"harness='crew' has no spec harness-crew.txt; known harnesses: .*'openai-agents'"):
+        venvs.harness_spec("crew")
+
+
 # ---- the real builder: a uv venv survives the rename into place ----
 
 def test_real_uv_venv_works_after_rename_reuse_force_and_new_spec(tmp_path, root, monkeypatch):
