@@ -443,6 +443,8 @@ async def _agents_sdk(h: Harness, ctx: Context, run: ScenarioRun, mode: str) -> 
                                timeout_s=SDK_DRIVER_TIMEOUT_S, log=log)
     run.facts.update(sdk_mode=sdk.mode, sdk_final_output=sdk.final_output, sdk_response_ids=list(sdk.response_ids),
                      sdk_tool_calls=sdk.tool_calls, sdk_error=sdk.error, sdk_seconds=sdk.seconds)
+    # The response ids the SDK saw (Responses API only) name its calls for `call_lineage`.
+    run.calls += [CallLog(f"{mode}#{index}", rid, True) for index, rid in enumerate(sdk.response_ids) if rid]
     log(f"[agents-sdk:{mode}] {json.dumps(run.facts)}")
     if sdk.error is not None:
         raise AgentsSdkRunError(sdk.error)

@@ -19,13 +19,16 @@ from pathlib import Path
 
 import pytest
 
+from nemo_rl.utils import venvs
+
 REPO = Path(__file__).resolve().parents[2]
 SCENARIOS = (
     "plain", "distinct_retry", "identical_retry", "compaction", "rerendered", "edited", "failed_final", "subagent",
-    "cross_worker",
+    "cross_worker", "responses_api", "agents_sdk_chat",
 )
 # Scenarios whose harness echoes every assistant turn as the model wrote it: no continuation may miss its parent.
-ECHOED = ("plain", "distinct_retry", "identical_retry", "compaction", "failed_final", "subagent", "cross_worker")
+ECHOED = ("plain", "distinct_retry", "identical_retry", "compaction", "failed_final", "subagent", "cross_worker",
+          "responses_api", "agents_sdk_chat")
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +62,11 @@ def test_scenario_is_kept_exact_and_keeps_its_tokens(results, name):
     assert line["reason"] is None, line
     assert line["rows"] >= 1 and line["chains"] >= 1, line
     assert line["engine_records_found"] == line["manifest_records"], line
-    assert line["declared_terminal"] is not None and line["terminal_selection"] == "declared", line
+    if name == "agents_sdk_chat":  # no response id: the scored text is the declared witness
+        assert line["declared_output_witness"] == line["sdk_final_output"], line
+        assert line["terminal_selection"] == "content", line
+    else:
+        assert line["declared_terminal"] is not None and line["terminal_selection"] == "declared", line
 
 
 @pytest.mark.integration
@@ -195,3 +202,35 @@ def test_a_continuation_served_by_another_worker_is_exact(results):
     assert line["kept"] is True and line["exact"] is True, line
     # Every send before the one another worker served is a retry sibling the harness discarded.
     assert line["abandoned_retry_calls"] == line["continuation_sends"] - 1, line
+
+
+@pytest.mark.integration
+def test_the_agents_sdk_runs_in_its_own_spec_hashed_venv(results):
+    spec = venvs.harness_spec("openai-agents")
+    folder = venvs.venvs_root() / venvs.venv_folder_name(spec.name, venvs.spec_hash(spec))
+    assert venvs.is_complete(folder, venvs.spec_hash(spec)), folder
+    assert results["responses_api"]["sdk_error"] is None and results["agents_sdk_chat"]["sdk_error"] is None
+
+
+@pytest.mark.integration
+def test_the_agents_sdk_default_runner_tool_loop_is_kept_exact_and_declared(results):
+    line = results["responses_api"]
+    ids = line["sdk_response_ids"]
+    # Every Responses call the SDK made (its default OpenAIResponsesModel) was committed and continues
+    # its parent token-in; the last response id it saw is the declared terminal.
+    assert line["sdk_tool_calls"] >= 1 and len(ids) >= 2 and all(ids), line
+    assert line["manifest_records"] == len(ids) and line["manifest_failures"] == [], line
+    assert line["call_lineage"] == ["text"] + [f"token_in<{i}" for i in range(len(ids) - 1)], line
+    assert line["declared_terminal"] == ids[-1] and line["terminal_selection"] == "declared", line
+    assert line["kept"] is True and line["exact"] is True and line["rows"] == 1, line
+
+
+@pytest.mark.integration
+def test_the_agents_sdk_over_chat_completions_is_judged_by_its_output_witness_not_the_heuristic(results):
+    line = results["agents_sdk_chat"]
+    ids = line["sdk_response_ids"]
+    assert len(ids) >= 2 and all(rid is None for rid in ids), line  # the SDK reports no response id
+    assert line["declared_terminal"] is None and line["declared_output_witness"] == line["sdk_final_output"], line
+    assert line["terminal_selection"] == "content", line
+    assert line["manifest_records"] == len(ids) and line["token_in_records"] == len(ids) - 1, line
+    assert line["kept"] is True and line["exact"] is True and line["rows"] == 1, line
