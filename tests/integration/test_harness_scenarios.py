@@ -7,6 +7,8 @@ generated token kept (retried replies the harness discarded are masked and outsi
 fraction), plus the shape each behaviour guarantees, the capture health each behaviour implies
 (`token_in_rate`, `unresolved_continuations`: an `edited` history must show the miss, an echoed
 one must not), and that a continuation served by another worker than its parent is exact.
+The OpenAI Agents SDK runs from its own spec-hashed venv (`responses_api`: its default
+Responses-API model; `agents_sdk_chat`: chat completions, judged by its output witness).
 """
 
 from __future__ import annotations
