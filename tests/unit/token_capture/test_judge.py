@@ -8,6 +8,7 @@ unit-tested with fake sources (a pure function over the SnapshotSource protocol)
 from __future__ import annotations
 
 import pytest
+from nemo_gym.token_id_capture.fingerprint import FINGERPRINT_VERSION, assistant_fingerprint
 from nemo_gym.token_id_capture.staging.records import ManifestFailure, RolloutManifest
 
 from nemo_rl.data.rows import CallLineage, KeptRollout, Placeholder, PlaceholderReason, RolloutYield, RowOrigin
@@ -18,6 +19,7 @@ from nemo_rl.experience.finalizer import fetch_snapshots
 from nemo_rl.experience.finalizer_pool import judge_from_source
 from nemo_rl.token_capture.config import TokenCaptureConfig
 from nemo_rl.token_capture.judge import FetchProblem, RolloutEvidence, RunFailure, judge_rollout
+from nemo_rl.token_capture.receipt import TERMINAL_OUTPUT_TEXT_KEY
 
 R = PlaceholderReason
 RID = "run-s1-g2-i3-a0"
@@ -419,6 +421,26 @@ def test_terminal_witness_disagreement(trees):
         RID, 2, 3, R.TERMINAL_WITNESS_DISAGREEMENT,
         "response_has_no_output,witness_disagreement[explicit=call1;response_id=call0]", 1.0, None,
         RolloutYield(5, 0, (("terminal_witness_disagreement", 5),), 1, True, lineage=PLAIN))
+
+
+def _with_outputs(tree, texts):
+    return [r.model_copy(update={"output_fingerprint": assistant_fingerprint([{"role": "assistant", "content": t}]),
+                                 "fingerprint_version": FINGERPRINT_VERSION}) for r, t in zip(tree.records, texts)]
+
+
+def test_an_output_witness_trains_the_chain_it_names_and_an_unmatched_one_masks(trees):
+    # A client with no response id (the Agents SDK over chat completions) declares the scored text.
+    tree = _plain(trees)
+    manifest = tree.manifest(records=_with_outputs(tree, ("calling the tool", "It is 5.")))
+    kept = _judge(_ev(tree, {**trees.run_result(1.0), TERMINAL_OUTPUT_TEXT_KEY: "It is 5."}, manifest=manifest), tree)
+    masked = _judge(_ev(tree, {**trees.run_result(1.0), TERMINAL_OUTPUT_TEXT_KEY: "It is 6."}, manifest=manifest), tree)
+
+    assert isinstance(kept, KeptRollout) and kept.terminal_selection == "content"
+    assert kept.rows[0].model_call_ids == ("call0", "call1")
+    # Never the walk (which would have picked call1): a typed verdict, every served token lost to it.
+    assert isinstance(masked, Placeholder)
+    assert (masked.reason, masked.terminal_selection) == (R.TERMINAL_WITNESS_UNMATCHED, "content")
+    assert masked.yield_.unverifiable == (("terminal_witness_unmatched", 5),)
 
 
 def test_terminal_selection_failed_over_ambiguous_roots(trees):
