@@ -4,7 +4,8 @@ Launched as `python -m nemo_rl.environments.gate.app` with Gym's config variable
 `token_id_capture` block (`enabled`, `external_staging`, `dir`); it refuses to start with capture
 off, with a configured `lineage_store` (it would win over ours) or with `num_workers > 1`.
 Owns what changes at the gate: `BranchingCaptureLedger` (identical siblings resolve to one,
-a rewritten history opens a `text` branch instead of poisoning), request normalisation, the
+a rewritten history opens a `text` branch instead of poisoning), request normalisation (with a
+null `required_prefix_token_ids` dropped: gate/required_prefix.py), the
 input guard, and worker-error mapping (4xx and 503 keep the worker's status and body, anything
 else is 502 `upstream_error`). Gym's installed code is never edited.
 Invariant: every relaxation keeps the staged ids exactly what the engine saw; a request the
@@ -47,9 +48,11 @@ from nemo_rl.environments.gate.ingress import (
     normalize_chat_request,
 )
 from nemo_rl.environments.gate.ledger import BranchingCaptureLedger
+from nemo_rl.environments.gate.required_prefix import drop_empty_required_prefix_bytes
 from responses_api_models.vllm_model.app import _PROPAGATE_CONTEXT_ERROR_ATTRIBUTE, VLLMModel
 
 CHAT_PATH_SUFFIX = "/chat/completions"
+RESPONSES_PATH_SUFFIX = "/responses"
 
 
 class CaptureGateConfigError(FatalError, ValueError):
@@ -121,18 +124,17 @@ def _with_content_length(scope: Scope, length: int) -> Scope:
 
 
 class NormalizeChatRequestMiddleware:
-    """Pure ASGI middleware: `normalize_chat_body` on POST bodies whose path ends with `/chat/completions`."""
+    """Pure ASGI middleware: `normalize_chat_body` on POST bodies whose path ends with `/chat/completions`,
+    and `drop_empty_required_prefix_bytes` on those and on `/responses` bodies."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        is_chat_post = (
-            scope.get("type") == "http"
-            and str(scope.get("method") or "").upper() == "POST"
-            and str(scope.get("path") or "").endswith(CHAT_PATH_SUFFIX)
-        )
-        if not is_chat_post:
+        path = str(scope.get("path") or "")
+        is_chat = path.endswith(CHAT_PATH_SUFFIX)
+        is_post = scope.get("type") == "http" and str(scope.get("method") or "").upper() == "POST"
+        if not (is_post and (is_chat or path.endswith(RESPONSES_PATH_SUFFIX))):
             await self.app(scope, receive, send)
             return
         received: list[Message] = []
@@ -144,7 +146,7 @@ class NormalizeChatRequestMiddleware:
         # A disconnect before the full body is replayed as it came; the app handles it.
         if received[-1].get("type") == "http.request":
             raw = b"".join(m.get("body", b"") or b"" for m in received)
-            normalized = normalize_chat_body(raw)
+            normalized = drop_empty_required_prefix_bytes(normalize_chat_body(raw) if is_chat else raw)
             if normalized is not raw:
                 received = [{"type": "http.request", "body": normalized, "more_body": False}]
                 scope = _with_content_length(scope, len(normalized))
