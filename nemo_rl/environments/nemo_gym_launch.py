@@ -160,7 +160,7 @@ def build_global_config(
         "dry_run": False,
         GATE: {"responses_api_models": {"vllm_model": gate}},
         rs.name: {"resources_servers": {rs.package: resources}},
-        rs.agent_name: {"responses_api_agents": {cfg.agent: agent}},
+        rs.agent_name: {"responses_api_agents": {agent_package(cfg.agent): agent}},
     }
     if cfg.agent == "compacting_agent":
         agent["compact_after_tool_results"] = cfg.compact_after_tool_results
@@ -198,6 +198,11 @@ def server_specs(
         ServerSpec(resources_server.name, resources_server.module, ports.resources),
         ServerSpec(resources_server.agent_name, agent_module(agent), ports.agent),
     )
+
+
+def agent_package(agent: str) -> str:
+    """The Gym package of `env.agent` (`langgraph_agent/reflection_agent` -> `langgraph_agent`)."""
+    return agent.partition("/")[0]
 
 
 def agent_module(agent: str) -> str:
