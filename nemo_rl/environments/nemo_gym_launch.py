@@ -264,10 +264,14 @@ def read_log_tail(path: Path, lines: int) -> str:
 def start_server(
     spec: ServerSpec, *, python: str, env: Mapping[str, str], cwd: Path, log_path: Path
 ) -> subprocess.Popen:
-    """Start one server in its own session, stdout and stderr appended to `log_path`."""
+    """Start one server in its own session, stdout and stderr appended to `log_path` (after a line
+    naming the interpreter and module it runs)."""
+    command = server_command(python, spec, os.getpid())
     with log_path.open("ab") as log:
+        log.write(f"[nemo_rl] starting {spec.name}: {python} -m {spec.module}\n".encode())
+        log.flush()
         return subprocess.Popen(
-            server_command(python, spec, os.getpid()),
+            command,
             cwd=cwd,
             env=dict(env),
             stdin=subprocess.DEVNULL,
