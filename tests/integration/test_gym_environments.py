@@ -69,5 +69,6 @@ def test_gyms_compaction_agent_as_shipped_keeps_exact_rollouts(tmp_path: Path) -
     assert m["finalize/placeholders"] == 0 and "finalize/placeholders/run_failed" not in m
     # Rows exist only once verify_and_linearize matched them to the worker's staged ids (exact by construction).
     assert m["finalize/rows"] >= GENERATIONS and m["finalize/calls_per_rollout"] >= 1
+    assert m["finalize/served_generated_tokens"] > 0 and m["finalize/kept_generated_token_fraction"] == 1.0
     agent_log = (log_dir / "gym_example_single_tool_call_agent.log").read_text(errors="replace")
     assert " -m responses_api_agents.simple_agent_with_compaction.app\n" in agent_log
