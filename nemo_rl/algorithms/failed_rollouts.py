@@ -1,14 +1,14 @@
 """A step whose every rollout failed in the harness stops the run, named (never a quiet exit 0).
 
-`harness_failure_counts(groups)` (pure) answers, for one step's groups, the count per placeholder
-reason when every dispatched rollout is a harness failure (`run_failed`: the agent's /run answered
-an error; `run_timeout`: it never answered), else None. `check_harness_failures` raises
-`AllRolloutsFailedError` (fatal) naming the step, the reasons with their counts and a few
-distinct details (the agent's own error text). Why per step and only these reasons: such a step
-produced no model output at all, so the cause is the harness or its wiring (a request schema,
-a missing package), which repeats on every step; masked steps for other reasons keep their
-bounded streak (`token_capture.max_consecutive_masked_steps`). The always-N accounting is not
-touched: the step's groups and metrics line are complete before the error is raised.
+`harness_failure_counts(groups)` (pure): the count per placeholder reason when every dispatched
+rollout of the step is a harness failure (`run_failed`: the agent's /run answered an error;
+`run_timeout`: it never answered; `empty_manifest`: it answered but made no captured model call,
+e.g. an agent that drops the rollout prefix), else None. `check_harness_failures` raises
+`AllRolloutsFailedError` (fatal) naming the step, the reasons with counts and a few distinct
+details. Why per step and only these: such a step yielded no captured model output at all, so
+the cause is the harness or its wiring, which repeats every step; steps masked for other
+reasons keep their bounded streak (`token_capture.max_consecutive_masked_steps`). The always-N
+accounting is untouched: the groups and the metrics line are complete before the raise.
 """
 
 from __future__ import annotations
@@ -19,7 +19,9 @@ from collections.abc import Mapping, Sequence
 from nemo_rl.algorithms.errors import GRPOError
 from nemo_rl.data.rows import GroupResult, PlaceholderReason
 
-HARNESS_FAILURES = frozenset({PlaceholderReason.RUN_FAILED, PlaceholderReason.RUN_TIMEOUT})
+HARNESS_FAILURES = frozenset(
+    {PlaceholderReason.RUN_FAILED, PlaceholderReason.RUN_TIMEOUT, PlaceholderReason.EMPTY_MANIFEST}
+)
 MAX_DETAILS = 3
 DETAIL_CHARS = 300
 
@@ -36,8 +38,8 @@ class AllRolloutsFailedError(GRPOError):
         super().__init__(
             f"step {step}: every rollout failed in the agent harness ({named}); no model output reached "
             f"the trainer, so the run stops. First distinct errors:{shown}\nFix: read the agent's log "
-            "under the log dir; an agent whose requests Gym's model server refuses, or whose packages "
-            "are missing, fails every rollout the same way"
+            "under the log dir; an agent whose requests the gate refuses, whose packages are missing, or "
+            "whose model calls do not carry the rollout prefix (empty_manifest) fails every rollout the same way"
         )
 
 

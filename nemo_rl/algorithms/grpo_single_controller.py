@@ -365,7 +365,8 @@ async def train_groups(run: GRPORun, step: int, groups: Sequence[GroupResult], m
     metrics["reward/mean"] = metrics.get("reward/mean", step_batch.rewards_mean)
     metrics["steps/masked_consecutive"] = 0.0 if trainable else float(run.masked_streak + 1)
     if not trainable:
-        if harness_failure_counts(groups) is not None:
+        # A death this step explains its failures: the component policy decides, not this check.
+        if not run.step_component_deaths and not _down(run) and harness_failure_counts(groups) is not None:
             run.logger.log(step, metrics)  # the step that stops the run keeps its accounting line
             check_harness_failures(groups, step)
         _report_masked(run, step, metrics)

@@ -53,6 +53,11 @@ def test_every_rollout_a_harness_failure_is_counted_by_reason() -> None:
     assert harness_failure_counts(_all_run_failed()) == {"run_failed": 3, "run_timeout": 1}
 
 
+def test_an_agent_whose_calls_were_never_captured_is_a_harness_failure() -> None:
+    groups = [_group(0, *(_placeholder(0, i, R.EMPTY_MANIFEST, "no committed call and no failure row") for i in range(2)))]
+    assert harness_failure_counts(groups) == {"empty_manifest": 2}
+
+
 def test_one_kept_rollout_or_another_reason_is_not_a_harness_failure_step() -> None:
     one_kept = [_group(0, _placeholder(0, 0, R.RUN_FAILED), _kept(0, 1))]
     other_reason = [_group(0, _placeholder(0, 0, R.RUN_FAILED), _placeholder(0, 1, R.CAPTURE_POISONED))]
@@ -93,7 +98,7 @@ def _run() -> SimpleNamespace:
         token_capture=SimpleNamespace(enabled=False, train_partition=None, max_consecutive_masked_steps=3),
     )
     return SimpleNamespace(cfg=cfg, logger=_Logger(), masked_streak=0, progress=lambda _m: None, watch=None,
-                           train_cleaner=None)
+                           train_cleaner=None, step_component_deaths={})
 
 
 def test_the_loop_logs_the_step_then_stops_on_a_harness_failure_step() -> None:
@@ -103,6 +108,13 @@ def test_the_loop_logs_the_step_then_stops_on_a_harness_failure_step() -> None:
         asyncio.run(train_groups(run, 2, _all_run_failed(), metrics, clear=lambda _b: {}))
     assert [step for step, _ in run.logger.lines] == [2]
     assert run.logger.lines[0][1]["finalize/placeholders"] == 4.0  # the always-N accounting line is kept
+
+
+def test_a_step_with_a_component_death_is_left_to_the_component_policy() -> None:
+    run = _run()
+    run.step_component_deaths = {"gym_policy_model": "exited with -9"}
+    trained = asyncio.run(train_groups(run, 2, _all_run_failed(), {}, clear=lambda _b: {}))
+    assert trained is False and run.masked_streak == 1
 
 
 def test_the_loop_skips_a_step_masked_for_another_reason_within_its_streak() -> None:
