@@ -230,8 +230,12 @@ class NemoGymEnvironment:
         # A trainer that exits without stop() must not leave servers behind (they run in their own sessions).
         atexit.register(self.stop)
         try:
+            # A flavour's model calls drop the rollout prefix: on the capture path it runs under our
+            # runner that carries it (agents.rollout_scoped), with the flavour's module in its env.
+            scoped = self._agent.flavour is not None and wiring is not None
+            agent_module = launch.ROLLOUT_SCOPED_MODULE if scoped else self._agent.module
             specs = tuple(
-                replace(spec, module=self._agent.module) if spec.name == self._resources.agent_name else spec
+                replace(spec, module=agent_module) if spec.name == self._resources.agent_name else spec
                 for spec in launch.server_specs(ports, wiring, self._cfg.agent, resources_server=self._resources)
             )
             for spec in specs:
@@ -246,6 +250,8 @@ class NemoGymEnvironment:
                 is_agent = spec.name == self._resources.agent_name
                 if is_agent and self._agent.import_dir is not None:
                     env["PYTHONPATH"] = str(self._agent.import_dir) + os.pathsep + env["PYTHONPATH"]
+                if is_agent and scoped:
+                    env[launch.ROLLOUT_SCOPED_MODULE_ENV] = self._agent.module
                 self._log_paths[spec.name] = log_path
                 self._specs[spec.name] = spec
                 self._envs[spec.name] = env

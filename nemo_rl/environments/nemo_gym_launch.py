@@ -34,6 +34,9 @@ GATE_MODULE = "responses_api_models.vllm_model.app"
 CAPTURE_GATE_MODULE = "nemo_rl.environments.gate.app"
 AGENT_MODULE = "responses_api_agents.simple_agent.app"
 COMPACTING_AGENT_MODULE = "nemo_rl.environments.agents.compacting_agent"
+# Runs a Gym agent module named in its env so its model calls carry the rollout prefix (flavours).
+ROLLOUT_SCOPED_MODULE = "nemo_rl.environments.agents.rollout_scoped"
+ROLLOUT_SCOPED_MODULE_ENV = "NRL_ROLLOUT_SCOPED_MODULE"
 # Agents this package ships; every other `env.agent` is a Gym agent package launched by name.
 OUR_AGENT_MODULES = {"compacting_agent": COMPACTING_AGENT_MODULE}
 GYM_AGENTS_PACKAGE = "responses_api_agents"
