@@ -2,7 +2,8 @@
 
 `resolve_gym_environment(cfg)` finds the installed resources-server package, the agent wired to
 it in the Gym config YAML, and the dataset (`package:<rel>` or an absolute path), and checks
-that this venv satisfies their `requirements.txt`. Promises: every problem is a named error
+that this venv satisfies the server's `requirements.txt` (an agent with extra requirements gets a
+venv of its own: `gym_agents`). Promises: every problem is a named error
 (a `NemoGymError` of kind `env_not_found`, `GymRequirementsError` listing every missing package)
 raised before anything is launched; files are only read, never copied.
 See docs/design-docs/gym-environment.md, "Resolving `env.gym`".
