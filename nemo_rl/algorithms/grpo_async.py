@@ -26,6 +26,7 @@ from typing import Any
 
 from nemo_rl.algorithms.async_config import in_flight_limit
 from nemo_rl.algorithms.errors import GRPOError, MaskedStepsError
+from nemo_rl.algorithms.failed_rollouts import AllRolloutsFailedError
 from nemo_rl.algorithms.grpo_checkpoint import DISPATCHED_PROMPTS_FILE, batch_digest, ledger_to_resume
 from nemo_rl.algorithms.grpo_config import MasterConfig
 from nemo_rl.algorithms.grpo_health import ComponentFailedError, check_abort, component_metrics, step_deaths
@@ -318,7 +319,7 @@ async def async_step(run: GRPORun, producer: RolloutProducer, step: int, trainer
 
     try:
         trained = await train_groups(run, step, groups, metrics, clear, refit)
-    except (ComponentFailedError, MaskedStepsError):
+    except (ComponentFailedError, MaskedStepsError, AllRolloutsFailedError):
         raise  # already named
     except Exception as error:  # noqa: BLE001 - re-raised unchanged unless a death explains it
         # A component that died after this step's check (the data plane under the train read, say).

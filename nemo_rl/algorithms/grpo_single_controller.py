@@ -6,7 +6,8 @@ returning its metrics; `run_grpo` strings them together over the `GRPORun` that
 Invariants: every step `rollouts/dispatched == finalize/kept_rollouts + finalize/placeholders`;
 only generated tokens of kept rollouts are in the loss; the rows of step k+1 carry the weight
 version every worker reported after step k's refit. A step with nothing to train is skipped and
-counted; too many in a row raise `MaskedStepsError`. Component deaths follow
+counted; too many in a row raise `MaskedStepsError`; one whose every rollout failed in the agent
+harness raises `AllRolloutsFailedError` at once (`failed_rollouts`). Component deaths follow
 `token_capture.on_component_failure` (`grpo_health`); checkpoints are `grpo_checkpoint`'s.
 See docs/design-docs/token-capture-receipts.md, "One step of the loop".
 """
@@ -33,6 +34,7 @@ from nemo_rl.algorithms.grpo_checkpoint import (
     prompt_records,
     write_trainer_state,
 )
+from nemo_rl.algorithms.failed_rollouts import check_harness_failures, harness_failure_counts
 from nemo_rl.algorithms.grpo_config import MasterConfig
 from nemo_rl.algorithms.grpo_health import (
     check_abort,
@@ -363,6 +365,10 @@ async def train_groups(run: GRPORun, step: int, groups: Sequence[GroupResult], m
     metrics["reward/mean"] = metrics.get("reward/mean", step_batch.rewards_mean)
     metrics["steps/masked_consecutive"] = 0.0 if trainable else float(run.masked_streak + 1)
     if not trainable:
+        # A death this step explains its failures: the component policy decides, not this check.
+        if not run.step_component_deaths and not _down(run) and harness_failure_counts(groups) is not None:
+            run.logger.log(step, metrics)  # the step that stops the run keeps its accounting line
+            check_harness_failures(groups, step)
         _report_masked(run, step, metrics)
     run.masked_streak = next_masked_streak(run.masked_streak, trainable, cfg.token_capture.max_consecutive_masked_steps, step)
     if trainable:

@@ -2,7 +2,8 @@
 
 `resolve_gym_environment(cfg)` finds the installed resources-server package, the agent wired to
 it in the Gym config YAML, and the dataset (`package:<rel>` or an absolute path), and checks
-that this venv satisfies their `requirements.txt`. Promises: every problem is a named error
+that this venv satisfies the server's `requirements.txt` (an agent with extra requirements gets a
+venv of its own: `gym_agents`). Promises: every problem is a named error
 (a `NemoGymError` of kind `env_not_found`, `GymRequirementsError` listing every missing package)
 raised before anything is launched; files are only read, never copied.
 See docs/design-docs/gym-environment.md, "Resolving `env.gym`".
@@ -20,6 +21,7 @@ from omegaconf import OmegaConf
 from packaging.requirements import InvalidRequirement, Requirement
 from packaging.utils import canonicalize_name
 
+from nemo_rl.environments.gym_agents import GymAgent, resolve_agent
 from nemo_rl.environments.nemo_gym_config import (
     PACKAGE_DATASET_PREFIX,
     WIRING_KEYS,
@@ -165,15 +167,12 @@ def dataset_path(cfg: GymEnvironmentConfig, package_folder: Path) -> Path:
     return path
 
 
-def check_agent(agent: str) -> None:
-    """`env.agent` must be ours or an installed Gym agent package whose requirements this venv meets."""
-    if agent in OUR_AGENT_MODULES:
-        return
-    hint = f"use {sorted(OUR_AGENT_MODULES)[0]!r} or a folder name under"
-    folder = _launchable_package(GYM_AGENTS_PACKAGE, agent, "env.agent", hint)
-    missing = missing_requirements(folder / "requirements.txt")
-    if missing:
-        raise GymRequirementsError(f"{GYM_AGENTS_PACKAGE}.{agent}", folder / "requirements.txt", missing, "env.agent")
+def check_agent(agent: str) -> GymAgent:
+    """`env.agent` resolved: ours, an installed Gym agent package or one of its flavours (`gym_agents`).
+
+    An agent whose requirements.txt adds packages runs in a venv of its own, so they are not
+    required here."""
+    return resolve_agent(agent)
 
 
 def resolve_gym_environment(cfg: GymEnvironmentConfig, agent: str = GYM_AGENT_TYPE) -> ResourcesServer:
@@ -191,7 +190,8 @@ def resolve_gym_environment(cfg: GymEnvironmentConfig, agent: str = GYM_AGENT_TY
     yaml_path = folder / cfg.config_relpath
     doc = load_gym_yaml(yaml_path)
     instance, block = resources_block(doc, cfg.resources_server, str(yaml_path))
-    agent_instance, agent_keys = agent_block(doc, instance, GYM_AGENT_TYPE if agent in OUR_AGENT_MODULES else agent)
+    agent_type = GYM_AGENT_TYPE if agent in OUR_AGENT_MODULES else agent.partition("/")[0]
+    agent_instance, agent_keys = agent_block(doc, instance, agent_type)
     return ResourcesServer(
         name=instance,
         package=cfg.resources_server,

@@ -23,6 +23,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +47,7 @@ from nemo_rl.environments.nemo_gym_config import (
     NemoGymConfig,
     NemoGymError,
 )
+from nemo_rl.utils import venvs
 from nemo_rl.environments.task import RowSampling, load_task
 from nemo_rl.token_capture.config import TokenCaptureConfig
 
@@ -132,12 +134,15 @@ class NemoGymEnvironment:
         self._capture_cfg = token_capture
         self._worker_base_url = launch.gate_base_url(worker_base_url)
         self._log_dir = Path(log_dir).resolve()
-        check_agent(config.agent)
-        self._resources = (
+        self._agent = check_agent(config.agent)
+        resources = (
             resolve_gym_environment(config.gym, config.agent)
             if config.gym is not None
             else load_task(config.task).resources_server
         )
+        # A flavour's own keys (its entrypoint, ...) under the environment's agent keys and overrides.
+        self._resources = replace(resources, agent_block={**self._agent.block, **resources.agent_block})
+        self._pythons: dict[str, str] = {}
         self._reward_key = config.gym.reward_key if config.gym is not None else REWARD_FIELD
         self._procs: dict[str, subprocess.Popen] = {}
         self._specs: dict[str, launch.ServerSpec] = {}
@@ -196,6 +201,7 @@ class NemoGymEnvironment:
             raise NemoGymError("NemoGymEnvironment.start() called twice; stop() it first", kind="call_order")
         if self._http.closed:  # started again after a stop: a fresh client for this run of the servers
             self._http = GymHttpClient()
+        agent_python = await self._agent_python()  # a first build takes minutes: before the start deadline
         began = time.monotonic()
         ports = launch.ServerPorts(*launch.pick_free_ports(3))
         wiring = None
@@ -224,7 +230,14 @@ class NemoGymEnvironment:
         # A trainer that exits without stop() must not leave servers behind (they run in their own sessions).
         atexit.register(self.stop)
         try:
-            specs = launch.server_specs(ports, wiring, self._cfg.agent, resources_server=self._resources)
+            # A flavour's model calls drop the rollout prefix: on the capture path it runs under our
+            # runner that carries it (agents.rollout_scoped), with the flavour's module in its env.
+            scoped = self._agent.flavour is not None and wiring is not None
+            agent_module = launch.ROLLOUT_SCOPED_MODULE if scoped else self._agent.module
+            specs = tuple(
+                replace(spec, module=agent_module) if spec.name == self._resources.agent_name else spec
+                for spec in launch.server_specs(ports, wiring, self._cfg.agent, resources_server=self._resources)
+            )
             for spec in specs:
                 log_path = self._log_dir / f"gym_{spec.name}.log"
                 env = launch.server_env(
@@ -234,17 +247,33 @@ class NemoGymEnvironment:
                     import_root=import_root,
                     extra=gate_extra if spec.name == launch.GATE else {},
                 )
+                is_agent = spec.name == self._resources.agent_name
+                if is_agent and self._agent.import_dir is not None:
+                    env["PYTHONPATH"] = str(self._agent.import_dir) + os.pathsep + env["PYTHONPATH"]
+                if is_agent and scoped:
+                    env[launch.ROLLOUT_SCOPED_MODULE_ENV] = self._agent.module
                 self._log_paths[spec.name] = log_path
                 self._specs[spec.name] = spec
                 self._envs[spec.name] = env
+                self._pythons[spec.name] = agent_python if is_agent else sys.executable
                 self._procs[spec.name] = launch.start_server(
-                    spec, python=sys.executable, env=env, cwd=cwd, log_path=log_path
+                    spec, python=self._pythons[spec.name], env=env, cwd=cwd, log_path=log_path
                 )
             await self._wait_healthy(specs, began + self._cfg.startup_timeout_s)
         except BaseException:
             await self.aclose()
             raise
         self.startup_seconds = time.monotonic() - began
+
+    async def _agent_python(self) -> str:
+        """This interpreter, or the agent's own venv's (built once per spec, with progress output)."""
+        agent = self._agent
+        if not agent.own_venv:
+            return sys.executable
+        assert agent.requirements_file is not None  # GymAgent checks it
+        spec = venvs.gym_agent_spec(agent.package, agent.requirements_file)
+        venv = await asyncio.to_thread(venvs.ensure_venv, spec, builder=venvs.resolving_uv_builder)
+        return str(venvs.venv_python(venv))
 
     async def _wait_healthy(self, specs: Iterable[launch.ServerSpec], deadline: float) -> None:
         pending = {spec.name: spec for spec in specs}
@@ -316,7 +345,7 @@ class NemoGymEnvironment:
         spec = self._specs[name]
         cwd = self._log_dir / "gym_cwd"
         self._procs[name] = launch.start_server(
-            spec, python=sys.executable, env=self._envs[name], cwd=cwd, log_path=self._log_paths[name]
+            spec, python=self._pythons[name], env=self._envs[name], cwd=cwd, log_path=self._log_paths[name]
         )
         await self._wait_healthy([spec], began + self._cfg.startup_timeout_s)
         return time.monotonic() - began

@@ -24,6 +24,8 @@ from nemo_rl.environments.gate.ingress import GateGuardConfig
 
 # A Gym package name is one Python identifier (it is imported as `resources_servers.<name>.app`).
 _PACKAGE_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*$"
+# `env.agent`: a package, or `<package>/<flavour>` as Gym names a flavour (nemo_rl.environments.gym_agents).
+_AGENT_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*(/[A-Za-z_][A-Za-z0-9_]*)?$"
 # `env.task`: a dotted module path, a colon, an attribute name.
 _TASK_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$"
 DEFAULT_TASK = "examples.arith.gym_task:TASK"
@@ -139,11 +141,13 @@ class NemoGymConfig(BaseModel):
     )
     agent: str = Field(
         default="simple_agent",
-        pattern=_PACKAGE_PATTERN,
+        pattern=_AGENT_PATTERN,
         description=(
             "The agent harness, as Gym names it: any installed Gym agent package under "
-            "`responses_api_agents/` (`simple_agent`, `simple_agent_with_compaction`, ...; its "
-            "extra requirements are checked at start-up), or our `compacting_agent` (simple_agent "
+            "`responses_api_agents/` (`simple_agent`, `simple_agent_with_compaction`, ...) or one of "
+            "a package's flavours as `<package>/<flavour>` (`langgraph_agent/reflection_agent`); an "
+            "agent whose requirements.txt adds packages runs in a venv of its own built from it "
+            "(spec-hashed, first use builds it); or our `compacting_agent` (simple_agent "
             "that replaces its history with a summary after every `compact_after_tool_results` tool "
             "results, so later calls start new chains). Capture works with any agent built on "
             "Gym's base agent class, which carries the rollout identity on every model call."

@@ -34,6 +34,9 @@ GATE_MODULE = "responses_api_models.vllm_model.app"
 CAPTURE_GATE_MODULE = "nemo_rl.environments.gate.app"
 AGENT_MODULE = "responses_api_agents.simple_agent.app"
 COMPACTING_AGENT_MODULE = "nemo_rl.environments.agents.compacting_agent"
+# Runs a Gym agent module named in its env so its model calls carry the rollout prefix (flavours).
+ROLLOUT_SCOPED_MODULE = "nemo_rl.environments.agents.rollout_scoped"
+ROLLOUT_SCOPED_MODULE_ENV = "NRL_ROLLOUT_SCOPED_MODULE"
 # Agents this package ships; every other `env.agent` is a Gym agent package launched by name.
 OUR_AGENT_MODULES = {"compacting_agent": COMPACTING_AGENT_MODULE}
 GYM_AGENTS_PACKAGE = "responses_api_agents"
@@ -160,7 +163,7 @@ def build_global_config(
         "dry_run": False,
         GATE: {"responses_api_models": {"vllm_model": gate}},
         rs.name: {"resources_servers": {rs.package: resources}},
-        rs.agent_name: {"responses_api_agents": {cfg.agent: agent}},
+        rs.agent_name: {"responses_api_agents": {agent_package(cfg.agent): agent}},
     }
     if cfg.agent == "compacting_agent":
         agent["compact_after_tool_results"] = cfg.compact_after_tool_results
@@ -198,6 +201,11 @@ def server_specs(
         ServerSpec(resources_server.name, resources_server.module, ports.resources),
         ServerSpec(resources_server.agent_name, agent_module(agent), ports.agent),
     )
+
+
+def agent_package(agent: str) -> str:
+    """The Gym package of `env.agent` (`langgraph_agent/reflection_agent` -> `langgraph_agent`)."""
+    return agent.partition("/")[0]
 
 
 def agent_module(agent: str) -> str:
@@ -259,10 +267,14 @@ def read_log_tail(path: Path, lines: int) -> str:
 def start_server(
     spec: ServerSpec, *, python: str, env: Mapping[str, str], cwd: Path, log_path: Path
 ) -> subprocess.Popen:
-    """Start one server in its own session, stdout and stderr appended to `log_path`."""
+    """Start one server in its own session, stdout and stderr appended to `log_path` (after a line
+    naming the interpreter and module it runs)."""
+    command = server_command(python, spec, os.getpid())
     with log_path.open("ab") as log:
+        log.write(f"[nemo_rl] starting {spec.name}: {python} -m {spec.module}\n".encode())
+        log.flush()
         return subprocess.Popen(
-            server_command(python, spec, os.getpid()),
+            command,
             cwd=cwd,
             env=dict(env),
             stdin=subprocess.DEVNULL,

@@ -324,7 +324,46 @@ def harness_spec(harness: str) -> VenvSpec:
     return VenvSpec(name=f"{HARNESS_SPEC_PREFIX}{harness}", requirements_file=path)
 
 
+GYM_PACKAGE = REPO_ROOT / "3rdparty" / "nemo-gym"
+GYM_AGENT_PREFIX = "gym-agent-"
+
+
+def gym_agent_spec(package: str, requirements_file: Path) -> VenvSpec:
+    """A Gym agent's own venv: its `requirements.txt` (nemo-gym's own line is left to the local
+    package) and the local nemo-gym package, resolved together by `resolving_uv_builder`."""
+    return VenvSpec(name=GYM_AGENT_PREFIX + package, requirements_file=requirements_file, local_packages=(GYM_PACKAGE,))
+
+
+def installable_lines(requirements_file: Path, skip: Callable[[str], bool]) -> list[str]:
+    """The non-comment lines of `requirements_file` that `skip` does not drop (pure over the file)."""
+    lines = [raw.split(" #", 1)[0].strip() for raw in requirements_file.read_text().splitlines()]
+    return [line for line in lines if line and not line.startswith("#") and not skip(line)]
+
+
+def _is_gym_line(line: str) -> bool:
+    return "nemo-gym" in line or "nemo_gym" in line
+
+
+def resolving_uv_builder(spec: VenvSpec, target: Path, progress: Progress, timeout_s: float) -> None:
+    """A relocatable uv venv with the spec's requirements and local packages resolved together
+    (dependencies included), for unpinned requirement files such as a Gym agent's."""
+    uv = _uv()
+    py = str(venv_python(target))
+    _run([uv, "venv", "--no-config", "--quiet", "--relocatable", "--python", spec.python, str(target)], progress, timeout_s)
+    lines = installable_lines(spec.requirements_file, _is_gym_line)
+    _run(
+        [
+            *(uv, "pip", "install", "--no-config", "--python", py, "--compile-bytecode"),
+            *lines, *(str(p) for p in spec.local_packages), *_find_links_args(),
+        ],
+        progress,
+        timeout_s,
+    )
+
+
 __all__ = [
+    "gym_agent_spec",
+    "resolving_uv_builder",
     "Builder",
     "VenvBuildError",
     "VenvSpec",

@@ -4,7 +4,8 @@ Launched as `python -m nemo_rl.environments.gate.app` with Gym's config variable
 `token_id_capture` block (`enabled`, `external_staging`, `dir`); it refuses to start with capture
 off, with a configured `lineage_store` (it would win over ours) or with `num_workers > 1`.
 Owns what changes at the gate: `BranchingCaptureLedger` (identical siblings resolve to one,
-a rewritten history opens a `text` branch instead of poisoning), request normalisation, the
+a rewritten history opens a `text` branch instead of poisoning), request normalisation (with a
+null `required_prefix_token_ids` dropped: gate/required_prefix.py), the
 input guard, and worker-error mapping (4xx and 503 keep the worker's status and body, anything
 else is 502 `upstream_error`). Gym's installed code is never edited.
 Invariant: every relaxation keeps the staged ids exactly what the engine saw; a request the
@@ -49,6 +50,7 @@ from nemo_rl.environments.gate.ingress import (
     normalize_chat_request,
 )
 from nemo_rl.environments.gate.ledger import BranchingCaptureLedger
+from nemo_rl.environments.gate.required_prefix import drop_empty_required_prefix_bytes
 from nemo_rl.environments.gate.responses_fields import normalize_responses_body
 from responses_api_models.vllm_model.app import _PROPAGATE_CONTEXT_ERROR_ATTRIBUTE, VLLMModel
 
@@ -130,9 +132,9 @@ def body_normalizer(scope: Scope) -> Callable[[bytes], bytes] | None:
         return None
     path = str(scope.get("path") or "")
     if path.endswith(CHAT_PATH_SUFFIX):
-        return normalize_chat_body
+        return lambda raw: drop_empty_required_prefix_bytes(normalize_chat_body(raw))
     if path.endswith(RESPONSES_PATH_SUFFIX):
-        return normalize_responses_body
+        return lambda raw: drop_empty_required_prefix_bytes(normalize_responses_body(raw))
     return None
 
 

@@ -2,9 +2,10 @@
 
 `GateGuardMiddleware` (pure ASGI, outside Gym's middlewares, Gym's code untouched) checks rollout
 ids, the control routes' bearer (never logged or echoed), body size, JSON and the chat request
-rules (`request_rules`, with the worker's `max_model_len`, read once) and the Responses field
-rules (`responses_fields`); a refusal is a named 4xx JSON error (type and field), so nothing is
-ledgered and nothing reaches the worker; a request it lets through is replayed byte for byte. `BodyLimitMiddleware` is the body limit alone.
+rules (`request_rules`, with the worker's `max_model_len`, read once), the Responses field rules
+(`responses_fields`) and `required_prefix_token_ids` (`required_prefix`); a refusal is a named 4xx
+JSON error (type and field), so nothing is ledgered and nothing reaches the worker; a request it
+lets through is replayed byte for byte. `BodyLimitMiddleware` is the body limit alone.
 `normalize_chat_request` (pure) drops the response-only and echoed-null fields the `openai`
 client puts in assistant turns (sets derived from the installed SDK's types at import); it
 returns `body` itself when nothing changes. Invariant: nothing Gym's lineage fingerprint or
@@ -34,6 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from nemo_rl.data import rollout_ids as rollout_id_rule
 from nemo_rl.data.errors import ApiError
+from nemo_rl.environments.gate.required_prefix import check_required_prefix, drop_empty_required_prefix
 from nemo_rl.data.request_rules import (
     RequestFieldError,
     bearer_status,
@@ -57,6 +59,7 @@ MANIFEST_PREFIX = CONTROL_PREFIX + "rollouts/"
 CAPTURE_SEGMENT = "training-token-capture"
 GENERATING_ROUTES = {"/v1/chat/completions": "chat", "/v1/responses": "responses", "/v1/messages": "messages"}
 # The token-count fields of each route's own dialect (checked on the body as the client sent it).
+PREFIX_ROUTES = ("chat", "responses")  # routes that accept a null `required_prefix_token_ids` (required_prefix)
 TOKEN_FIELDS = {"chat": ("max_tokens", "max_completion_tokens"), "responses": ("max_output_tokens",), "messages": ("max_tokens",)}
 
 
@@ -294,6 +297,9 @@ class GateGuardMiddleware:
         max_model_len = await self._context_limit()
         try:
             # The client's own dialect first (precise field names), then Gym's model and conversion.
+            if kind in PREFIX_ROUTES:
+                check_required_prefix(body)
+                body = drop_empty_required_prefix(body)  # the normaliser drops it before Gym's model too
             if kind == "chat":
                 check_chat_request(body, max_model_len=max_model_len)
             else:

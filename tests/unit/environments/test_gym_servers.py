@@ -179,15 +179,14 @@ def test_any_installed_gym_agent_is_selectable_by_name(tmp_path: Path) -> None:
     assert specs[ARITH.agent_name] == "responses_api_agents.simple_agent_with_compaction.app"
 
 
-def test_an_unknown_or_unsatisfied_agent_fails_before_launch_naming_env_agent() -> None:
+def test_an_unknown_agent_fails_before_launch_naming_env_agent() -> None:
     from nemo_rl.environments.gym_servers import check_agent
 
-    with pytest.raises(NemoGymError, match=r"env.agent=.no_such_agent.: no package responses_api_agents.no_such_agent is installed; use .compacting_agent. or a folder name under") as raised:
+    with pytest.raises(NemoGymError, match=r"env.agent=.no_such_agent.: .*no_such_agent holds no Gym agent \(no app.py\); use \[.compacting_agent.\] or a folder under") as raised:
         check_agent("no_such_agent")
     assert raised.value.kind == "env_not_found"
-    # langgraph_agent ships with Gym but needs langgraph, which this venv does not install.
-    with pytest.raises(GymRequirementsError, match=r"Gym agent `responses_api_agents.langgraph_agent` needs .*langgraph.*pick another env.agent"):
-        check_agent("langgraph_agent")
+    # langgraph_agent ships with Gym and needs langgraph, which this venv does not install: it gets a venv of its own.
+    assert check_agent("langgraph_agent").extra_requirements == ("langchain-core", "langgraph")
     with pytest.raises(ValidationError, match="agent"):
         NemoGymConfig(agent="../evil")
 
