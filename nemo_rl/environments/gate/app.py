@@ -126,15 +126,25 @@ def _with_content_length(scope: Scope, length: int) -> Scope:
     return {**scope, "headers": headers}
 
 
+def normalize_chat_post(raw: bytes) -> bytes:
+    """A chat body after `normalize_chat_body`, without a null or [] `required_prefix_token_ids`."""
+    return drop_empty_required_prefix_bytes(normalize_chat_body(raw))
+
+
+def normalize_responses_post(raw: bytes) -> bytes:
+    """A Responses body after `normalize_responses_body`, without a null or [] `required_prefix_token_ids`."""
+    return drop_empty_required_prefix_bytes(normalize_responses_body(raw))
+
+
 def body_normalizer(scope: Scope) -> Callable[[bytes], bytes] | None:
     """The body rewrite of a POST to a chat or Responses route (None for any other request; pure)."""
     if scope.get("type") != "http" or str(scope.get("method") or "").upper() != "POST":
         return None
     path = str(scope.get("path") or "")
     if path.endswith(CHAT_PATH_SUFFIX):
-        return lambda raw: drop_empty_required_prefix_bytes(normalize_chat_body(raw))
+        return normalize_chat_post
     if path.endswith(RESPONSES_PATH_SUFFIX):
-        return lambda raw: drop_empty_required_prefix_bytes(normalize_responses_body(raw))
+        return normalize_responses_post
     return None
 
 

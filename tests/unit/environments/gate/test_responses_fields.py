@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from nemo_rl.data.request_rules import RequestFieldError
-from nemo_rl.environments.gate.app import body_normalizer
+from nemo_rl.environments.gate.app import body_normalizer, normalize_chat_post, normalize_responses_post
 from nemo_rl.environments.gate.ingress import normalize_chat_body
 from nemo_rl.environments.gate.responses_fields import (
     RESPONSES_FIELD_RULES,
@@ -128,12 +128,20 @@ def test_the_body_rewrite_drops_the_field_and_keeps_the_input_bytes_meaning() ->
 @pytest.mark.parametrize(
     ("method", "path", "expected"),
     [
-        ("POST", "/ng-rollout/r1/training-token-capture/v1/responses", normalize_responses_body),
-        ("POST", "/v1/responses", normalize_responses_body),
-        ("POST", "/ng-rollout/r1/training-token-capture/v1/chat/completions", normalize_chat_body),
+        ("POST", "/ng-rollout/r1/training-token-capture/v1/responses", normalize_responses_post),
+        ("POST", "/v1/responses", normalize_responses_post),
+        ("POST", "/ng-rollout/r1/training-token-capture/v1/chat/completions", normalize_chat_post),
         ("GET", "/v1/responses", None),
         ("POST", "/v1/messages", None),
     ],
 )
 def test_the_gate_rewrites_chat_and_responses_posts_only(method: str, path: str, expected) -> None:
     assert body_normalizer({"type": "http", "method": method, "path": path}) is expected
+
+
+def test_both_post_rewrites_also_drop_a_null_required_prefix() -> None:
+    raw = json.dumps({**SDK_BODY, "required_prefix_token_ids": None}).encode()
+    assert json.loads(normalize_responses_post(raw)) == {k: v for k, v in SDK_BODY.items() if k != "include"}
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "required_prefix_token_ids": []}
+    assert json.loads(normalize_chat_post(json.dumps(chat).encode())) == {k: v for k, v in chat.items()
+                                                                          if k != "required_prefix_token_ids"}
