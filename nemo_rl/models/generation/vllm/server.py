@@ -1,6 +1,6 @@
 """OpenAI-compatible HTTP transport over `ChatService` (aiohttp, bound to the host the worker picks).
 
-Routes: POST /v1/chat/completions, POST /tokenize, GET /v1/models, GET /health; control:
+Routes: POST /v1/chat/completions (`stream: true`: SSE events as generated), POST /tokenize, GET /v1/models, GET /health; control:
 GET /control/state (bearer). Handlers only read the body (strict JSON, at most
 `max_request_bytes`), call the service and map `ApiError` to an OpenAI-style error body.
 Availability, one rule for every non-control route: 503 `worker_stopping`, `worker_failed` or
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import traceback
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from aiohttp import web
@@ -22,6 +22,7 @@ from aiohttp import web
 from nemo_rl.data.errors import ApiError
 from nemo_rl.data.request_rules import RequestFieldError, bearer_status, parse_json_body
 from nemo_rl.models.generation.vllm.serving import ChatService
+from nemo_rl.models.generation.vllm.streaming import SSE_DONE, sse_event
 from nemo_rl.utils import instrumentation  # opt-in body/latency counters (benchmarks/capture_ab.py)
 
 LOGGER = logging.getLogger(__name__)
@@ -83,6 +84,27 @@ async def _json_body(request: web.Request, max_request_bytes: int) -> object:
         raise ApiError("invalid_json", e.message, param=e.field) from e
 
 
+async def _stream_sse(request: web.Request, events: AsyncIterator[bytes]) -> web.StreamResponse:
+    """Write `events` as they come, then `data: [DONE]`. A failure after the first byte is a terminal
+    SSE error event (no `[DONE]`); a client gone mid-stream closes `events` (the call is aborted and
+    recorded by the service) and ends the handler quietly."""
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await response.prepare(request)
+    try:
+        async for event in events:
+            await response.write(event)
+        await response.write(SSE_DONE)
+    except ApiError as e:
+        await response.write(sse_event(e.body()))
+    except ConnectionResetError:
+        LOGGER.info("client went away mid-stream on %s", request.path)
+        return response
+    finally:
+        await events.aclose()
+    await response.write_eof()
+    return response
+
+
 def _unavailable(endpoint: Endpoint) -> ApiError | None:
     if endpoint.stopping:
         return ApiError("worker_stopping", "the vLLM worker is shutting down")
@@ -105,8 +127,10 @@ def build_app(
         assert endpoint.service is not None  # the availability middleware let the request through
         return endpoint.service
 
-    async def chat(request: web.Request) -> web.Response:
+    async def chat(request: web.Request) -> web.StreamResponse:
         body = await _json_body(request, max_request_bytes)
+        if isinstance(body, dict) and body.get("stream") is True:
+            return await _stream_sse(request, await service().open_chat_stream(body))
         return web.json_response(await service().chat_completions(body))
 
     async def tokenize(request: web.Request) -> web.Response:
