@@ -12,6 +12,7 @@ See docs/design-docs/token-capture-reliability.md ("Bad input", "Authentication 
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import traceback
 from collections.abc import AsyncIterator, Callable
@@ -28,6 +29,7 @@ from nemo_rl.utils import instrumentation  # opt-in body/latency counters (bench
 LOGGER = logging.getLogger(__name__)
 
 CONTROL_PREFIX = "/control/"
+DISCONNECT_POLL_S = 0.05  # how often a stream with no event due checks that its client is still there
 _AUTH_MESSAGES = {
     401: ("control_auth_required", "control routes need an Authorization: Bearer <control token> header"),
     403: ("control_auth_invalid", "the control bearer token is not this run's"),
@@ -86,12 +88,18 @@ async def _json_body(request: web.Request, max_request_bytes: int) -> object:
 
 async def _stream_sse(request: web.Request, events: AsyncIterator[bytes]) -> web.StreamResponse:
     """Write `events` as they come, then `data: [DONE]`. A failure after the first byte is a terminal
-    SSE error event (no `[DONE]`); a client gone mid-stream closes `events` (the call is aborted and
-    recorded by the service) and ends the handler quietly."""
+    SSE error event (no `[DONE]`). A client gone mid-stream (a write fails, or the connection closes
+    while no event is due: checked every `DISCONNECT_POLL_S`) closes `events`, which aborts and
+    records the call (the service's part), and the handler ends quietly."""
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await response.prepare(request)
+    step: asyncio.Future | None = None
     try:
-        async for event in events:
+        while True:
+            step = asyncio.ensure_future(anext(events, None))
+            event = await _step_or_gone(request, step)
+            if event is None:
+                break
             await response.write(event)
         await response.write(SSE_DONE)
     except ApiError as e:
@@ -100,9 +108,23 @@ async def _stream_sse(request: web.Request, events: AsyncIterator[bytes]) -> web
         LOGGER.info("client went away mid-stream on %s", request.path)
         return response
     finally:
+        if step is not None and not step.done():  # the handler was cancelled (aiohttp: the client went away)
+            step.cancel()
+            await asyncio.gather(step, return_exceptions=True)  # the step's own cleanup aborts the generation
         await events.aclose()
     await response.write_eof()
     return response
+
+
+async def _step_or_gone(request: web.Request, step: asyncio.Future) -> bytes | None:
+    """The step's event (None at the end); `ConnectionResetError` once the client's connection is
+    closed while the step is still waiting (the step is then cancelled by the caller)."""
+    while True:
+        done, _ = await asyncio.wait({step}, timeout=DISCONNECT_POLL_S)
+        if done:
+            return step.result()
+        if request.transport is None or request.transport.is_closing():
+            raise ConnectionResetError("the client closed the connection mid-stream")
 
 
 def _unavailable(endpoint: Endpoint) -> ApiError | None:

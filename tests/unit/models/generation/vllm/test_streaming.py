@@ -271,3 +271,74 @@ async def test_a_plain_stream_refuses_logprobs_before_any_byte(tokenizer):
     with pytest.raises(ApiError) as info:
         await svc.open_chat_stream({"messages": MESSAGES, "stream": True, "logprobs": True})
     assert info.value.param == "logprobs"
+
+
+# --- the HTTP shell: SSE on the wire, refusals before any byte, a client gone while nothing is due ---
+
+
+class SlowStepEngine(StepEngine):
+    """`StepEngine` with a pause before each token (a reply that takes a while)."""
+
+    def __init__(self, script, pause_s: float) -> None:
+        super().__init__(script)
+        self.pause_s = pause_s
+
+    async def generate_stream(self, prompt_ids, sampling, request_id):
+        async for step in super().generate_stream(prompt_ids, sampling, request_id):
+            await asyncio.sleep(self.pause_s)
+            yield step
+
+
+async def _http_client(svc):
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from nemo_rl.models.generation.vllm.server import Endpoint, build_app
+
+    endpoint = Endpoint()
+    endpoint.service = svc
+    app = build_app(endpoint, model_name="tiny", max_model_len=2048, max_request_bytes=1 << 20, control_token="t" * 32)
+    client = TestClient(TestServer(app, host="127.0.0.1"))
+    await client.start_server()
+    return client
+
+
+async def test_http_stream_is_sse_ending_in_done_and_a_refusal_is_json_before_any_byte(tokenizer):
+    ids = tokenizer.encode("The answer is 17.", add_special_tokens=False) + [tokenizer.eos_token_id]
+    svc, _, _ = _service(tokenizer, [ids])
+    client = await _http_client(svc)
+    try:
+        resp = await client.post("/v1/chat/completions", json={"messages": MESSAGES, "stream": True,
+                                                               "ng_capture": _admission("c1")})
+        assert resp.status == 200 and resp.headers["Content-Type"].startswith("text/event-stream")
+        raw = await resp.read()
+        assert raw.endswith(b"\n\ndata: [DONE]\n\n")
+        events = _events([b"data: " + part + b"\n\n" for part in raw[len(b"data: "):-len(SSE_DONE)].split(b"\n\ndata: ") if part][:-1] + [raw[raw.rfind(b"data: {"):-len(SSE_DONE)]])
+        assert "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"]) == "The answer is 17."
+        refused = await client.post("/v1/chat/completions", json={"messages": MESSAGES, "stream_options": {}})
+        assert refused.status == 400 and (await refused.json())["error"]["param"] == "stream_options"
+    finally:
+        await client.close()
+
+
+async def test_http_client_gone_while_a_tool_call_is_held_back_aborts_the_call(tokenizer):
+    ids = tokenizer.encode(CALL_TEXT, add_special_tokens=False) + [tokenizer.eos_token_id]
+    svc, engine, sink = _service(tokenizer, [])
+    slow = SlowStepEngine([ids], pause_s=0.02)
+    svc._engine = slow  # the same service over a slow engine
+    client = await _http_client(svc)
+    try:
+        resp = await client.post("/v1/chat/completions", json={"messages": MESSAGES, "tools": TOOLS, "stream": True,
+                                                               "ng_capture": _admission("c1")})
+        assert resp.status == 200
+        await resp.content.readuntil(b"\n\n")  # the role chunk
+        resp.close()  # gone; the content so far is streamed, the tool call text is held back: nothing is due
+        for _ in range(100):
+            if slow.aborted:
+                break
+            await asyncio.sleep(0.02)
+        assert slow.aborted and sink.records == {}
+        [served] = svc.take_served(["r1"])
+        assert (served.staged, served.failure) == (False, CLIENT_DISCONNECTED)
+        assert served.generated_tokens < len(ids)
+    finally:
+        await client.close()
