@@ -676,13 +676,15 @@ def lineage_as_expected(line: dict[str, Any]) -> bool:
 
 def streamed_as_expected(line: dict[str, Any]) -> bool:
     """A streamed rollout: content in several chunks, the first strictly before the last token, and
-    the dropped call never committed (Gym's off-chain failure row for it)."""
+    the dropped call never committed, with a typed outcome: the worker's `client_disconnected`
+    served call, or (when the reply finished first) Gym's off-chain failure row."""
     if line["scenario"] not in DROPPING_SCENARIOS:
         return True
     first, last = line.get("first_chunk_s"), line.get("last_chunk_s")
+    typed = (line.get("worker_client_disconnected", 0) >= 1
+             or "request_finished_without_staged_coordinates" in (line.get("manifest_failures") or []))
     return bool(line.get("content_chunks", 0) >= 2 and first is not None and last is not None and first < last
-                and line.get("dropped_call_committed") is False
-                and "request_finished_without_staged_coordinates" in (line.get("manifest_failures") or []))
+                and line.get("dropped_call_committed") is False and typed)
 
 
 def passed(line: dict[str, Any]) -> bool:
@@ -746,6 +748,12 @@ async def main(args: argparse.Namespace) -> list[dict[str, Any]]:
                 await harness.close()
             runs.append(run)
             outcomes.append(outcome)
+        # Streamed calls the workers saw their client drop (typed: served, not staged, `client_disconnected`).
+        stats = await asyncio.to_thread(stack.workers.capture_stats)
+        disconnected = sum(int(s.get("calls", {}).get("client_disconnected", 0)) for s in stats)
+        for name, run in zip(names, runs):
+            if name in DROPPING_SCENARIOS:
+                run.facts["worker_client_disconnected"] = disconnected
         # Read the ledger and the engine's own records before collect_group retires the ledger
         # and clears the staged keys.
         manifests: list = []
