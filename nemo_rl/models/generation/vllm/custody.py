@@ -2,11 +2,13 @@
 
 `CustodyCore.serve`: admission check, claim (or replay) of the call's id, the parents' barrier,
 exact prefix, Gym's one `begin_call`, generation (`CallServing`), staging, prefix-cache seed once
-durable, served registry. `build_custody` / `build_tq_custody` build it from the worker's parts.
+durable, served registry; `open_stream` + `stream` the same for a `stream=true` call (staged only
+once generation ends). `build_custody` / `build_tq_custody` build it from the worker's parts.
 Invariants: nothing is generated from an unverified prefix or a parent whose row is not durable;
 an admitted call is generated at most once (a byte-identical re-send is replayed); every
 generated admitted call leaves one `ServedCall`; a failed custody step after generation is a
-`capture_failed` reply. Failures are `ApiError`s; no HTTP here.
+`capture_failed` reply; a streamed call whose client left is `client_disconnected`, never staged.
+Failures are `ApiError`s; no HTTP here.
 The rules in full: docs/design-docs/vllm-worker-capture.md.
 """
 

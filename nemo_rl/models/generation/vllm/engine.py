@@ -1,7 +1,7 @@
 """The one module that imports vLLM: a real `AsyncLLM` engine driven by exact token ids.
 
 Promises: `generate` takes prompt token ids (never text) and returns the exact sampled ids with
-the engine's raw logprob of each; every sample is kept in a bounded record log for audits;
+the engine's raw logprob of each (`generate_stream`: the same, step by step); every sample is kept in a bounded record log for audits;
 `reload_weights` drains, reloads, clears the prefix cache and bumps `weight_version`, so every
 result carries the one version that generated all of its tokens. States `serving`,
 `refitting`, `failed`: every wait is bounded (`EngineDeadlines`); a drain past its deadline

@@ -87,14 +87,21 @@ async def _json_body(request: web.Request, max_request_bytes: int) -> object:
 
 
 async def _stream_sse(request: web.Request, events: AsyncIterator[bytes]) -> web.StreamResponse:
-    """Write `events` as they come, then `data: [DONE]`. A failure after the first byte is a terminal
-    SSE error event (no `[DONE]`). A client gone mid-stream (a write fails, or the connection closes
+    """Write `events` as they come, then `data: [DONE]`. The response starts with the first event
+    (generation under way): a failure before it is a JSON error, one after it a terminal SSE error
+    event (no `[DONE]`). A client gone mid-stream (a write fails, or the connection closes
     while no event is due: checked every `DISCONNECT_POLL_S`) closes `events`, which aborts and
     records the call (the service's part), and the handler ends quietly."""
+    try:
+        first = await anext(events)  # generation started: a failure before it is still a JSON error
+    except BaseException:
+        await events.aclose()
+        raise
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-    await response.prepare(request)
     step: asyncio.Future | None = None
     try:
+        await response.prepare(request)
+        await response.write(first)
         while True:
             step = asyncio.ensure_future(anext(events, None))
             event = await _step_or_gone(request, step)

@@ -8,6 +8,8 @@ record is the source of truth). Refuses generation from an unverified prefix, a 
 generation of a call (a byte-identical re-send is replayed) and a silently uncaptured success
 (custody failing after generation is `capture_failed`, counted). Invariant: only durable rows
 enter the `PrefixCache`; errors are named `ApiError`s, anything else is a bug that propagates.
+`open_chat_stream` serves `stream=true`: the same checks before the first byte, content deltas as
+generated, the call committed as a whole one before its finish chunk ("The streamed path").
 See docs/design-docs/vllm-worker-capture.md ("One request" to "Errors, context overflow ...").
 """
 
@@ -239,12 +241,16 @@ class ChatService:
                                      parse_tools=parse_tools)
 
     async def _sse(self, request_id: str, steps: AsyncIterator[Any], mode: str, usage: bool) -> AsyncIterator[bytes]:
-        """SSE events of one stream: `steps` yields new ids (lists), then the finished reply (a dict)."""
+        """SSE events of one stream: `steps` yields new ids (lists), then the finished reply (a dict).
+
+        The role chunk is yielded once the first step is in (generation started), so a consumer
+        that stops at any yield finds `steps` running and its close records the call."""
         created = int(time.time())
         streamer = ContentStreamer(self._stream_decoder(mode), mode)
         try:
+            item = await anext(steps, None)
             yield sse_event(chunk(request_id, self._model_name, created, {"role": "assistant", "content": ""}))
-            async for item in steps:
+            while item is not None:
                 if isinstance(item, dict):
                     for event in final_chunks({**item, "created": created}, streamer.streamed, include_usage=usage):
                         yield sse_event(event)
@@ -252,6 +258,7 @@ class ChatService:
                 delta = streamer.push(item)
                 if delta:
                     yield sse_event(chunk(request_id, self._model_name, created, {"content": delta}))
+                item = await anext(steps, None)
         finally:
             await steps.aclose()  # a consumer gone mid-stream: the generation is aborted, the call recorded
 

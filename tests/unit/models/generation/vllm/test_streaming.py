@@ -342,3 +342,15 @@ async def test_http_client_gone_while_a_tool_call_is_held_back_aborts_the_call(t
         assert served.generated_tokens < len(ids)
     finally:
         await client.close()
+
+
+async def test_a_client_gone_at_the_role_chunk_is_recorded_too(tokenizer):
+    ids = tokenizer.encode("The answer is 17.", add_special_tokens=False) + [tokenizer.eos_token_id]
+    svc, engine, sink = _service(tokenizer, [ids])
+    events = await svc.open_chat_stream({"messages": MESSAGES, "stream": True, "ng_capture": _admission("c1")})
+    role = json.loads((await anext(events))[len(b"data: "):])
+    assert role["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    await events.aclose()  # the first token is already generated: the call is under way, and recorded
+    [served] = svc.take_served(["r1"])
+    assert (served.staged, served.failure, served.generated_tokens) == (False, CLIENT_DISCONNECTED, 1)
+    assert engine.aborted and sink.records == {}
