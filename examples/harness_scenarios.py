@@ -25,6 +25,12 @@ behaviour through `openai.AsyncOpenAI(base_url=<gate>/ng-rollout/<id>/training-t
                    the scored response stays the previous one.
 - subagent         a sub-agent with its own system prompt and user message runs two calls inside
                    the same rollout id, then the main conversation continues.
+- streamed         `stream=True` (with `stream_options.include_usage`) through the SDK's streaming
+                   iterator: one call dropped after its first content chunk (the client goes away:
+                   never committed, an off-chain outcome), then a multi-call tool loop rebuilt from
+                   the chunks. Prints time to first content chunk vs the full reply of its longest
+                   reply (`first_chunk_s`, `last_chunk_s`, `full_response_s`): the first must come
+                   strictly before the last token.
 - cross_worker     (with --num-workers >= 2) every call from a fresh client, i.e. a fresh gate
                    session, which the gate may route to any worker; the continuation is re-sent
                    (each re-send a retry sibling) until a worker other than its parent's serves it.
@@ -78,6 +84,7 @@ from pathlib import Path
 from typing import Any
 
 import openai
+from openai.types.chat import ChatCompletion
 from examples.arith.rows import calculator_tool_output
 from examples.arith.task import CALCULATOR_TOOL, SYSTEM_PROMPT, make_problems, user_prompt
 from examples.arith.tiny_model import TinyModelConfig, ensure_tiny_model
@@ -195,8 +202,81 @@ class Harness:
         log(f"[{label}] {completion.id}: {summary}")
         return completion
 
+    async def call_streamed(self, messages: list, label: str, *, drop_after_first_chunk: bool = False):
+        """A `stream=True` call through the SDK's iterator: the ChatCompletion the chunks add up to,
+        with the client-side clock of its chunks (None when the client dropped the stream)."""
+        kwargs: dict[str, Any] = {"model": self.model, "messages": messages, "temperature": 0.0,
+                                  "max_tokens": self.max_tokens, "tools": [CALCULATOR_TOOL], "stream": True,
+                                  "stream_options": {"include_usage": True}}
+        started = time.perf_counter()
+        clock = StreamClock()
+        stream = await self.client.chat.completions.create(**kwargs)
+        try:
+            async for chunk in stream:
+                clock.see(chunk, time.perf_counter() - started)
+                if drop_after_first_chunk:
+                    break  # the client goes away after the first chunk
+        finally:
+            await stream.close()
+        if drop_after_first_chunk:
+            self.run.calls.append(CallLog(label, clock.head.get("id"), False, "dropped after its first chunk"))
+            log(f"[{label}] {clock.head.get('id')}: dropped after its first chunk")
+            return None, clock
+        completion = clock.completion()
+        clock.full_s = time.perf_counter() - started
+        message = completion.choices[0].message
+        summary = (f"tool_calls={len(message.tool_calls or [])} content={(message.content or '')[:60]!r} "
+                   f"chunks={clock.content_chunks}")
+        self.run.calls.append(CallLog(label, completion.id, True, summary))
+        log(f"[{label}] {completion.id}: {summary}")
+        return completion, clock
+
     async def close(self) -> None:
         await self.client.close()
+
+
+@dataclass
+class StreamClock:
+    """What a streamed call's chunks add up to, and when its content chunks arrived (seconds after the call)."""
+
+    content: list[str] = field(default_factory=list)
+    tool_calls: dict[int, dict] = field(default_factory=dict)
+    head: dict[str, Any] = field(default_factory=dict)
+    finish_reason: str | None = None
+    usage: Any = None
+    content_chunks: int = 0
+    first_s: float | None = None
+    last_s: float | None = None
+    full_s: float | None = None
+
+    def see(self, chunk, at_s: float) -> None:
+        self.head = {"id": chunk.id, "created": chunk.created, "model": chunk.model}
+        if chunk.usage is not None:
+            self.usage = chunk.usage.model_dump()
+        for choice in chunk.choices:
+            if choice.delta.content:
+                self.content.append(choice.delta.content)
+                self.content_chunks += 1
+                self.first_s = at_s if self.first_s is None else self.first_s
+                self.last_s = at_s
+            for call in choice.delta.tool_calls or []:
+                slot = self.tool_calls.setdefault(call.index, {"id": None, "type": "function",
+                                                               "function": {"name": "", "arguments": ""}})
+                slot["id"] = call.id or slot["id"]
+                if call.function is not None:
+                    slot["function"]["name"] += call.function.name or ""
+                    slot["function"]["arguments"] += call.function.arguments or ""
+            if choice.finish_reason is not None:
+                self.finish_reason = choice.finish_reason
+
+    def completion(self) -> ChatCompletion:
+        message: dict[str, Any] = {"role": "assistant", "content": "".join(self.content) or None}
+        if self.tool_calls:
+            message["tool_calls"] = [self.tool_calls[i] for i in sorted(self.tool_calls)]
+        return ChatCompletion.model_validate({
+            **self.head, "object": "chat.completion", "usage": self.usage,
+            "choices": [{"index": 0, "message": message, "finish_reason": self.finish_reason}],
+        })
 
 
 def tool_results(message) -> list[dict]:
@@ -459,6 +539,34 @@ async def scenario_agents_sdk_chat(h: Harness, ctx: Context, run: ScenarioRun) -
     await _agents_sdk(h, ctx, run, "chat")  # OpenAIChatCompletionsModel: no response id, an output witness
 
 
+async def scenario_streamed(h: Harness, ctx: Context, run: ScenarioRun) -> None:
+    p, q = ctx.problems[12], ctx.problems[13]
+    messages: list = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": user_prompt(p)}]
+    _, dropped = await h.call_streamed(messages, "streamed#dropped", drop_after_first_chunk=True)
+    run.facts["dropped_response_id"] = dropped.head.get("id")
+    longest: StreamClock | None = None
+    for index in range(4):
+        completion, clock = await h.call_streamed(messages, f"streamed#{index}")
+        run.kept = completion
+        if longest is None or clock.content_chunks > longest.content_chunks:
+            longest = clock
+        message = completion.choices[0].message
+        if not message.tool_calls and index >= 1:
+            break
+        messages.append(message)
+        messages += next_turn(message, user_prompt(q))
+    assert longest is not None
+    run.facts.update(
+        content_chunks=longest.content_chunks,
+        first_chunk_s=round(longest.first_s, 4) if longest.first_s is not None else None,
+        last_chunk_s=round(longest.last_s, 4) if longest.last_s is not None else None,
+        full_response_s=round(longest.full_s, 4),
+        usage_completion_tokens=(longest.usage or {}).get("completion_tokens"),
+    )
+    log(f"[streamed] longest reply: {longest.content_chunks} content chunks, first at {longest.first_s}s, "
+        f"last at {longest.last_s}s, full reply at {longest.full_s:.4f}s")
+
+
 SCENARIOS: dict[str, Callable[[Harness, Context, ScenarioRun], Awaitable[None]]] = {
     "plain": scenario_plain,
     "distinct_retry": scenario_distinct_retry,
@@ -468,11 +576,17 @@ SCENARIOS: dict[str, Callable[[Harness, Context, ScenarioRun], Awaitable[None]]]
     "edited": scenario_edited,
     "failed_final": scenario_failed_final,
     "subagent": scenario_subagent,
+    "streamed": scenario_streamed,
     "cross_worker": scenario_cross_worker,
     "responses_api": scenario_responses_api,
     "agents_sdk_chat": scenario_agents_sdk_chat,
 }
 SDK_DRIVER_TIMEOUT_S = 240.0
+# Scenarios whose client drops a call mid-stream: that call's served tokens are off-chain (never
+# committed, `client_disconnected` or, if the reply finished first, staged-not-committed) and are
+# left out of the kept-fraction denominator, as abandoned retries are.
+DROPPING_SCENARIOS = {"streamed"}
+OFF_CHAIN_YIELD_REASONS = ("served_not_staged", "staged_not_committed")
 MULTI_WORKER_SCENARIOS = {"cross_worker"}
 CROSS_WORKER_MAX_SENDS = 8  # the gate hashes fresh sessions over the workers: 2 workers miss 8 times with p = 1/256
 
@@ -537,6 +651,8 @@ def summarize(name: str, rollout_id: str, run: ScenarioRun, outcome, entry, mani
         **run.facts,
     }
     line["call_lineage"] = call_lineage(run, records)
+    if "dropped_response_id" in run.facts:
+        line["dropped_call_committed"] = any(r.response_id == run.facts["dropped_response_id"] for r in records)
     line.update(worker_facts(records, served_by))
     if manifest_problem:
         line["manifest_problem"] = manifest_problem
@@ -551,6 +667,10 @@ def summarize(name: str, rollout_id: str, run: ScenarioRun, outcome, entry, mani
         line["abandoned_retry_calls"] = y.abandoned_retry_calls
         line["abandoned_retry_tokens"] = y.abandoned_retry_tokens
         trainable = (y.served_generated_tokens or 0) - y.abandoned_retry_tokens
+        if name in DROPPING_SCENARIOS:
+            dropped = sum(n for reason, n in y.unverifiable if reason in OFF_CHAIN_YIELD_REASONS)
+            line["dropped_call_tokens"] = dropped
+            trainable -= dropped
         if trainable > 0:
             line["kept_generated_token_fraction"] = round(y.kept_generated_tokens / trainable, 6)
         if y.lineage is not None:
@@ -591,10 +711,23 @@ def lineage_as_expected(line: dict[str, Any]) -> bool:
     return unresolved == 0 and (rate == 1.0 or line["continuation_calls"] == 0)
 
 
+def streamed_as_expected(line: dict[str, Any]) -> bool:
+    """A streamed rollout: content in several chunks, the first strictly before the last token, and
+    the dropped call never committed, with a typed outcome: the worker's `client_disconnected`
+    served call, or (when the reply finished first) Gym's off-chain failure row."""
+    if line["scenario"] not in DROPPING_SCENARIOS:
+        return True
+    first, last = line.get("first_chunk_s"), line.get("last_chunk_s")
+    typed = (line.get("worker_client_disconnected", 0) >= 1
+             or "request_finished_without_staged_coordinates" in (line.get("manifest_failures") or []))
+    return bool(line.get("content_chunks", 0) >= 2 and first is not None and last is not None and first < last
+                and line.get("dropped_call_committed") is False and typed)
+
+
 def passed(line: dict[str, Any]) -> bool:
     fraction = line.get("kept_generated_token_fraction")
     return bool(line["kept"] and line["exact"] and fraction is not None and fraction >= MIN_FRACTION
-                and lineage_as_expected(line))
+                and lineage_as_expected(line) and streamed_as_expected(line))
 
 
 async def main(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -633,7 +766,7 @@ async def main(args: argparse.Namespace) -> list[dict[str, Any]]:
             owners = [index for index, part in enumerate(parts) if response_id in part]
             return owners[0] if len(owners) == 1 else None
 
-        ctx = Context(make_problems(args.seed, 12), tokenizer, generation.vllm.max_model_len, args.seed, worker_of)
+        ctx = Context(make_problems(args.seed, 14), tokenizer, generation.vllm.max_model_len, args.seed, worker_of)
         runs: list[ScenarioRun] = []
         outcomes: list[dict[str, Any] | RunFailure] = []
         for name, rollout_id in zip(names, rollout_ids):
@@ -653,6 +786,12 @@ async def main(args: argparse.Namespace) -> list[dict[str, Any]]:
                 await harness.close()
             runs.append(run)
             outcomes.append(outcome)
+        # Streamed calls the workers saw their client drop (typed: served, not staged, `client_disconnected`).
+        stats = await asyncio.to_thread(stack.workers.capture_stats)
+        disconnected = sum(int(s.get("calls", {}).get("client_disconnected", 0)) for s in stats)
+        for name, run in zip(names, runs):
+            if name in DROPPING_SCENARIOS:
+                run.facts["worker_client_disconnected"] = disconnected
         # Read the ledger and the engine's own records before collect_group retires the ledger
         # and clears the staged keys.
         manifests: list = []

@@ -202,14 +202,32 @@ def check_tools(tools: Any) -> None:
             raise RequestFieldError(f"{at}.function.description", f"{at}.function.description must be a string")
 
 
+def check_stream_fields(body: dict) -> None:
+    """`stream` is a boolean; `stream_options` goes only with `stream: true` and holds only a boolean
+    `include_usage` (the one option whose meaning does not touch the tokens)."""
+    stream = body.get("stream")
+    if stream is not None:
+        _check_optional(body, "stream", isinstance(stream, bool), "a boolean")
+    options = body.get("stream_options")
+    if options is None:
+        return
+    if stream is not True:
+        raise RequestFieldError("stream_options", "stream_options is only valid with stream=true (fix: drop it)")
+    if not isinstance(options, dict):
+        raise RequestFieldError("stream_options", f"stream_options must be an object, got {_type_name(options)}")
+    unknown = sorted(set(options) - {"include_usage"})
+    if unknown:
+        raise RequestFieldError(f"stream_options.{unknown[0]}",
+                                f"stream_options.{unknown[0]} is not supported (only include_usage is)")
+    if options.get("include_usage") is not None and not isinstance(options["include_usage"], bool):
+        raise RequestFieldError("stream_options.include_usage", "stream_options.include_usage must be a boolean")
+
+
 def check_chat_request(body: Any, *, max_model_len: int) -> None:
     """Raise `RequestFieldError` for the first field `body` gets wrong (see the module contract)."""
     if not isinstance(body, dict):
         raise RequestFieldError("body", f"request body must be a JSON object, got {_type_name(body)}")
-    if body.get("stream") not in (None, False):
-        raise RequestFieldError(
-            "stream", f"stream={show(body['stream'])} is not supported: token custody needs complete responses"
-        )
+    check_stream_fields(body)
     if body.get("n") not in (None, 1) or isinstance(body.get("n"), bool):
         raise RequestFieldError("n", f"n={show(body['n'])} is not supported: n must be 1 (custody is per single choice)")
     check_messages(body.get("messages"))

@@ -182,7 +182,8 @@ class NemoGymConfig(BaseModel):
     )
     gate_guard: GateGuardConfig = Field(
         default_factory=GateGuardConfig,
-        description="Input limits of our capture gate (body size, rollout id length, the context probe's deadline).",
+        description="Input limits and deadlines of our capture gate (body size, rollout id length, the context probe's "
+                    "deadline, a streamed call's read deadline).",
     )
     arith_problem_pool: int | None = Field(
         default=None,

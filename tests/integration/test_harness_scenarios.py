@@ -4,7 +4,9 @@ Runs `examples/harness_scenarios.py --num-workers 2` (real components only: priv
 TransferQueue, two vLLM CPU engines behind our one capture gate on loopback) and checks each
 scenario's verdict: kept, exact against the engine's own records, and nearly every served
 generated token kept (retried replies the harness discarded are masked and outside that
-fraction), plus the shape each behaviour guarantees, the capture health each behaviour implies
+fraction), plus the shape each behaviour guarantees (a `streamed` tool loop through the SDK's
+streaming iterator: one exact chain, the first chunk before the last, a call dropped mid-stream
+never committed), the capture health each behaviour implies
 (`token_in_rate`, `unresolved_continuations`: an `edited` history must show the miss, an echoed
 one must not), and that a continuation served by another worker than its parent is exact.
 The OpenAI Agents SDK runs from its own spec-hashed venv (`responses_api`: its default
@@ -26,11 +28,11 @@ from nemo_rl.utils import venvs
 REPO = Path(__file__).resolve().parents[2]
 SCENARIOS = (
     "plain", "distinct_retry", "identical_retry", "compaction", "rerendered", "edited", "failed_final", "subagent",
-    "cross_worker", "responses_api", "agents_sdk_chat",
+    "streamed", "cross_worker", "responses_api", "agents_sdk_chat",
 )
 # Scenarios whose harness echoes every assistant turn as the model wrote it: no continuation may miss its parent.
-ECHOED = ("plain", "distinct_retry", "identical_retry", "compaction", "failed_final", "subagent", "cross_worker",
-          "responses_api", "agents_sdk_chat")
+ECHOED = ("plain", "distinct_retry", "identical_retry", "compaction", "failed_final", "subagent", "streamed",
+          "cross_worker", "responses_api", "agents_sdk_chat")
 
 
 @pytest.fixture(scope="module")
@@ -236,3 +238,27 @@ def test_the_agents_sdk_over_chat_completions_is_judged_by_its_output_witness_no
     assert line["terminal_selection"] == "content", line
     assert line["manifest_records"] == len(ids) and line["token_in_records"] == len(ids) - 1, line
     assert line["kept"] is True and line["exact"] is True and line["rows"] == 1, line
+
+
+@pytest.mark.integration
+def test_a_streamed_tool_loop_is_one_exact_chain_and_its_first_chunk_comes_before_its_last(results):
+    line = results["streamed"]
+    # streamed#dropped was cut after its first chunk; streamed#0.. is the tool loop rebuilt from chunks.
+    assert line["client_calls"][0] == "streamed#dropped:error" and len(line["client_calls"]) >= 3, line
+    assert line["call_lineage"][1:] == ["text"] + [f"token_in<{i}" for i in range(1, len(line["call_lineage"]) - 1)], line
+    assert line["rows"] == 1 and line["chains"] == 1, line
+    assert line["content_chunks"] >= 2 and line["first_chunk_s"] < line["last_chunk_s"] <= line["full_response_s"], line
+    assert line["usage_completion_tokens"] >= line["content_chunks"], line
+
+
+@pytest.mark.integration
+def test_a_call_dropped_mid_stream_is_never_committed_and_stays_off_chain(results):
+    line = results["streamed"]
+    assert line["dropped_call_committed"] is False, line
+    # Typed: the worker aborted it (`client_disconnected`), or it finished first and Gym's ledger
+    # names it uncommitted; in both cases no record, so no chain holds it.
+    assert line["worker_client_disconnected"] == 1 or (
+        "request_finished_without_staged_coordinates" in line["manifest_failures"]), line
+    assert line["manifest_records"] == line["calls"] - 1, line
+    # Its served tokens are off-chain (client_disconnected, or staged-not-committed if it finished first).
+    assert line["served_generated_tokens"] == line["kept_generated_tokens"] + line["dropped_call_tokens"], line

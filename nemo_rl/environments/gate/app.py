@@ -15,24 +15,32 @@ Why each relaxation is safe: docs/design-docs/token-capture-receipts.md, "Our ga
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 from aiohttp.client_exceptions import ClientResponseError
-from fastapi import Request
-from fastapi.responses import JSONResponse
+from fastapi import Body, Request
+from fastapi.responses import JSONResponse, StreamingResponse
 from omegaconf import DictConfig, OmegaConf
-from pydantic import ValidationError
+from pydantic import PrivateAttr, ValidationError
 
 from nemo_gym.anthropic_utils import NeMoGymAnthropicMessageCreateParamsNonStreaming
-from nemo_gym.base_responses_api_model import _ANTHROPIC_CONVERTER
+from nemo_gym.base_responses_api_model import _ANTHROPIC_CONVERTER, _request_messages, _validate_chat_params
+from nemo_gym.chat_streaming import sanitize_streaming_chat_body
 from nemo_gym.global_config import get_global_config_dict
-from nemo_gym.openai_utils import NeMoGymChatCompletionCreateParamsNonStreaming, NeMoGymResponseCreateParamsNonStreaming
+from nemo_gym.openai_utils import (
+    NeMoGymChatCompletion,
+    NeMoGymChatCompletionCreateParamsNonStreaming,
+    NeMoGymResponseCreateParamsNonStreaming,
+)
 from nemo_gym.token_id_capture.config import token_id_capture_config
 from nemo_gym.token_id_capture.protocols import install_lineage_store
+from nemo_gym.token_id_capture.sink import current_capture_context, register_call_intent, resolve_parent
 from nemo_rl.data.errors import ApiError, FatalError
 from nemo_rl.data.request_rules import RequestFieldError
 from nemo_rl.environments.gate.ingress import (
@@ -52,6 +60,7 @@ from nemo_rl.environments.gate.ingress import (
 from nemo_rl.environments.gate.ledger import BranchingCaptureLedger
 from nemo_rl.environments.gate.required_prefix import drop_empty_required_prefix_bytes
 from nemo_rl.environments.gate.responses_fields import normalize_responses_body
+from nemo_rl.environments.gate.streaming import StreamRelayError, error_event, relay_stream
 from responses_api_models.vllm_model.app import _PROPAGATE_CONTEXT_ERROR_ATTRIBUTE, VLLMModel
 
 CHAT_PATH_SUFFIX = "/chat/completions"
@@ -190,7 +199,10 @@ class NormalizeChatRequestMiddleware:
 
 
 class CaptureGateModel(VLLMModel):
-    """Gym's `VLLMModel` with the normalisation middleware outside Gym's capture middleware."""
+    """Gym's `VLLMModel` with the normalisation middleware outside Gym's capture middleware, and a
+    streamed chat path that relays the worker's chunks as they come (`gate.streaming`)."""
+
+    _stream_read_timeout_s: float | None = PrivateAttr(default=None)
 
     def get_session_middleware_key(self) -> str:
         # Same session cookie and log prefix as Gym's own gate.
@@ -209,6 +221,7 @@ class CaptureGateModel(VLLMModel):
         # Outside the normaliser: oversized bodies are refused before anything buffers them.
         global_config = _plain(self.server_client.global_config_dict)
         guard = guard_config_from(global_config)
+        self._stream_read_timeout_s = guard.stream_read_timeout_s
         app.add_middleware(
             GateGuardMiddleware,
             config=guard,
@@ -226,6 +239,8 @@ class CaptureGateModel(VLLMModel):
         sanitises from its streaming dialect before validating it.
         """
         if kind == "chat":
+            if body.get("stream") is True:  # Gym's own mapping of the streaming dialect onto its model
+                body, _ = sanitize_streaming_chat_body(body)
             normalized = normalize_chat_request(body)
             NeMoGymChatCompletionCreateParamsNonStreaming.model_validate(normalized)
             return normalized
@@ -238,6 +253,58 @@ class CaptureGateModel(VLLMModel):
             params = _ANTHROPIC_CONVERTER.anthropic_request_to_responses(body)
         chat = self._converter.responses_to_chat_completion_create_params(params)
         return chat.model_dump(exclude_unset=True, mode="json")
+
+    async def chat_completions_dispatch(self, request: Request, body: dict = Body()):
+        """Gym's dispatch, except `stream: true`: the worker streams and the gate relays (no buffering)."""
+        if body.get("stream") is not True:
+            return await super().chat_completions_dispatch(request, body)
+        cleaned, include_usage = sanitize_streaming_chat_body(body)
+        params = _validate_chat_params(cleaned)  # Gym's own 422 for a body its model refuses
+        if current_capture_context() is not None:  # Gym's steps before dispatch, in Gym's order
+            await resolve_parent(_request_messages(params))
+            await register_call_intent()
+        upstream_body = self._preprocess_chat_completion_create_params(request, params.model_dump(exclude_unset=True))
+        upstream_body["stream"] = True
+        if include_usage:
+            upstream_body["stream_options"] = {"include_usage": True}
+        return await self._relay(self._resolve_client(request), upstream_body)
+
+    async def _relay(self, client: Any, upstream_body: dict) -> Any:
+        assert self._stream_read_timeout_s is not None  # set by setup_webserver
+        deadline = self._stream_read_timeout_s
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=deadline, sock_read=deadline)
+        session = aiohttp.ClientSession(timeout=timeout)
+        headers = {**client.default_headers, "Authorization": f"Bearer {client.api_key}"}
+        try:
+            upstream = await session.post(f"{client.base_url}/chat/completions", json=upstream_body, headers=headers)
+            if upstream.status != 200:
+                status, payload = upstream_error_answer(upstream.status, await upstream.read())
+                await session.close()
+                return JSONResponse(content=payload, status_code=status)
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            await session.close()
+            message = f"the vLLM worker at {client.base_url} did not start the stream: {type(e).__name__}: {e}"
+            return JSONResponse(content={"error": {"message": message, "type": "upstream_unavailable", "param": None,
+                                                   "code": 502}}, status_code=502)
+
+        async def events():
+            try:
+                async for event in relay_stream(upstream.content.iter_any(), self._commit_streamed):
+                    yield event
+            except (StreamRelayError, aiohttp.ClientError, asyncio.TimeoutError) as e:
+                yield error_event(f"the vLLM worker's stream broke off: {type(e).__name__}: {e}; not committed")
+            finally:
+                upstream.release()
+                await session.close()
+
+        return StreamingResponse(events(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def _commit_streamed(self, completion: dict) -> None:
+        """Gym's commit of a finished call, from the completion the stream added up to."""
+        if self._external_capture_handler is not None:
+            self._external_capture_handler.prepare_response(completion)  # takes ng_commit_coords off
+        await self._finalize_served_response(NeMoGymChatCompletion.model_validate(completion))
 
     def setup_exception_middleware(self, app) -> None:
         @app.middleware("http")

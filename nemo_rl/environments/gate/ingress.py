@@ -85,6 +85,12 @@ class GateGuardConfig(BaseModel):
         allow_inf_nan=False,
         description="Deadline of one GET <worker>/v1/models that reads the worker's max_model_len.",
     )
+    stream_read_timeout_s: float = Field(
+        default=600.0,
+        gt=0.0,
+        allow_inf_nan=False,
+        description="Deadline to connect to the worker and between two reads of a streamed (stream=true) reply.",
+    )
 
 
 def check_rollout_id(rollout_id: str, max_chars: int) -> None:

@@ -108,7 +108,8 @@ def test_capture_config_is_the_contract_block_and_gym_accepts_it(tmp_path: Path)
         "control_auth_token_env": "MY_BEARER",
     }
     # Only our capture gate reads this block: its input limits (GateGuardConfig defaults).
-    expected["nrl_gate_guard"] = {"max_body_bytes": 4 * 1024 * 1024, "max_rollout_id_chars": 128, "context_probe_timeout_s": 10.0}
+    expected["nrl_gate_guard"] = {"max_body_bytes": 4 * 1024 * 1024, "max_rollout_id_chars": 128, "context_probe_timeout_s": 10.0,
+                                  "stream_read_timeout_s": 600.0}
     assert config == expected
     parsed = TokenIdCaptureConfig.model_validate(config).token_id_capture
     assert (parsed.sink, parsed.lineage_store, parsed.control_auth_token_env) == (None, None, "MY_BEARER")

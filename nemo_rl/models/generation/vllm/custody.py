@@ -2,11 +2,13 @@
 
 `CustodyCore.serve`: admission check, claim (or replay) of the call's id, the parents' barrier,
 exact prefix, Gym's one `begin_call`, generation (`CallServing`), staging, prefix-cache seed once
-durable, served registry. `build_custody` / `build_tq_custody` build it from the worker's parts.
+durable, served registry; `open_stream` + `stream` the same for a `stream=true` call (staged only
+once generation ends). `build_custody` / `build_tq_custody` build it from the worker's parts.
 Invariants: nothing is generated from an unverified prefix or a parent whose row is not durable;
 an admitted call is generated at most once (a byte-identical re-send is replayed); every
 generated admitted call leaves one `ServedCall`; a failed custody step after generation is a
-`capture_failed` reply. Failures are `ApiError`s; no HTTP here.
+`capture_failed` reply; a streamed call whose client left is `client_disconnected`, never staged.
+Failures are `ApiError`s; no HTTP here.
 The rules in full: docs/design-docs/vllm-worker-capture.md.
 """
 
@@ -18,7 +20,7 @@ import json
 import logging
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
@@ -50,6 +52,9 @@ from nemo_rl.data.served import ServedCall, has_assistant_turn
 LOGGER = logging.getLogger(__name__)
 
 DEFAULT_MAX_SERVED_ROLLOUTS = 100_000
+# The failure of a streamed call whose client went away before its reply was complete (off-chain:
+# aborted in the engine, nothing staged, Gym's capture told; the gate ledgers it uncommitted).
+CLIENT_DISCONNECTED = "client_disconnected"
 # How long a re-send waits for the same call still in flight before it is refused (409). The worker
 # passes its own bound (`duplicate_wait_bound_s`); this is the default of a bare core.
 DEFAULT_DUPLICATE_WAIT_S = 60.0
@@ -90,6 +95,12 @@ class CallServing(Protocol):
         """The chat completion for `result`, without any token echo."""
         ...
 
+    def generate_stream(
+        self, prompt_ids: list[int], sampling: SamplingRequest, request_id: str
+    ) -> AsyncIterator[Any]:
+        """Steps with `new_token_ids`, the last one with the finished `result` (`VllmEngine.generate_stream`)."""
+        ...
+
 
 class StageBarrier(Protocol):
     """Write-behind staging's barriers (`StageWriter` implements them)."""
@@ -99,6 +110,16 @@ class StageBarrier(Protocol):
     def wait_keys(self, keys: list[str], timeout_s: float) -> ParentRows: ...
 
     def when_written(self, key: str, fn) -> bool: ...
+
+
+@dataclass(frozen=True)
+class StreamOpening:
+    """An admitted streamed call before its first token: the committed reply of a re-send
+    (`replay`), or the call claimed under `key` with its plan (pass it to `CustodyCore.stream`)."""
+
+    key: tuple[str, str]
+    plan: "_Plan | None"
+    replay: dict | None
 
 
 @dataclass(frozen=True)
@@ -205,6 +226,79 @@ class CustodyCore:
             raise
         self._admitted.commit(key, reply)
         return reply
+
+    async def open_stream(
+        self,
+        body: Mapping[str, Any],
+        raw_admission: Any,
+        messages: list[dict],
+        tools: list[dict] | None,
+        sampling: SamplingRequest,
+        serving: CallServing,
+    ) -> StreamOpening:
+        """A streamed call up to its first token, with `serve`'s checks (any refusal raises here)."""
+        admission = self._validate_admission(raw_admission)
+        instrumentation.set_call_fact("capture", 1.0)
+        key = (admission.rollout_id, admission.model_call_id)
+        replay = await self._claim_or_replay(key, request_digest(body), admission)
+        if replay is not None:
+            return StreamOpening(key, None, replay)
+        try:
+            plan = await self._plan(admission, body, messages, tools, sampling, serving)
+        except BaseException:
+            self._admitted.release(key)
+            raise
+        return StreamOpening(key, plan, None)
+
+    async def stream(self, opening: StreamOpening, serving: CallServing, request_id: str) -> AsyncIterator[Any]:
+        """Generate an opened call step by step: yields each step's new ids (a list), then the reply
+        (a dict, `ng_commit_coords` included) once the call is staged exactly as `serve` stages it.
+
+        A consumer that stops before the reply (the client went away) leaves the call aborted in
+        the engine, failed in Gym's capture, recorded served and not staged (`CLIENT_DISCONNECTED`,
+        with the tokens generated so far) and its id spoiled: an off-chain outcome, never staged.
+        """
+        plan, key = opening.plan, opening.key
+        assert plan is not None, "a replayed opening has nothing to generate"
+        generated, result = 0, None
+        steps = serving.generate_stream(plan.prompt_ids, plan.sampling, request_id)
+        try:
+            async for step in steps:
+                if step.result is not None:
+                    result = step.result
+                    break
+                generated += len(step.new_token_ids)
+                yield step.new_token_ids
+        except (GeneratorExit, asyncio.CancelledError):
+            if result is None:
+                self._disconnected(plan, key, generated)
+            raise
+        except BaseException:
+            self._admitted.release(key)  # not generated to the end: nothing staged under this id
+            raise
+        finally:
+            await steps.aclose()  # aborts an unfinished generation in the engine
+        if result is None:
+            self._admitted.release(key)
+            raise ApiError("worker_failed", f"request {request_id}: the engine stream ended without a result")
+        try:
+            reply = await self._stage(plan, result, serving)
+        except BaseException:
+            self._admitted.spoil(key)
+            raise
+        self._admitted.commit(key, reply)
+        yield reply
+
+    def _disconnected(self, plan: _Plan, key: tuple[str, str], generated: int) -> None:
+        admission = plan.admission
+        self._admitted.spoil(key)
+        self.capture.fail_call(plan.call, reason=CLIENT_DISCONNECTED)
+        self.stats["client_disconnected"] += 1
+        self.stats["served_calls"] += 1
+        self._record_served(admission, generated_tokens=generated, failure=CLIENT_DISCONNECTED,
+                            history_has_assistant_turn=plan.history_has_assistant_turn)
+        LOGGER.warning("client went away mid-stream: rollout=%s call=%s aborted after %d token(s), not staged",
+                       admission.rollout_id, admission.model_call_id, generated)
 
     def take_served(self, rollout_ids: list[str]) -> list[ServedCall]:
         """Pop and return the served-call records of `rollout_ids` (unknown ids: nothing).

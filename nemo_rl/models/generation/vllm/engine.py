@@ -1,7 +1,7 @@
 """The one module that imports vLLM: a real `AsyncLLM` engine driven by exact token ids.
 
 Promises: `generate` takes prompt token ids (never text) and returns the exact sampled ids with
-the engine's raw logprob of each; every sample is kept in a bounded record log for audits;
+the engine's raw logprob of each (`generate_stream`: the same, step by step); every sample is kept in a bounded record log for audits;
 `reload_weights` drains, reloads, clears the prefix cache and bumps `weight_version`, so every
 result carries the one version that generated all of its tokens. States `serving`,
 `refitting`, `failed`: every wait is bounded (`EngineDeadlines`); a drain past its deadline
@@ -98,6 +98,14 @@ class EngineTiming:
     refit_pause_s: float
     refit_drained_calls: int
     refits_with_calls_in_flight: int
+
+
+@dataclass(frozen=True)
+class StreamStep:
+    """One step of `VllmEngine.generate_stream`: new sampled ids, or (last) the finished result."""
+
+    new_token_ids: list[int]
+    result: "GenerationResult | None"
 
 
 @dataclass(frozen=True)
@@ -349,14 +357,14 @@ class VllmEngine:
         return engine_core_processes(self._engine)
 
     # --- requests ----------------------------------------------------------------------------
-    async def generate(self, prompt_ids: list[int], sampling: SamplingRequest, request_id: str) -> GenerationResult:
+    def _params(self, prompt_ids: list[int], sampling: SamplingRequest) -> Any:
         room = self._max_model_len - len(prompt_ids)
         if room < 1:
             raise InvalidChatRequest(
                 f"prompt of {len(prompt_ids)} tokens exceeds the maximum context length {self._max_model_len}"
             )
         try:
-            params = self._params_cls(
+            return self._params_cls(
                 temperature=sampling.temperature,
                 top_p=sampling.top_p,
                 max_tokens=min(sampling.max_tokens, room),
@@ -367,11 +375,9 @@ class VllmEngine:
             )
         except ValueError as e:  # vLLM validates sampling values with ValueError: the caller's input
             raise InvalidChatRequest(f"sampling parameters rejected by the engine: {e}") from e
-        version = await self._admit()
-        try:
-            final = await self._last_output(prompt_ids, params, request_id)
-        finally:
-            await self._release()
+
+    def _result(self, final: Any, request_id: str, version: int) -> GenerationResult:
+        """The exact result of one finished engine stream (kept in the record log)."""
         if final is None or not final.outputs:
             raise EngineError(f"vLLM returned no output for request {request_id}")
         completion = final.outputs[0]
@@ -389,6 +395,58 @@ class VllmEngine:
         )
         self._remember(result)
         return result
+
+    async def generate(self, prompt_ids: list[int], sampling: SamplingRequest, request_id: str) -> GenerationResult:
+        params = self._params(prompt_ids, sampling)
+        version = await self._admit()
+        try:
+            final = await self._last_output(prompt_ids, params, request_id)
+        finally:
+            await self._release()
+        return self._result(final, request_id, version)
+
+    async def generate_stream(
+        self, prompt_ids: list[int], sampling: SamplingRequest, request_id: str
+    ) -> AsyncIterator[StreamStep]:
+        """`generate`, step by step: each engine output's new token ids as it is produced, then one
+        last step carrying the `GenerationResult` (the same exact record `generate` returns).
+
+        The whole stream is bounded by `generate_s`. A consumer that stops early (`aclose`, a client
+        gone) aborts the request in the engine before the generator closes; nothing is recorded.
+        """
+        params = self._params(prompt_ids, sampling)
+        version = await self._admit()
+        stream = self._engine.generate({"prompt_token_ids": list(prompt_ids)}, params, request_id)
+        deadline = time.monotonic() + self._deadlines.generate_s
+        seen, final, finished = 0, None, False
+        try:
+            while True:
+                try:
+                    out = await asyncio.wait_for(anext(stream), max(deadline - time.monotonic(), 0.0))
+                except StopAsyncIteration:
+                    break
+                except TimeoutError as e:
+                    raise GenerationTimeoutError(
+                        f"request {request_id} produced no final output within generation.vllm.generate_timeout_s="
+                        f"{self._deadlines.generate_s:g} s and was aborted"
+                    ) from e
+                except self._dead_errors as e:
+                    finished = True  # nothing left to abort
+                    await self._fail(f"the engine process died while serving request {request_id}: {type(e).__name__}: {e}")
+                    raise EngineFailedError(f"the vLLM engine is failed: {self._failure}") from e
+                final = out
+                ids = out.outputs[0].token_ids if out.outputs else []
+                if len(ids) > seen:
+                    step = StreamStep([int(t) for t in ids[seen:]], None)
+                    seen = len(ids)
+                    yield step
+            finished = True
+        finally:
+            if not finished:  # a timeout, a failed step, or a consumer that went away mid-stream
+                await asyncio.wait_for(stream.aclose(), self._deadlines.generate_s)
+                await self._abort(request_id)
+            await self._release()
+        yield StreamStep([], self._result(final, request_id, version))
 
     def _remember(self, result: GenerationResult) -> None:
         self._records.put(result.request_id, result)

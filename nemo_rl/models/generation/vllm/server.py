@@ -1,6 +1,6 @@
 """OpenAI-compatible HTTP transport over `ChatService` (aiohttp, bound to the host the worker picks).
 
-Routes: POST /v1/chat/completions, POST /tokenize, GET /v1/models, GET /health; control:
+Routes: POST /v1/chat/completions (`stream: true`: SSE events as generated), POST /tokenize, GET /v1/models, GET /health; control:
 GET /control/state (bearer). Handlers only read the body (strict JSON, at most
 `max_request_bytes`), call the service and map `ApiError` to an OpenAI-style error body.
 Availability, one rule for every non-control route: 503 `worker_stopping`, `worker_failed` or
@@ -12,9 +12,10 @@ See docs/design-docs/token-capture-reliability.md ("Bad input", "Authentication 
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import traceback
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from aiohttp import web
@@ -22,11 +23,13 @@ from aiohttp import web
 from nemo_rl.data.errors import ApiError
 from nemo_rl.data.request_rules import RequestFieldError, bearer_status, parse_json_body
 from nemo_rl.models.generation.vllm.serving import ChatService
+from nemo_rl.models.generation.vllm.streaming import SSE_DONE, sse_event
 from nemo_rl.utils import instrumentation  # opt-in body/latency counters (benchmarks/capture_ab.py)
 
 LOGGER = logging.getLogger(__name__)
 
 CONTROL_PREFIX = "/control/"
+DISCONNECT_POLL_S = 0.05  # how often a stream with no event due checks that its client is still there
 _AUTH_MESSAGES = {
     401: ("control_auth_required", "control routes need an Authorization: Bearer <control token> header"),
     403: ("control_auth_invalid", "the control bearer token is not this run's"),
@@ -83,6 +86,54 @@ async def _json_body(request: web.Request, max_request_bytes: int) -> object:
         raise ApiError("invalid_json", e.message, param=e.field) from e
 
 
+async def _stream_sse(request: web.Request, events: AsyncIterator[bytes]) -> web.StreamResponse:
+    """Write `events` as they come, then `data: [DONE]`. The response starts with the first event
+    (generation under way): a failure before it is a JSON error, one after it a terminal SSE error
+    event (no `[DONE]`). A client gone mid-stream (a write fails, or the connection closes
+    while no event is due: checked every `DISCONNECT_POLL_S`) closes `events`, which aborts and
+    records the call (the service's part), and the handler ends quietly."""
+    try:
+        first = await anext(events)  # generation started: a failure before it is still a JSON error
+    except BaseException:
+        await events.aclose()
+        raise
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    step: asyncio.Future | None = None
+    try:
+        await response.prepare(request)
+        await response.write(first)
+        while True:
+            step = asyncio.ensure_future(anext(events, None))
+            event = await _step_or_gone(request, step)
+            if event is None:
+                break
+            await response.write(event)
+        await response.write(SSE_DONE)
+    except ApiError as e:
+        await response.write(sse_event(e.body()))
+    except ConnectionResetError:
+        LOGGER.info("client went away mid-stream on %s", request.path)
+        return response
+    finally:
+        if step is not None and not step.done():  # the handler was cancelled (aiohttp: the client went away)
+            step.cancel()
+            await asyncio.gather(step, return_exceptions=True)  # the step's own cleanup aborts the generation
+        await events.aclose()
+    await response.write_eof()
+    return response
+
+
+async def _step_or_gone(request: web.Request, step: asyncio.Future) -> bytes | None:
+    """The step's event (None at the end); `ConnectionResetError` once the client's connection is
+    closed while the step is still waiting (the step is then cancelled by the caller)."""
+    while True:
+        done, _ = await asyncio.wait({step}, timeout=DISCONNECT_POLL_S)
+        if done:
+            return step.result()
+        if request.transport is None or request.transport.is_closing():
+            raise ConnectionResetError("the client closed the connection mid-stream")
+
+
 def _unavailable(endpoint: Endpoint) -> ApiError | None:
     if endpoint.stopping:
         return ApiError("worker_stopping", "the vLLM worker is shutting down")
@@ -105,8 +156,10 @@ def build_app(
         assert endpoint.service is not None  # the availability middleware let the request through
         return endpoint.service
 
-    async def chat(request: web.Request) -> web.Response:
+    async def chat(request: web.Request) -> web.StreamResponse:
         body = await _json_body(request, max_request_bytes)
+        if isinstance(body, dict) and body.get("stream") is True:
+            return await _stream_sse(request, await service().open_chat_stream(body))
         return web.json_response(await service().chat_completions(body))
 
     async def tokenize(request: web.Request) -> web.Response:

@@ -8,15 +8,19 @@ record is the source of truth). Refuses generation from an unverified prefix, a 
 generation of a call (a byte-identical re-send is replayed) and a silently uncaptured success
 (custody failing after generation is `capture_failed`, counted). Invariant: only durable rows
 enter the `PrefixCache`; errors are named `ApiError`s, anything else is a bug that propagates.
+`open_chat_stream` serves `stream=true`: the same checks before the first byte, content deltas as
+generated, the call committed as a whole one before its finish chunk ("The streamed path").
 See docs/design-docs/vllm-worker-capture.md ("One request" to "Errors, context overflow ...").
 """
 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections import Counter
+from collections.abc import AsyncIterator
 from dataclasses import replace
 from typing import Any, Protocol
 
@@ -33,6 +37,7 @@ from nemo_rl.models.generation.vllm.chat import (
     build_chat_completion,
     chat_tools,
     derive_turn_end,
+    generated_text,
     get_tool_call_parser,
     new_request_id,
     normalize_messages,
@@ -42,13 +47,21 @@ from nemo_rl.models.generation.vllm.chat import (
     sampled_turn_close,
     sampling_from_body,
 )
-from nemo_rl.models.generation.vllm.custody import CustodyCore, GenerationResultLike
+from nemo_rl.models.generation.vllm.custody import CustodyCore, GenerationResultLike, StreamOpening
 from nemo_rl.models.generation.vllm.engine import (
     EngineFailedError,
     GenerationTimeoutError,
     RefitGateTimeoutError,
 )
 from nemo_rl.models.generation.vllm.prefix_cache import PrefixCache
+from nemo_rl.models.generation.vllm.streaming import (
+    ContentStreamer,
+    chunk,
+    content_mode,
+    final_chunks,
+    replay_chunks,
+    sse_event,
+)
 from nemo_rl.data.request_rules import RequestFieldError, check_chat_request
 from nemo_rl.utils import instrumentation  # opt-in per-call cost (benchmarks/capture_ab.py)
 from nemo_rl.data.served import ServedCall
@@ -60,6 +73,14 @@ class Generator(Protocol):
     weight_version: int
 
     async def generate(self, prompt_ids: list[int], sampling: SamplingRequest, request_id: str) -> GenerationResultLike: ...
+
+    def generate_stream(self, prompt_ids: list[int], sampling: SamplingRequest, request_id: str) -> AsyncIterator[Any]: ...
+
+
+def include_usage(body: dict) -> bool:
+    """`stream_options.include_usage` of a streamed request (request_rules checked its shape)."""
+    options = body.get("stream_options")
+    return bool(isinstance(options, dict) and options.get("include_usage"))
 
 
 def context_overflow_message(prompt_len: int, requested: int | None, max_model_len: int) -> str | None:
@@ -169,6 +190,110 @@ class ChatService:
                 param="ng_capture",
             )
         return await self.custody.serve(body, raw_admission, messages, tools, sampling, self)
+
+    async def open_chat_stream(self, body: Any) -> AsyncIterator[bytes]:
+        """A `stream=true` chat completion: every check up to the first token runs here (an `ApiError`
+        before any byte is sent); returns the SSE events (role chunk, content deltas as the engine
+        produces them, `streaming.final_chunks`). An admitted call is staged and committed exactly
+        as `chat_completions` does before its finish chunk (which carries `ng_commit_coords`)."""
+        try:
+            check_chat_request(body, max_model_len=self._max_model_len)
+            if body.get("ng_capture") is None and (body.get("logprobs") or body.get("return_token_ids")):
+                raise RequestFieldError("logprobs", "logprobs and return_token_ids are not streamed by this worker "
+                                        "(fix: send them without stream=true)")
+        except RequestFieldError as e:
+            raise ApiError("invalid_request", e.message, param=e.field) from e
+        try:
+            messages = normalize_messages(body.get("messages"))
+            tools = chat_tools(body.get("tools"))
+            sampling = sampling_from_body(body, default_max_tokens=self._default_max_tokens)
+        except InvalidChatRequest as e:
+            raise ApiError("invalid_request", str(e)) from e
+        usage = include_usage(body)
+        request_id = new_request_id()
+        raw_admission = body.get("ng_capture")
+        if raw_admission is None:
+            parse_tools = parses_tool_calls(tools, body.get("tool_choice"))
+            prompt_ids = self.render_root(messages, tools)
+            sampling = self.fit_context(prompt_ids, sampling)
+            steps = self._plain_steps(prompt_ids, sampling, request_id, parse_tools)
+            return self._sse(request_id, steps, content_mode(parse_tools, self._tool_call_parser), usage)
+        if self.custody is None:
+            raise ApiError("capture_not_installed", "request carries ng_capture but token capture is not installed on "
+                           "this worker (set token_capture.enabled=true)", param="ng_capture")
+        opening: StreamOpening = await self.custody.open_stream(body, raw_admission, messages, tools, sampling, self)
+        if opening.replay is not None:
+            return _replayed(opening.replay, usage)
+        steps = self.custody.stream(opening, self, request_id)
+        return self._sse(request_id, steps, content_mode(True, self._tool_call_parser), usage)
+
+    async def _plain_steps(
+        self, prompt_ids: list[int], sampling: SamplingRequest, request_id: str, parse_tools: bool
+    ) -> AsyncIterator[Any]:
+        async with contextlib.aclosing(self.generate_stream(prompt_ids, sampling, request_id)) as steps:
+            async for step in steps:
+                if step.result is None:
+                    yield step.new_token_ids
+                    continue
+                self._stats["plain_calls"] += 1
+                self._stats["served_calls"] += 1
+                yield self._response(step.result, include_logprobs=False, include_token_ids=False,
+                                     parse_tools=parse_tools)
+
+    async def _sse(self, request_id: str, steps: AsyncIterator[Any], mode: str, usage: bool) -> AsyncIterator[bytes]:
+        """SSE events of one stream: `steps` yields new ids (lists), then the finished reply (a dict).
+
+        The role chunk is yielded once the first step is in (generation started), so a consumer
+        that stops at any yield finds `steps` running and its close records the call."""
+        created = int(time.time())
+        streamer = ContentStreamer(self._stream_decoder(mode), mode)
+        try:
+            item = await anext(steps, None)
+            yield sse_event(chunk(request_id, self._model_name, created, {"role": "assistant", "content": ""}))
+            while item is not None:
+                if isinstance(item, dict):
+                    for event in final_chunks({**item, "created": created}, streamer.streamed, include_usage=usage):
+                        yield sse_event(event)
+                    return
+                delta = streamer.push(item)
+                if delta:
+                    yield sse_event(chunk(request_id, self._model_name, created, {"content": delta}))
+                item = await anext(steps, None)
+        finally:
+            await steps.aclose()  # a consumer gone mid-stream: the generation is aborted, the call recorded
+
+    def _stream_decoder(self, mode: str):
+        eos = self._tokenizer.eos_token_id
+        if mode == "all":
+            return lambda ids: generated_text(self._tokenizer, ids)
+        # What `assistant_reply` parses for hermes: special tokens kept, the closing stop token dropped.
+        return lambda ids: self._tokenizer.decode(ids[:-1] if ids and ids[-1] == eos else ids, skip_special_tokens=False)
+
+    async def generate_stream(self, prompt_ids: list[int], sampling: SamplingRequest, request_id: str) -> AsyncIterator[Any]:
+        """The engine's steps for one streamed call, engine errors mapped as `generate` maps them."""
+        started = time.perf_counter()
+        first = True
+        try:
+            async with contextlib.aclosing(self._engine.generate_stream(prompt_ids, sampling, request_id)) as steps:
+                async for step in steps:
+                    if first:
+                        instrumentation.set_call_fact("first_token_s", time.perf_counter() - started)
+                        first = False
+                    if step.result is not None:
+                        instrumentation.add_call_cost("generate_s", time.perf_counter() - started)
+                        instrumentation.set_call_fact("generate_t0_s", started)
+                        instrumentation.set_call_fact("prompt_tokens", len(prompt_ids))
+                        instrumentation.set_call_fact("generated_tokens", len(step.result.token_ids))
+                    yield step
+        except InvalidChatRequest as e:
+            raise ApiError("invalid_request", str(e)) from e
+        except EngineFailedError as e:
+            raise ApiError("worker_failed", str(e)) from e
+        except GenerationTimeoutError as e:
+            self._stats["generation_timeout"] += 1
+            raise ApiError("generation_timeout", str(e)) from e
+        except RefitGateTimeoutError as e:
+            raise ApiError("worker_refitting", str(e)) from e
 
     def take_served(self, rollout_ids: list[str]) -> list[ServedCall]:
         """Pop the served-call records of `rollout_ids` (`CustodyCore.take_served`; none without custody)."""
@@ -297,3 +422,9 @@ class ChatService:
                 self._tokenizer.decode([t], skip_special_tokens=False) for t in result.token_ids
             ],
         )
+
+
+async def _replayed(reply: dict, usage: bool) -> AsyncIterator[bytes]:
+    """A committed reply re-sent as a whole stream (a byte-identical re-send of a streamed call)."""
+    for event in replay_chunks(reply, include_usage=usage):
+        yield sse_event(event)

@@ -50,6 +50,7 @@ from nemo_rl.environments.gate.ingress import (
 from nemo_rl.environments.gate.ledger import BranchingCaptureLedger
 from nemo_rl.environments.nemo_gym_config import NemoGymConfig
 from nemo_rl.models.generation.vllm.custody import build_custody
+from nemo_rl.models.generation.vllm.engine import StreamStep
 from nemo_rl.models.generation.vllm.server import Endpoint, build_app
 from nemo_rl.models.generation.vllm.serving import ChatService
 from responses_api_models.vllm_model.app import VLLMModelConfig
@@ -206,6 +207,12 @@ class EchoEngine:
         ids = self.ids[: sampling.max_tokens]
         return _Result(request_id, list(prompt_ids), ids, [-0.5] * len(ids), "stop", self.weight_version)
 
+    async def generate_stream(self, prompt_ids, sampling, request_id):
+        result = await self.generate(prompt_ids, sampling, request_id)
+        for token in result.token_ids:
+            yield StreamStep([token], None)
+        yield StreamStep([], result)
+
 
 class Staging:
     def __init__(self) -> None:
@@ -314,7 +321,7 @@ BAD_CASES = [
     ("string-max-tokens", "POST", chat_path("r1"), json.dumps({**CHAT, "max_tokens": "8"}).encode(),
      400, "invalid_request", "max_tokens"),
     ("top-p-zero", "POST", chat_path("r1"), json.dumps({**CHAT, "top_p": 0}).encode(), 400, "invalid_request", "top_p"),
-    ("stream", "POST", chat_path("r1"), json.dumps({**CHAT, "stream": True}).encode(), 400, "invalid_request", "stream"),
+    ("stream", "POST", chat_path("r1"), json.dumps({**CHAT, "stream": 1}).encode(), 400, "invalid_request", "stream"),
     ("n-2", "POST", chat_path("r1"), json.dumps({**CHAT, "n": 2}).encode(), 400, "invalid_request", "n"),
     ("forged-admission", "POST", chat_path("r1"), json.dumps({**CHAT, "ng_capture": {"rollout_id": "r9"}}).encode(),
      400, "invalid_request", "ng_capture"),
@@ -397,6 +404,32 @@ async def test_the_agents_sdk_responses_call_is_served_and_ledgered_once(stack: 
     assert [r["mode"] for r in records] == ["text", "text"] and manifest.json()["failures"] == []
     assert sorted(stack.staging.records) == sorted(f"r1/{r['model_call_id']}" for r in records)
     assert stack.engine.prompts[0] == stack.engine.prompts[1]  # the dropped fields changed no prompt token
+
+
+async def test_a_streamed_call_is_relayed_in_chunks_and_ledgered_before_done(stack: Stack) -> None:
+    body = {**CHAT, "stream": True, "stream_options": {"include_usage": True}}
+    async with stack.gate.stream("POST", chat_path("r1"), json=body) as resp:
+        assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/event-stream")
+        events = [line[len("data: "):] async for line in resp.aiter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert all("ng_commit_coords" not in c for c in chunks)  # custody fields never reach the client
+    content = [c["choices"][0]["delta"]["content"] for c in chunks if c["choices"] and c["choices"][0]["delta"].get("content")]
+    assert "".join(content) == "The answer is 17." and len(content) >= 2
+    assert chunks[-1]["usage"]["completion_tokens"] == len(stack.engine.ids)
+    manifest = (await stack.gate.get("/training-token-capture/control/rollouts/r1/manifest",
+                                     headers={"Authorization": f"Bearer {BEARER}"})).json()
+    [record] = manifest["records"]
+    assert manifest["failures"] == [] and record["mode"] == "text" and record["response_id"] == chunks[0]["id"]
+    assert list(stack.staging.records) == [f"r1/{record['model_call_id']}"]
+    # The continuation the client builds from the chunks resolves to the streamed call (token-in).
+    follow = {**CHAT, "messages": [*MESSAGES, {"role": "assistant", "content": "".join(content)},
+                                   {"role": "user", "content": "And 3 + 3?"}]}
+    assert (await stack.gate.post(chat_path("r1"), json=follow)).status_code == 200
+    manifest = (await stack.gate.get("/training-token-capture/control/rollouts/r1/manifest",
+                                     headers={"Authorization": f"Bearer {BEARER}"})).json()
+    assert [(r["mode"], r["parent_call_id"]) for r in manifest["records"]] == [
+        ("text", None), ("token_in", record["model_call_id"])]
 
 
 async def test_the_manifest_route_is_401_without_403_wrong_and_checks_the_id_after_auth(stack: Stack) -> None:

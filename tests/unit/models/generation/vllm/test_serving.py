@@ -437,9 +437,9 @@ async def test_admission_without_installed_capture_is_400(tokenizer):
     assert "token_capture.enabled=true" in e.value.message
 
 
-async def test_stream_and_n_are_rejected(tokenizer):
+async def test_bad_stream_and_n_are_rejected(tokenizer):
     svc, _, _ = _service(tokenizer, [[1]])
-    for body, needle in (({"stream": True}, "stream=true"), ({"n": 2}, "n must be 1")):
+    for body, needle in (({"stream": "yes"}, "stream must be a boolean"), ({"n": 2}, "n must be 1")):
         with pytest.raises(ApiError) as e:
             await svc.chat_completions({"messages": MESSAGES, **body})
         assert e.value.status == 400 and needle in e.value.message

@@ -31,6 +31,7 @@ from nemo_rl.models.generation.vllm.engine import (
     EngineFailedError,
     GenerationTimeoutError,
     RefitGateTimeoutError,
+    StreamStep,
     VllmEngine,
 )
 from nemo_rl.models.generation.vllm.server import Endpoint, build_app
@@ -83,6 +84,13 @@ class EchoEngine:
         self.prompts.append(list(prompt_ids))
         ids = self.ids[: sampling.max_tokens]
         return _Result(request_id, list(prompt_ids), ids, [-0.5] * len(ids), "stop", self.weight_version)
+
+    async def generate_stream(self, prompt_ids, sampling, request_id):
+        """`generate`, one token per step (a `stream: true` request)."""
+        result = await self.generate(prompt_ids, sampling, request_id)
+        for token in result.token_ids:
+            yield StreamStep([token], None)
+        yield StreamStep([], result)
 
 
 class Staging:
@@ -356,7 +364,16 @@ async def _client(svc: ChatService | None, endpoint: Endpoint | None = None) -> 
 async def _answer(client: TestClient, method: str, path: str, **kwargs) -> tuple[int, dict, str]:
     async with client.request(method, path, **kwargs) as resp:
         text = await resp.text()
-        return resp.status, (json.loads(text) if text.startswith("{") else {}), text
+        return resp.status, (json.loads(text) if text.startswith("{") else _sse_answer(text)), text
+
+
+def _sse_answer(text: str) -> dict:
+    """A streamed reply as the fuzz checks read it: its terminal error event, or its commit coords."""
+    events = [json.loads(e[len("data: "):]) for e in text.split("\n\n") if e.startswith("data: {")]
+    if events and "error" in events[-1]:
+        return events[-1]
+    coords = [e["ng_commit_coords"] for e in events if "ng_commit_coords" in e]
+    return {"ng_commit_coords": coords[0]} if coords else {}
 
 
 async def test_control_state_needs_the_runs_bearer_in_every_state(tokenizer) -> None:

@@ -1,0 +1,141 @@
+"""The gate's streamed chat path: relay the worker's SSE chunk by chunk, ledger the call before `[DONE]`.
+
+`SseSplitter` cuts a byte stream into SSE `data` payloads; `ChunkAssembler` folds
+`chat.completion.chunk`s back into the `chat.completion` the client now holds (content joined,
+tool calls merged by index) and keeps the worker's `ng_commit_coords`, which never reach the
+client. `relay_stream` forwards every chunk as it arrives (no buffering) and, on the worker's
+`[DONE]`, runs `commit` (Gym's `prepare_response` + `finalize_response`: the same ledger row as
+a non-streamed call) before it lets `[DONE]` through. Invariants: the client sees `[DONE]` only
+after the ledger row is written; a stream that ends otherwise (the worker's error event, a cut
+connection, a client gone) never commits, so Gym records the call uncommitted (off-chain).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from nemo_rl.data.errors import RecoverableError
+
+DONE = "[DONE]"
+SSE_DONE = b"data: [DONE]\n\n"
+COORDS_FIELD = "ng_commit_coords"
+
+
+class StreamRelayError(RecoverableError, ValueError):
+    """The worker's stream is not OpenAI-format SSE (an event that is not JSON, a chunk of another shape)."""
+
+
+def sse_event(payload: Any) -> bytes:
+    return b"data: " + json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode("utf-8") + b"\n\n"
+
+
+def error_event(message: str, err_type: str = "upstream_error", code: int = 502) -> bytes:
+    """A terminal SSE error event (Gym's capture middleware treats it as the stream's end)."""
+    return sse_event({"error": {"message": message, "type": err_type, "param": None, "code": code}})
+
+
+class SseSplitter:
+    """Cuts SSE bytes into the `data` payloads of complete events (comments and other fields dropped)."""
+
+    def __init__(self) -> None:
+        self._buffer = b""
+
+    def feed(self, data: bytes) -> list[str]:
+        self._buffer += data.replace(b"\r\n", b"\n")
+        *events, self._buffer = self._buffer.split(b"\n\n")
+        out = []
+        for event in events:
+            lines = [line[5:].lstrip(b" ") for line in event.split(b"\n") if line.startswith(b"data:")]
+            if lines:
+                out.append(b"\n".join(lines).decode("utf-8"))
+        return out
+
+    @property
+    def pending(self) -> bytes:
+        return self._buffer
+
+
+class ChunkAssembler:
+    """The `chat.completion` a stream of chunks adds up to (see the module contract)."""
+
+    def __init__(self) -> None:
+        self.head: dict[str, Any] | None = None
+        self.content: list[str] = []
+        self.tool_calls: dict[int, dict[str, Any]] = {}
+        self.finish_reason: str | None = None
+        self.usage: dict | None = None
+        self.coords: dict | None = None
+
+    def add(self, chunk: Any) -> dict:
+        """Fold one chunk in; returns it without `ng_commit_coords` (what the client gets)."""
+        if not isinstance(chunk, dict) or chunk.get("object") != "chat.completion.chunk":
+            raise StreamRelayError(f"the worker streamed a {type(chunk).__name__} that is not a chat.completion.chunk")
+        if COORDS_FIELD in chunk:
+            chunk = dict(chunk)
+            self.coords = chunk.pop(COORDS_FIELD)
+        if self.head is None:
+            self.head = {"id": chunk["id"], "created": chunk["created"], "model": chunk["model"]}
+        if chunk.get("usage") is not None:
+            self.usage = chunk["usage"]
+        for choice in chunk.get("choices") or []:
+            delta = choice.get("delta") or {}
+            if delta.get("content"):
+                self.content.append(delta["content"])
+            for call in delta.get("tool_calls") or []:
+                self._merge_call(call)
+            if choice.get("finish_reason") is not None:
+                self.finish_reason = choice["finish_reason"]
+        return chunk
+
+    def _merge_call(self, call: dict) -> None:
+        slot = self.tool_calls.setdefault(int(call["index"]), {"id": None, "type": "function",
+                                                               "function": {"name": "", "arguments": ""}})
+        if call.get("id"):
+            slot["id"] = call["id"]
+        if call.get("type"):
+            slot["type"] = call["type"]
+        function = call.get("function") or {}
+        slot["function"]["name"] += function.get("name") or ""
+        slot["function"]["arguments"] += function.get("arguments") or ""
+
+    def completion(self) -> dict:
+        """The assembled completion (with `ng_commit_coords` when the worker sent them)."""
+        if self.head is None or self.finish_reason is None:
+            raise StreamRelayError("the worker's stream ended before a chunk with a finish_reason")
+        message: dict[str, Any] = {"role": "assistant", "content": "".join(self.content) or None}
+        if self.tool_calls:
+            message["tool_calls"] = [self.tool_calls[i] for i in sorted(self.tool_calls)]
+        out: dict[str, Any] = {
+            **self.head,
+            "object": "chat.completion",
+            "choices": [{"index": 0, "message": message, "finish_reason": self.finish_reason, "logprobs": None}],
+        }
+        if self.usage is not None:
+            out["usage"] = self.usage
+        if self.coords is not None:
+            out[COORDS_FIELD] = self.coords
+        return out
+
+
+async def relay_stream(
+    upstream: AsyncIterator[bytes], commit: Callable[[dict], Awaitable[None]]
+) -> AsyncIterator[bytes]:
+    """Forward the worker's SSE bytes as events (module contract); `commit(completion)` before `[DONE]`."""
+    splitter, assembler = SseSplitter(), ChunkAssembler()
+    async for data in upstream:
+        for payload in splitter.feed(data):
+            if payload == DONE:
+                await commit(assembler.completion())
+                yield SSE_DONE
+                return
+            try:
+                chunk = json.loads(payload)
+            except json.JSONDecodeError as e:
+                raise StreamRelayError(f"the worker streamed an event that is not JSON: {payload[:200]!r}") from e
+            if isinstance(chunk, dict) and chunk.get("error") is not None:
+                yield sse_event(chunk)  # the worker's own terminal error: passed on, nothing committed
+                return
+            yield sse_event(assembler.add(chunk))
+    yield error_event("the vLLM worker's stream ended before data: [DONE]; the call is not committed")
