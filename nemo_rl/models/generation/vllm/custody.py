@@ -205,14 +205,12 @@ class CustodyCore:
         serving: CallServing,
     ) -> dict:
         """The reply to one admitted call (its `ng_commit_coords` included), or a replay of it."""
-        admission = self._validate_admission(raw_admission)
-        instrumentation.set_call_fact("capture", 1.0)  # admitted (the benchmarks split calls by path)
-        key = (admission.rollout_id, admission.model_call_id)
-        replay = await self._claim_or_replay(key, request_digest(body), admission)
-        if replay is not None:
-            return replay
+        opening = await self.open_stream(body, raw_admission, messages, tools, sampling, serving)
+        if opening.replay is not None:
+            return opening.replay
+        plan, key = opening.plan, opening.key
+        assert plan is not None, "an opening without a replay holds its plan"
         try:
-            plan = await self._plan(admission, body, messages, tools, sampling, serving)
             result = await serving.generate(plan.prompt_ids, plan.sampling)
         except BaseException:
             # Refused or not generated (timeout, failed engine): nothing was staged under this id, so a
@@ -236,9 +234,10 @@ class CustodyCore:
         sampling: SamplingRequest,
         serving: CallServing,
     ) -> StreamOpening:
-        """A streamed call up to its first token, with `serve`'s checks (any refusal raises here)."""
+        """A call admitted and planned, before its first token (any refusal raises here; `serve` opens
+        its calls here too)."""
         admission = self._validate_admission(raw_admission)
-        instrumentation.set_call_fact("capture", 1.0)
+        instrumentation.set_call_fact("capture", 1.0)  # admitted (the benchmarks split calls by path)
         key = (admission.rollout_id, admission.model_call_id)
         replay = await self._claim_or_replay(key, request_digest(body), admission)
         if replay is not None:

@@ -20,7 +20,7 @@ import contextlib
 import logging
 import time
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import replace
 from typing import Any, Protocol
 
@@ -67,6 +67,14 @@ from nemo_rl.utils import instrumentation  # opt-in per-call cost (benchmarks/ca
 from nemo_rl.data.served import ServedCall
 
 LOGGER = logging.getLogger(__name__)
+
+
+def _record_generation(started: float, prompt_ids: list[int], result: GenerationResultLike) -> None:
+    """The engine's part of one call's cost (both paths; read by benchmarks/capture_ab.py)."""
+    instrumentation.add_call_cost("generate_s", time.perf_counter() - started)
+    instrumentation.set_call_fact("generate_t0_s", started)
+    instrumentation.set_call_fact("prompt_tokens", len(prompt_ids))
+    instrumentation.set_call_fact("generated_tokens", len(result.token_ids))
 
 
 class Generator(Protocol):
@@ -273,27 +281,15 @@ class ChatService:
         """The engine's steps for one streamed call, engine errors mapped as `generate` maps them."""
         started = time.perf_counter()
         first = True
-        try:
+        with self._engine_errors():
             async with contextlib.aclosing(self._engine.generate_stream(prompt_ids, sampling, request_id)) as steps:
                 async for step in steps:
                     if first:
                         instrumentation.set_call_fact("first_token_s", time.perf_counter() - started)
                         first = False
                     if step.result is not None:
-                        instrumentation.add_call_cost("generate_s", time.perf_counter() - started)
-                        instrumentation.set_call_fact("generate_t0_s", started)
-                        instrumentation.set_call_fact("prompt_tokens", len(prompt_ids))
-                        instrumentation.set_call_fact("generated_tokens", len(step.result.token_ids))
+                        _record_generation(started, prompt_ids, step.result)
                     yield step
-        except InvalidChatRequest as e:
-            raise ApiError("invalid_request", str(e)) from e
-        except EngineFailedError as e:
-            raise ApiError("worker_failed", str(e)) from e
-        except GenerationTimeoutError as e:
-            self._stats["generation_timeout"] += 1
-            raise ApiError("generation_timeout", str(e)) from e
-        except RefitGateTimeoutError as e:
-            raise ApiError("worker_refitting", str(e)) from e
 
     def take_served(self, rollout_ids: list[str]) -> list[ServedCall]:
         """Pop the served-call records of `rollout_ids` (`CustodyCore.take_served`; none without custody)."""
@@ -378,13 +374,16 @@ class ChatService:
 
     async def generate(self, prompt_ids: list[int], sampling: SamplingRequest) -> GenerationResultLike:
         started = time.perf_counter()
-        try:
+        with self._engine_errors():
             result = await self._engine.generate(prompt_ids, sampling, new_request_id())
-            instrumentation.add_call_cost("generate_s", time.perf_counter() - started)  # the engine's part, both paths
-            instrumentation.set_call_fact("generate_t0_s", started)
-            instrumentation.set_call_fact("prompt_tokens", len(prompt_ids))
-            instrumentation.set_call_fact("generated_tokens", len(result.token_ids))
+            _record_generation(started, prompt_ids, result)
             return result
+
+    @contextlib.contextmanager
+    def _engine_errors(self) -> Iterator[None]:
+        """The engine's failures as the `ApiError`s the transport answers (one mapping for both paths)."""
+        try:
+            yield
         except InvalidChatRequest as e:
             raise ApiError("invalid_request", str(e)) from e
         except EngineFailedError as e:
