@@ -69,10 +69,13 @@ RESPONSES_FIELD_RULES: tuple[FieldRule, ...] = (
               "records logprobs itself and serves no hosted tools"),
     FieldRule("store", lambda v: v is False, True, "false: the gate stores no response (that is what false asks)",
               "send store=false or omit it: the gate keeps no retrievable responses"),
-    FieldRule("parallel_tool_calls", lambda v: v is True, True,
-              "true: the engine's tool parser returns every tool call the model wrote in a turn",
-              "send parallel_tool_calls=true or omit it: the engine cannot stop the model at one tool call, and "
-              "cutting the reply would train tokens the client never saw"),
+    # `false` is accepted but not enforced: the engine cannot stop the model at one call, and cutting
+    # the reply would train tokens the client never saw, so every call written is returned (Gym's
+    # own example_multi_step sends false, and its agent runs every call it gets).
+    FieldRule("parallel_tool_calls", lambda v: isinstance(v, bool), True,
+              "true or false: the engine's tool parser returns every tool call the model wrote in a turn "
+              "(false is not enforced: cutting the reply would train tokens the client never saw)",
+              "send a boolean or omit it"),
     FieldRule("truncation", lambda v: v == "disabled", True,
               "'disabled': a history longer than the context is refused 400, never cut",
               "send truncation='disabled' or omit it, and shorten the history in the harness: the gate never "

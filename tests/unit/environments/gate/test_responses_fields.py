@@ -40,6 +40,7 @@ ACCEPTED = [
     ("include", ["reasoning.encrypted_content"], False),
     ("store", False, False),
     ("parallel_tool_calls", True, False),
+    ("parallel_tool_calls", False, False),  # not enforced: every call the model wrote is returned
     ("truncation", "disabled", False),
     ("reasoning", {"effort": "low"}, True),
     ("reasoning", {"effort": "low", "summary": None}, True),
@@ -70,7 +71,7 @@ REFUSED = [
     ("include", ["file_search_call.results", "reasoning.encrypted_content"], "omit the other include values"),
     ("include", "reasoning.encrypted_content", "omit the other include values"),
     ("store", True, "send store=false or omit it"),
-    ("parallel_tool_calls", False, "send parallel_tool_calls=true or omit it"),
+    ("parallel_tool_calls", "no", "send a boolean or omit it"),
     ("truncation", "auto", "send truncation='disabled' or omit it"),
     ("reasoning", {"effort": "low", "summary": "auto"}, "omit reasoning.summary / generate_summary"),
     ("reasoning", "high", "omit reasoning.summary / generate_summary"),
