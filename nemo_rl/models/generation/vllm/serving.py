@@ -174,9 +174,13 @@ class ChatService:
     def weight_version(self) -> int:
         return self._engine.weight_version
 
-    async def chat_completions(self, body: Any) -> dict:
+    def _parse_chat(self, body: Any, *, streamed: bool) -> tuple[list[dict], list[dict] | None, SamplingRequest]:
+        """The checked request's messages, tools and sampling (`ApiError` 400 naming the field otherwise)."""
         try:
             check_chat_request(body, max_model_len=self._max_model_len)
+            if streamed and body.get("ng_capture") is None and (body.get("logprobs") or body.get("return_token_ids")):
+                raise RequestFieldError("logprobs", "logprobs and return_token_ids are not streamed by this worker "
+                                        "(fix: send them without stream=true)")
         except RequestFieldError as e:
             raise ApiError("invalid_request", e.message, param=e.field) from e
         try:
@@ -185,6 +189,10 @@ class ChatService:
             sampling = sampling_from_body(body, default_max_tokens=self._default_max_tokens)
         except InvalidChatRequest as e:
             raise ApiError("invalid_request", str(e)) from e
+        return messages, tools, sampling
+
+    async def chat_completions(self, body: Any) -> dict:
+        messages, tools, sampling = self._parse_chat(body, streamed=False)
         raw_admission = body.get("ng_capture")
         if raw_admission is None:
             return await self._serve_plain(
@@ -204,19 +212,7 @@ class ChatService:
         before any byte is sent); returns the SSE events (role chunk, content deltas as the engine
         produces them, `streaming.final_chunks`). An admitted call is staged and committed exactly
         as `chat_completions` does before its finish chunk (which carries `ng_commit_coords`)."""
-        try:
-            check_chat_request(body, max_model_len=self._max_model_len)
-            if body.get("ng_capture") is None and (body.get("logprobs") or body.get("return_token_ids")):
-                raise RequestFieldError("logprobs", "logprobs and return_token_ids are not streamed by this worker "
-                                        "(fix: send them without stream=true)")
-        except RequestFieldError as e:
-            raise ApiError("invalid_request", e.message, param=e.field) from e
-        try:
-            messages = normalize_messages(body.get("messages"))
-            tools = chat_tools(body.get("tools"))
-            sampling = sampling_from_body(body, default_max_tokens=self._default_max_tokens)
-        except InvalidChatRequest as e:
-            raise ApiError("invalid_request", str(e)) from e
+        messages, tools, sampling = self._parse_chat(body, streamed=True)
         usage = include_usage(body)
         request_id = new_request_id()
         raw_admission = body.get("ng_capture")
