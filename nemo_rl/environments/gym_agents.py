@@ -25,6 +25,7 @@ from packaging.utils import canonicalize_name
 
 from nemo_rl.environments.nemo_gym_config import WIRING_KEYS, NemoGymError
 from nemo_rl.environments.nemo_gym_launch import GYM_AGENTS_PACKAGE, OUR_AGENT_MODULES
+from nemo_rl.utils.venvs import installable_lines
 
 GYM_DISTRIBUTION = "nemo-gym"
 FLAVOUR_SEPARATOR = "/"
@@ -59,10 +60,7 @@ def extra_requirements(path: Path) -> tuple[str, ...]:
     if not path.is_file():
         return ()
     out: list[str] = []
-    for raw in path.read_text().splitlines():
-        line = raw.split(" #", 1)[0].strip()
-        if not line or line.startswith("#"):
-            continue
+    for line in installable_lines(path, lambda _line: False):
         if line.startswith("-"):
             if GYM_DISTRIBUTION in line:
                 continue
