@@ -21,13 +21,11 @@ from typing import Any
 
 from omegaconf import OmegaConf
 from packaging.requirements import InvalidRequirement, Requirement
-from packaging.utils import canonicalize_name
 
 from nemo_rl.environments.nemo_gym_config import WIRING_KEYS, NemoGymError
 from nemo_rl.environments.nemo_gym_launch import GYM_AGENTS_PACKAGE, OUR_AGENT_MODULES
-from nemo_rl.utils.venvs import installable_lines
+from nemo_rl.utils.venvs import GYM_DISTRIBUTION, installable_lines, requirement_names
 
-GYM_DISTRIBUTION = "nemo-gym"
 FLAVOUR_SEPARATOR = "/"
 
 
@@ -60,17 +58,14 @@ def extra_requirements(path: Path) -> tuple[str, ...]:
     if not path.is_file():
         return ()
     out: list[str] = []
-    for line in installable_lines(path, lambda _line: False):
+    for line in installable_lines(path, lambda line: requirement_names(line, GYM_DISTRIBUTION)):
         if line.startswith("-"):
-            if GYM_DISTRIBUTION in line:
-                continue
             raise NemoGymError(f"{path}: option line {line!r} is not supported in an agent's requirements", kind="env_not_found")
         try:
-            req = Requirement(line)
+            Requirement(line)
         except InvalidRequirement as e:
             raise NemoGymError(f"{path}: {line!r} is not a PEP 508 requirement: {e}", kind="env_not_found") from e
-        if canonicalize_name(req.name) != GYM_DISTRIBUTION:
-            out.append(line)
+        out.append(line)
     return tuple(out)
 
 

@@ -19,7 +19,6 @@ from typing import Any
 
 from omegaconf import OmegaConf
 from packaging.requirements import InvalidRequirement, Requirement
-from packaging.utils import canonicalize_name
 
 from nemo_rl.environments.gym_agents import GymAgent, resolve_agent
 from nemo_rl.environments.nemo_gym_config import (
@@ -34,10 +33,10 @@ from nemo_rl.environments.nemo_gym_launch import (
     OUR_AGENT_MODULES,
     ResourcesServer,
 )
+from nemo_rl.utils.venvs import GYM_DISTRIBUTION, installable_lines, requirement_names
 
 RESOURCES_ROOT_PACKAGE = "resources_servers"
 GYM_AGENT_TYPE = "simple_agent"
-_GYM_DISTRIBUTIONS = frozenset({"nemo-gym"})
 
 
 def _launchable_package(root: str, name: str, field: str, hint: str) -> Path:
@@ -124,8 +123,6 @@ def _unsatisfied(line: str) -> str | None:
         req = Requirement(line)
     except InvalidRequirement:
         return f"{line!r} (not a PEP 508 requirement; install it by hand)"
-    if canonicalize_name(req.name) in _GYM_DISTRIBUTIONS:
-        return None
     if req.marker is not None and not req.marker.evaluate():
         return None
     try:
@@ -142,10 +139,8 @@ def missing_requirements(path: Path) -> list[str]:
     if not path.is_file():
         return []
     missing: list[str] = []
-    for raw in path.read_text().splitlines():
-        line = raw.split(" #", 1)[0].strip()
-        if not line or line.startswith(("#", "-")):
-            continue
+    # Option lines (`-e nemo-gym[dev] @ ../../`, index options) install nothing this venv must hold.
+    for line in installable_lines(path, lambda line: line.startswith("-") or requirement_names(line, GYM_DISTRIBUTION)):
         problem = _unsatisfied(line)
         if problem is not None:
             missing.append(problem)

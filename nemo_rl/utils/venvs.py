@@ -26,6 +26,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from packaging.requirements import InvalidRequirement, Requirement
+from packaging.utils import canonicalize_name
+
 from nemo_rl.data.errors import FatalError
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -325,6 +328,7 @@ def harness_spec(harness: str) -> VenvSpec:
 
 
 GYM_PACKAGE = REPO_ROOT / "3rdparty" / "nemo-gym"
+GYM_DISTRIBUTION = "nemo-gym"
 GYM_AGENT_PREFIX = "gym-agent-"
 
 
@@ -340,8 +344,21 @@ def installable_lines(requirements_file: Path, skip: Callable[[str], bool]) -> l
     return [line for line in lines if line and not line.startswith("#") and not skip(line)]
 
 
+def requirement_names(line: str, distribution: str) -> bool:
+    """Whether a requirements line (a plain PEP 508 line or an editable `-e <requirement>`) asks for
+    `distribution`, by canonical name: `nemo_gym>=0.7` and `-e nemo-gym[dev] @ ../../` do, `nemo-gym-extras`
+    does not. Other option lines and invalid lines name no distribution."""
+    body = line[2:].strip() if line.startswith("-e") else line
+    if body.startswith("-"):
+        return False
+    try:
+        return canonicalize_name(Requirement(body).name) == canonicalize_name(distribution)
+    except InvalidRequirement:
+        return False
+
+
 def _is_gym_line(line: str) -> bool:
-    return "nemo-gym" in line or "nemo_gym" in line
+    return requirement_names(line, GYM_DISTRIBUTION)
 
 
 def resolving_uv_builder(spec: VenvSpec, target: Path, progress: Progress, timeout_s: float) -> None:
@@ -374,6 +391,7 @@ __all__ = [
     "is_complete",
     "leftovers",
     "publish",
+    "requirement_names",
     "running_venv_info",
     "spec_hash",
     "uv_builder",

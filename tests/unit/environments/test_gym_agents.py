@@ -71,8 +71,8 @@ def test_a_flavour_is_keyed_by_its_package_in_gyms_config_with_its_entrypoint() 
 
 def test_extra_requirements_skip_nemo_gym_and_comments(tmp_path: Path) -> None:
     path = tmp_path / "requirements.txt"
-    path.write_text("-e nemo-gym[dev] @ ../../\n# tools\nlanggraph>=0.2  # graph\n\nnemo-gym\nlangchain-core\n")
-    assert extra_requirements(path) == ("langgraph>=0.2", "langchain-core")
+    path.write_text("-e nemo-gym[dev] @ ../../\n# tools\nlanggraph>=0.2  # graph\n\nnemo_gym>=0.7\nlangchain-core\nnemo-gym-extras\n")
+    assert extra_requirements(path) == ("langgraph>=0.2", "langchain-core", "nemo-gym-extras")
     assert extra_requirements(tmp_path / "absent.txt") == ()
     path.write_text("--no-binary :all:\n")
     with pytest.raises(NemoGymError, match="option line '--no-binary"):

@@ -383,3 +383,20 @@ def test_running_venv_info_reads_the_marker_of_the_prefix(tmp_path):
     assert running_venv_info(str(venv)) == {"prefix": str(venv), "folder": venv.name, "spec_hash": "e" * 64}
     (venv / venvs.MARKER).unlink()
     assert running_venv_info(str(venv))["spec_hash"] is None
+
+
+@pytest.mark.parametrize(
+    ("line", "names_gym"),
+    [
+        ("-e nemo-gym[dev] @ ../../", True),
+        ("-e nemo-gym[dev,sandbox] @ ../..", True),
+        ("nemo_gym>=0.7", True),
+        ("Nemo.Gym", True),
+        ("nemo-gym-extras==1.0", False),
+        ("my-nemo-gym-plugin", False),
+        ("--extra-index-url something", False),
+        ("not a requirement ==", False),
+    ],
+)
+def test_a_line_names_nemo_gym_by_its_canonical_name_not_a_substring(line: str, names_gym: bool) -> None:
+    assert venvs.requirement_names(line, venvs.GYM_DISTRIBUTION) is names_gym
