@@ -213,12 +213,15 @@ def is_weight_metrics(
     weights: torch.Tensor, truncated: torch.Tensor, mask: torch.Tensor, normalizer: float
 ) -> dict[str, float]:
     """`is_weight_mean` and `is_truncated_fraction` as shares over `normalizer` tokens; `is_weight_max`
-    over this mask's tokens (a maximum: the policy combines micro-batches by max)."""
+    and `is_weight_min` over this mask's tokens (the policy combines micro-batches by max and min).
+    The min is never clamped: it shows the tokens the trainer now finds far less likely than their
+    sampler did, which dominate `token_mult_prob_error` while leaving the mean and max near 1."""
     m = as_bool_mask(mask, weights, "is_weights")
     with torch.no_grad():
         return {
             "is_weight_mean": float(masked_sum(weights.to(torch.float64), m) / normalizer),
             "is_weight_max": float(weights[m].max()),
+            "is_weight_min": float(weights[m].min()),
             "is_truncated_fraction": float(masked_sum(truncated.to(torch.float64), m) / normalizer),
         }
 

@@ -29,13 +29,18 @@ CORE_METRICS = frozenset(
 
 # A metric named `<x>_max` is a maximum: micro-batch maxima combine by max, never by sum.
 MAX_METRIC_SUFFIX = "_max"
+MIN_METRIC_SUFFIX = "_min"
 
 
 def combine_metric(name: str, total: float | None, part: float) -> float:
     """The batch value of metric `name` so far (`total`, None before the first micro-batch) with one more part."""
     if total is None:
         return part
-    return max(total, part) if name.endswith(MAX_METRIC_SUFFIX) else total + part
+    if name.endswith(MAX_METRIC_SUFFIX):
+        return max(total, part)
+    if name.endswith(MIN_METRIC_SUFFIX):
+        return min(total, part)
+    return total + part
 
 
 @runtime_checkable

@@ -185,7 +185,8 @@ def test_clipped_pg_loss_fn_is_grpo_clipped_loss() -> None:
     assert torch.equal(loss, ref_loss)
     # Weight 1 on the 4 masked tokens: mean share 4/6, max 1, nothing truncated.
     assert metrics == {"loss": ref["loss"], "clip_fraction": ref["clip_fraction"],
-                       "is_weight_mean": 4 / 6, "is_weight_max": 1.0, "is_truncated_fraction": 0.0}
+                       "is_weight_mean": 4 / 6, "is_weight_max": 1.0, "is_weight_min": 1.0,
+                       "is_truncated_fraction": 0.0}
     with pytest.raises(GRPOInputError, match=r"loss_fn.ratio_clip_min=1.0"):
         ClippedPGLossFn(ratio_clip_min=1.0, ratio_clip_max=0.2, behaviour_logprobs="captured", is_truncation=2.0)
     with pytest.raises(GRPOInputError, match=r"loss_fn.ratio_clip_max=-0.1"):

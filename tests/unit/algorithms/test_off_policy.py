@@ -30,7 +30,7 @@ from nemo_rl.data.rows import GroupResult, KeptRollout, RowOrigin, TrainRow
 from nemo_rl.data.train import TrainBatch
 from nemo_rl.models.policy import LossConfig
 from nemo_rl.models.policy.loss import pad_right
-from nemo_rl.models.policy.loss import combine_metric
+from nemo_rl.models.policy.loss import combine_metric, token_mult_prob_error
 from nemo_rl.utils.config import ConfigError, validate_section
 
 CONFIGS = Path(__file__).resolve().parents[3] / "examples" / "configs"
@@ -170,7 +170,7 @@ def test_recomputed_mode_is_todays_loss_bit_for_bit() -> None:
     ref.backward()
     assert torch.equal(loss, ref) and torch.equal(curr_a.grad, curr_b.grad)
     n = int(mask.sum())
-    assert metrics["is_weight_mean"] == n / 20 and metrics["is_weight_max"] == 1.0
+    assert metrics["is_weight_mean"] == n / 20 and metrics["is_weight_max"] == 1.0 and metrics["is_weight_min"] == 1.0
     assert metrics["is_truncated_fraction"] == 0.0
 
 
@@ -188,6 +188,7 @@ def test_a_token_above_the_cap_gets_the_cap_and_counts_as_truncated() -> None:
     assert float(w[0, 3]) == pytest.approx(math.exp(0.5), rel=1e-6) and float(w[0, 4]) == 1.0
     metrics = is_weight_metrics(w, truncated, mask, normalizer=8)  # a share of an 8-token batch
     assert metrics["is_truncated_fraction"] == 1 / 8 and metrics["is_weight_max"] == C
+    assert metrics["is_weight_min"] == pytest.approx(math.exp(-1.0), rel=1e-6)
     assert metrics["is_weight_mean"] == pytest.approx((C + math.exp(-1.0) + math.exp(0.5) + 1.0) / 8, rel=1e-6)
     # A larger cap lets the same token through at its full weight.
     w5, t5 = truncated_is_weights(prev, mu, mask, 25.0)
@@ -198,6 +199,26 @@ def test_max_metrics_combine_by_max_and_shares_by_sum() -> None:
     assert combine_metric("is_weight_max", None, 1.5) == 1.5
     assert combine_metric("is_weight_max", 1.5, 1.2) == 1.5 and combine_metric("is_weight_max", 1.2, 1.5) == 1.5
     assert combine_metric("is_weight_mean", 0.25, 0.5) == 0.75
+    assert combine_metric("is_weight_min", None, 0.5) == 0.5
+    assert combine_metric("is_weight_min", 0.5, 0.2) == 0.2 and combine_metric("is_weight_min", 0.2, 0.5) == 0.2
+
+
+def test_a_token_the_trainer_now_finds_unlikely_shows_in_the_min_not_the_mean_or_max() -> None:
+    """The async outlier this metric exists for: one token whose probability fell ~e^9-fold between
+    the sampler's version and the trainer's drives `token_mult_prob_error` (a mean of exp|diff|) far
+    above 1 while the mean and max weight stay near 1; only the unclamped min names it."""
+    n = 1000
+    prev = torch.full((1, n), -0.5)
+    mu = prev.clone()
+    mu[0, 7] = -0.01  # sampled as nearly certain ...
+    prev[0, 7] = -9.01  # ... now e^-9 less likely
+    mask = torch.ones(1, n, dtype=torch.bool)
+    w, truncated = truncated_is_weights(prev, mu, mask, C)
+    metrics = is_weight_metrics(w, truncated, mask, normalizer=n)
+    assert metrics["is_weight_min"] == pytest.approx(math.exp(-9.0), rel=1e-5)
+    assert metrics["is_weight_max"] == 1.0 and metrics["is_truncated_fraction"] == 0.0
+    assert metrics["is_weight_mean"] == pytest.approx((n - 1 + math.exp(-9.0)) / n, rel=1e-6)
+    assert float(token_mult_prob_error(prev, mu, mask)) == pytest.approx((n - 1 + math.exp(9.0)) / n, rel=1e-5)
 
 
 def test_a_masked_token_without_a_behaviour_logprob_fails_loudly() -> None:

@@ -139,10 +139,11 @@ def test_captured_mode_weights_tokens_and_reports_batch_metrics(tiny_model_dir: 
     metrics = core.train_step(_batch(seqs, masks, [1.0, -1.0], gen), captured)
     assert metrics["is_weight_mean"] == pytest.approx((5 + 2 * math.exp(-0.5) + 2.0) / 8, rel=1e-6)
     assert metrics["is_weight_max"] == 2.0  # not 1.0 + 2.0: maxima combine by max
+    assert metrics["is_weight_min"] == pytest.approx(math.exp(-0.5), rel=1e-5)  # row 1's, not row 0's 1.0
     assert metrics["is_truncated_fraction"] == 1 / 8
     on_policy = _core(tiny_model_dir).train_step(_batch(seqs, masks, [1.0, -1.0], prev), captured)
-    assert (on_policy["is_weight_mean"], on_policy["is_weight_max"], on_policy["is_truncated_fraction"]) == (
-        1.0, 1.0, 0.0)
+    assert (on_policy["is_weight_mean"], on_policy["is_weight_max"], on_policy["is_weight_min"],
+            on_policy["is_truncated_fraction"]) == (1.0, 1.0, 1.0, 0.0)
 
 
 def test_export_round_trips_to_identical_logits(tiny_model_dir: Path, tmp_path: Path) -> None:
