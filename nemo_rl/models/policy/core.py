@@ -8,6 +8,7 @@ one deterministic function; a step recomputes "prev" logprobs over the same micr
 bit for bit against its recorded fingerprints. Refuses, by a named error: a batch without a
 masked token (`EmptyMaskError`), a non-finite grad norm (`NonFiniteGradientError`, no step
 taken), tied embeddings on export, and a checkpoint that does not fit (`PolicyCheckpointError`).
+With `router_replay: replay` the step's forwards replay the batch's routes (`router_replay`).
 See docs/design-docs/policy.md, "`PolicyCore`".
 """
 
@@ -49,6 +50,13 @@ from nemo_rl.models.policy.loss import (
     pad_right,
     token_mult_prob_error,
 )
+from nemo_rl.models.policy.router_replay import (
+    ReplayStats,
+    RouterReplayConfigError,
+    check_routes_fit,
+    moe_routers,
+    replaying,
+)
 
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
@@ -87,6 +95,7 @@ class _MicroBatch:
     loss_mask: torch.Tensor
     generation_logprobs: torch.Tensor
     advantages: torch.Tensor
+    routes: torch.Tensor | None = None  # [B, T, L, K] replayed expert ids, -1 where none
 
 
 def _device(name: str) -> torch.device:
@@ -118,13 +127,17 @@ def _load_model(model_dir: Path, dtype: str, device: torch.device) -> PreTrained
     return model.to(device)
 
 
-def _prepare(batch: TrainBatch, idx: range, device: torch.device) -> _MicroBatch:
+def _prepare(batch: TrainBatch, idx: range, device: torch.device, replay: bool) -> _MicroBatch:
     ids, attn = pad_right([batch.token_ids[i] for i in idx], 0, torch.long)
     mask, _ = pad_right([batch.token_mask[i] for i in idx], 0, torch.long)
     gen, _ = pad_right([batch.generation_logprobs[i] for i in idx], 0.0, torch.float32)
     adv = torch.tensor([batch.advantages[i] for i in idx], dtype=torch.float32)
+    routes = None
+    if replay and batch.routed_experts is not None:
+        routes = torch.from_numpy(batch.routed_experts[idx.start : idx.stop, : ids.shape[1]].astype("int64"))
+        routes = routes.to(device)
     return _MicroBatch(
-        ids.to(device), attn.to(device), mask.bool().to(device), gen.to(device), adv.to(device)
+        ids.to(device), attn.to(device), mask.bool().to(device), gen.to(device), adv.to(device), routes
     )
 
 
@@ -148,6 +161,12 @@ class PolicyCore:
         self._device = _device(cfg.device)
         self._model = _load_model(self._model_dir, cfg.dtype, self._device)
         self._vocab_size = int(self._model.get_output_embeddings().weight.shape[0])
+        self._routers = moe_routers(self._model) if cfg.router_replay == "replay" else []
+        if cfg.router_replay == "replay" and not self._routers:
+            raise RouterReplayConfigError(
+                f"policy.router_replay='replay' but policy.model_path={cfg.model_path!r} has no MoE router (a "
+                "dense model has no routes to replay) (fix: set policy.router_replay=off)"
+            )
         self._optimizer = torch.optim.AdamW(
             self._model.parameters(),
             lr=cfg.learning_rate,
@@ -175,10 +194,15 @@ class PolicyCore:
                     )
 
     def _forward_logprobs(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+        routes: torch.Tensor | None = None, stats: ReplayStats | None = None,
     ) -> torch.Tensor:
         input_ids, attention_mask = input_ids.to(self._device), attention_mask.to(self._device)
-        logits = self._model(input_ids=input_ids, attention_mask=attention_mask).logits
+        if routes is None:
+            logits = self._model(input_ids=input_ids, attention_mask=attention_mask).logits
+        else:
+            with replaying(self._routers, routes, attention_mask, stats):
+                logits = self._model(input_ids=input_ids, attention_mask=attention_mask).logits
         return gather_token_logprobs(logits, input_ids)
 
     def get_logprobs(self, token_ids: list[list[int]]) -> list[list[float]]:
@@ -201,12 +225,16 @@ class PolicyCore:
                 f"TrainBatch of {batch.num_samples} samples has no masked token (all "
                 "placeholders?); skip the step instead of training on nothing"
             )
+        replay = bool(self._routers)
+        if replay and batch.routed_experts is not None:
+            check_routes_fit(batch.routed_experts, self._routers, self._cfg.model_path)
         parts = [
-            _prepare(batch, idx, self._device)
+            _prepare(batch, idx, self._device, replay)
             for idx in micro_batches(batch.num_samples, self._cfg.train_micro_batch_size)
         ]
+        stats = ReplayStats()  # counted over the pre-update pass: one look at every token
         with torch.no_grad():
-            prev = [self._forward_logprobs(p.input_ids, p.attention_mask) for p in parts]
+            prev = [self._forward_logprobs(p.input_ids, p.attention_mask, p.routes, stats) for p in parts]
             flat_prev = torch.cat([pv[p.loss_mask] for p, pv in zip(parts, prev)]).unsqueeze(0)
             flat_gen = torch.cat([p.generation_logprobs[p.loss_mask] for p in parts]).unsqueeze(0)
             all_tokens = torch.ones_like(flat_prev, dtype=torch.bool)
@@ -218,7 +246,7 @@ class PolicyCore:
         for p, pv in zip(parts, prev):
             if not bool(p.loss_mask.any()):
                 continue  # an all-placeholder micro-batch contributes no token and no gradient
-            curr = self._forward_logprobs(p.input_ids, p.attention_mask)
+            curr = self._forward_logprobs(p.input_ids, p.attention_mask, p.routes)
             out = loss_fn(
                 curr_logprobs=curr,
                 prev_logprobs=pv,
@@ -253,6 +281,7 @@ class PolicyCore:
             "gen_kl_error": kl_err,
             "num_tokens": float(num_tokens),
             "num_samples": float(batch.num_samples),
+            **(stats.metrics() if replay else {}),
         }
 
     def export_weights(self, out_dir: str | Path) -> Path:
