@@ -48,6 +48,10 @@ class PolicyConfig(BaseModel):
     # routed_experts where a token has them (docs/design-docs/policy.md, "Router replay (R3)");
     # "off" routes freely and ignores them. "replay" on a dense model is refused at load.
     router_replay: Literal["off", "replay"] = "off"
+    # The vLLM build that reloads the exported weights; setup sets it from the resolved
+    # generation.vllm.flavor (a recipe does not). "cpu" refuses tied input/output embeddings: the
+    # CPU engine keeps a packed lm_head that a reload of tied weights leaves stale.
+    engine_flavor: Literal["cpu", "gpu"] = "cpu"
 
 
 class LossConfig(BaseModel):

@@ -288,11 +288,12 @@ class PolicyCore:
         out = Path(out_dir)
         emb_in = self._model.get_input_embeddings().weight
         emb_out = self._model.get_output_embeddings().weight
-        if self._model.config.tie_word_embeddings or emb_in.data_ptr() == emb_out.data_ptr():
+        tied = self._model.config.tie_word_embeddings or emb_in.data_ptr() == emb_out.data_ptr()
+        if tied and self._cfg.engine_flavor == "cpu":
             raise WeightExportError(
                 f"policy.model_path={self._cfg.model_path!r} ties input and output embeddings; "
-                "vLLM's reload_weights would keep a stale lm_head. Use an untied model "
-                "(tie_word_embeddings=false)"
+                "vLLM's reload_weights would keep a stale lm_head on the CPU engine (generation.vllm.flavor=cpu). "
+                "Use an untied model (tie_word_embeddings=false), or the GPU engine"
             )
         out.mkdir(parents=True, exist_ok=True)
         stale = sorted(
@@ -306,7 +307,8 @@ class PolicyCore:
                 f"export dir {str(out)!r} already holds other weight files {stale}; a reload "
                 "would read them too. Export into an empty folder"
             )
-        tensors = {k: v.detach().cpu().contiguous() for k, v in self._model.state_dict().items()}
+        # Clones: a tied lm_head shares the embedding's storage, which safetensors writes once per name.
+        tensors = {k: v.detach().cpu().clone().contiguous() for k, v in self._model.state_dict().items()}
         partial = out / (WEIGHTS_FILE + ".partial")
         save_file(tensors, str(partial), metadata={"format": "pt"})
         shutil.copyfile(self._model_dir / CONFIG_FILE, out / CONFIG_FILE)
