@@ -12,7 +12,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from nemo_rl.algorithms.grpo import ClippedPGLossFn
 from nemo_rl.data.train import TrainBatch
@@ -25,8 +24,8 @@ from nemo_rl.models.policy.router_replay import (
     moe_routers,
     replaying,
 )
+from tests.unit.models.policy.tiny_moe import EXPERTS, LAYERS, TOPK, build_tiny_qwen3_moe, free_topk
 
-LAYERS, EXPERTS, TOPK, VOCAB = 2, 4, 2, 96
 LOSS = ClippedPGLossFn.from_config(LossConfig(behaviour_logprobs="recomputed"))
 SEQS = [[3, 17, 42, 9, 77, 5, 61, 12], [8, 30, 2, 55, 70]]
 MASKS = [[0, 0, 0, 0, 1, 1, 1, 1], [0, 0, 1, 1, 1]]
@@ -34,20 +33,7 @@ MASKS = [[0, 0, 0, 0, 1, 1, 1, 1], [0, 0, 1, 1, 1]]
 
 @pytest.fixture(scope="module")
 def moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    config = Qwen3MoeConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=LAYERS,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=EXPERTS, num_experts_per_tok=TOPK,
-        norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], max_position_embeddings=64,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(0)
-    model = Qwen3MoeForCausalLM(config)
-    with torch.no_grad():  # routers far from uniform, so free top-k is well defined
-        for router in moe_routers(model):
-            router.weight.normal_(0.0, 1.0)
-    out = tmp_path_factory.mktemp("tiny_qwen3_moe")
-    model.save_pretrained(out)
-    return out
+    return build_tiny_qwen3_moe(tmp_path_factory.mktemp("tiny_qwen3_moe"))
 
 
 def _core(path: Path, replay: str = "replay") -> PolicyCore:
@@ -59,18 +45,6 @@ def _padded() -> tuple[torch.Tensor, torch.Tensor]:
     ids = torch.tensor([s + [0] * (t - len(s)) for s in SEQS])
     attn = torch.tensor([[1] * len(s) + [0] * (t - len(s)) for s in SEQS])
     return ids, attn
-
-
-def _free_topk(model, ids, attn) -> torch.Tensor:
-    """[B, T, L, K] the model's own top-k experts (sorted), recorded by hooks on its routers."""
-    seen = []
-    hooks = [r.register_forward_hook(lambda _m, _a, out: seen.append(out[2])) for r in moe_routers(model)]
-    with torch.no_grad():
-        model(input_ids=ids, attention_mask=attn)
-    for h in hooks:
-        h.remove()
-    b, t = ids.shape
-    return torch.stack([s.reshape(b, t, TOPK) for s in seen], dim=2).sort(dim=-1).values
 
 
 def _reference(model, forced: torch.Tensor):
@@ -116,7 +90,7 @@ def _logits(model, ids, attn, routes=None, stats=None):
 def test_replayed_logits_equal_a_forced_forward_and_differ_from_free_routing(moe_dir: Path) -> None:
     model = _core(moe_dir).model
     ids, attn = _padded()
-    free = _free_topk(model, ids, attn)
+    free = free_topk(model, ids, attn)
     forced = _other_experts(free)
     forced[0, :3] = -1  # some tokens keep free routing (a prompt)
     with torch.no_grad():
@@ -140,7 +114,7 @@ def test_replayed_logits_equal_a_forced_forward_and_differ_from_free_routing(moe
 def test_gradient_reaches_the_routers_as_in_the_forced_forward(moe_dir: Path) -> None:
     model = _core(moe_dir).model
     ids, attn = _padded()
-    forced = _other_experts(_free_topk(model, ids, attn))
+    forced = _other_experts(free_topk(model, ids, attn))
     grads = []
     for use_reference in (False, True):
         model.zero_grad(set_to_none=True)
@@ -161,7 +135,7 @@ def test_gradient_reaches_the_routers_as_in_the_forced_forward(moe_dir: Path) ->
 def test_train_step_reports_replay_coverage_and_flags_a_disagreement(moe_dir: Path) -> None:
     core = _core(moe_dir)
     ids, attn = _padded()
-    free = _free_topk(core.model, ids, attn).numpy().astype(np.int16)
+    free = free_topk(core.model, ids, attn).numpy().astype(np.int16)
     free[~attn.bool().numpy()] = -1
     free[0, :4] = -1  # the first row's prompt: no route (4 tokens x 2 layers)
     real_pairs = int(attn.sum()) * LAYERS  # 13 tokens x 2 layers
