@@ -7,7 +7,7 @@ one deterministic function; a step recomputes "prev" logprobs over the same micr
 `get_logprobs` and reports their mismatch against the generation's; a restored state is checked
 bit for bit against its recorded fingerprints. Refuses, by a named error: a batch without a
 masked token (`EmptyMaskError`), a non-finite grad norm (`NonFiniteGradientError`, no step
-taken), tied embeddings on export, and a checkpoint that does not fit (`PolicyCheckpointError`).
+taken), tied embeddings on export for the CPU engine, and a checkpoint that does not fit (`PolicyCheckpointError`).
 With `router_replay: replay` the step's forwards replay the batch's routes (`router_replay`).
 See docs/design-docs/policy.md, "`PolicyCore`".
 """
@@ -20,6 +20,7 @@ import math
 import os
 import pickle
 import shutil
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -198,11 +199,8 @@ class PolicyCore:
         routes: torch.Tensor | None = None, stats: ReplayStats | None = None,
     ) -> torch.Tensor:
         input_ids, attention_mask = input_ids.to(self._device), attention_mask.to(self._device)
-        if routes is None:
+        with nullcontext() if routes is None else replaying(self._routers, routes, attention_mask, stats):
             logits = self._model(input_ids=input_ids, attention_mask=attention_mask).logits
-        else:
-            with replaying(self._routers, routes, attention_mask, stats):
-                logits = self._model(input_ids=input_ids, attention_mask=attention_mask).logits
         return gather_token_logprobs(logits, input_ids)
 
     def get_logprobs(self, token_ids: list[list[int]]) -> list[list[float]]:
@@ -318,9 +316,7 @@ class PolicyCore:
     def state_fingerprint(self) -> str:
         h = hashlib.sha256()
         for name, t in sorted(self._model.state_dict().items()):
-            data = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
-            h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
-            h.update(data.numpy().tobytes())
+            _hash_tensor(h, name, t)
         return h.hexdigest()
 
     def optimizer_fingerprint(self) -> str:
