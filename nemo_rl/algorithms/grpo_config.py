@@ -155,6 +155,12 @@ def validate_master(raw: dict) -> MasterConfig:
             "(fix: set model.path=<folder> instead)",
             kind="section",
         )
+    if "engine_flavor" in policy:
+        raise ConfigError(
+            f"policy.engine_flavor={policy['engine_flavor']!r}: setup sets it from generation.vllm.flavor "
+            "(fix: remove it; set generation.vllm.flavor instead)",
+            kind="section",
+        )
     pcfg = policy_config(policy, "<model.path, resolved at setup>")  # validate every policy key now
     mismatch = dtype_mismatch(pcfg.dtype, sections["generation"].vllm.dtype)
     if mismatch:

@@ -47,7 +47,7 @@ from nemo_rl.algorithms.grpo_health import (
     untrainable,
 )
 from nemo_rl.data.rows import GroupResult, KeptRollout, RowRef
-from nemo_rl.data.train import TrainBatch, TrainPlan
+from nemo_rl.data.train import TrainBatch, TrainPlan, batch_routes
 from nemo_rl.data_plane.train_rows import TrainRowCleaner
 from nemo_rl.algorithms.refit import refit_to
 from nemo_rl.algorithms.setup import GRPORun, setup
@@ -80,7 +80,7 @@ def build_train_batch(groups: Sequence[GroupResult], normalize: bool, train_part
     `TrainRow`s become a `TrainBatch`; `RowRef`s (their payload in `train_partition`) a `TrainPlan`
     in the same row order. A step holds one kind or the other.
     """
-    ids, masks, lps, advs = [], [], [], []
+    ids, masks, lps, advs, routes = [], [], [], [], []
     refs: list[RowRef] = []
     ref_advs: list[float] = []
     all_rewards: list[float] = []
@@ -102,12 +102,14 @@ def build_train_batch(groups: Sequence[GroupResult], normalize: bool, train_part
                 masks.append([int(m) for m in row.token_mask])
                 lps.append(list(row.generation_logprobs))
                 advs.append(adv)
+                routes.append(row.routed_experts)
     if refs and ids:
         raise GRPOError(f"a step holds {len(ids)} TrainRows and {len(refs)} RowRefs; the finalizers disagree on "
                         "token_capture.train_partition")
     if refs and train_partition is None:
         raise GRPOError(f"{len(refs)} rows are RowRefs but no train partition was given to read them from")
-    batch = TrainBatch(token_ids=ids, token_mask=masks, generation_logprobs=lps, advantages=advs) if ids else None
+    batch = TrainBatch(token_ids=ids, token_mask=masks, generation_logprobs=lps, advantages=advs,
+                       routed_experts=batch_routes(routes, [len(i) for i in ids])) if ids else None
     plan = TrainPlan.of(train_partition, refs, ref_advs) if refs else None
     return StepBatch(batch=batch, rewards_mean=sum(all_rewards) / max(1, len(all_rewards)), plan=plan)
 

@@ -23,6 +23,8 @@ from nemo_rl.data.train import (
     TOKEN_MASK,
     TrainBatch,
     TrainPlan,
+    batch_routes,
+    decode_row_routes,
     payload_digest,
     row_payload,
     train_key,
@@ -71,11 +73,13 @@ def read_train_batch(client: DataPlaneClient, plan: TrainPlan, timeout_s: float 
                 f"train partition {plan.partition!r} key {key!r}: payload digest {found} != {expected} recorded by "
                 "the finalizer; the row changed after it was judged, so this step is not trained"
             )
+    token_ids = [row[TOKEN_IDS].tolist() for row in rows]
     return TrainBatch(
-        token_ids=[row[TOKEN_IDS].tolist() for row in rows],
+        token_ids=token_ids,
         token_mask=[[int(m) for m in row[TOKEN_MASK].tolist()] for row in rows],
         generation_logprobs=[row[LOGPROBS].tolist() for row in rows],
         advantages=list(plan.advantages),
+        routed_experts=batch_routes([decode_row_routes(row) for row in rows], [len(ids) for ids in token_ids]),
     )
 
 

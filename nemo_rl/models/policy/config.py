@@ -44,6 +44,14 @@ class PolicyConfig(BaseModel):
     # Where the model lives: cuda takes one GPU of the Ray cluster for the policy actor (the vLLM
     # workers take others); cuda on a host without a visible GPU is a PolicyDeviceError at load.
     device: Literal["cpu", "cuda"] = "cpu"
+    # Router replay (R3): "replay" makes each MoE router of the policy follow the batch's
+    # routed_experts where a token has them (docs/design-docs/policy.md, "Router replay (R3)");
+    # "off" routes freely and ignores them. "replay" on a dense model is refused at load.
+    router_replay: Literal["off", "replay"] = "off"
+    # The vLLM build that reloads the exported weights; setup sets it from the resolved
+    # generation.vllm.flavor (a recipe does not). "cpu" refuses tied input/output embeddings: the
+    # CPU engine keeps a packed lm_head that a reload of tied weights leaves stale.
+    engine_flavor: Literal["cpu", "gpu"] = "cpu"
 
 
 class LossConfig(BaseModel):

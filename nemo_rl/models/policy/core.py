@@ -7,7 +7,8 @@ one deterministic function; a step recomputes "prev" logprobs over the same micr
 `get_logprobs` and reports their mismatch against the generation's; a restored state is checked
 bit for bit against its recorded fingerprints. Refuses, by a named error: a batch without a
 masked token (`EmptyMaskError`), a non-finite grad norm (`NonFiniteGradientError`, no step
-taken), tied embeddings on export, and a checkpoint that does not fit (`PolicyCheckpointError`).
+taken), tied embeddings on export for the CPU engine, and a checkpoint that does not fit (`PolicyCheckpointError`).
+With `router_replay: replay` the step's forwards replay the batch's routes (`router_replay`).
 See docs/design-docs/policy.md, "`PolicyCore`".
 """
 
@@ -19,6 +20,7 @@ import math
 import os
 import pickle
 import shutil
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,6 +50,13 @@ from nemo_rl.models.policy.loss import (
     micro_batches,
     pad_right,
     token_mult_prob_error,
+)
+from nemo_rl.models.policy.router_replay import (
+    ReplayStats,
+    RouterReplayConfigError,
+    check_routes_fit,
+    moe_routers,
+    replaying,
 )
 
 WEIGHTS_FILE = "model.safetensors"
@@ -87,6 +96,7 @@ class _MicroBatch:
     loss_mask: torch.Tensor
     generation_logprobs: torch.Tensor
     advantages: torch.Tensor
+    routes: torch.Tensor | None = None  # [B, T, L, K] replayed expert ids, -1 where none
 
 
 def _device(name: str) -> torch.device:
@@ -118,13 +128,17 @@ def _load_model(model_dir: Path, dtype: str, device: torch.device) -> PreTrained
     return model.to(device)
 
 
-def _prepare(batch: TrainBatch, idx: range, device: torch.device) -> _MicroBatch:
+def _prepare(batch: TrainBatch, idx: range, device: torch.device, replay: bool) -> _MicroBatch:
     ids, attn = pad_right([batch.token_ids[i] for i in idx], 0, torch.long)
     mask, _ = pad_right([batch.token_mask[i] for i in idx], 0, torch.long)
     gen, _ = pad_right([batch.generation_logprobs[i] for i in idx], 0.0, torch.float32)
     adv = torch.tensor([batch.advantages[i] for i in idx], dtype=torch.float32)
+    routes = None
+    if replay and batch.routed_experts is not None:
+        routes = torch.from_numpy(batch.routed_experts[idx.start : idx.stop, : ids.shape[1]].astype("int64"))
+        routes = routes.to(device)
     return _MicroBatch(
-        ids.to(device), attn.to(device), mask.bool().to(device), gen.to(device), adv.to(device)
+        ids.to(device), attn.to(device), mask.bool().to(device), gen.to(device), adv.to(device), routes
     )
 
 
@@ -148,6 +162,12 @@ class PolicyCore:
         self._device = _device(cfg.device)
         self._model = _load_model(self._model_dir, cfg.dtype, self._device)
         self._vocab_size = int(self._model.get_output_embeddings().weight.shape[0])
+        self._routers = moe_routers(self._model) if cfg.router_replay == "replay" else []
+        if cfg.router_replay == "replay" and not self._routers:
+            raise RouterReplayConfigError(
+                f"policy.router_replay='replay' but policy.model_path={cfg.model_path!r} has no MoE router (a "
+                "dense model has no routes to replay) (fix: set policy.router_replay=off)"
+            )
         self._optimizer = torch.optim.AdamW(
             self._model.parameters(),
             lr=cfg.learning_rate,
@@ -175,10 +195,12 @@ class PolicyCore:
                     )
 
     def _forward_logprobs(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+        routes: torch.Tensor | None = None, stats: ReplayStats | None = None,
     ) -> torch.Tensor:
         input_ids, attention_mask = input_ids.to(self._device), attention_mask.to(self._device)
-        logits = self._model(input_ids=input_ids, attention_mask=attention_mask).logits
+        with nullcontext() if routes is None else replaying(self._routers, routes, attention_mask, stats):
+            logits = self._model(input_ids=input_ids, attention_mask=attention_mask).logits
         return gather_token_logprobs(logits, input_ids)
 
     def get_logprobs(self, token_ids: list[list[int]]) -> list[list[float]]:
@@ -201,12 +223,16 @@ class PolicyCore:
                 f"TrainBatch of {batch.num_samples} samples has no masked token (all "
                 "placeholders?); skip the step instead of training on nothing"
             )
+        replay = bool(self._routers)
+        if replay and batch.routed_experts is not None:
+            check_routes_fit(batch.routed_experts, self._routers, self._cfg.model_path)
         parts = [
-            _prepare(batch, idx, self._device)
+            _prepare(batch, idx, self._device, replay)
             for idx in micro_batches(batch.num_samples, self._cfg.train_micro_batch_size)
         ]
+        stats = ReplayStats()  # counted over the pre-update pass: one look at every token
         with torch.no_grad():
-            prev = [self._forward_logprobs(p.input_ids, p.attention_mask) for p in parts]
+            prev = [self._forward_logprobs(p.input_ids, p.attention_mask, p.routes, stats) for p in parts]
             flat_prev = torch.cat([pv[p.loss_mask] for p, pv in zip(parts, prev)]).unsqueeze(0)
             flat_gen = torch.cat([p.generation_logprobs[p.loss_mask] for p in parts]).unsqueeze(0)
             all_tokens = torch.ones_like(flat_prev, dtype=torch.bool)
@@ -218,7 +244,7 @@ class PolicyCore:
         for p, pv in zip(parts, prev):
             if not bool(p.loss_mask.any()):
                 continue  # an all-placeholder micro-batch contributes no token and no gradient
-            curr = self._forward_logprobs(p.input_ids, p.attention_mask)
+            curr = self._forward_logprobs(p.input_ids, p.attention_mask, p.routes)
             out = loss_fn(
                 curr_logprobs=curr,
                 prev_logprobs=pv,
@@ -253,17 +279,19 @@ class PolicyCore:
             "gen_kl_error": kl_err,
             "num_tokens": float(num_tokens),
             "num_samples": float(batch.num_samples),
+            **(stats.metrics() if replay else {}),
         }
 
     def export_weights(self, out_dir: str | Path) -> Path:
         out = Path(out_dir)
         emb_in = self._model.get_input_embeddings().weight
         emb_out = self._model.get_output_embeddings().weight
-        if self._model.config.tie_word_embeddings or emb_in.data_ptr() == emb_out.data_ptr():
+        tied = self._model.config.tie_word_embeddings or emb_in.data_ptr() == emb_out.data_ptr()
+        if tied and self._cfg.engine_flavor == "cpu":
             raise WeightExportError(
                 f"policy.model_path={self._cfg.model_path!r} ties input and output embeddings; "
-                "vLLM's reload_weights would keep a stale lm_head. Use an untied model "
-                "(tie_word_embeddings=false)"
+                "vLLM's reload_weights would keep a stale lm_head on the CPU engine (generation.vllm.flavor=cpu). "
+                "Use an untied model (tie_word_embeddings=false), or the GPU engine"
             )
         out.mkdir(parents=True, exist_ok=True)
         stale = sorted(
@@ -277,7 +305,8 @@ class PolicyCore:
                 f"export dir {str(out)!r} already holds other weight files {stale}; a reload "
                 "would read them too. Export into an empty folder"
             )
-        tensors = {k: v.detach().cpu().contiguous() for k, v in self._model.state_dict().items()}
+        # Clones: a tied lm_head shares the embedding's storage, which safetensors writes once per name.
+        tensors = {k: v.detach().cpu().clone().contiguous() for k, v in self._model.state_dict().items()}
         partial = out / (WEIGHTS_FILE + ".partial")
         save_file(tensors, str(partial), metadata={"format": "pt"})
         shutil.copyfile(self._model_dir / CONFIG_FILE, out / CONFIG_FILE)
@@ -287,9 +316,7 @@ class PolicyCore:
     def state_fingerprint(self) -> str:
         h = hashlib.sha256()
         for name, t in sorted(self._model.state_dict().items()):
-            data = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
-            h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
-            h.update(data.numpy().tobytes())
+            _hash_tensor(h, name, t)
         return h.hexdigest()
 
     def optimizer_fingerprint(self) -> str:

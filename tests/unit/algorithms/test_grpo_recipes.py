@@ -45,6 +45,9 @@ def test_bad_values_name_the_key():
         load_master_config(recipe, ["token_capture.num_finalizer_workers=0"])
     with pytest.raises(ConfigError, match=r"policy\.model_path"):
         load_master_config(recipe, ["+policy.model_path=/x"])
+    with pytest.raises(ConfigError, match=r"policy\.engine_flavor='gpu': setup sets it from generation\.vllm\.flavor"):
+        load_master_config(recipe, ["+policy.engine_flavor=gpu"])
+    assert load_master_config(recipe, ["+policy.router_replay=replay"]).policy["router_replay"] == "replay"
     with pytest.raises(ConfigError, match=r"policy\.learning_rate"):
         load_master_config(recipe, ["policy.learning_rate=-1"])
     with pytest.raises(ConfigError, match="grpo.no_such_key"):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import sys
 
+import numpy as np
 import pytest
 import ray
 import torch
@@ -109,6 +110,44 @@ def test_store_rows_is_one_put_per_rollout_and_the_policy_reads_the_driver_batch
     assert read_train_batch(plane, planned.plan) == legacy.batch
     # The driver's metrics are the same from references as from whole rows.
     assert finalize_metrics(slim, []) == finalize_metrics(whole, [])
+
+
+def _routes(n: int, layers: int = 2, topk: int = 2, start: int = 0) -> "np.ndarray":
+    routes = (np.arange(n * layers * topk, dtype=np.int16).reshape(n, layers, topk) + start) % 8
+    routes[:2] = -1  # the prompt has no route
+    return routes
+
+
+def _routed_rollouts() -> list[KeptRollout]:
+    return [_kept(_row("r-0", 0, routes=_routes(4)), _row("r-0", 0, chain=1, call="c1")),  # chain 1: no routes
+            _kept(_row("r-1", 1, reward=0.0, ids=(5, 6, 9, 10), routes=_routes(4, start=3)))]
+
+
+def _check_routed_batch(batch) -> None:
+    assert batch.routed_experts.shape == (3, 4, 2, 2) and batch.routed_experts.dtype == np.int16
+    assert np.array_equal(batch.routed_experts[0], _routes(4)) and (batch.routed_experts[0, :2] == -1).all()
+    assert (batch.routed_experts[1] == -1).all()  # a row without routes: all sentinel
+    assert np.array_equal(batch.routed_experts[2], _routes(4, start=3)) and batch.routed_experts[2, 2, 0, 0] == 3
+
+
+def test_routes_reach_the_policy_batch_through_the_codec_as_the_driver_builds_them():
+    plane = MemoryPlane()
+    rollouts = _routed_rollouts()
+    slim = [GroupResult(0, tuple(store_rows(plane, "train", k, 1.0, False) for k in rollouts))]
+    legacy = build_train_batch([GroupResult(0, tuple(rollouts))], normalize=True).batch
+    _check_routed_batch(legacy)
+    assert read_train_batch(plane, build_train_batch(slim, normalize=True, train_partition="train").plan) == legacy
+
+
+def test_routes_through_the_real_data_plane(clients):
+    writer, reader = clients
+    rollouts = _routed_rollouts()
+    refs = store_many_rows(writer, "train_rows_routes", rollouts, 10.0, False)
+    plan = build_train_batch([GroupResult(0, tuple(refs))], normalize=True, train_partition="train_rows_routes").plan
+    batch = read_train_batch(reader, plan, timeout_s=10.0)
+    _check_routed_batch(batch)
+    assert batch == build_train_batch([GroupResult(0, tuple(rollouts))], normalize=True).batch
+    TrainRowCleaner(writer, "train_rows_routes", 10.0).clear(list(plan.keys))
 
 
 def test_a_tampered_row_is_refused_by_name():

@@ -438,3 +438,45 @@ def test_train_row_routes_validation_and_equality() -> None:
     ]:
         with pytest.raises(RowInvariantError, match=match):
             _row(routed_experts=bad)
+
+
+def test_staged_routes_reach_the_policy_and_its_routers_replay_them(clients, tmp_path) -> None:
+    """The trainer side end to end: routes staged like a worker (synthetic: the CPU engine cannot
+    report them) -> finalizer judge -> train partition -> `read_train_batch` -> an MoE policy
+    step that replays them. The routes are the policy's own free top-k except one (token, layer)."""
+    import torch
+
+    from nemo_rl.algorithms.grpo import ClippedPGLossFn
+    from nemo_rl.algorithms.grpo_single_controller import build_train_batch
+    from nemo_rl.data_plane.train_rows import TrainRowCleaner, read_train_batch, store_many_rows
+    from nemo_rl.models.policy import LossConfig, PolicyConfig
+    from nemo_rl.models.policy.core import PolicyCore
+    from tests.unit.models.policy.tiny_moe import EXPERTS, build_tiny_qwen3_moe, free_topk
+
+    writer, reader = clients
+    sink, tq = io(clients)
+    core = PolicyCore(PolicyConfig(model_path=str(build_tiny_qwen3_moe(tmp_path / "moe")), router_replay="replay"))
+    free = free_topk(core.model, torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8]]), torch.ones(1, 8, dtype=torch.long))
+    own = free[0].tolist()  # [8 tokens][2 layers][top-2]
+    pair = own[3][0]
+    changed = [row[:] for row in own[:5]]
+    changed[3][0] = [pair[0], next(e for e in range(EXPERTS) if e not in pair)]  # token 3, layer 0 disagrees
+    rollout = new_rollout("r3-policy")
+    records = stage(sink, rollout, [
+        Call("c1", None, (1, 2, 3), (4, 5), {"routed_experts": encode_routed_experts(changed)}),  # whole delta
+        Call("c2", "c1", (6, 7), (8,), {"routed_experts": own[7:8]}),  # generated token only: 6, 7 sentinel
+    ])
+    partition = "router_replay_rows_test_train"
+    kept = judge_from_source(tq, evidence(rollout, records, "c2"), CAPTURE,
+                             lambda k: store_many_rows(writer, partition, k, 10.0, False))
+    assert isinstance(kept, KeptRollout), kept
+    plan = build_train_batch([GroupResult(0, (kept,))], normalize=False, train_partition=partition).plan
+    batch = read_train_batch(reader, plan, timeout_s=10.0)
+    assert batch.routed_experts.shape == (1, 8, 2, 2)
+    np.testing.assert_array_equal(batch.routed_experts[0], np.array(changed + blank(2) + own[7:8], dtype=np.int16))
+
+    metrics = core.train_step(batch, ClippedPGLossFn.from_config(LossConfig()))
+    assert metrics["router_replay/replayed_token_fraction"] == 12 / 16  # 6 of 8 tokens routed, 2 layers each
+    assert metrics["router_replay/disagreement_fraction"] == 1 / 12
+    TrainRowCleaner(writer, partition, 10.0).clear(list(plan.keys))
+    tq.clear([r.staging_key for r in records])

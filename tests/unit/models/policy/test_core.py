@@ -167,10 +167,30 @@ def test_export_round_trips_to_identical_logits(tiny_model_dir: Path, tmp_path: 
         core.export_weights(out)
 
 
-def test_tied_model_export_is_refused(tmp_path: Path, make_tiny_model: Callable[..., Path]) -> None:
-    core = _core(make_tiny_model(tmp_path / "tied", tie_word_embeddings=True))
-    with pytest.raises(WeightExportError, match="tie_word_embeddings=false"):
+def test_tied_model_export_is_refused_for_the_cpu_engine(tmp_path: Path, make_tiny_model: Callable[..., Path]) -> None:
+    core = _core(make_tiny_model(tmp_path / "tied", tie_word_embeddings=True))  # engine_flavor defaults to cpu
+    with pytest.raises(WeightExportError, match=r"stale lm_head on the CPU engine .*tie_word_embeddings=false"):
         core.export_weights(tmp_path / "export")
+    assert not (tmp_path / "export").exists()
+
+
+def test_tied_model_exports_for_the_gpu_engine_with_a_fresh_lm_head(
+    tmp_path: Path, make_tiny_model: Callable[..., Path]
+) -> None:
+    core = _core(make_tiny_model(tmp_path / "tied", tie_word_embeddings=True), engine_flavor="gpu", learning_rate=1e-2)
+    batch = TrainBatch(token_ids=[SEQ], token_mask=[MASK], generation_logprobs=[[0.0] * len(SEQ)], advantages=[1.0])
+    core.train_step(batch, LOSS)  # the tied matrix moves: an export of the old lm_head would be stale
+    out = core.export_weights(tmp_path / "export")
+    saved = load_file(str(out / "model.safetensors"))
+    embed = core.model.get_input_embeddings().weight.detach()
+    assert torch.equal(saved["model.embed_tokens.weight"], embed)
+    if "lm_head.weight" in saved:  # both names, one value: a loader that skips the tied name reads the same
+        assert torch.equal(saved["lm_head.weight"], embed)
+    fresh = Qwen2ForCausalLM.from_pretrained(out)
+    assert fresh.config.tie_word_embeddings and torch.equal(fresh.lm_head.weight, embed)
+    ids = torch.tensor([SEQ])
+    with torch.no_grad():
+        assert torch.equal(fresh(input_ids=ids).logits, core.model(input_ids=ids).logits)
 
 
 def test_fingerprint_is_a_function_of_the_weights(
