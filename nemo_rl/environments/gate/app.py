@@ -25,6 +25,7 @@ from typing import Any
 import aiohttp
 from aiohttp.client_exceptions import ClientResponseError
 from fastapi import Body, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from omegaconf import DictConfig, OmegaConf
 from pydantic import PrivateAttr, ValidationError
@@ -33,6 +34,7 @@ from nemo_gym.anthropic_utils import NeMoGymAnthropicMessageCreateParamsNonStrea
 from nemo_gym.base_responses_api_model import _ANTHROPIC_CONVERTER, _request_messages, _validate_chat_params
 from nemo_gym.chat_streaming import sanitize_streaming_chat_body
 from nemo_gym.global_config import get_global_config_dict
+from nemo_gym.responses_streaming import sanitize_streaming_responses_body, validate_streaming_responses_params
 from nemo_gym.openai_utils import (
     NeMoGymChatCompletion,
     NeMoGymChatCompletionCreateParamsNonStreaming,
@@ -54,6 +56,7 @@ from nemo_rl.environments.gate.ingress import (
     GateGuardMiddleware,
     WorkerContextLimit,
     answer_error,
+    loc_field,
     normalize_chat_body,
     normalize_chat_request,
 )
@@ -129,6 +132,15 @@ def upstream_error_answer(status: int, content: bytes) -> tuple[int, Any]:
     return out_status, {"error": {"message": message, "type": err_type, "param": None, "code": out_status}}
 
 
+def request_validation_answer(errors: list[dict]) -> ApiError:
+    """FastAPI's 422 for a body Gym's request model refuses, as the gate's named 400 (pure)."""
+    first = errors[0] if errors else {"loc": ("body",), "msg": "the request body is invalid"}
+    loc = tuple(first.get("loc") or ())
+    field = loc_field(loc[1:] if loc[:1] == ("body",) else loc)
+    return ApiError("invalid_request", f"the request does not match Gym's request model: {field}: {first.get('msg')}",
+                    field)
+
+
 def _with_content_length(scope: Scope, length: int) -> Scope:
     headers = [(k, v) for k, v in scope.get("headers") or [] if k.lower() != b"content-length"]
     headers.append((b"content-length", str(length).encode("ascii")))
@@ -198,6 +210,12 @@ class NormalizeChatRequestMiddleware:
         await self.app(scope, replay, send)
 
 
+def streamed_responses_params(body: dict) -> NeMoGymResponseCreateParamsNonStreaming:
+    """A `stream: true` Responses body as Gym's streaming dialect maps it (raises ValidationError)."""
+    cleaned, _ = sanitize_streaming_responses_body(body)
+    return validate_streaming_responses_params(cleaned)
+
+
 class CaptureGateModel(VLLMModel):
     """Gym's `VLLMModel` with the normalisation middleware outside Gym's capture middleware, and a
     streamed chat path that relays the worker's chunks as they come (`gate.streaming`)."""
@@ -235,8 +253,8 @@ class CaptureGateModel(VLLMModel):
         """The chat request the worker would get for this route's body (the guard checks it).
 
         Raises pydantic's ValidationError (Gym's request model refuses the body) or the error
-        Gym's converter raises; None for a streamed Responses/Messages request, whose body Gym
-        sanitises from its streaming dialect before validating it.
+        Gym's converter raises; a streamed Responses body is first mapped from the streaming dialect
+        by Gym's own functions (as the streamed path serves it); None for a streamed Messages request.
         """
         if kind == "chat":
             if body.get("stream") is True:  # Gym's own mapping of the streaming dialect onto its model
@@ -244,9 +262,11 @@ class CaptureGateModel(VLLMModel):
             normalized = normalize_chat_request(body)
             NeMoGymChatCompletionCreateParamsNonStreaming.model_validate(normalized)
             return normalized
-        if body.get("stream") is True:
+        if kind == "responses" and body.get("stream") is True:
+            params = streamed_responses_params(body)
+        elif body.get("stream") is True:
             return None
-        if kind == "responses":
+        elif kind == "responses":
             params = NeMoGymResponseCreateParamsNonStreaming.model_validate(body)
         else:
             NeMoGymAnthropicMessageCreateParamsNonStreaming.model_validate(body)
@@ -307,6 +327,13 @@ class CaptureGateModel(VLLMModel):
         await self._finalize_served_response(NeMoGymChatCompletion.model_validate(completion))
 
     def setup_exception_middleware(self, app) -> None:
+        async def refused_by_gyms_model(request: Request, error: RequestValidationError) -> JSONResponse:
+            answer = request_validation_answer(list(error.errors()))
+            return JSONResponse(content=answer.body(), status_code=answer.status)
+
+        # Gym validates some bodies in its handlers (FastAPI's {"detail": ...} 422): answer them as the gate does.
+        app.add_exception_handler(RequestValidationError, refused_by_gyms_model)
+
         @app.middleware("http")
         async def upstream_error_middleware(request: Request, call_next):
             # Registered before Gym's handlers, so it is inside them and sees the worker's error first.
