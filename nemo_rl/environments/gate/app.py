@@ -18,9 +18,10 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
 from typing import Any
+from uuid import uuid4
 
 import aiohttp
 from aiohttp.client_exceptions import ClientResponseError
@@ -63,6 +64,7 @@ from nemo_rl.environments.gate.ingress import (
 from nemo_rl.environments.gate.ledger import BranchingCaptureLedger
 from nemo_rl.environments.gate.required_prefix import drop_empty_required_prefix_bytes
 from nemo_rl.environments.gate.responses_fields import normalize_responses_body
+from nemo_rl.environments.gate.responses_stream import ResponsesEvents, relay_responses_stream, responses_sse
 from nemo_rl.environments.gate.streaming import StreamRelayError, error_event, relay_stream
 from responses_api_models.vllm_model.app import _PROPAGATE_CONTEXT_ERROR_ATTRIBUTE, VLLMModel
 
@@ -210,6 +212,15 @@ class NormalizeChatRequestMiddleware:
         await self.app(scope, replay, send)
 
 
+Relay = Callable[[AsyncIterator[bytes]], AsyncIterator[bytes]]  # the worker's SSE bytes -> the client's events
+
+
+def _skeleton_completion(first: dict) -> dict:
+    """The empty completion Gym's converter turns into the in-progress response of a stream."""
+    return {"id": first["id"], "created": first["created"], "model": first["model"], "object": "chat.completion",
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": ""}, "finish_reason": "stop"}]}
+
+
 def streamed_responses_params(body: dict) -> NeMoGymResponseCreateParamsNonStreaming:
     """A `stream: true` Responses body as Gym's streaming dialect maps it (raises ValidationError)."""
     cleaned, _ = sanitize_streaming_responses_body(body)
@@ -287,9 +298,54 @@ class CaptureGateModel(VLLMModel):
         upstream_body["stream"] = True
         if include_usage:
             upstream_body["stream_options"] = {"include_usage": True}
-        return await self._relay(self._resolve_client(request), upstream_body)
 
-    async def _relay(self, client: Any, upstream_body: dict) -> Any:
+        def relay(upstream: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+            return relay_stream(upstream, self._commit_streamed)
+
+        return await self._relay(self._resolve_client(request), upstream_body, relay, error_event)
+
+    async def responses_dispatch(self, request: Request, body: dict = Body()):
+        """Gym's dispatch, except `stream: true`: Responses events built from the worker's chat stream
+        as it comes (`gate.responses_stream`), the call committed as Gym commits a whole one."""
+        if body.get("stream") is not True:
+            return await super().responses_dispatch(request, body)
+        try:
+            params = streamed_responses_params(body)  # Gym's own mapping of the streaming dialect
+        except ValidationError as e:
+            raise RequestValidationError([{**err, "loc": ("body", *err["loc"])} for err in e.errors()]) from e
+        if current_capture_context() is not None:  # Gym's steps before dispatch, in Gym's order
+            await resolve_parent(_request_messages(params))
+            await register_call_intent()
+        chat_params = self._converter.responses_to_chat_completion_create_params(params)
+        params.model = self.config.model  # as Gym's responses() does
+        upstream_body = self._preprocess_chat_completion_create_params(request, chat_params.model_dump(exclude_unset=True))
+        upstream_body["stream"] = True
+        upstream_body["stream_options"] = {"include_usage": True}  # the final response carries usage
+        events = ResponsesEvents(lambda first: self._response_of(params, _skeleton_completion(first)),
+                                 message_id=f"msg_{uuid4().hex}")
+
+        def to_response(completion: dict) -> dict:
+            if self._external_capture_handler is not None:
+                self._external_capture_handler.prepare_response(completion)  # takes ng_commit_coords off
+            return self._response_of(params, completion)
+
+        def relay(upstream: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+            return relay_responses_stream(upstream, events, to_response, self._finalize_served_response)
+
+        def failed(message: str) -> bytes:
+            return responses_sse(events.failed(message))
+
+        return await self._relay(self._resolve_client(request), upstream_body, relay, failed)
+
+    def _response_of(self, params: NeMoGymResponseCreateParamsNonStreaming, completion: dict) -> dict:
+        """Gym's conversion of a chat completion to the Responses object (as its responses() returns it)."""
+        response = self._converter.chat_completion_to_response(
+            responses_create_params=params, chat_completion=NeMoGymChatCompletion.model_validate(completion),
+            preserve_envelope_id=self._preserve_envelope_id())
+        return response.model_dump(mode="json", by_alias=True)
+
+    async def _relay(self, client: Any, upstream_body: dict, relay: Relay, broke_off: Callable[[str], bytes]) -> Any:
+        """POST the streamed request to the worker; `relay(worker bytes)` is the client's events."""
         assert self._stream_read_timeout_s is not None  # set by setup_webserver
         deadline = self._stream_read_timeout_s
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=deadline, sock_read=deadline)
@@ -309,10 +365,10 @@ class CaptureGateModel(VLLMModel):
 
         async def events():
             try:
-                async for event in relay_stream(upstream.content.iter_any(), self._commit_streamed):
+                async for event in relay(upstream.content.iter_any()):
                     yield event
             except (StreamRelayError, aiohttp.ClientError, asyncio.TimeoutError) as e:
-                yield error_event(f"the vLLM worker's stream broke off: {type(e).__name__}: {e}; not committed")
+                yield broke_off(f"the vLLM worker's stream broke off: {type(e).__name__}: {e}; not committed")
             finally:
                 upstream.release()
                 await session.close()
