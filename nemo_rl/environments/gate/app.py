@@ -6,8 +6,10 @@ off, with a configured `lineage_store` (it would win over ours) or with `num_wor
 Owns what changes at the gate: `BranchingCaptureLedger` (identical siblings resolve to one,
 a rewritten history opens a `text` branch instead of poisoning), request normalisation (with a
 null `required_prefix_token_ids` dropped: gate/required_prefix.py), the
-input guard, and worker-error mapping (4xx and 503 keep the worker's status and body, anything
-else is 502 `upstream_error`). Gym's installed code is never edited.
+input guard, worker-error mapping (4xx and 503 keep the worker's status and body, anything else
+is 502 `upstream_error`; FastAPI's 422 for a body Gym's model refuses is a named 400) and the
+streamed paths (`stream: true` relayed as the worker generates: chat in gate/streaming.py, the
+Responses API in gate/responses_stream.py). Gym's installed code is never edited.
 Invariant: every relaxation keeps the staged ids exactly what the engine saw; a request the
 guard and normaliser let through reaches Gym with its lineage unchanged.
 Why each relaxation is safe: docs/design-docs/token-capture-receipts.md, "Our gate policy".
