@@ -8,6 +8,7 @@ raw iterator and through its accumulating `responses.stream` helper.
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
@@ -94,3 +95,62 @@ async def test_a_streamed_tool_call_is_a_function_call_item_with_its_arguments(s
     assert [(o.type, o.call_id, o.arguments) for o in final.output] == [("function_call", added[0].call_id, args)]
     manifest = await _manifest(stack, "r3")
     assert [r["response_id"] for r in manifest["records"]] == [final.id] and manifest["failures"] == []
+
+
+class SlowEngine:
+    """The scripted engine, one token every 50 ms (so a client can leave mid-generation)."""
+
+    def __init__(self, engine) -> None:
+        self._engine = engine
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+    async def generate_stream(self, prompt_ids, sampling, request_id):
+        async for step in self._engine.generate_stream(prompt_ids, sampling, request_id):
+            await asyncio.sleep(0.05)
+            yield step
+
+
+async def test_a_client_gone_mid_stream_leaves_an_off_chain_call_never_committed(tokenizer, tmp_path, monkeypatch):  # noqa: F811
+    monkeypatch.setenv(BEARER_ENV, BEARER)
+    built, worker, svc = await _stack(tokenizer, tmp_path)
+    try:
+        svc._engine = SlowEngine(svc._engine)
+        app = built.gate._transport.app
+        body = json.dumps({"model": "tiny", "input": INPUT, "max_output_tokens": 8, "stream": True}).encode()
+        sent: list[dict] = []
+        first_body = asyncio.Event()
+        delivered = False
+
+        async def receive():
+            nonlocal delivered
+            if not delivered:
+                delivered = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            await first_body.wait()  # the client reads the first events, then goes away (the server says so)
+            return {"type": "http.disconnect"}
+
+        async def send(message):
+            sent.append(message)
+            if message["type"] == "http.response.body" and message.get("body"):
+                first_body.set()
+
+        path = "/ng-rollout/r4/training-token-capture/v1/responses"
+        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+                 "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
+                 "headers": [(b"host", b"gate"), (b"content-type", b"application/json"),
+                             (b"content-length", str(len(body)).encode())], "client": ("127.0.0.1", 1),
+                 "server": ("gate", 80)}
+        await asyncio.wait_for(app(scope, receive, send), 30)
+        streamed = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+        assert sent[0]["status"] == 200 and b"response.created" in streamed
+        assert b"response.completed" not in streamed
+        manifest = await _manifest(built, "r4")
+        assert manifest["records"] == []  # never committed: no chain holds it
+        # Off-chain either way: the worker aborted it (`client_disconnected`, nothing staged) or it
+        # finished first and its staged row is uncommitted (`staged_not_committed` for the judge).
+        await asyncio.sleep(0.5)
+        assert (svc.stats["client_disconnected"], len(built.staging.records)) in ((1, 0), (0, 1)), dict(svc.stats)
+    finally:
+        await _close(built, worker)
