@@ -37,7 +37,12 @@ from nemo_gym.anthropic_utils import NeMoGymAnthropicMessageCreateParamsNonStrea
 from nemo_gym.base_responses_api_model import _ANTHROPIC_CONVERTER, _request_messages, _validate_chat_params
 from nemo_gym.chat_streaming import sanitize_streaming_chat_body
 from nemo_gym.global_config import get_global_config_dict
-from nemo_gym.responses_streaming import sanitize_streaming_responses_body, validate_streaming_responses_params
+from nemo_gym.responses_streaming import (
+    NamespaceMap,
+    restore_namespace_tool_calls,
+    sanitize_streaming_responses_body,
+    validate_streaming_responses_params,
+)
 from nemo_gym.openai_utils import (
     NeMoGymChatCompletion,
     NeMoGymChatCompletionCreateParamsNonStreaming,
@@ -223,10 +228,11 @@ def _skeleton_completion(first: dict) -> dict:
             "choices": [{"index": 0, "message": {"role": "assistant", "content": ""}, "finish_reason": "stop"}]}
 
 
-def streamed_responses_params(body: dict) -> NeMoGymResponseCreateParamsNonStreaming:
-    """A `stream: true` Responses body as Gym's streaming dialect maps it (raises ValidationError)."""
-    cleaned, _ = sanitize_streaming_responses_body(body)
-    return validate_streaming_responses_params(cleaned)
+def streamed_responses_params(body: dict) -> tuple[NeMoGymResponseCreateParamsNonStreaming, NamespaceMap]:
+    """A `stream: true` Responses body as Gym's streaming dialect maps it, and the namespace tools it
+    flattened (raises ValidationError)."""
+    cleaned, namespaces = sanitize_streaming_responses_body(body)
+    return validate_streaming_responses_params(cleaned), namespaces
 
 
 class CaptureGateModel(VLLMModel):
@@ -276,7 +282,7 @@ class CaptureGateModel(VLLMModel):
             NeMoGymChatCompletionCreateParamsNonStreaming.model_validate(normalized)
             return normalized
         if kind == "responses" and body.get("stream") is True:
-            params = streamed_responses_params(body)
+            params, _ = streamed_responses_params(body)
         elif body.get("stream") is True:
             return None
         elif kind == "responses":
@@ -312,7 +318,7 @@ class CaptureGateModel(VLLMModel):
         if body.get("stream") is not True:
             return await super().responses_dispatch(request, body)
         try:
-            params = streamed_responses_params(body)  # Gym's own mapping of the streaming dialect
+            params, namespaces = streamed_responses_params(body)  # Gym's own mapping of the streaming dialect
         except ValidationError as e:
             raise RequestValidationError([{**err, "loc": ("body", *err["loc"])} for err in e.errors()]) from e
         if current_capture_context() is not None:  # Gym's steps before dispatch, in Gym's order
@@ -323,13 +329,13 @@ class CaptureGateModel(VLLMModel):
         upstream_body = self._preprocess_chat_completion_create_params(request, chat_params.model_dump(exclude_unset=True))
         upstream_body["stream"] = True
         upstream_body["stream_options"] = {"include_usage": True}  # the final response carries usage
-        events = ResponsesEvents(lambda first: self._response_of(params, _skeleton_completion(first)),
-                                 message_id=f"msg_{uuid4().hex}")
+        events = ResponsesEvents(lambda first: self._response_of(params, _skeleton_completion(first), {}),
+                                 message_id=f"msg_{uuid4().hex}", namespaces=namespaces)
 
         def to_response(completion: dict) -> dict:
             if self._external_capture_handler is not None:
                 self._external_capture_handler.prepare_response(completion)  # takes ng_commit_coords off
-            return self._response_of(params, completion)
+            return self._response_of(params, completion, namespaces)
 
         def relay(upstream: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
             return relay_responses_stream(upstream, events, to_response, self._finalize_served_response)
@@ -339,12 +345,15 @@ class CaptureGateModel(VLLMModel):
 
         return await self._relay(self._resolve_client(request), upstream_body, relay, failed)
 
-    def _response_of(self, params: NeMoGymResponseCreateParamsNonStreaming, completion: dict) -> dict:
-        """Gym's conversion of a chat completion to the Responses object (as its responses() returns it)."""
+    def _response_of(self, params: NeMoGymResponseCreateParamsNonStreaming, completion: dict,
+                     namespaces: NamespaceMap) -> dict:
+        """Gym's conversion of a chat completion to the Responses object (as its streamed path serves it:
+        namespace tools' calls under their client-visible names)."""
         response = self._converter.chat_completion_to_response(
             responses_create_params=params, chat_completion=NeMoGymChatCompletion.model_validate(completion),
             preserve_envelope_id=self._preserve_envelope_id())
-        return response.model_dump(mode="json", by_alias=True)
+        out = response.model_dump(mode="json", by_alias=True)
+        return {**out, "output": restore_namespace_tool_calls(out.get("output") or [], namespaces)}
 
     async def _relay(self, client: Any, upstream_body: dict, relay: Relay, broke_off: Callable[[str], bytes]) -> Any:
         """POST the streamed request to the worker; `relay(worker bytes)` is the client's events."""

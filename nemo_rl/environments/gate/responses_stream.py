@@ -15,7 +15,7 @@ arguments equal the final response's; any other ending is a `response.failed` an
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
 
 from nemo_rl.environments.gate.streaming import DONE, ChunkAssembler, SseSplitter, StreamRelayError
@@ -32,9 +32,11 @@ def responses_sse(payload: dict) -> bytes:
 class ResponsesEvents:
     """The Responses event sequence of one streamed call (see the module contract)."""
 
-    def __init__(self, skeleton: Skeleton, message_id: str) -> None:
+    def __init__(self, skeleton: Skeleton, message_id: str,
+                 namespaces: Mapping[str, tuple[str, str]] | None = None) -> None:
         self._skeleton = skeleton
         self._message_id = message_id
+        self._namespaces = dict(namespaces or {})  # flattened tool name -> (namespace, name), Gym's map
         self._sequence = 0
         self.response: dict | None = None  # the in-progress response once the first chunk came
         self.items: list[dict] = []  # streamed output items, in output order
@@ -87,6 +89,8 @@ class ResponsesEvents:
                 raise StreamRelayError(f"the worker's tool call {index} started without an id and a name: {call}")
             item = {"id": call["id"], "type": "function_call", "call_id": call["id"], "name": function["name"],
                     "arguments": "", "status": "in_progress"}
+            if function["name"] in self._namespaces:  # as Gym's restore_namespace_tool_calls names it
+                item["namespace"], item["name"] = self._namespaces[function["name"]]
             self._by_call_index[index] = len(self.items)
             self.items.append(dict(item))
             out.append(self._event("response.output_item.added", output_index=len(self.items) - 1, item=item))

@@ -168,3 +168,14 @@ async def test_a_stream_cut_or_failed_commits_nothing_and_ends_with_response_fai
 async def test_a_final_response_unlike_the_stream_is_never_committed():
     with pytest.raises(StreamRelayError):
         await _relay([*(sse_event(c) for c in WORKER), SSE_DONE], final_response("other"))
+
+
+def test_a_namespace_tools_call_streams_and_settles_under_its_client_visible_name():
+    events = ResponsesEvents(skeleton, message_id="msg_s", namespaces={"files__read": ("files", "read")})
+    call = {"index": 0, "id": "call_9", "type": "function", "function": {"name": "files__read", "arguments": "{}"}}
+    added = [e for e in events.on_chunk(_chunk({"tool_calls": [call]})) if e["type"] == "response.output_item.added"]
+    assert (added[0]["item"]["namespace"], added[0]["item"]["name"]) == ("files", "read")
+    final = {"id": "chatcmpl-1", "status": "completed", "output": [
+        {"id": "call_9", "type": "function_call", "call_id": "call_9", "namespace": "files", "name": "read",
+         "arguments": "{}", "status": "completed"}]}
+    assert events.closing(events.settle(final))[0]["name"] == "read"
