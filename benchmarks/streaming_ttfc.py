@@ -9,7 +9,11 @@ rotates every round (so drift in the machine's load hits all alike):
 - `streamed_capture`  `stream=true` on the gate's capture route (admitted, staged, ledgered);
 - `whole_capture`     the same without `stream` (its first content arrives with the whole reply);
 - `streamed_plain`    `stream=true` on the gate without the rollout prefix (capture off);
-- `whole_plain`       the same without `stream`.
+- `whole_plain`       the same without `stream`;
+- `responses_streamed_capture` / `responses_whole_capture`  the same task as a `/v1/responses`
+  request on the capture route, streamed (Responses events built from the worker's stream) or not.
+  The Responses API has no `seed`, so these replies are sampled afresh each call: compare them by
+  ms per token and by the first `response.output_text.delta`.
 
 Per arm: time to the first content chunk (`ttfc`), to the whole reply (`total`), generated tokens,
 p50 / p90 over the measured rounds. Capture's per-call cost on the streamed path is
@@ -30,7 +34,8 @@ from typing import Any
 
 import aiohttp
 
-ARMS = ("streamed_capture", "whole_capture", "streamed_plain", "whole_plain")
+ARMS = ("streamed_capture", "whole_capture", "streamed_plain", "whole_plain", "responses_streamed_capture",
+        "responses_whole_capture")
 
 
 def _log(message: str) -> None:
@@ -93,6 +98,44 @@ async def one_call(session: aiohttp.ClientSession, url: str, body: dict, stream:
     return {"ttfc_s": first, "total_s": time.perf_counter() - started, "tokens": tokens}
 
 
+def responses_body(chat: dict) -> dict:
+    """The chat request as a Responses request (system prompt as instructions; no seed in this API)."""
+    system, *rest = chat["messages"]
+    return {"model": chat["model"], "instructions": system["content"], "input": rest,
+            "max_output_tokens": chat["max_tokens"], "temperature": chat["temperature"]}
+
+
+async def one_responses_call(session: aiohttp.ClientSession, url: str, body: dict, stream: bool,
+                             timeout_s: float) -> dict:
+    """`one_call` for `/v1/responses`: first content is the first `response.output_text.delta`."""
+    started = time.perf_counter()
+    first: float | None = None
+    tokens = 0
+    async with session.post(url, json={**body, "stream": stream}, timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+        if resp.status != 200:
+            raise RuntimeError(f"{url} answered {resp.status}: {(await resp.text())[:300]}")
+        if not stream:
+            payload = await resp.json()
+            first = time.perf_counter() - started
+            tokens = int(payload["usage"]["output_tokens"])
+        else:
+            buffer = bytearray()
+            done = False
+            async for data in resp.content.iter_any():
+                buffer.extend(data)
+                for text in sse_payloads(buffer):
+                    event = json.loads(text)
+                    if event["type"] == "response.failed":
+                        raise RuntimeError(f"{url} streamed a failure: {event['response'].get('error')}")
+                    if event["type"] == "response.output_text.delta" and first is None:
+                        first = time.perf_counter() - started
+                    if event["type"] in ("response.completed", "response.incomplete"):
+                        done, tokens = True, int(event["response"]["usage"]["output_tokens"])
+            if not done:
+                raise RuntimeError(f"{url}: the stream ended without response.completed")
+    return {"ttfc_s": first, "total_s": time.perf_counter() - started, "tokens": tokens}
+
+
 def arm_figures(calls: list[dict]) -> dict[str, Any]:
     ttfc = [c["ttfc_s"] for c in calls if c["ttfc_s"] is not None]
     total = [c["total_s"] for c in calls]
@@ -139,12 +182,15 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                  f"seed={body['seed']} ({max(lengths)} tokens)")
             for index in range(args.warmup_rounds + args.rounds):
                 for arm in arm_order(index):
-                    if arm.endswith("capture"):
-                        rollout = rollout_id_for(run_id, index, 0, ARMS.index(arm), 0)
-                        url = f"{gate}/ng-rollout/{rollout}/training-token-capture/v1/chat/completions"
+                    rollout = rollout_id_for(run_id, index, 0, ARMS.index(arm), 0)
+                    capture = f"{gate}/ng-rollout/{rollout}/training-token-capture/v1"
+                    streamed = "streamed" in arm
+                    if arm.startswith("responses"):
+                        call = await one_responses_call(session, f"{capture}/responses", responses_body(body),
+                                                        streamed, args.call_timeout_s)
                     else:
-                        url = f"{gate}/v1/chat/completions"
-                    call = await one_call(session, url, body, arm.startswith("streamed"), args.call_timeout_s)
+                        url = f"{capture if arm.endswith('capture') else gate + '/v1'}/chat/completions"
+                        call = await one_call(session, url, body, streamed, args.call_timeout_s)
                     if index >= args.warmup_rounds:
                         calls[arm].append(call)
                 _log(f"round {index + 1}/{args.warmup_rounds + args.rounds} done")
@@ -161,6 +207,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             round(sc["ms_per_token_p50"] - sp["ms_per_token_p50"], 4)
             if sc["ms_per_token_p50"] is not None and sp["ms_per_token_p50"] is not None else None),
         "ttfc_streamed_over_whole_capture_p50": round(sc["ttfc_ms_p50"] / arms["whole_capture"]["ttfc_ms_p50"], 4),
+        "responses_ttfc_streamed_over_whole_p50": round(
+            arms["responses_streamed_capture"]["ttfc_ms_p50"] / arms["responses_whole_capture"]["ttfc_ms_p50"], 4),
     }
 
 
@@ -177,14 +225,15 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     results = asyncio.run(run(args))
     (args.out / "streaming_ttfc.json").write_text(json.dumps(results, indent=2, sort_keys=True))
-    print(f"{'arm':<18} {'calls':>5} {'ttfc p50 ms':>12} {'ttfc p90 ms':>12} {'total p50 ms':>13} "
+    print(f"{'arm':<27} {'calls':>5} {'ttfc p50 ms':>12} {'ttfc p90 ms':>12} {'total p50 ms':>13} "
           f"{'total p90 ms':>13} {'ms/token p50':>13} {'tokens p50':>10}")
     for arm, f in results["arms"].items():
-        print(f"{arm:<18} {f['calls']:>5} {f['ttfc_ms_p50']!s:>12} {f['ttfc_ms_p90']!s:>12} {f['total_ms_p50']!s:>13} "
+        print(f"{arm:<27} {f['calls']:>5} {f['ttfc_ms_p50']!s:>12} {f['ttfc_ms_p90']!s:>12} {f['total_ms_p50']!s:>13} "
               f"{f['total_ms_p90']!s:>13} {f['ms_per_token_p50']!s:>13} {f['tokens_p50']!s:>10}")
     print(f"capture on the streamed path: +{results['streamed_capture_cost_ms_p50']} ms per call (p50), "
           f"+{results['streamed_capture_cost_ms_per_token_p50']} ms per generated token (p50); "
-          f"time to first chunk streamed / whole (capture on, p50): {results['ttfc_streamed_over_whole_capture_p50']}")
+          f"time to first chunk streamed / whole (capture on, p50): {results['ttfc_streamed_over_whole_capture_p50']}, "
+          f"Responses API: {results['responses_ttfc_streamed_over_whole_p50']}")
 
 
 if __name__ == "__main__":

@@ -41,6 +41,9 @@ behaviour through `openai.AsyncOpenAI(base_url=<gate>/ng-rollout/<id>/training-t
                    the last response id it saw is the declared terminal.
 - agents_sdk_chat  the same over `OpenAIChatCompletionsModel`: the SDK sees no response id, so the
                    outcome declares the scored output's text (`terminal_output_text`) as the witness.
+- agents_sdk_streamed / agents_sdk_chat_streamed  `Runner.run_streamed` with each of those two
+                   models (`stream=true` on /v1/responses, resp. /v1/chat/completions); the driver
+                   reads every stream event and counts the text deltas (`sdk_text_deltas`).
 
 Every line also names the workers that served the rollout's committed calls (`workers`, from
 each worker's own engine records) and counts `cross_worker_continuations` (token-in calls
@@ -517,12 +520,14 @@ async def scenario_cross_worker(h: Harness, ctx: Context, run: ScenarioRun) -> N
     run.kept = reply
 
 
-async def _agents_sdk(h: Harness, ctx: Context, run: ScenarioRun, mode: str) -> None:
-    """The Agents SDK's `Runner.run` tool loop, in its own venv, against this rollout's capture route."""
+async def _agents_sdk(h: Harness, ctx: Context, run: ScenarioRun, mode: str, streamed: bool = False) -> None:
+    """The Agents SDK's `Runner.run` (or `run_streamed`) tool loop, in its own venv, against this rollout's route."""
     sdk = await run_agents_sdk(h.base_url, h.model, user_prompt(ctx.problems[0]), mode, max_tokens=h.max_tokens,
-                               timeout_s=SDK_DRIVER_TIMEOUT_S, log=log)
+                               timeout_s=SDK_DRIVER_TIMEOUT_S, streamed=streamed, log=log)
     run.facts.update(sdk_mode=sdk.mode, sdk_final_output=sdk.final_output, sdk_response_ids=list(sdk.response_ids),
-                     sdk_tool_calls=sdk.tool_calls, sdk_error=sdk.error, sdk_seconds=sdk.seconds)
+                     sdk_tool_calls=sdk.tool_calls, sdk_error=sdk.error, sdk_seconds=sdk.seconds,
+                     sdk_streamed=sdk.streamed, sdk_stream_events=sdk.stream_events, sdk_text_deltas=sdk.text_deltas,
+                     sdk_first_delta_s=sdk.first_delta_s)
     # The response ids the SDK saw (Responses API only) name its calls for `call_lineage`.
     run.calls += [CallLog(f"{mode}#{index}", rid, True) for index, rid in enumerate(sdk.response_ids) if rid]
     log(f"[agents-sdk:{mode}] {json.dumps(run.facts)}")
@@ -537,6 +542,14 @@ async def scenario_responses_api(h: Harness, ctx: Context, run: ScenarioRun) -> 
 
 async def scenario_agents_sdk_chat(h: Harness, ctx: Context, run: ScenarioRun) -> None:
     await _agents_sdk(h, ctx, run, "chat")  # OpenAIChatCompletionsModel: no response id, an output witness
+
+
+async def scenario_agents_sdk_streamed(h: Harness, ctx: Context, run: ScenarioRun) -> None:
+    await _agents_sdk(h, ctx, run, "responses", streamed=True)  # Runner.run_streamed, Responses API streaming
+
+
+async def scenario_agents_sdk_chat_streamed(h: Harness, ctx: Context, run: ScenarioRun) -> None:
+    await _agents_sdk(h, ctx, run, "chat", streamed=True)  # Runner.run_streamed over streamed chat completions
 
 
 async def scenario_streamed(h: Harness, ctx: Context, run: ScenarioRun) -> None:
@@ -580,6 +593,8 @@ SCENARIOS: dict[str, Callable[[Harness, Context, ScenarioRun], Awaitable[None]]]
     "cross_worker": scenario_cross_worker,
     "responses_api": scenario_responses_api,
     "agents_sdk_chat": scenario_agents_sdk_chat,
+    "agents_sdk_streamed": scenario_agents_sdk_streamed,
+    "agents_sdk_chat_streamed": scenario_agents_sdk_chat_streamed,
 }
 SDK_DRIVER_TIMEOUT_S = 240.0
 # Scenarios whose client drops a call mid-stream: that call's served tokens are off-chain (never

@@ -9,11 +9,13 @@ It points the SDK's `OpenAIProvider` at `--base-url` (a gate's
 `<gate>/ng-rollout/<id>/training-token-capture/v1`) and runs
 `Runner.run(agent, prompt, max_turns=--max-turns)` with the task's `calculator` function tool:
 `--mode responses` uses the SDK's default model (`OpenAIResponsesModel`, the Responses API),
-`--mode chat` uses `OpenAIChatCompletionsModel`. Tracing is off (it would export to a remote host).
+`--mode chat` uses `OpenAIChatCompletionsModel`; `--streamed` runs `Runner.run_streamed` instead and
+reads every event of `stream_events()`. Tracing is off (it would export to a remote host).
 
-It prints one JSON line to stdout: `mode`, `final_output` (the scored text), `response_ids` (what
-`RunResult.raw_responses[i].response_id` held: None on chat completions), `tool_calls` and, when
-the run raised, `error`. Exit code 0 only when the run finished. `--log-requests FILE` writes every
+It prints one JSON line to stdout: `mode`, `streamed`, `final_output` (the scored text),
+`response_ids` (what `raw_responses[i].response_id` held: None on chat completions, whose streamed
+placeholder id is reported as None too), `tool_calls`, for a streamed run `stream_events`,
+`text_deltas` and `first_delta_s`, and, when the run raised, `error`. Exit code 0 only when the run finished. `--log-requests FILE` writes every
 request body the SDK sent (a JSON list) for inspection.
 
     python examples/harness/agents_sdk_driver.py --base-url URL --model NAME --prompt "What is 2+3?"
@@ -25,11 +27,13 @@ import argparse
 import asyncio
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import httpx2
 from agents import Agent, FunctionTool, ModelSettings, RunConfig, Runner, set_tracing_disabled
+from agents.models.fake_id import FAKE_RESPONSES_ID
 from agents.models.openai_provider import OpenAIProvider
 from openai import AsyncOpenAI
 
@@ -44,6 +48,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", required=True, help="the served model name")
     p.add_argument("--prompt", required=True, help="the user's message")
     p.add_argument("--mode", choices=("responses", "chat"), default="responses")
+    p.add_argument("--streamed", action="store_true", help="Runner.run_streamed, reading every stream event")
     p.add_argument("--max-turns", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--timeout-s", type=float, default=90.0, help="deadline of one model call")
@@ -83,6 +88,19 @@ def _body_logger(sink: list[Any]):
     return on_request
 
 
+async def read_stream(result: Any) -> dict[str, Any]:
+    """Every event of a streamed run: how many, how many text deltas, and when the first one came."""
+    started = time.perf_counter()
+    events = deltas = 0
+    first: float | None = None
+    async for event in result.stream_events():
+        events += 1
+        if event.type == "raw_response_event" and getattr(event.data, "type", None) == "response.output_text.delta":
+            deltas += 1
+            first = round(time.perf_counter() - started, 4) if first is None else first
+    return {"stream_events": events, "text_deltas": deltas, "first_delta_s": first}
+
+
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     set_tracing_disabled(True)
     bodies: list[Any] = []
@@ -92,12 +110,18 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     provider = OpenAIProvider(openai_client=client, use_responses=args.mode == "responses")
     agent = Agent(name="calculator-agent", instructions=SYSTEM_PROMPT, model=args.model, tools=[calculator_tool()],
                   model_settings=ModelSettings(temperature=0.0, max_tokens=args.max_tokens))
-    out: dict[str, Any] = {"mode": args.mode, "final_output": None, "response_ids": [], "tool_calls": 0}
+    out: dict[str, Any] = {"mode": args.mode, "streamed": args.streamed, "final_output": None, "response_ids": [],
+                           "tool_calls": 0}
+    run_config = RunConfig(model_provider=provider, tracing_disabled=True)
     try:
-        result = await Runner.run(agent, args.prompt, max_turns=args.max_turns,
-                                  run_config=RunConfig(model_provider=provider, tracing_disabled=True))
+        if args.streamed:
+            result = Runner.run_streamed(agent, args.prompt, max_turns=args.max_turns, run_config=run_config)
+            out.update(await read_stream(result))
+        else:
+            result = await Runner.run(agent, args.prompt, max_turns=args.max_turns, run_config=run_config)
         out["final_output"] = None if result.final_output is None else str(result.final_output)
-        out["response_ids"] = [response.response_id for response in result.raw_responses]
+        out["response_ids"] = [None if response.response_id == FAKE_RESPONSES_ID else response.response_id
+                               for response in result.raw_responses]
         out["tool_calls"] = sum(1 for item in result.new_items if item.type == "tool_call_item")
     except Exception as error:  # the driver's verdict: reported on its JSON line, exit code 1
         out["error"] = f"{type(error).__name__}: {str(error)[:1500]}"

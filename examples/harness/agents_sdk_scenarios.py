@@ -1,12 +1,14 @@
 """The OpenAI Agents SDK as a harness scenario: its driver in its own venv, against one rollout's capture route.
 
-`run_agents_sdk(base_url, model, prompt, mode, ...)` builds (or reuses) the spec-hashed
+`run_agents_sdk(base_url, model, prompt, mode, streamed=..., ...)` builds (or reuses) the spec-hashed
 `harness-openai-agents` venv, runs `examples/harness/agents_sdk_driver.py` in it as a subprocess
 with a deadline, and returns the driver's JSON line (`AgentsSdkRun`). `sdk_outcome(run)` is the
 Gym-`/run`-like outcome the judge reads: on the Responses API the SDK saw response ids, so the last
 one is the declared terminal (`terminal_response_id`); over chat completions it saw none, so the
 scored output's text is declared instead (`terminal_output_text`, the content witness).
-Used by `examples/harness_scenarios.py` (`responses_api`, `agents_sdk_chat`).
+With `streamed=True` the driver runs `Runner.run_streamed` (`stream_events`, `text_deltas`,
+`first_delta_s` on the run). Used by `examples/harness_scenarios.py` (`responses_api`,
+`agents_sdk_chat`, `agents_sdk_streamed`, `agents_sdk_chat_streamed`).
 """
 
 from __future__ import annotations
@@ -37,6 +39,10 @@ class AgentsSdkRun:
     tool_calls: int
     error: str | None
     seconds: float
+    streamed: bool = False
+    stream_events: int | None = None
+    text_deltas: int | None = None
+    first_delta_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in ("responses", "chat"):
@@ -50,15 +56,17 @@ def parse_driver_line(stdout: str, seconds: float) -> AgentsSdkRun:
         raise AgentsSdkRunError(f"the Agents SDK driver printed no JSON line; stdout tail: {stdout[-1500:]!r}")
     data = json.loads(lines[-1])
     return AgentsSdkRun(data["mode"], data.get("final_output"), tuple(data.get("response_ids") or ()),
-                        int(data.get("tool_calls") or 0), data.get("error"), round(seconds, 3))
+                        int(data.get("tool_calls") or 0), data.get("error"), round(seconds, 3),
+                        bool(data.get("streamed")), data.get("stream_events"), data.get("text_deltas"),
+                        data.get("first_delta_s"))
 
 
 async def run_agents_sdk(base_url: str, model: str, prompt: str, mode: str, *, max_tokens: int, timeout_s: float,
-                         log=print) -> AgentsSdkRun:
+                         streamed: bool = False, log=print) -> AgentsSdkRun:
     """Run the driver once in the harness venv (built on first use, then cached by its spec hash)."""
     venv = await asyncio.to_thread(ensure_venv, harness_spec("openai-agents"), progress=log)
     cmd = [str(venv_python(venv)), str(DRIVER), "--base-url", base_url, "--model", model, "--prompt", prompt,
-           "--mode", mode, "--max-turns", "4", "--max-tokens", str(max_tokens)]
+           "--mode", mode, "--max-turns", "4", "--max-tokens", str(max_tokens), *(["--streamed"] if streamed else [])]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     loop = asyncio.get_running_loop()
     start = loop.time()

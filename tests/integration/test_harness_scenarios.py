@@ -10,7 +10,8 @@ never committed), the capture health each behaviour implies
 (`token_in_rate`, `unresolved_continuations`: an `edited` history must show the miss, an echoed
 one must not), and that a continuation served by another worker than its parent is exact.
 The OpenAI Agents SDK runs from its own spec-hashed venv (`responses_api`: its default
-Responses-API model; `agents_sdk_chat`: chat completions, judged by its output witness).
+Responses-API model; `agents_sdk_chat`: chat completions, judged by its output witness;
+`agents_sdk_streamed` / `agents_sdk_chat_streamed`: the same two through `Runner.run_streamed`).
 """
 
 from __future__ import annotations
@@ -28,11 +29,13 @@ from nemo_rl.utils import venvs
 REPO = Path(__file__).resolve().parents[2]
 SCENARIOS = (
     "plain", "distinct_retry", "identical_retry", "compaction", "rerendered", "edited", "failed_final", "subagent",
-    "streamed", "cross_worker", "responses_api", "agents_sdk_chat",
+    "streamed", "cross_worker", "responses_api", "agents_sdk_chat", "agents_sdk_streamed", "agents_sdk_chat_streamed",
 )
+SDK_RESPONSES = ("responses_api", "agents_sdk_streamed")  # the Agents SDK's default model (Responses API)
+SDK_CHAT = ("agents_sdk_chat", "agents_sdk_chat_streamed")  # OpenAIChatCompletionsModel: no response id
 # Scenarios whose harness echoes every assistant turn as the model wrote it: no continuation may miss its parent.
 ECHOED = ("plain", "distinct_retry", "identical_retry", "compaction", "failed_final", "subagent", "streamed",
-          "cross_worker", "responses_api", "agents_sdk_chat")
+          "cross_worker", *SDK_RESPONSES, *SDK_CHAT)
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +69,7 @@ def test_scenario_is_kept_exact_and_keeps_its_tokens(results, name):
     assert line["reason"] is None, line
     assert line["rows"] >= 1 and line["chains"] >= 1, line
     assert line["engine_records_found"] == line["manifest_records"], line
-    if name == "agents_sdk_chat":  # no response id: the scored text is the declared witness
+    if name in SDK_CHAT:  # no response id: the scored text is the declared witness
         assert line["declared_output_witness"] == line["sdk_final_output"], line
         assert line["terminal_selection"] == "content", line
     else:
@@ -213,12 +216,13 @@ def test_the_agents_sdk_runs_in_its_own_spec_hashed_venv(results):
     spec = venvs.harness_spec("openai-agents")
     folder = venvs.venvs_root() / venvs.venv_folder_name(spec.name, venvs.spec_hash(spec))
     assert venvs.is_complete(folder, venvs.spec_hash(spec)), folder
-    assert results["responses_api"]["sdk_error"] is None and results["agents_sdk_chat"]["sdk_error"] is None
+    assert [results[name]["sdk_error"] for name in (*SDK_RESPONSES, *SDK_CHAT)] == [None] * 4
 
 
 @pytest.mark.integration
-def test_the_agents_sdk_default_runner_tool_loop_is_kept_exact_and_declared(results):
-    line = results["responses_api"]
+@pytest.mark.parametrize("name", SDK_RESPONSES)
+def test_the_agents_sdk_default_runner_tool_loop_is_kept_exact_and_declared(results, name):
+    line = results[name]
     ids = line["sdk_response_ids"]
     # Every Responses call the SDK made (its default OpenAIResponsesModel) was committed and continues
     # its parent token-in; the last response id it saw is the declared terminal.
@@ -230,14 +234,23 @@ def test_the_agents_sdk_default_runner_tool_loop_is_kept_exact_and_declared(resu
 
 
 @pytest.mark.integration
-def test_the_agents_sdk_over_chat_completions_is_judged_by_its_output_witness_not_the_heuristic(results):
-    line = results["agents_sdk_chat"]
+@pytest.mark.parametrize("name", SDK_CHAT)
+def test_the_agents_sdk_over_chat_completions_is_judged_by_its_output_witness_not_the_heuristic(results, name):
+    line = results[name]
     ids = line["sdk_response_ids"]
     assert len(ids) >= 2 and all(rid is None for rid in ids), line  # the SDK reports no response id
     assert line["declared_terminal"] is None and line["declared_output_witness"] == line["sdk_final_output"], line
     assert line["terminal_selection"] == "content", line
     assert line["manifest_records"] == len(ids) and line["token_in_records"] == len(ids) - 1, line
     assert line["kept"] is True and line["exact"] is True and line["rows"] == 1, line
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("name", ("agents_sdk_streamed", "agents_sdk_chat_streamed"))
+def test_the_agents_sdks_run_streamed_reads_text_deltas_as_they_come(results, name):
+    line = results[name]
+    assert line["sdk_streamed"] is True and line["sdk_stream_events"] > line["sdk_text_deltas"] >= 2, line
+    assert line["sdk_first_delta_s"] is not None and line["sdk_first_delta_s"] < line["sdk_seconds"], line
 
 
 @pytest.mark.integration

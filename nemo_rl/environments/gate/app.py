@@ -6,8 +6,10 @@ off, with a configured `lineage_store` (it would win over ours) or with `num_wor
 Owns what changes at the gate: `BranchingCaptureLedger` (identical siblings resolve to one,
 a rewritten history opens a `text` branch instead of poisoning), request normalisation (with a
 null `required_prefix_token_ids` dropped: gate/required_prefix.py), the
-input guard, and worker-error mapping (4xx and 503 keep the worker's status and body, anything
-else is 502 `upstream_error`). Gym's installed code is never edited.
+input guard, worker-error mapping (4xx and 503 keep the worker's status and body, anything else
+is 502 `upstream_error`; FastAPI's 422 for a body Gym's model refuses is a named 400) and the
+streamed paths (`stream: true` relayed as the worker generates: chat in gate/streaming.py, the
+Responses API in gate/responses_stream.py). Gym's installed code is never edited.
 Invariant: every relaxation keeps the staged ids exactly what the engine saw; a request the
 guard and normaliser let through reaches Gym with its lineage unchanged.
 Why each relaxation is safe: docs/design-docs/token-capture-receipts.md, "Our gate policy".
@@ -18,13 +20,15 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
 from typing import Any
+from uuid import uuid4
 
 import aiohttp
 from aiohttp.client_exceptions import ClientResponseError
 from fastapi import Body, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from omegaconf import DictConfig, OmegaConf
 from pydantic import PrivateAttr, ValidationError
@@ -33,6 +37,12 @@ from nemo_gym.anthropic_utils import NeMoGymAnthropicMessageCreateParamsNonStrea
 from nemo_gym.base_responses_api_model import _ANTHROPIC_CONVERTER, _request_messages, _validate_chat_params
 from nemo_gym.chat_streaming import sanitize_streaming_chat_body
 from nemo_gym.global_config import get_global_config_dict
+from nemo_gym.responses_streaming import (
+    NamespaceMap,
+    restore_namespace_tool_calls,
+    sanitize_streaming_responses_body,
+    validate_streaming_responses_params,
+)
 from nemo_gym.openai_utils import (
     NeMoGymChatCompletion,
     NeMoGymChatCompletionCreateParamsNonStreaming,
@@ -54,12 +64,14 @@ from nemo_rl.environments.gate.ingress import (
     GateGuardMiddleware,
     WorkerContextLimit,
     answer_error,
+    loc_field,
     normalize_chat_body,
     normalize_chat_request,
 )
 from nemo_rl.environments.gate.ledger import BranchingCaptureLedger
 from nemo_rl.environments.gate.required_prefix import drop_empty_required_prefix_bytes
 from nemo_rl.environments.gate.responses_fields import normalize_responses_body
+from nemo_rl.environments.gate.responses_stream import ResponsesEvents, relay_responses_stream, responses_sse
 from nemo_rl.environments.gate.streaming import StreamRelayError, error_event, relay_stream
 from responses_api_models.vllm_model.app import _PROPAGATE_CONTEXT_ERROR_ATTRIBUTE, VLLMModel
 
@@ -127,6 +139,15 @@ def upstream_error_answer(status: int, content: bytes) -> tuple[int, Any]:
     out_status = status if passes else 502
     message = f"the vLLM worker answered HTTP {status}: {quoted}"
     return out_status, {"error": {"message": message, "type": err_type, "param": None, "code": out_status}}
+
+
+def request_validation_answer(errors: list[dict]) -> ApiError:
+    """FastAPI's 422 for a body Gym's request model refuses, as the gate's named 400 (pure)."""
+    first = errors[0] if errors else {"loc": ("body",), "msg": "the request body is invalid"}
+    loc = tuple(first.get("loc") or ())
+    field = loc_field(loc[1:] if loc[:1] == ("body",) else loc)
+    return ApiError("invalid_request", f"the request does not match Gym's request model: {field}: {first.get('msg')}",
+                    field)
 
 
 def _with_content_length(scope: Scope, length: int) -> Scope:
@@ -198,6 +219,22 @@ class NormalizeChatRequestMiddleware:
         await self.app(scope, replay, send)
 
 
+Relay = Callable[[AsyncIterator[bytes]], AsyncIterator[bytes]]  # the worker's SSE bytes -> the client's events
+
+
+def _skeleton_completion(first: dict) -> dict:
+    """The empty completion Gym's converter turns into the in-progress response of a stream."""
+    return {"id": first["id"], "created": first["created"], "model": first["model"], "object": "chat.completion",
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": ""}, "finish_reason": "stop"}]}
+
+
+def streamed_responses_params(body: dict) -> tuple[NeMoGymResponseCreateParamsNonStreaming, NamespaceMap]:
+    """A `stream: true` Responses body as Gym's streaming dialect maps it, and the namespace tools it
+    flattened (raises ValidationError)."""
+    cleaned, namespaces = sanitize_streaming_responses_body(body)
+    return validate_streaming_responses_params(cleaned), namespaces
+
+
 class CaptureGateModel(VLLMModel):
     """Gym's `VLLMModel` with the normalisation middleware outside Gym's capture middleware, and a
     streamed chat path that relays the worker's chunks as they come (`gate.streaming`)."""
@@ -235,8 +272,8 @@ class CaptureGateModel(VLLMModel):
         """The chat request the worker would get for this route's body (the guard checks it).
 
         Raises pydantic's ValidationError (Gym's request model refuses the body) or the error
-        Gym's converter raises; None for a streamed Responses/Messages request, whose body Gym
-        sanitises from its streaming dialect before validating it.
+        Gym's converter raises; a streamed Responses body is first mapped from the streaming dialect
+        by Gym's own functions (as the streamed path serves it); None for a streamed Messages request.
         """
         if kind == "chat":
             if body.get("stream") is True:  # Gym's own mapping of the streaming dialect onto its model
@@ -244,9 +281,11 @@ class CaptureGateModel(VLLMModel):
             normalized = normalize_chat_request(body)
             NeMoGymChatCompletionCreateParamsNonStreaming.model_validate(normalized)
             return normalized
-        if body.get("stream") is True:
+        if kind == "responses" and body.get("stream") is True:
+            params, _ = streamed_responses_params(body)
+        elif body.get("stream") is True:
             return None
-        if kind == "responses":
+        elif kind == "responses":
             params = NeMoGymResponseCreateParamsNonStreaming.model_validate(body)
         else:
             NeMoGymAnthropicMessageCreateParamsNonStreaming.model_validate(body)
@@ -267,9 +306,57 @@ class CaptureGateModel(VLLMModel):
         upstream_body["stream"] = True
         if include_usage:
             upstream_body["stream_options"] = {"include_usage": True}
-        return await self._relay(self._resolve_client(request), upstream_body)
 
-    async def _relay(self, client: Any, upstream_body: dict) -> Any:
+        def relay(upstream: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+            return relay_stream(upstream, self._commit_streamed)
+
+        return await self._relay(self._resolve_client(request), upstream_body, relay, error_event)
+
+    async def responses_dispatch(self, request: Request, body: dict = Body()):
+        """Gym's dispatch, except `stream: true`: Responses events built from the worker's chat stream
+        as it comes (`gate.responses_stream`), the call committed as Gym commits a whole one."""
+        if body.get("stream") is not True:
+            return await super().responses_dispatch(request, body)
+        try:
+            params, namespaces = streamed_responses_params(body)  # Gym's own mapping of the streaming dialect
+        except ValidationError as e:
+            raise RequestValidationError([{**err, "loc": ("body", *err["loc"])} for err in e.errors()]) from e
+        if current_capture_context() is not None:  # Gym's steps before dispatch, in Gym's order
+            await resolve_parent(_request_messages(params))
+            await register_call_intent()
+        chat_params = self._converter.responses_to_chat_completion_create_params(params)
+        params.model = self.config.model  # as Gym's responses() does
+        upstream_body = self._preprocess_chat_completion_create_params(request, chat_params.model_dump(exclude_unset=True))
+        upstream_body["stream"] = True
+        upstream_body["stream_options"] = {"include_usage": True}  # the final response carries usage
+        events = ResponsesEvents(lambda first: self._response_of(params, _skeleton_completion(first), {}),
+                                 message_id=f"msg_{uuid4().hex}", namespaces=namespaces)
+
+        def to_response(completion: dict) -> dict:
+            if self._external_capture_handler is not None:
+                self._external_capture_handler.prepare_response(completion)  # takes ng_commit_coords off
+            return self._response_of(params, completion, namespaces)
+
+        def relay(upstream: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+            return relay_responses_stream(upstream, events, to_response, self._finalize_served_response)
+
+        def failed(message: str) -> bytes:
+            return responses_sse(events.failed(message))
+
+        return await self._relay(self._resolve_client(request), upstream_body, relay, failed)
+
+    def _response_of(self, params: NeMoGymResponseCreateParamsNonStreaming, completion: dict,
+                     namespaces: NamespaceMap) -> dict:
+        """Gym's conversion of a chat completion to the Responses object (as its streamed path serves it:
+        namespace tools' calls under their client-visible names)."""
+        response = self._converter.chat_completion_to_response(
+            responses_create_params=params, chat_completion=NeMoGymChatCompletion.model_validate(completion),
+            preserve_envelope_id=self._preserve_envelope_id())
+        out = response.model_dump(mode="json", by_alias=True)
+        return {**out, "output": restore_namespace_tool_calls(out.get("output") or [], namespaces)}
+
+    async def _relay(self, client: Any, upstream_body: dict, relay: Relay, broke_off: Callable[[str], bytes]) -> Any:
+        """POST the streamed request to the worker; `relay(worker bytes)` is the client's events."""
         assert self._stream_read_timeout_s is not None  # set by setup_webserver
         deadline = self._stream_read_timeout_s
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=deadline, sock_read=deadline)
@@ -289,10 +376,10 @@ class CaptureGateModel(VLLMModel):
 
         async def events():
             try:
-                async for event in relay_stream(upstream.content.iter_any(), self._commit_streamed):
+                async for event in relay(upstream.content.iter_any()):
                     yield event
             except (StreamRelayError, aiohttp.ClientError, asyncio.TimeoutError) as e:
-                yield error_event(f"the vLLM worker's stream broke off: {type(e).__name__}: {e}; not committed")
+                yield broke_off(f"the vLLM worker's stream broke off: {type(e).__name__}: {e}; not committed")
             finally:
                 upstream.release()
                 await session.close()
@@ -307,6 +394,13 @@ class CaptureGateModel(VLLMModel):
         await self._finalize_served_response(NeMoGymChatCompletion.model_validate(completion))
 
     def setup_exception_middleware(self, app) -> None:
+        async def refused_by_gyms_model(request: Request, error: RequestValidationError) -> JSONResponse:
+            answer = request_validation_answer(list(error.errors()))
+            return JSONResponse(content=answer.body(), status_code=answer.status)
+
+        # Gym validates some bodies in its handlers (FastAPI's {"detail": ...} 422): answer them as the gate does.
+        app.add_exception_handler(RequestValidationError, refused_by_gyms_model)
+
         @app.middleware("http")
         async def upstream_error_middleware(request: Request, call_next):
             # Registered before Gym's handlers, so it is inside them and sees the worker's error first.

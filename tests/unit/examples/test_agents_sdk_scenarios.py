@@ -29,3 +29,12 @@ def test_the_driver_line_is_parsed_or_the_failure_named():
         parse_driver_line("Traceback ...", 1.0)
     with pytest.raises(ValueError, match="mode='stream'"):
         AgentsSdkRun("stream", None, (), 0, None, 0.0)
+
+
+def test_a_streamed_runs_line_carries_its_stream_counts():
+    line = json.dumps({"mode": "responses", "streamed": True, "final_output": "5", "response_ids": ["r1", "r2"],
+                       "tool_calls": 1, "stream_events": 40, "text_deltas": 12, "first_delta_s": 0.25})
+    assert parse_driver_line(line, 4.0) == AgentsSdkRun("responses", "5", ("r1", "r2"), 1, None, 4.0, True, 40, 12, 0.25)
+    # A line without them (Runner.run) is not streamed.
+    plain = parse_driver_line(json.dumps({"mode": "chat", "final_output": "5", "response_ids": [None]}), 1.0)
+    assert (plain.streamed, plain.stream_events, plain.text_deltas) == (False, None, None)

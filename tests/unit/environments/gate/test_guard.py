@@ -38,6 +38,7 @@ from nemo_rl.environments.gate.app import (
     CaptureGateModel,
     control_token_from,
     guard_config_from,
+    request_validation_answer,
     upstream_error_answer,
 )
 from nemo_rl.environments.gate.ingress import (
@@ -132,6 +133,16 @@ def test_validation_locations_read_as_json_paths() -> None:
 )
 def test_worker_errors_map_to_the_gates_answers(status: int, content: bytes, answer: tuple) -> None:
     assert upstream_error_answer(status, content) == answer
+
+
+def test_fastapis_422_from_gyms_model_is_the_gates_named_400() -> None:
+    errors = [{"type": "string_type", "loc": ("body", "input", "str"), "msg": "Input should be a valid string",
+               "input": 5}, {"type": "list_type", "loc": ("body", "input", "list[...]"), "msg": "a list"}]
+    answer = request_validation_answer(errors)
+    assert answer.body() == {"error": {
+        "message": "the request does not match Gym's request model: input: Input should be a valid string",
+        "type": "invalid_request", "param": "input", "code": 400}}
+    assert request_validation_answer([]).body()["error"]["param"] == "body"
 
 
 def test_the_gate_reads_its_limits_and_bearer_or_refuses_to_start(tmp_path: Path) -> None:
@@ -345,6 +356,12 @@ BAD_CASES = [
      400, "invalid_request", "max_output_tokens"),
     ("responses-bad-input", "POST", "/ng-rollout/r1/v1/responses", json.dumps({"model": "tiny", "input": 7}).encode(),
      400, "invalid_request", "input"),
+    # Streamed bodies Gym's model refuses (the fuzz found `input: 5` answered as FastAPI's 422 {"detail": ...}).
+    ("responses-stream-bad-input", "POST", "/ng-rollout/r1/v1/responses",
+     json.dumps({**RESPONSES, "input": 5, "stream": True}).encode(), 400, "invalid_request", "input"),
+    ("responses-stream-bad-role", "POST", "/ng-rollout/r1/v1/responses",
+     json.dumps({**RESPONSES, "input": [{"role": "nobody", "content": "x"}], "stream": True}).encode(),
+     400, "invalid_request", "body"),
     ("responses-store-true", "POST", "/ng-rollout/r1/v1/responses", json.dumps({**RESPONSES, "store": True}).encode(),
      400, "invalid_request", "store"),
     ("responses-previous-id", "POST", "/ng-rollout/r1/v1/responses",
