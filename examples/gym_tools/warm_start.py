@@ -35,8 +35,8 @@ from examples.gym_tools import session_counter
 
 CORPUS_NAME = "gym_session_counter"
 FINE_TUNE_EXAMPLES = 512
-FINE_TUNE_STEPS = 40
-FINE_TUNE_LR = 5e-4
+FINE_TUNE_STEPS = 100
+FINE_TUNE_LR = 1e-3
 FOLDER_PREFIX = "gymcounter-"
 
 
