@@ -14,7 +14,8 @@ Contract:
   With a path set, `model.tiny` is not used (the recipe trains that folder's model).
 - `model.tiny_corpus` picks the warm-start corpus of that build: `arith` (default, the one-call
   task, `ensure_tiny_model`) or `arith_chain` (chained transcripts for `CHAINED_TASK`,
-  `tiny_model.chain_model.ensure_chain_tiny_model`, its own cache folder).
+  `tiny_model.chain_model.ensure_chain_tiny_model`, its own cache folder) or `gym_session_counter`
+  (Gym's `example_session_state_mgmt` tools, `examples.gym_tools.warm_start`, its own cache folder).
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ from pydantic import BaseModel, ConfigDict
 from examples.arith.tiny_model import TinyModelConfig, ensure_tiny_model
 from examples.arith.tiny_model.chain_model import CORPUS_NAME as CHAIN_CORPUS
 from examples.arith.tiny_model.chain_model import ensure_chain_tiny_model
+from examples.gym_tools.warm_start import CORPUS_NAME as COUNTER_CORPUS
+from examples.gym_tools.warm_start import ensure_counter_tiny_model
 from nemo_rl.algorithms.grpo_config import MasterConfig, ModelConfig, validate_master
 from nemo_rl.utils.config import load_config, validate_section
 
@@ -36,7 +39,7 @@ TINY_KEY = "tiny"
 TINY_SECTION = f"model.{TINY_KEY}"
 CORPUS_KEY = "tiny_corpus"
 DEFAULT_CORPUS = "arith"
-TinyCorpus = Literal["arith", "arith_chain"]
+TinyCorpus = Literal["arith", "arith_chain", "gym_session_counter"]
 
 
 class ExampleModelConfig(ModelConfig):
@@ -83,6 +86,8 @@ def resolve_model(recipe: ExampleRecipe, progress: Callable[[str], None] = print
         return cfg
     if recipe.tiny_corpus == CHAIN_CORPUS:
         folder = ensure_chain_tiny_model(recipe.tiny, progress=progress)
+    elif recipe.tiny_corpus == COUNTER_CORPUS:
+        folder = ensure_counter_tiny_model(recipe.tiny, progress=progress)
     else:
         folder = ensure_tiny_model(recipe.tiny, progress=progress)
     return cfg.model_copy(update={"model": cfg.model.model_copy(update={"path": str(folder)})})

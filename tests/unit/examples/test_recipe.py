@@ -66,12 +66,16 @@ def test_the_tiny_corpus_picks_the_chained_build(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setattr(example_recipe, "ensure_tiny_model", lambda cfg, progress=print: built.append(("arith", cfg)) or Path("/c/a"))
     monkeypatch.setattr(
         example_recipe, "ensure_chain_tiny_model", lambda cfg, progress=print: built.append(("chain", cfg)) or Path("/c/b"))
+    monkeypatch.setattr(
+        example_recipe, "ensure_counter_tiny_model", lambda cfg, progress=print: built.append(("counter", cfg)) or Path("/c/c"))
     assert load_recipe(TINY).tiny_corpus == "arith"
     assert resolve_model(load_recipe(TINY), progress=lambda _: None).model.path == "/c/a"
     chained = load_recipe(TINY, ["model.tiny_corpus=arith_chain", "model.tiny.sft_steps=5"])
     assert resolve_model(chained, progress=lambda _: None).model.path == "/c/b"
-    assert built == [("arith", TinyModelConfig()), ("chain", TinyModelConfig(sft_steps=5))]
-    with pytest.raises(ConfigError, match=r"model\.tiny_corpus='chains': Input should be 'arith' or 'arith_chain'"):
+    counter = load_recipe(TINY, ["model.tiny_corpus=gym_session_counter"])
+    assert resolve_model(counter, progress=lambda _: None).model.path == "/c/c"
+    assert built == [("arith", TinyModelConfig()), ("chain", TinyModelConfig(sft_steps=5)), ("counter", TinyModelConfig())]
+    with pytest.raises(ConfigError, match=r"model\.tiny_corpus='chains': Input should be 'arith', 'arith_chain' or 'gym_session_counter'"):
         load_recipe(TINY, ["model.tiny_corpus=chains"])
     with pytest.raises(ConfigError, match=r"unknown key model\.tiny_corpus"):
         load_master_config(TINY, ["+model.tiny_corpus=arith_chain"])
