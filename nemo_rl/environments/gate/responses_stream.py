@@ -18,7 +18,7 @@ import json
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
 
-from nemo_rl.environments.gate.streaming import DONE, ChunkAssembler, SseSplitter, StreamRelayError
+from nemo_rl.environments.gate.streaming import CUT_OFF, StreamRelayError, worker_stream
 
 Skeleton = Callable[[dict], dict]  # first chunk -> the response object before any output (Gym's conversion)
 
@@ -163,24 +163,18 @@ async def relay_responses_stream(
 ) -> AsyncIterator[bytes]:
     """Responses events from the worker's chat SSE; on `[DONE]`: `to_response(completion)`, settle,
     `commit(final)`, then the closing events (module contract)."""
-    splitter, assembler = SseSplitter(), ChunkAssembler()
-    async for data in upstream:
-        for payload in splitter.feed(data):
-            if payload == DONE:
-                final = events.settle(to_response(assembler.completion()))
-                await commit(final)
-                for event in events.closing(final):
-                    yield responses_sse(event)
-                return
-            try:
-                chunk = json.loads(payload)
-            except json.JSONDecodeError as e:
-                raise StreamRelayError(f"the worker streamed an event that is not JSON: {payload[:200]!r}") from e
-            if isinstance(chunk, dict) and chunk.get("error") is not None:
-                error = chunk["error"]
-                message = error.get("message") if isinstance(error, dict) else str(error)
-                yield responses_sse(events.failed(f"the vLLM worker's stream failed: {message}; not committed"))
-                return
-            for event in events.on_chunk(assembler.add(chunk)):
+    async for kind, value in worker_stream(upstream):
+        if kind == "done":
+            final = events.settle(to_response(value))
+            await commit(final)
+            for event in events.closing(final):
                 yield responses_sse(event)
-    yield responses_sse(events.failed("the vLLM worker's stream ended before data: [DONE]; the call is not committed"))
+            return
+        if kind == "error":
+            error = value["error"]
+            message = error.get("message") if isinstance(error, dict) else str(error)
+            yield responses_sse(events.failed(f"the vLLM worker's stream failed: {message}; not committed"))
+            return
+        for event in events.on_chunk(value):
+            yield responses_sse(event)
+    yield responses_sse(events.failed(CUT_OFF))

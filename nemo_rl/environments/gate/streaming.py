@@ -119,23 +119,39 @@ class ChunkAssembler:
         return out
 
 
-async def relay_stream(
-    upstream: AsyncIterator[bytes], commit: Callable[[dict], Awaitable[None]]
-) -> AsyncIterator[bytes]:
-    """Forward the worker's SSE bytes as events (module contract); `commit(completion)` before `[DONE]`."""
+CUT_OFF = "the vLLM worker's stream ended before data: [DONE]; the call is not committed"
+
+
+async def worker_stream(upstream: AsyncIterator[bytes]) -> AsyncIterator[tuple[str, dict]]:
+    """The worker's chat SSE as `("chunk", chunk)` per chunk (its coordinates kept aside), then either
+    `("done", completion)` on `[DONE]` or `("error", chunk)` for the worker's own terminal error event;
+    it ends without either when the stream was cut. Raises `StreamRelayError` for a non-JSON event."""
     splitter, assembler = SseSplitter(), ChunkAssembler()
     async for data in upstream:
         for payload in splitter.feed(data):
             if payload == DONE:
-                await commit(assembler.completion())
-                yield SSE_DONE
+                yield "done", assembler.completion()
                 return
             try:
                 chunk = json.loads(payload)
             except json.JSONDecodeError as e:
                 raise StreamRelayError(f"the worker streamed an event that is not JSON: {payload[:200]!r}") from e
             if isinstance(chunk, dict) and chunk.get("error") is not None:
-                yield sse_event(chunk)  # the worker's own terminal error: passed on, nothing committed
+                yield "error", chunk
                 return
-            yield sse_event(assembler.add(chunk))
-    yield error_event("the vLLM worker's stream ended before data: [DONE]; the call is not committed")
+            yield "chunk", assembler.add(chunk)
+
+
+async def relay_stream(
+    upstream: AsyncIterator[bytes], commit: Callable[[dict], Awaitable[None]]
+) -> AsyncIterator[bytes]:
+    """Forward the worker's SSE bytes as events (module contract); `commit(completion)` before `[DONE]`."""
+    async for kind, value in worker_stream(upstream):
+        if kind == "done":
+            await commit(value)
+            yield SSE_DONE
+            return
+        yield sse_event(value)  # a chunk, or the worker's own terminal error: passed on, nothing committed
+        if kind == "error":
+            return
+    yield error_event(CUT_OFF)
