@@ -623,7 +623,7 @@ class _TimedSink:
     """The real sink, with each stage's time and row size kept for the call being measured."""
 
     def __init__(self, sink: Any) -> None:
-        from nemo_rl.data.staged_rows import record_to_row, row_nbytes
+        from nemo_rl.data.calls import record_to_row, row_nbytes
 
         self._sink, self._to_row, self._nbytes = sink, record_to_row, row_nbytes
         self.last_s = 0.0
@@ -646,7 +646,7 @@ async def _stage_rollout(sink: _TimedSink, ledger: Any, ledger_dir: Path, rollou
     from nemo_gym.token_id_capture.staging import CallRecord, CaptureAdmission, RolloutTokenCapture
     from nemo_gym.token_id_capture.staging.records import CaptureLedgerCommit, RolloutManifest
 
-    from nemo_rl.data.served import ServedCall
+    from nemo_rl.data.calls import ServedCall
 
     capture = RolloutTokenCapture(sink=sink, weight_version_fn=lambda: 0)
     sequence: list[int] = []
@@ -720,7 +720,7 @@ def _evidence(staged: Sequence[dict[str, Any]], rollout_ids: Sequence[str]) -> l
 
 def _judge_in_process(source: Any, items: Sequence[Any], cfg: Any) -> list[tuple[float, float]]:
     """(fetch seconds, judge seconds) per rollout, in this process: the finalizer's work without Ray."""
-    from nemo_rl.experience.finalizer import fetch_snapshots
+    from nemo_rl.experience.finalizer_pool import fetch_snapshots
     from nemo_rl.token_capture.judge import judge_rollout
     from nemo_rl.data.rows import KeptRollout
 
@@ -759,8 +759,8 @@ async def _synthetic(out: Path, turns: Sequence[int], num_finalizers: int) -> di
     from nemo_rl.environments.gate.ledger import BranchingCaptureLedger
     from nemo_rl.token_capture.config import TokenCaptureConfig
     from nemo_rl.experience.finalizer_pool import FinalizerPool, TQSourceFactory
-    from nemo_rl.data_plane.retention import TQStagingCleaner, reported_staged_keys
-    from nemo_rl.data.staged_rows import record_to_row
+    from nemo_rl.data_plane.staging import TQStagingCleaner, reported_staged_keys
+    from nemo_rl.data.calls import record_to_row
     from nemo_rl.data_plane.staging import TQTokenSink, TQTokenSource
 
     capture_cfg = TokenCaptureConfig(enabled=True, num_finalizer_workers=num_finalizers)

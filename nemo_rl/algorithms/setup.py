@@ -35,7 +35,7 @@ from nemo_rl.algorithms.grpo_config import REFIT_DIR_KNOB, MasterConfig, model_p
 from nemo_rl.algorithms.grpo_health import build_watch
 from nemo_rl.algorithms.refit import max_abs_diff, refit_to
 from nemo_rl.data_plane import DataPlane, DataPlaneClient, DataPlaneConfig, start_data_plane
-from nemo_rl.data_plane.retention import TQStagingCleaner
+from nemo_rl.data_plane.staging import TQStagingCleaner
 from nemo_rl.distributed.actor_call import ActorCallTimeoutError, ActorDiedError, call_with_deadline
 from nemo_rl.distributed.component_watch import ComponentWatch
 from nemo_rl.distributed.placement import actor_node_ids

@@ -3,8 +3,9 @@
 Modules here import no other `nemo_rl` package (only the standard library, pydantic, numpy /
 torch and Gym's record models where a codec wraps them) and do no I/O: no Ray, no
 TransferQueue, no files or sockets; the I/O lives in the process packages above. This
-`__init__` imports nothing, so a process that needs one module (the gate reads `request_rules`
-and `rollout_ids`) does not load torch through another.
-Modules: `rollout_ids`, `served`, `rows`, `train` (`TrainBatch`, `TrainPlan`, train-row codec),
-`staged_rows` (and the data-plane `Row`), `request_rules`, `errors` (with the policy errors).
+`__init__` imports nothing, so a process that needs one module (the gate reads `request_rules`)
+does not load torch through another.
+Modules: `request_rules` (chat request rules, the rollout-id rule), `calls` (the staged-row codec,
+the data-plane `Row`, `ServedCall`), `rows`, `train` (`TrainBatch`, `TrainPlan`, train-row codec),
+`errors` (with the policy errors).
 """

@@ -1,12 +1,14 @@
-"""What a chat request must look like before anything is generated, staged or ledgered (pure).
+"""What a model call's request must look like before anything is generated, staged or ledgered (pure).
 
-One set of rules for every HTTP surface that takes a chat request: the vLLM worker's endpoint
-(`serving.ChatService`) and our capture gate (`gate.ingress`), so a request the worker would refuse
-is refused at the gate before Gym's capture middleware records anything for it.
+One set of rules for every process that takes or makes a call: the vLLM worker's endpoint
+(`serving.ChatService`), our capture gate (`gate.ingress`) and the driver that mints rollout ids.
 `parse_json_body` is strict JSON; `check_chat_request` and `check_sampling_fields` raise
 `RequestFieldError` naming the first field at fault (its JSON path) and the fix;
-`bearer_status` authorizes control routes in constant time (None, 401 or 403).
-Invariants: a part or value is refused, never silently dropped; JSON booleans are never numbers.
+`bearer_status` authorizes control routes in constant time (None, 401 or 403);
+`check_rollout_id` is the one rollout-id rule and `rollout_id_for` mints
+`"<run_id>-s<step>-g<group>-i<index>-a<attempt>"` (distinct per attempt within a run).
+Invariants: a part or value is refused, never silently dropped; JSON booleans are never numbers;
+every minted id passes a gate left at its default limit.
 Every rule: docs/design-docs/token-capture-reliability.md, "The chat-request rules".
 """
 
@@ -263,3 +265,44 @@ def bearer_status(authorization: str | None, token: str) -> int | None:
         return 401
     presented = credential.strip().encode("utf-8", errors="replace")
     return None if hmac.compare_digest(presented, token.encode("utf-8")) else 403
+
+
+# The rollout-id rule (docs/design-docs/token-capture-receipts.md, "Rollout ids").
+MAX_ROLLOUT_ID_CHARS = 200
+DEFAULT_MAX_ROLLOUT_ID_CHARS = 128
+ID_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
+
+
+class RolloutIdError(RecoverableError, ValueError):
+    """A rollout id breaks the rule; `problem` says how, the message adds the rule."""
+
+    def __init__(self, problem: str, max_chars: int) -> None:
+        self.problem = problem
+        self.rule = rollout_id_rule(max_chars)
+        super().__init__(f"{problem}; {self.rule}")
+
+
+def rollout_id_rule(max_chars: int) -> str:
+    return f"a rollout id is 1..{max_chars} ASCII letters, digits, '.', '_' or '-', starting with a letter or digit"
+
+
+def check_rollout_id(rollout_id: Any, max_chars: int = DEFAULT_MAX_ROLLOUT_ID_CHARS) -> str:
+    """`rollout_id` itself when usable, else `RolloutIdError` (see the module contract)."""
+    if type(max_chars) is not int or not 1 <= max_chars <= MAX_ROLLOUT_ID_CHARS:
+        raise ValueError(f"max_chars={max_chars!r}: a rollout-id limit is an int in 1..{MAX_ROLLOUT_ID_CHARS}")
+    if not isinstance(rollout_id, str):
+        raise RolloutIdError(f"the rollout id is a {type(rollout_id).__name__}, not a str", max_chars)
+    if not rollout_id:
+        raise RolloutIdError("the rollout id is empty", max_chars)
+    if len(rollout_id) > max_chars:
+        raise RolloutIdError(f"rollout id of {len(rollout_id)} characters is too long", max_chars)
+    bad = sorted({c for c in rollout_id if c not in ID_CHARS})
+    if bad or not rollout_id[0].isalnum():
+        why = f"it contains {show(''.join(bad))}" if bad else f"it starts with {show(rollout_id[0])}"
+        raise RolloutIdError(f"rollout id {show(rollout_id)} is not usable: {why}", max_chars)
+    return rollout_id
+
+
+def rollout_id_for(run_id: str, step: int, group_index: int, sample_index: int, attempt: int) -> str:
+    """The id of one attempt of one sample (see the module contract)."""
+    return check_rollout_id(f"{run_id}-s{step}-g{group_index}-i{sample_index}-a{attempt}")

@@ -26,7 +26,7 @@ import torch
 
 from nemo_rl.data.errors import FatalError, TrainBatchError
 from nemo_rl.data.rows import RowRef, TrainRow
-from nemo_rl.data.staged_rows import Row
+from nemo_rl.data.calls import Row
 
 TOKEN_IDS = "token_ids"
 TOKEN_MASK = "token_mask"

@@ -19,7 +19,7 @@ import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
-from nemo_rl.data.staged_rows import Row
+from nemo_rl.data.calls import Row
 from nemo_rl.data_plane import tq_backend
 from nemo_rl.data_plane.config import DataPlaneConfig
 from nemo_rl.data_plane.errors import (

@@ -1,6 +1,6 @@
 """Row and field-value rules of the data plane (pure functions, no TransferQueue import).
 
-A row is a non-empty `dict[str, FieldValue]` (both types: `nemo_rl.data.staged_rows`). A field value
+A row is a non-empty `dict[str, FieldValue]` (both types: `nemo_rl.data.calls`). A field value
 is one of:
 - a 1-D CPU `torch.Tensor` of dtype int64 (token ids) or float64 (masks, logprobs: float64 holds
   every Python float exactly, so values round-trip bit for bit);

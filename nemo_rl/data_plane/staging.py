@@ -1,22 +1,24 @@
-"""Gym's `StagingSink` / `StagingSource` over the TransferQueue data plane.
+"""The staging partition over the TransferQueue data plane: Gym's sink and source, and retention.
 
-Owns `TQTokenSink` and `TQTokenSource`: one staged call is one row in `partition`, keyed by
-Gym's `staging_key(rollout_id, model_call_id)`; the row codec is `nemo_rl.data.staged_rows`.
-Promises: `stage` costs one write per new key and no read (blind write; with a `StageWriter`
-it queues and returns at once); a byte-identical re-stage of a remembered key is ok without a
-write, a different digest is refused and the stored row kept; every fetched record is validated
-by Gym's model, extras against their digests. Refuses attachments and never drops them
-silently; failures are named (`DataPlaneError`, `StagingFetchError` subclasses), never None.
+`TQTokenSink` (vLLM worker) and `TQTokenSource` (finalizer) are Gym's `StagingSink` / `StagingSource`:
+one staged call is one row in `partition`, keyed by Gym's `staging_key(rollout_id, model_call_id)`;
+the row codec is `nemo_rl.data.calls`. `stage` costs one write per new key and no read (with
+a `StageWriter` it queues and returns at once); a byte-identical re-stage is ok without a write, a
+different digest is refused and the stored row kept; every fetched record is validated by Gym's
+model, extras against their digests. `TQStagingCleaner` (driver) clears an accounted group's
+named keys and its orphans in one bounded call, and only keys of that group's rollouts.
+Failures are named (`DataPlaneError`, `StagingFetchError` subclasses), never None.
 Invariant: a key is written by one worker once; if that broke, digests make it a
 `verification_failed` placeholder, never a trained token.
-See docs/design-docs/vllm-worker-capture.md, "The TransferQueue sink and source".
+See docs/design-docs/vllm-worker-capture.md, "The TransferQueue sink and source", and
+docs/design-docs/token-capture-receipts.md, "Retention of the staging partition".
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
 from nemo_gym.token_id_capture.staging import (
@@ -28,12 +30,13 @@ from nemo_gym.token_id_capture.staging import (
     staging_key,
 )
 
-from nemo_rl.data.staged_rows import (
+from nemo_rl.data.calls import (
     ALL_FIELDS,
     BASE_FIELDS,
     EXTRAS_FIELD,
     HEADER_FIELD,
     Row,
+    ServedCall,
     StagingFetchError,
     record_to_row,
     row_nbytes,
@@ -41,7 +44,7 @@ from nemo_rl.data.staged_rows import (
     row_to_snapshot,
     verified_extras,
 )
-from nemo_rl.data_plane import DataPlaneError, MissingKeysError
+from nemo_rl.data_plane import DataPlaneClient, DataPlaneError, MissingKeysError
 from nemo_rl.data_plane.errors import format_keys
 from nemo_rl.data_plane.stage_writer import StageWriter
 from nemo_rl.utils import instrumentation
@@ -243,3 +246,56 @@ class TQTokenSource:
         keys = list(staging_keys)
         if keys:
             self._client.clear(self._partition, keys, timeout_s=self._timeout_s)
+
+
+# Retention: once a group is accounted, its staged records go. A group owns the keys its fetched
+# manifests name plus the ones the served report says were staged for its rollouts (orphans: staged,
+# but the commit never reached the ledger). Not seen either way: a call staged after its group's
+# report was taken, or a rollout the served registry evicted; it stays until the data plane is dropped.
+STAGING_KEY_SEPARATOR = "/"
+
+
+def _owner(key: str) -> str | None:
+    owner, separator, _ = key.partition(STAGING_KEY_SEPARATOR)
+    return owner if separator else None
+
+
+def orphaned_keys(present: Iterable[str], named: Iterable[str], rollout_ids: Iterable[str]) -> list[str]:
+    """Keys of `rollout_ids` in `present` that `named` lacks, in `present` order, each once."""
+    named_set = set(named)
+    owners = set(rollout_ids)
+    seen: set[str] = set()
+    orphans = []
+    for key in present:
+        if _owner(key) in owners and key not in named_set and key not in seen:
+            seen.add(key)
+            orphans.append(key)
+    return orphans
+
+
+def reported_staged_keys(served: Iterable[ServedCall]) -> list[str]:
+    """The staging keys of the served calls whose delta was staged, in report order, each once."""
+    return list(dict.fromkeys(staging_key(call.rollout_id, call.model_call_id) for call in served if call.staged))
+
+
+class TQStagingCleaner:
+    """Clears a group's staged records from the TQ staging partition (a `StagingCleaner`)."""
+
+    def __init__(self, client: DataPlaneClient, partition: str, timeout_s: float) -> None:
+        self._client, self._partition, self._timeout_s = client, partition, timeout_s
+
+    def clear(self, named_keys: Sequence[str], rollout_ids: Sequence[str], reported_keys: Sequence[str] | None) -> int:
+        """Clear the group's named keys and its orphans in one call; returns the orphan count."""
+        if reported_keys is None:
+            present = self._client.list_keys(self._partition, timeout_s=self._timeout_s)
+        else:
+            present = reported_keys
+        orphans = orphaned_keys(present, named_keys, rollout_ids)
+        keys = list(dict.fromkeys([*named_keys, *orphans]))
+        if keys:
+            self._client.clear(self._partition, keys, timeout_s=self._timeout_s)
+        return len(orphans)
+
+    def remaining(self) -> int:
+        """How many keys the staging partition still holds (one bounded list)."""
+        return len(self._client.list_keys(self._partition, timeout_s=self._timeout_s))

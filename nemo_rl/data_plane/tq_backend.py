@@ -24,7 +24,7 @@ from typing import Any
 import ray
 import torch
 
-from nemo_rl.data.staged_rows import Row
+from nemo_rl.data.calls import Row
 from nemo_rl.data_plane.bind import loopback_actor
 from nemo_rl.data_plane.config import DataPlaneConfig
 from nemo_rl.data_plane.errors import (

@@ -31,7 +31,7 @@ import aiohttp
 from pydantic import ValidationError
 
 from nemo_gym.token_id_capture.staging.records import RolloutManifest
-from nemo_rl.data import rollout_ids as rollout_id_rule
+from nemo_rl.data import request_rules
 from nemo_rl.distributed.component_watch import Probe, Role, process_probe
 from nemo_rl.environments import nemo_gym_launch as launch
 from nemo_rl.environments.gym_servers import check_agent, resolve_gym_environment
@@ -83,14 +83,14 @@ _KEEPALIVE_S = 15.0
 
 
 def check_rollout_id(rollout_id: str) -> str:
-    """The one rollout-id rule (`nemo_rl.data.rollout_ids`) at its ceiling, as a named error."""
+    """The one rollout-id rule (`nemo_rl.data.request_rules`) at its ceiling, as a named error."""
     try:
-        return rollout_id_rule.check_rollout_id(rollout_id, rollout_id_rule.MAX_ROLLOUT_ID_CHARS)
-    except rollout_id_rule.RolloutIdError as e:
+        return request_rules.check_rollout_id(rollout_id, request_rules.MAX_ROLLOUT_ID_CHARS)
+    except request_rules.RolloutIdError as e:
         raise InvalidRolloutIdError(
             f"rollout_id={rollout_id!r} is not usable by Gym's capture paths and ledger files ({e.problem}); "
             "use only ASCII letters, digits, '.', '_' and '-', starting with a letter or digit, at most "
-            f"{rollout_id_rule.MAX_ROLLOUT_ID_CHARS} characters"
+            f"{request_rules.MAX_ROLLOUT_ID_CHARS} characters"
         ) from e
 
 

@@ -8,6 +8,8 @@ healthy worker; a timeout or dead actor is `finalize_timeout` / `finalizer_unava
 items, and the actor is replaced. Data faults are verdicts, never exceptions; an exception in an
 actor is a bug (`FinalizerBugError`) and stops the run. `probes()`, `mark_dead` and
 `take_deaths()` serve the component watch; `shutdown()` kills only this pool's actors.
+`fetch_snapshots(source, keys)` never raises for a per-key fault: missing, invalid or unavailable
+keys become typed `FetchProblem`s, so the judge drops exactly the chains that need them.
 See docs/design-docs/token-capture-receipts.md, "The finalizer pool".
 """
 
@@ -19,23 +21,72 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import ray
+from nemo_gym.token_id_capture.staging import StagedCallBaseSnapshot
 
 from nemo_rl.data.errors import FatalError
 from nemo_rl.data.rows import GroupEntry, KeptRollout, Placeholder, PlaceholderReason
+from nemo_rl.data.calls import StagedRecordInvalidError, StagingFetchError
 from nemo_rl.data_plane import DataPlaneClient, DataPlaneConfig, DataPlaneError, FieldEncodingError
-from nemo_rl.data_plane.staging import TQTokenSource
+from nemo_rl.data_plane.staging import StagedKeysMissingError, TQTokenSource
 from nemo_rl.data_plane.train_rows import store_many_rows
 from nemo_rl.distributed.actor_call import ActorCallTimeoutError, ActorDiedError, ActorRaisedError, await_with_deadline
 from nemo_rl.distributed.component_watch import Probe, Role, first_line, ray_actor_probe
-from nemo_rl.experience.finalizer import SnapshotSource, fetch_snapshots
 from nemo_rl.token_capture.config import TokenCaptureConfig
-from nemo_rl.token_capture.judge import RolloutEvidence, all_served_lost, judge_rollout
+from nemo_rl.token_capture.judge import FetchProblem, RolloutEvidence, all_served_lost, judge_rollout
 from nemo_rl.token_capture.receipt import reward_of
-from nemo_rl.token_capture.router_replay import attach_router_replay
+from nemo_rl.token_capture.router_replay import attach_router_replay, fetch_error_reason
 
 LOGGER = logging.getLogger(__name__)
+
+
+class SnapshotSource(Protocol):
+    """Gym's `StagingSource` shape (`TQTokenSource` implements it): one base snapshot per key, in
+    key order, or a `StagingFetchError` subclass naming the keys (missing / invalid / unavailable).
+    """
+
+    def fetch(self, staging_keys: list[str]) -> list[StagedCallBaseSnapshot]: ...
+
+
+def fetch_snapshots(
+    source: SnapshotSource, keys: Sequence[str]
+) -> tuple[dict[str, StagedCallBaseSnapshot], dict[str, FetchProblem]]:
+    """Every readable snapshot by key, and a typed problem for every key that is not."""
+    pending = list(dict.fromkeys(keys))
+    problems: dict[str, FetchProblem] = {}
+    for _ in range(len(pending) + 1):
+        if not pending:
+            return {}, problems
+        try:
+            snapshots = source.fetch(pending)
+        except StagedKeysMissingError as error:
+            missing = [key for key in error.keys if key in pending] or list(pending)
+            for key in missing:
+                problems[key] = FetchProblem(fetch_error_reason(error), str(error))
+            pending = [key for key in pending if key not in problems]
+            continue
+        except StagedRecordInvalidError as error:
+            key = error.key if error.key in pending else pending[0]
+            problems[key] = FetchProblem(fetch_error_reason(error), f"invalid_staged_record: {error}")
+            pending = [k for k in pending if k != key]
+            continue
+        except StagingFetchError as error:
+            for key in pending:
+                problems[key] = FetchProblem(fetch_error_reason(error), f"{type(error).__name__}: {error}")
+            return {}, problems
+        by_key = {}
+        for key, snapshot in zip(pending, snapshots):
+            if isinstance(snapshot, StagedCallBaseSnapshot) and snapshot.staging_key == key:
+                by_key[key] = snapshot
+        for key in pending:
+            if key not in by_key:
+                problems[key] = FetchProblem(
+                    PlaceholderReason.STAGED_RECORD_MISSING, f"the source answered {len(snapshots)} snapshots for "
+                    f"{len(pending)} keys and none for {key}")
+        return by_key, problems
+    raise AssertionError("unreachable: every iteration removes at least one pending key")
 
 
 SourceFactory = Callable[[], SnapshotSource]

@@ -25,13 +25,13 @@ from nemo_gym.token_id_capture.staging.records import RolloutManifest
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from nemo_rl.data.errors import FatalError
-from nemo_rl.data.rollout_ids import check_rollout_id, rollout_id_for
+from nemo_rl.data.request_rules import check_rollout_id, rollout_id_for
 from nemo_rl.data.rows import GroupEntry, GroupResult, KeptRollout, Placeholder, PlaceholderReason
-from nemo_rl.data.served import ServedCall
-from nemo_rl.data_plane.retention import reported_staged_keys
+from nemo_rl.data.calls import ServedCall
+from nemo_rl.data_plane.staging import reported_staged_keys
 from nemo_rl.distributed.component_watch import ComponentKind, any_down
 from nemo_rl.environments.nemo_gym_config import GymRunError, GymRunTimeoutError, ManifestError
-from nemo_rl.experience.finalizer import legacy_row_from_result
+from nemo_rl.experience.legacy_rows import legacy_row_from_result
 from nemo_rl.experience.finalizer_pool import FinalizeOutcome
 from nemo_rl.models.generation.vllm.worker import WorkerError, WorkerFailedError
 from nemo_rl.token_capture.config import TokenCaptureConfig

@@ -36,7 +36,7 @@ from nemo_rl.data.rows import (
     RowOrigin,
     TrainRow,
 )
-from nemo_rl.data.served import ServedCall
+from nemo_rl.data.calls import ServedCall
 from nemo_rl.token_capture.config import TokenCaptureConfig
 from nemo_rl.token_capture.receipt import TerminalChoice, choose_terminal, reward_of
 

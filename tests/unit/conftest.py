@@ -193,7 +193,7 @@ class Tree:
 
     def served(self, **overrides: Any) -> list[Any]:
         """The workers' served report for every committed call (staged, generated = len(turn.generated))."""
-        from nemo_rl.data.served import ServedCall
+        from nemo_rl.data.calls import ServedCall
 
         return [
             ServedCall(self.rollout_id, call.call_id, call.parent, "text" if call.parent is None else "token_in",

@@ -33,11 +33,14 @@ from openai.types.chat.chat_completion_message_function_tool_call_param import (
 )
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from nemo_rl.data import rollout_ids as rollout_id_rule
+from nemo_rl.data import request_rules
 from nemo_rl.data.errors import ApiError
 from nemo_rl.environments.gate.required_prefix import check_required_prefix, drop_empty_required_prefix
 from nemo_rl.data.request_rules import (
+    DEFAULT_MAX_ROLLOUT_ID_CHARS,
+    MAX_ROLLOUT_ID_CHARS,
     RequestFieldError,
+    RolloutIdError,
     bearer_status,
     check_chat_request,
     check_sampling_fields,
@@ -74,9 +77,9 @@ class GateGuardConfig(BaseModel):
         description="Largest request body the gate reads on a generating route; larger is 413 before forwarding.",
     )
     max_rollout_id_chars: int = Field(
-        default=rollout_id_rule.DEFAULT_MAX_ROLLOUT_ID_CHARS,
+        default=DEFAULT_MAX_ROLLOUT_ID_CHARS,
         ge=1,
-        le=rollout_id_rule.MAX_ROLLOUT_ID_CHARS,
+        le=MAX_ROLLOUT_ID_CHARS,
         description="Longest rollout id the gate accepts (ids become ledger file names; 200 keeps them under 255 bytes).",
     )
     context_probe_timeout_s: float = Field(
@@ -94,10 +97,10 @@ class GateGuardConfig(BaseModel):
 
 
 def check_rollout_id(rollout_id: str, max_chars: int) -> None:
-    """Raise `ApiError` 400 `invalid_rollout_id` unless the id is usable (`nemo_rl.data.rollout_ids`)."""
+    """Raise `ApiError` 400 `invalid_rollout_id` unless the id is usable (`nemo_rl.data.request_rules`)."""
     try:
-        rollout_id_rule.check_rollout_id(rollout_id, max_chars)
-    except rollout_id_rule.RolloutIdError as e:
+        request_rules.check_rollout_id(rollout_id, max_chars)
+    except RolloutIdError as e:
         raise ApiError("invalid_rollout_id", str(e), "rollout_id") from e
 
 

@@ -29,9 +29,9 @@ from nemo_gym.token_id_capture.staging import (
     verify_and_linearize,
 )
 
-from nemo_rl.data.staged_rows import StagedRecordInvalidError, StagingFetchError, record_to_row
+from nemo_rl.data.calls import StagedRecordInvalidError, StagingFetchError, record_to_row
 from nemo_rl.data_plane import DataPlaneClient, DataPlaneConfig, DataPlaneTimeoutError
-from nemo_rl.data_plane.retention import TQStagingCleaner
+from nemo_rl.data_plane.staging import TQStagingCleaner
 from nemo_rl.data_plane.stage_writer import StageWriter
 from nemo_rl.data_plane.staging import StagedKeysMissingError, TQTokenSink, TQTokenSource
 
@@ -245,7 +245,7 @@ def test_gym_capture_core_stages_a_chain_that_linearizes(sink: TQTokenSink, sour
 
 def test_a_seeded_prefix_entry_equals_the_one_fetched_from_tq(sink: TQTokenSink, source: TQTokenSource) -> None:
     """The worker seeds its prefix cache with what it staged; a worker that fetches it gets the same entries."""
-    from nemo_rl.models.generation.vllm.prefix_cache import PrefixCache
+    from nemo_rl.models.generation.vllm.custody_state import PrefixCache
 
     capture = RolloutTokenCapture(sink=sink, weight_version_fn=lambda: 0)
     seeded = PrefixCache(source, max_tokens=1000)

@@ -13,7 +13,7 @@ import ray
 from nemo_gym.token_id_capture.staging import StagedCallBaseSnapshot
 
 from nemo_rl.data.rows import KeptRollout, Placeholder, PlaceholderReason
-from nemo_rl.data.staged_rows import StagedRecordInvalidError
+from nemo_rl.data.calls import StagedRecordInvalidError
 from nemo_rl.data_plane import DataPlaneClient, DataPlaneConfig, start_data_plane
 from nemo_rl.data_plane.staging import (
     StagedKeysMissingError,

@@ -34,7 +34,7 @@ from nemo_rl.data.rows import (
     RowOrigin,
     TrainRow,
 )
-from nemo_rl.data.served import ServedCall
+from nemo_rl.data.calls import ServedCall
 from nemo_rl.data_plane.staging import StagedKeysMissingError
 from nemo_rl.environments.nemo_gym_config import GymRunError, GymRunTimeoutError, ManifestServerError
 from nemo_rl.experience.finalizer_pool import FinalizeOutcome, judge_from_source

@@ -12,10 +12,12 @@ from nemo_gym.token_id_capture.fingerprint import FINGERPRINT_VERSION, assistant
 from nemo_gym.token_id_capture.staging.records import ManifestFailure, RolloutManifest
 
 from nemo_rl.data.rows import CallLineage, KeptRollout, Placeholder, PlaceholderReason, RolloutYield, RowOrigin
-from nemo_rl.data.served import ServedCall
-from nemo_rl.data.staged_rows import StagedRecordInvalidError
+from nemo_rl.data.calls import (
+    ServedCall,
+    StagedRecordInvalidError,
+)
 from nemo_rl.data_plane.staging import StagedKeysMissingError, StagingStoreUnavailableError
-from nemo_rl.experience.finalizer import fetch_snapshots
+from nemo_rl.experience.finalizer_pool import fetch_snapshots
 from nemo_rl.experience.finalizer_pool import judge_from_source
 from nemo_rl.token_capture.config import TokenCaptureConfig
 from nemo_rl.token_capture.judge import FetchProblem, RolloutEvidence, RunFailure, judge_rollout

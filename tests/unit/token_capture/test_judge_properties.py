@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 from nemo_gym.token_id_capture.staging.records import ManifestFailure
 
 from nemo_rl.data.rows import KeptRollout, Placeholder, PlaceholderReason
-from nemo_rl.data.served import ServedCall
+from nemo_rl.data.calls import ServedCall
 from nemo_rl.token_capture.config import TokenCaptureConfig
 from nemo_rl.token_capture.judge import FetchProblem, RolloutEvidence, RunFailure, judge_rollout
 

@@ -38,16 +38,26 @@ from nemo_gym.token_id_capture.staging import (
     staging_key,
 )
 from nemo_rl.data.errors import ApiError
-from nemo_rl.data.staged_rows import StagedRecordInvalidError, StagingFetchError
+from nemo_rl.data.calls import (
+    ServedCall,
+    StagedRecordInvalidError,
+    StagingFetchError,
+    has_assistant_turn,
+)
 from nemo_rl.data_plane.errors import DataPlaneError
 from nemo_rl.data_plane.stage_writer import ParentRows, StageWriter
 from nemo_rl.data_plane.staging import TQTokenSink, TQTokenSource
 from nemo_rl.models.generation.vllm.chat import SamplingRequest, TailRenderError
-from nemo_rl.models.generation.vllm.prefix_cache import PrefixCache, PrefixError, PrefixMismatchError
-from nemo_rl.models.generation.vllm.registry import AdmittedCalls, ServedRegistry, request_digest
+from nemo_rl.models.generation.vllm.custody_state import (
+    AdmittedCalls,
+    PrefixCache,
+    PrefixError,
+    PrefixMismatchError,
+    ServedRegistry,
+    request_digest,
+)
 from nemo_rl.utils import instrumentation  # opt-in per-call cost (benchmarks/capture_ab.py)
 from nemo_rl.token_capture.config import TokenCaptureConfig
-from nemo_rl.data.served import ServedCall, has_assistant_turn
 
 LOGGER = logging.getLogger(__name__)
 

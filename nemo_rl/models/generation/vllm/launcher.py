@@ -25,7 +25,7 @@ from typing import Any, NoReturn
 import ray
 
 from nemo_rl.data.errors import FatalError
-from nemo_rl.data.served import ServedCall
+from nemo_rl.data.calls import ServedCall
 from nemo_rl.distributed.actor_call import (
     ActorCallError,
     ActorCallTimeoutError,

@@ -53,7 +53,7 @@ from nemo_rl.models.generation.vllm.engine import (
     GenerationTimeoutError,
     RefitGateTimeoutError,
 )
-from nemo_rl.models.generation.vllm.prefix_cache import PrefixCache
+from nemo_rl.models.generation.vllm.custody_state import PrefixCache
 from nemo_rl.models.generation.vllm.streaming import (
     ContentStreamer,
     chunk,
@@ -64,7 +64,7 @@ from nemo_rl.models.generation.vllm.streaming import (
 )
 from nemo_rl.data.request_rules import RequestFieldError, check_chat_request
 from nemo_rl.utils import instrumentation  # opt-in per-call cost (benchmarks/capture_ab.py)
-from nemo_rl.data.served import ServedCall
+from nemo_rl.data.calls import ServedCall
 
 LOGGER = logging.getLogger(__name__)
 

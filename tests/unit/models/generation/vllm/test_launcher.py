@@ -9,7 +9,7 @@ import asyncio
 import pytest
 import ray
 
-from nemo_rl.data.served import ServedCall, ServedCallError
+from nemo_rl.data.calls import ServedCall, ServedCallError
 from nemo_rl.models.generation.vllm.launcher import WorkerGroup, merge_served
 from nemo_rl.models.generation.vllm.worker import WorkerError
 

@@ -27,15 +27,14 @@ from nemo_gym.token_id_capture.staging import (
     staging_key,
     verify_and_linearize,
 )
-from nemo_rl.data.served import ServedCall
+from nemo_rl.data.calls import ServedCall
 from nemo_rl.data_plane import MissingKeysError
 from nemo_rl.data_plane.errors import DataPlaneTimeoutError
 from nemo_rl.data_plane.staging import StagedKeysMissingError
 from nemo_rl.models.generation.vllm.chat import normalize_messages, render_root_prompt
 from nemo_rl.data.errors import ApiError
-from nemo_rl.models.generation.vllm.prefix_cache import PrefixCache
+from nemo_rl.models.generation.vllm.custody_state import PrefixCache, ServedRegistry
 from nemo_rl.models.generation.vllm.custody import build_custody, build_tq_custody
-from nemo_rl.models.generation.vllm.registry import ServedRegistry
 from nemo_rl.models.generation.vllm.serving import ChatService, context_overflow_message
 from nemo_rl.token_capture.config import TokenCaptureConfig
 

@@ -37,10 +37,10 @@ from nemo_rl.models.generation.vllm.engine import (
 from nemo_rl.models.generation.vllm.server import Endpoint, build_app
 from nemo_rl.data.errors import ApiError
 from nemo_rl.models.generation.vllm.custody import build_custody
-from nemo_rl.models.generation.vllm.registry import AdmittedCalls, request_digest
+from nemo_rl.models.generation.vllm.custody_state import AdmittedCalls, request_digest
 from nemo_rl.models.generation.vllm.serving import ChatService
 from nemo_rl.models.generation.vllm.worker import VllmGenerationWorker, WorkerError, WorkerFailedError
-from nemo_rl.data.staged_rows import StagedRecordInvalidError
+from nemo_rl.data.calls import StagedRecordInvalidError
 
 TOKEN = "per-run-control-token-0123456789"
 MAX_MODEL_LEN = 512

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from nemo_gym.token_id_capture.fingerprint import assistant_fingerprint
 
-from nemo_rl.data.served import ServedCall, ServedCallError, has_assistant_turn
+from nemo_rl.data.calls import ServedCall, ServedCallError, has_assistant_turn
 
 _TEXT = st.text(max_size=12)
 _TOOL_CALL = st.fixed_dictionaries({

@@ -1,19 +1,23 @@
-"""The staged-row codec: one staged call (Gym's `StagedCallRecord`) as one data-plane row, and back.
+"""One model call's records that cross a process boundary: its staged row and its served witness.
 
-A data-plane row (`Row`, every codec's output) is a non-empty `dict[str, FieldValue]`: 1-D CPU
-int64 / float64 tensors, `str` (JSON) or `bytes` (`nemo_rl.data_plane.fields` checks every write).
-A staged row: `token_ids_delta` int64, mask and logprobs float64 (bit-exact round trip),
-`header` (JSON of every other base field) and `extras` (JSON, never moved by a base read).
-Decoding validates a stored row with Gym's own models (which recompute the digests) and requires
-it to describe the key it was read under; extras are checked against their digests. Failures
-are `StagedRecordInvalidError` naming the key (`ExtrasDigestMismatchError` for extras), both
-`StagingFetchError`s.
-See docs/design-docs/vllm-worker-capture.md, "The staged-row codec".
+Staged row (worker -> data plane -> finalizer): one Gym `StagedCallRecord` as one data-plane `Row`
+(`dict[str, FieldValue]`): `token_ids_delta` int64, mask and logprobs float64 (bit-exact round
+trip), `header` (JSON of every other base field) and `extras` (JSON, never moved by a base read).
+Decoding validates with Gym's models (which recompute the digests) and requires the row to describe
+its key; faults are `StagedRecordInvalidError` naming the key (`ExtrasDigestMismatchError` for extras).
+Served call (worker -> driver -> finalizer): a `ServedCall` for every admitted call that produced a
+completion, staged or not; `staged` is True exactly when the delta is durable and the reply carried
+staged coordinates (else `failure` says why); `unresolved_continuation` is True exactly for a `text`
+admission whose history holds an assistant turn (Gym's `has_assistant_turn`). It crosses Ray as a dict.
+See docs/design-docs/vllm-worker-capture.md, "The staged-row codec", and
+docs/design-docs/token-capture-receipts.md, "The served witness".
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -26,9 +30,9 @@ from nemo_gym.token_id_capture.staging import (
 )
 from pydantic import ValidationError
 
-from nemo_rl.data.errors import RecoverableError
+from nemo_rl.data.errors import FatalError, RecoverableError
 
-# What one data-plane row holds; the codecs here (`staged_rows`, `train`) build rows that satisfy it.
+# What one data-plane row holds; the codecs (this module's, `train`'s) build rows that satisfy it.
 FieldValue = torch.Tensor | str | bytes
 Row = dict[str, FieldValue]
 
@@ -175,3 +179,54 @@ def row_to_record(key: str, row: Row) -> StagedCallSnapshot:
     if isinstance(stored, str) and stored != actual:
         raise ExtrasDigestMismatchError(key, stored, actual, "staged")
     return _validated(key, StagedCallSnapshot, payload)
+
+
+class ServedCallError(FatalError, ValueError):
+    """A served-call record violates its invariants (a worker bug or a version mismatch)."""
+
+
+def has_assistant_turn(messages: Sequence[Any]) -> bool:
+    """Whether a request's history holds model-authored output (Gym's rule; see the module contract)."""
+    return any(
+        isinstance(message, dict) and (message.get("role") == "assistant" or message.get("type") == "function_call")
+        for message in messages
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class ServedCall:
+    rollout_id: str
+    model_call_id: str
+    parent_call_id: str | None
+    mode: str  # "text" (a chain root) or "token_in" (a continuation)
+    generated_tokens: int
+    staged: bool
+    failure: str | None = None  # why the delta was not staged; None when staged
+    worker_index: int = 0
+    unresolved_continuation: bool = False  # text admission, history with assistant turns (see the contract)
+
+    def __post_init__(self) -> None:
+        where = f"ServedCall {self.rollout_id}/{self.model_call_id}"
+        if not self.rollout_id or not self.model_call_id:
+            raise ServedCallError(f"{where}: rollout_id and model_call_id must be non-empty")
+        if self.mode not in ("text", "token_in"):
+            raise ServedCallError(f"{where}: mode must be 'text' or 'token_in', got {self.mode!r}")
+        if (self.mode == "text") != (self.parent_call_id is None):
+            raise ServedCallError(f"{where}: a text root has no parent and a token_in call has one")
+        if type(self.generated_tokens) is not int or self.generated_tokens < 0:
+            raise ServedCallError(f"{where}: generated_tokens must be a non-negative int")
+        if self.staged != (self.failure is None):
+            raise ServedCallError(f"{where}: a staged call has no failure and an unstaged call names one")
+        if type(self.unresolved_continuation) is not bool or (self.unresolved_continuation and self.mode != "text"):
+            raise ServedCallError(f"{where}: unresolved_continuation is a bool, True only for a text admission "
+                                  f"(got {self.unresolved_continuation!r} on a {self.mode} call)")
+
+    def to_wire(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_wire(cls, data: dict[str, Any]) -> "ServedCall":
+        try:
+            return cls(**data)
+        except TypeError as e:
+            raise ServedCallError(f"served-call record has unexpected fields: {sorted(data)}") from e

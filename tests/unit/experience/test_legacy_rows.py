@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from nemo_rl.data.rows import KeptRollout, Placeholder, PlaceholderReason, RowOrigin
-from nemo_rl.experience.finalizer import legacy_row_from_result
+from nemo_rl.experience.legacy_rows import legacy_row_from_result
 
 RID = "run-s1-g2-i3-a0"
 SLOT = {"group_index": 2, "sample_index": 3}

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from nemo_gym.token_id_capture.store import validate_rollout_id
 
-from nemo_rl.data.rollout_ids import (
+from nemo_rl.data.request_rules import (
     DEFAULT_MAX_ROLLOUT_ID_CHARS,
     MAX_ROLLOUT_ID_CHARS,
     RolloutIdError,

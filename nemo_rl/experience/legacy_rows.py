@@ -1,78 +1,21 @@
-"""Fetch a rollout's staged snapshots for the judge; rebuild legacy rows from Gym's token echo.
+"""Capture off: rebuild a rollout's row from Gym's token echo (the legacy path, pure).
 
-`fetch_snapshots(source, keys)` never raises for a per-key fault: a missing key, an invalid
-stored record or an unavailable store become typed problems (`staged_record_missing`,
-`verification_failed`, `data_plane_error`), so the judge drops exactly the chains that need a
-faulty key; at most one extra fetch per faulty key. `legacy_row_from_result` (capture off)
-rebuilds a row from Gym's echo: each call's prompt must extend the sequence seen so far, new
-prompt tokens are carry (mask 0), generated tokens mask 1; a missing, malformed or
-non-extending echo is a typed placeholder.
+`legacy_row_from_result` never raises for bad data: each echoed call's prompt must extend the
+sequence seen so far; new prompt tokens are carry (mask 0), generated tokens mask 1; a missing,
+malformed or non-extending echo, an empty generation or a missing reward is a typed placeholder.
+Rows it builds are `RowOrigin.LEGACY`: no staged digests stand behind them.
 See docs/design-docs/token-capture-receipts.md, "Snapshots and legacy rows".
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from typing import Any, Protocol
-
-from nemo_gym.token_id_capture.staging import StagedCallBaseSnapshot
+from typing import Any
 
 from nemo_rl.data.rows import GroupEntry, KeptRollout, Placeholder, PlaceholderReason, RowOrigin, TrainRow
-from nemo_rl.data.staged_rows import StagedRecordInvalidError, StagingFetchError
-from nemo_rl.data_plane.staging import StagedKeysMissingError
-from nemo_rl.token_capture.judge import FetchProblem
 from nemo_rl.token_capture.receipt import reward_of
-from nemo_rl.token_capture.router_replay import fetch_error_reason
 
 _ECHO_FIELDS = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
-
-
-class SnapshotSource(Protocol):
-    """Gym's `StagingSource` shape (`TQTokenSource` implements it): one base snapshot per key, in
-    key order, or a `StagingFetchError` subclass naming the keys (missing / invalid / unavailable).
-    """
-
-    def fetch(self, staging_keys: list[str]) -> list[StagedCallBaseSnapshot]: ...
-
-
-def fetch_snapshots(
-    source: SnapshotSource, keys: Sequence[str]
-) -> tuple[dict[str, StagedCallBaseSnapshot], dict[str, FetchProblem]]:
-    """Every readable snapshot by key, and a typed problem for every key that is not."""
-    pending = list(dict.fromkeys(keys))
-    problems: dict[str, FetchProblem] = {}
-    for _ in range(len(pending) + 1):
-        if not pending:
-            return {}, problems
-        try:
-            snapshots = source.fetch(pending)
-        except StagedKeysMissingError as error:
-            missing = [key for key in error.keys if key in pending] or list(pending)
-            for key in missing:
-                problems[key] = FetchProblem(fetch_error_reason(error), str(error))
-            pending = [key for key in pending if key not in problems]
-            continue
-        except StagedRecordInvalidError as error:
-            key = error.key if error.key in pending else pending[0]
-            problems[key] = FetchProblem(fetch_error_reason(error), f"invalid_staged_record: {error}")
-            pending = [k for k in pending if k != key]
-            continue
-        except StagingFetchError as error:
-            for key in pending:
-                problems[key] = FetchProblem(fetch_error_reason(error), f"{type(error).__name__}: {error}")
-            return {}, problems
-        by_key = {}
-        for key, snapshot in zip(pending, snapshots):
-            if isinstance(snapshot, StagedCallBaseSnapshot) and snapshot.staging_key == key:
-                by_key[key] = snapshot
-        for key in pending:
-            if key not in by_key:
-                problems[key] = FetchProblem(
-                    PlaceholderReason.STAGED_RECORD_MISSING, f"the source answered {len(snapshots)} snapshots for "
-                    f"{len(pending)} keys and none for {key}")
-        return by_key, problems
-    raise AssertionError("unreachable: every iteration removes at least one pending key")
 
 
 def _echo_problem(item: dict[str, Any]) -> str | None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from nemo_gym.token_id_capture.staging import compute_chain_hash
 
-from nemo_rl.models.generation.vllm.prefix_cache import CacheEntry, PrefixCache, PrefixMismatchError
+from nemo_rl.models.generation.vllm.custody_state import CacheEntry, PrefixCache, PrefixMismatchError
 
 
 class NoStore:
