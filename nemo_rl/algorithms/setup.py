@@ -420,7 +420,7 @@ async def setup(
     pcfg = policy_config(cfg.policy, str(model_dir))
     # Before Ray or any venv: a GPU recipe on a host without enough GPUs fails here, by name.
     flavor = resolve_flavor(cfg.generation, extra_gpus=int(pcfg.device == "cuda"))
-    pcfg = policy_config({**cfg.policy, "engine_flavor": flavor}, str(model_dir))  # what the export is for
+    pcfg = pcfg.model_copy(update={"engine_flavor": flavor})  # what the export is for (resolve_flavor's "cpu" | "gpu")
     sampling = RowSampling(temperature=cfg.grpo.temperature, top_p=cfg.grpo.top_p, max_output_tokens=cfg.grpo.max_output_tokens)
     prompts = make_prompt_source(cfg.env, seed=cfg.grpo.seed, sampling=sampling, model_dir=model_dir,
                                  max_model_len=cfg.generation.vllm.max_model_len, progress=progress)
