@@ -29,6 +29,8 @@ import json
 import sys
 import time
 import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -64,38 +66,72 @@ def sse_payloads(buffer: bytearray) -> list[str]:
     return out
 
 
-async def one_call(session: aiohttp.ClientSession, url: str, body: dict, stream: bool, timeout_s: float) -> dict:
+@dataclass(frozen=True)
+class Dialect:
+    """How one API reads: generated tokens of a whole reply, and one streamed event as
+    (first content?, end of stream?, generated tokens or None); `end` names the end event."""
+
+    whole_tokens: Callable[[dict], int]
+    read_event: Callable[[str, str], tuple[bool, bool, int | None]]
+    end: str
+
+
+def _chat_event(url: str, text: str) -> tuple[bool, bool, int | None]:
+    if text == "[DONE]":
+        return False, True, None
+    chunk = json.loads(text)
+    if "error" in chunk:
+        raise RuntimeError(f"{url} streamed an error: {chunk['error']}")
+    tokens = int(chunk["usage"]["completion_tokens"]) if chunk.get("usage") else None
+    return any((c.get("delta") or {}).get("content") for c in chunk["choices"]), False, tokens
+
+
+def _responses_event(url: str, text: str) -> tuple[bool, bool, int | None]:
+    event = json.loads(text)
+    if event["type"] == "response.failed":
+        raise RuntimeError(f"{url} streamed a failure: {event['response'].get('error')}")
+    if event["type"] in ("response.completed", "response.incomplete"):
+        return False, True, int(event["response"]["usage"]["output_tokens"])
+    return event["type"] == "response.output_text.delta", False, None
+
+
+CHAT = Dialect(lambda payload: int(payload["usage"]["completion_tokens"]), _chat_event, "[DONE]")
+RESPONSES = Dialect(lambda payload: int(payload["usage"]["output_tokens"]), _responses_event, "response.completed")
+
+
+async def timed_call(session: aiohttp.ClientSession, url: str, request: dict, stream: bool, dialect: Dialect,
+                     timeout_s: float) -> dict:
     """Seconds to the first content and to the whole reply, and the generated tokens, of one call."""
     started = time.perf_counter()
     first: float | None = None
     tokens = 0
-    request = {**body, "stream": True, "stream_options": {"include_usage": True}} if stream else body
     async with session.post(url, json=request, timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
         if resp.status != 200:
             raise RuntimeError(f"{url} answered {resp.status}: {(await resp.text())[:300]}")
         if not stream:
             payload = await resp.json()
             first = time.perf_counter() - started
-            tokens = int(payload["usage"]["completion_tokens"])
+            tokens = dialect.whole_tokens(payload)
         else:
             buffer = bytearray()
             done = False
             async for data in resp.content.iter_any():
                 buffer.extend(data)
                 for text in sse_payloads(buffer):
-                    if text == "[DONE]":
-                        done = True
-                        continue
-                    chunk = json.loads(text)
-                    if "error" in chunk:
-                        raise RuntimeError(f"{url} streamed an error: {chunk['error']}")
-                    if chunk.get("usage"):
-                        tokens = int(chunk["usage"]["completion_tokens"])
-                    if first is None and any((c.get("delta") or {}).get("content") for c in chunk["choices"]):
+                    content, end, count = dialect.read_event(url, text)
+                    if content and first is None:
                         first = time.perf_counter() - started
+                    tokens = tokens if count is None else count
+                    done = done or end
             if not done:
-                raise RuntimeError(f"{url}: the stream ended without [DONE]")
+                raise RuntimeError(f"{url}: the stream ended without {dialect.end}")
     return {"ttfc_s": first, "total_s": time.perf_counter() - started, "tokens": tokens}
+
+
+async def one_call(session: aiohttp.ClientSession, url: str, body: dict, stream: bool, timeout_s: float) -> dict:
+    """`timed_call` for `/v1/chat/completions` (usage in the last chunk when streamed)."""
+    request = {**body, "stream": True, "stream_options": {"include_usage": True}} if stream else body
+    return await timed_call(session, url, request, stream, CHAT, timeout_s)
 
 
 def responses_body(chat: dict) -> dict:
@@ -107,33 +143,8 @@ def responses_body(chat: dict) -> dict:
 
 async def one_responses_call(session: aiohttp.ClientSession, url: str, body: dict, stream: bool,
                              timeout_s: float) -> dict:
-    """`one_call` for `/v1/responses`: first content is the first `response.output_text.delta`."""
-    started = time.perf_counter()
-    first: float | None = None
-    tokens = 0
-    async with session.post(url, json={**body, "stream": stream}, timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
-        if resp.status != 200:
-            raise RuntimeError(f"{url} answered {resp.status}: {(await resp.text())[:300]}")
-        if not stream:
-            payload = await resp.json()
-            first = time.perf_counter() - started
-            tokens = int(payload["usage"]["output_tokens"])
-        else:
-            buffer = bytearray()
-            done = False
-            async for data in resp.content.iter_any():
-                buffer.extend(data)
-                for text in sse_payloads(buffer):
-                    event = json.loads(text)
-                    if event["type"] == "response.failed":
-                        raise RuntimeError(f"{url} streamed a failure: {event['response'].get('error')}")
-                    if event["type"] == "response.output_text.delta" and first is None:
-                        first = time.perf_counter() - started
-                    if event["type"] in ("response.completed", "response.incomplete"):
-                        done, tokens = True, int(event["response"]["usage"]["output_tokens"])
-            if not done:
-                raise RuntimeError(f"{url}: the stream ended without response.completed")
-    return {"ttfc_s": first, "total_s": time.perf_counter() - started, "tokens": tokens}
+    """`timed_call` for `/v1/responses`: first content is the first `response.output_text.delta`."""
+    return await timed_call(session, url, {**body, "stream": stream}, stream, RESPONSES, timeout_s)
 
 
 def arm_figures(calls: list[dict]) -> dict[str, Any]:
