@@ -12,6 +12,9 @@ groups were dispatched), as a pre-emption would. Every process the killed driver
 (its Ray cluster, the Gym servers in their own sessions, the vLLM worker) is found by an
 environment tag that all of them inherit and by the driver's process tree, killed by PID, and
 checked gone; never by name (`process_family.run_then_sigkill`).
+
+The run uses our compacting agent (`env.agent=compacting_agent`; the resume does not depend on the
+agent), so the same two starts also prove the agent keeps every rollout (`metrics_contract.py`).
 """
 
 from __future__ import annotations
@@ -22,10 +25,12 @@ import subprocess
 import sys
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
+from tests.integration.metrics_contract import check_compacting_lines, check_step_lines
 from tests.integration.process_family import TAG_VAR, left_after_exit, run_then_sigkill
 from tests.integration.resume_support import read_jsonl, uninterrupted_prompts
 
@@ -42,7 +47,7 @@ def _overrides(log_dir: Path, ckpt: Path) -> list[str]:
     return [
         f"grpo.max_num_steps={STEPS}", f"grpo.num_prompts_per_step={PROMPTS_PER_STEP}", f"logger.log_dir={log_dir}",
         "checkpointing.enabled=true", "checkpointing.save_period=1", f"checkpointing.checkpoint_dir={ckpt}",
-        "checkpointing.keep_last=2",
+        "checkpointing.keep_last=2", "env.agent=compacting_agent",
     ]
 
 
@@ -53,8 +58,21 @@ def _kill_point(ckpt: Path, log_dir: Path):
         r["step"] == KILL_AFTER + 1 for r in read_jsonl(log_dir / "dispatched_prompts.jsonl"))
 
 
-@pytest.mark.integration
-def test_sigkill_after_a_checkpoint_then_resume_continues_exactly(tmp_path: Path) -> None:
+@dataclass(frozen=True)
+class ResumeRun:
+    log_dir: Path
+    ckpt: Path
+    overrides: list[str]
+    saved: dict  # step KILL_AFTER's trainer_state.json, read right after the kill
+    ckpt_after_kill: list[str]  # the checkpoint folder's entries right after the kill
+    resumed: subprocess.CompletedProcess
+    left: dict  # processes of the resumed run still there LINGER_S after it exited
+
+
+@pytest.fixture(scope="module")
+def resume_run(tmp_path_factory) -> ResumeRun:
+    """The killed run and the resumed run, once for the module's tests (two stack starts)."""
+    tmp_path = tmp_path_factory.mktemp("resume")
     log_dir, ckpt = tmp_path / "logs", tmp_path / "ckpt"
     overrides = _overrides(log_dir, ckpt)
     tag = uuid.uuid4().hex
@@ -66,21 +84,27 @@ def test_sigkill_after_a_checkpoint_then_resume_continues_exactly(tmp_path: Path
                               ready=_kill_point(ckpt, log_dir), deadline_s=RUN_DEADLINE_S)
     print(f"[test] part 1 killed after {killed.seconds:.0f}s; {len(killed.survivors)} of its {killed.family_size} "
           f"processes outlived the driver and were killed: {killed.survivors}")
-
     saved = json.loads((ckpt / f"step_{KILL_AFTER}" / "trainer_state.json").read_text())
-    assert saved["step"] == KILL_AFTER
-    assert saved["format"] == 1 and "prompt_ledger" not in saved  # the synchronous loop's, as before
-    assert sorted(p.name for p in ckpt.iterdir()) == [f"step_{KILL_AFTER}"]  # step 2's was never started
+    ckpt_after_kill = sorted(p.name for p in ckpt.iterdir())
 
     # Part 2: resume with the same recipe and checkpointing.resume=latest, to the end.
     t1 = time.monotonic()
     resumed = subprocess.run([*command, *overrides, "checkpointing.resume=latest"], cwd=REPO, env=env,
                              capture_output=True, text=True, timeout=RUN_DEADLINE_S)
-    part2_s = time.monotonic() - t1
+    print(f"[test] part 2 (resume + {STEPS - KILL_AFTER} steps) took {time.monotonic() - t1:.0f}s")
+    return ResumeRun(log_dir, ckpt, overrides, saved, ckpt_after_kill, resumed, left_after_exit(tag, LINGER_S))
+
+
+@pytest.mark.integration
+def test_sigkill_after_a_checkpoint_then_resume_continues_exactly(resume_run: ResumeRun, tmp_path: Path) -> None:
+    log_dir, ckpt, overrides, saved, resumed = (resume_run.log_dir, resume_run.ckpt, resume_run.overrides,
+                                                resume_run.saved, resume_run.resumed)
+    assert saved["step"] == KILL_AFTER
+    assert saved["format"] == 1 and "prompt_ledger" not in saved  # the synchronous loop's, as before
+    assert resume_run.ckpt_after_kill == [f"step_{KILL_AFTER}"]  # step 2's was never started
+
     assert resumed.returncode == 0, f"exit {resumed.returncode}\n{resumed.stdout[-4000:]}\n{resumed.stderr[-6000:]}"
-    left = left_after_exit(tag, LINGER_S)
-    assert left == {}, f"the resumed run left processes behind {LINGER_S:g}s after it exited: {left}"
-    print(f"[test] part 2 (resume + {STEPS - KILL_AFTER} steps) took {part2_s:.0f}s")
+    assert resume_run.left == {}, f"the resumed run left processes behind {LINGER_S:g}s after it exited: {resume_run.left}"
     said = resumed.stdout
     assert f"dispatched_prompts.jsonl: dropped {PROMPTS_PER_STEP} record(s) after step {KILL_AFTER}" in said
     assert f"continuing at step {KILL_AFTER + 1}" in said
@@ -120,3 +144,13 @@ def test_sigkill_after_a_checkpoint_then_resume_continues_exactly(tmp_path: Path
     assert sorted(p.name for p in ckpt.iterdir()) == ["step_2", "step_3"]
     final = json.loads((ckpt / f"step_{STEPS}" / "trainer_state.json").read_text())
     assert (final["step"], final["weight_version"], final["policy_steps_taken"]) == (STEPS, STEPS, STEPS)
+
+
+@pytest.mark.integration
+def test_a_compacting_agent_keeps_every_rollout_on_both_sides_of_the_resume(resume_run: ResumeRun) -> None:
+    """The compacting agent's proof (`metrics_contract.check_compacting_lines`), on this run's 3 steps."""
+    resumed = resume_run.resumed
+    assert resumed.returncode == 0, f"exit {resumed.returncode}\n{resumed.stdout[-4000:]}\n{resumed.stderr[-6000:]}"
+    lines = read_jsonl(resume_run.log_dir / "metrics.jsonl")
+    check_step_lines(lines, steps=STEPS, rollouts_per_step=PROMPTS_PER_STEP * 4)
+    check_compacting_lines(lines)

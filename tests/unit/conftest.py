@@ -9,6 +9,9 @@ tests/unit so the judge's (token_capture), the staging (data_plane) and the fina
 children whose prefix is the parent's full sequence) into an in-memory sink, and turns each
 commit into the manifest `CallRecord` the gate would write. The snapshots therefore carry real
 digests, chain hashes and cumulative hashes that `verify_and_linearize` accepts.
+
+Real Ray and TransferQueue start once per session (`shared_ray`, `shared_plane`; `clients` attaches
+to them per module), and the modules that use them run last, together (`pytest_collection_modifyitems`).
 """
 
 from __future__ import annotations
@@ -29,10 +32,11 @@ from nemo_gym.token_id_capture.staging import (
 )
 from nemo_gym.token_id_capture.staging.records import ManifestFailure, RolloutManifest
 
-from nemo_rl.data_plane import DataPlaneClient, DataPlaneConfig, start_data_plane
-from nemo_rl.distributed.ray_cluster import init_local_ray
+from nemo_rl.data_plane import DataPlane, DataPlaneClient, DataPlaneConfig, start_data_plane
+from nemo_rl.distributed.ray_cluster import RayClusterHandle, init_local_ray
 
 TQ_TEST_CONFIG = DataPlaneConfig(call_timeout_s=10.0)
+SHARED_RAY = "shared_ray"  # the session fixture whose modules run last (pytest_collection_modifyitems)
 
 
 class MemorySink:
@@ -253,17 +257,40 @@ def trees() -> SimpleNamespace:
     return SimpleNamespace(build=build_tree, Call=Call, Turn=Turn, run_result=run_result)
 
 
-@pytest.fixture(scope="module")
-def clients() -> Iterator[tuple[DataPlaneClient, DataPlaneClient]]:
-    """A private Ray + data plane per test module: the worker's writer client and the finalizer's
-    reader client (two attachments, as in a run)."""
+@pytest.fixture(scope="session")
+def shared_ray() -> Iterator[RayClusterHandle]:
+    """One private Ray cluster (2 CPUs) for every unit module that needs Ray; see `SHARED_RAY`."""
     cluster = init_local_ray(num_cpus=2)
     try:
-        plane = start_data_plane(TQ_TEST_CONFIG)
-        try:
-            with DataPlaneClient.attach(TQ_TEST_CONFIG) as writer, DataPlaneClient.attach(TQ_TEST_CONFIG) as reader:
-                yield writer, reader
-        finally:
-            plane.shutdown()
+        yield cluster
     finally:
         cluster.shutdown()
+
+
+@pytest.fixture(scope="session")
+def shared_plane(shared_ray: RayClusterHandle) -> Iterator[DataPlane]:
+    """One real TransferQueue (`TQ_TEST_CONFIG`) on `shared_ray`, started once (~11-14 s) for every
+    module that stages rows; each module keeps to partitions of its own name, so tests stay independent."""
+    plane = start_data_plane(TQ_TEST_CONFIG)
+    try:
+        yield plane
+    finally:
+        plane.shutdown()
+
+
+@pytest.fixture(scope="module")
+def clients(shared_plane: DataPlane) -> Iterator[tuple[DataPlaneClient, DataPlaneClient]]:
+    """The worker's writer client and the finalizer's reader client on the shared data plane (two
+    attachments, as in a run)."""
+    with DataPlaneClient.attach(TQ_TEST_CONFIG) as writer, DataPlaneClient.attach(TQ_TEST_CONFIG) as reader:
+        yield writer, reader
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Move the modules that use `shared_ray` to the end of the session, together, in their order.
+
+    Ray runs once per process: a module that starts its own cluster (`test_ray_cluster.py`) must
+    not run while the shared one is up, and the shared one stops only at the session's end.
+    """
+    shared = {item.path for item in items if SHARED_RAY in item.fixturenames}
+    items.sort(key=lambda item: item.path in shared)  # stable: every other order is kept

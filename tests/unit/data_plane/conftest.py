@@ -1,4 +1,4 @@
-"""Module-scoped private Ray cluster + data plane: each test module gets its own, torn down after it."""
+"""The session's shared Ray cluster and data plane (tests/unit/conftest.py), as `plane` and `client`."""
 
 from __future__ import annotations
 
@@ -6,10 +6,10 @@ from collections.abc import Iterator
 
 import pytest
 
-from nemo_rl.data_plane import DataPlane, DataPlaneClient, DataPlaneConfig, start_data_plane
-from nemo_rl.distributed.ray_cluster import RayClusterHandle, init_local_ray
+from nemo_rl.data_plane import DataPlane, DataPlaneClient, DataPlaneConfig
 
-# Short client deadline so a broken test fails in seconds, not the production 30 s.
+# Short client deadline so a broken test fails in seconds, not the production 30 s: the shared
+# plane's own (`TQ_TEST_CONFIG`, call_timeout_s=10.0).
 TEST_CFG = DataPlaneConfig(call_timeout_s=10.0)
 
 
@@ -19,21 +19,8 @@ def cfg() -> DataPlaneConfig:
 
 
 @pytest.fixture(scope="module")
-def ray_cluster() -> Iterator[RayClusterHandle]:
-    handle = init_local_ray(num_cpus=2)
-    try:
-        yield handle
-    finally:
-        handle.shutdown()
-
-
-@pytest.fixture(scope="module")
-def plane(ray_cluster: RayClusterHandle) -> Iterator[DataPlane]:
-    started = start_data_plane(TEST_CFG)
-    try:
-        yield started
-    finally:
-        started.shutdown()
+def plane(shared_plane: DataPlane) -> DataPlane:
+    return shared_plane
 
 
 @pytest.fixture(scope="module")

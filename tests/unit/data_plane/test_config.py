@@ -6,7 +6,7 @@ import pytest
 from pydantic import ValidationError
 
 from nemo_rl.data_plane import DataPlaneConfig, DataPlaneTimeoutError, MissingKeysError
-from nemo_rl.data_plane.tq_backend import tq_env
+from nemo_rl.data_plane.tq_backend import prepare_process, tq_env
 
 
 def test_defaults() -> None:
@@ -53,7 +53,10 @@ def test_the_loopback_hook_changes_only_the_node_ip_lookup_of_its_process(monkey
     monkeypatch.setattr(ray.util, "get_node_ip_address", lambda address=None: "192.0.2.7")
     bind_tq_to_loopback()
     assert ray.util.get_node_ip_address() == "127.0.0.1"
-    # TQ's own wrapper reads it at call time, which is what its constructors call.
+    # TQ's own wrapper reads it at call time, which is what its constructors call. TQ is imported
+    # the way the data plane imports it (its knobs fixed first), so the process's later real plane
+    # (the session's `shared_plane`) finds the knobs it asks for.
+    prepare_process(DataPlaneConfig())
     from transfer_queue.utils.zmq_utils import get_node_ip_address
 
     assert get_node_ip_address() == "127.0.0.1"

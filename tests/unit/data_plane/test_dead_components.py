@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -16,12 +17,29 @@ from nemo_rl.data_plane import (
     DataPlaneConfig,
     DataPlaneError,
     DataPlaneTimeoutError,
+    start_data_plane,
 )
+from nemo_rl.distributed.ray_cluster import init_local_ray
 
 DEADLINE_S = 2.0
 # Scheduling noise on a loaded, shared 2-core host; a hang would overshoot by TQ's 30 s socket
 # timeout, so a few seconds of slack still tells the two apart.
 SLACK_S = 5.0
+
+
+@pytest.fixture(scope="module")
+def plane(cfg: DataPlaneConfig) -> Iterator[DataPlane]:
+    """This module's own Ray cluster and data plane (the session's shared ones must survive): not
+    `shared_ray`, so the module runs before the shared block (tests/unit/conftest.py)."""
+    cluster = init_local_ray(num_cpus=2)
+    try:
+        started = start_data_plane(cfg)
+        try:
+            yield started
+        finally:
+            started.shutdown()
+    finally:
+        cluster.shutdown()
 
 
 def _own_pid(actor: Any) -> int:

@@ -1,13 +1,10 @@
-"""The Ray-call helper on a real local Ray: a timeout, a dead actor and an error raised inside the
-actor each fail as a named `ActorCallError` that says whether it is recoverable."""
+"""The Ray-call helper on a real local Ray (the session's `shared_ray`): a timeout, a dead actor and
+an error raised inside the actor each fail as a named `ActorCallError` that says whether it is recoverable."""
 
 from __future__ import annotations
 
 import asyncio
-import shutil
-import tempfile
 import time
-from collections.abc import Iterator
 
 import pytest
 import ray
@@ -21,6 +18,7 @@ from nemo_rl.distributed.actor_call import (
     call_with_deadline,
     deadline_left,
 )
+from nemo_rl.distributed.ray_cluster import RayClusterHandle
 
 
 @ray.remote(num_cpus=0, max_concurrency=4)
@@ -36,21 +34,7 @@ class Napper:
         raise TimeoutError("the actor's own deadline")
 
 
-@pytest.fixture(scope="module")
-def private_ray() -> Iterator[None]:
-    # A short private dir: Ray's unix socket paths must stay under the OS length limit.
-    tmp = tempfile.mkdtemp(prefix="nrlcall_")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("RAY_TMPDIR", tmp)
-        try:
-            ray.init(address="local", num_cpus=1, _temp_dir=tmp, include_dashboard=False)
-            yield
-        finally:
-            ray.shutdown()
-            shutil.rmtree(tmp, ignore_errors=True)
-
-
-def test_answers_come_back_in_order_for_one_ref_and_for_a_list(private_ray: None) -> None:
+def test_answers_come_back_in_order_for_one_ref_and_for_a_list(shared_ray: RayClusterHandle) -> None:
     actor = Napper.remote()
     assert call_with_deadline(actor.nap.remote(0.0), actor="napper", op="nap", timeout_s=60) == 0.0
     refs = [actor.nap.remote(s) for s in (0.2, 0.0)]
@@ -61,7 +45,7 @@ def test_answers_come_back_in_order_for_one_ref_and_for_a_list(private_ray: None
     ray.kill(actor)
 
 
-def test_a_timeout_is_named_and_recoverable_sync_and_async(private_ray: None) -> None:
+def test_a_timeout_is_named_and_recoverable_sync_and_async(shared_ray: RayClusterHandle) -> None:
     actor = Napper.remote()
     call_with_deadline(actor.nap.remote(0.0), actor="napper", op="nap", timeout_s=60)  # started
     with pytest.raises(ActorCallTimeoutError) as sync:
@@ -75,7 +59,7 @@ def test_a_timeout_is_named_and_recoverable_sync_and_async(private_ray: None) ->
     ray.kill(actor)
 
 
-def test_an_error_raised_inside_the_actor_is_fatal_and_keeps_its_class(private_ray: None) -> None:
+def test_an_error_raised_inside_the_actor_is_fatal_and_keeps_its_class(shared_ray: RayClusterHandle) -> None:
     actor = Napper.remote()
     with pytest.raises(ActorRaisedError) as raised:
         call_with_deadline(actor.refuse.remote(), actor="napper_1", op="refuse", timeout_s=60)
@@ -91,7 +75,7 @@ def test_an_error_raised_inside_the_actor_is_fatal_and_keeps_its_class(private_r
     ray.kill(actor)
 
 
-def test_a_dead_actor_is_named_and_recoverable(private_ray: None) -> None:
+def test_a_dead_actor_is_named_and_recoverable(shared_ray: RayClusterHandle) -> None:
     actor = Napper.remote()
     call_with_deadline(actor.nap.remote(0.0), actor="napper", op="nap", timeout_s=60)
     ray.kill(actor, no_restart=True)

@@ -1,4 +1,4 @@
-"""FinalizerWorker logic (no Ray) and FinalizerPool on a private local Ray cluster (num_cpus=2)."""
+"""FinalizerWorker logic (no Ray) and FinalizerPool on the session's shared private Ray cluster (num_cpus=2)."""
 
 from __future__ import annotations
 
@@ -14,14 +14,13 @@ from nemo_gym.token_id_capture.staging import StagedCallBaseSnapshot
 
 from nemo_rl.data.rows import KeptRollout, Placeholder, PlaceholderReason
 from nemo_rl.data.calls import StagedRecordInvalidError
-from nemo_rl.data_plane import DataPlaneClient, DataPlaneConfig, start_data_plane
+from nemo_rl.data_plane import DataPlaneClient, DataPlaneConfig
 from nemo_rl.data_plane.staging import (
     StagedKeysMissingError,
     StagingStoreUnavailableError,
     TQTokenSink,
     TQTokenSource,
 )
-from nemo_rl.distributed.ray_cluster import init_local_ray
 from nemo_rl.experience.finalizer_pool import (
     FinalizerBugError,
     FinalizerPool,
@@ -208,14 +207,7 @@ def test_evidence_placeholder_keeps_the_runs_reward(chains):
 # --- the pool on real Ray -------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def ray_cluster():
-    handle = init_local_ray(num_cpus=2)
-    yield handle
-    handle.shutdown()
-
-
-async def test_pool_finalizes_a_group_in_item_order(ray_cluster, chains):
+async def test_pool_finalizes_a_group_in_item_order(shared_ray, chains):
     built = [_item(chains, f"r-{k}", k) for k in range(4)]
     snapshots = _by_key(*(chain for chain, _ in built))
     tampered_key = built[2][0].snapshots[1].staging_key
@@ -236,7 +228,7 @@ async def test_pool_finalizes_a_group_in_item_order(ray_cluster, chains):
     assert all(outcome.queue_wait_ms is not None and outcome.queue_wait_ms >= 0.0 for outcome in outcomes)
 
 
-async def test_pool_deadline_yields_finalize_timeout_and_replaces_the_stuck_worker(ray_cluster, chains):
+async def test_pool_deadline_yields_finalize_timeout_and_replaces_the_stuck_worker(shared_ray, chains):
     slow_chain, slow_item = _item(chains, "r-slow", 0)
     fast_chain, fast_item = _item(chains, "r-fast", 1)
     factory = functools.partial(FakeSource, _by_key(slow_chain, fast_chain), {"r-slow/call0": 600.0})
@@ -273,7 +265,7 @@ async def _until_dead(handle, timeout_s: float) -> None:
         await asyncio.sleep(0.2)
 
 
-async def test_dead_worker_is_finalizer_unavailable_then_replaced(ray_cluster, chains):
+async def test_dead_worker_is_finalizer_unavailable_then_replaced(shared_ray, chains):
     chain, item = _item(chains, "r-a", 0)
     pool = FinalizerPool(1, functools.partial(FakeSource, _by_key(chain)), call_timeout_s=60.0, cfg=CFG)
     try:
@@ -302,7 +294,7 @@ async def test_dead_worker_is_finalizer_unavailable_then_replaced(ray_cluster, c
     assert replaced_probes == [("finalizer_0_r1", None)]  # the replacement is watched afresh
 
 
-async def test_mark_dead_replaces_an_idle_actor_at_once(ray_cluster, chains):
+async def test_mark_dead_replaces_an_idle_actor_at_once(shared_ray, chains):
     chain, item = _item(chains, "r-a", 0)
     pool = FinalizerPool(2, functools.partial(FakeSource, _by_key(chain)), call_timeout_s=60.0, cfg=CFG)
     try:
@@ -322,7 +314,7 @@ async def test_mark_dead_replaces_an_idle_actor_at_once(ray_cluster, chains):
     assert pool.take_deaths() == {}  # taken out of rotation by the watch, not found dead by a call
 
 
-async def test_a_judge_exception_is_a_finalizer_bug_not_a_placeholder(ray_cluster, chains):
+async def test_a_judge_exception_is_a_finalizer_bug_not_a_placeholder(shared_ray, chains):
     # Data faults are verdicts; an exception raised inside the actor is a defect and must stop the run,
     # whatever its type. A TimeoutError raised by the task is not the pool's call deadline expiring.
     runtime_chain, runtime_item = _item(chains, "r-r", 0)
@@ -342,7 +334,7 @@ async def test_a_judge_exception_is_a_finalizer_bug_not_a_placeholder(ray_cluste
         pool.shutdown()
 
 
-async def test_a_worker_that_cannot_build_its_source_fails_loudly_by_index(ray_cluster):
+async def test_a_worker_that_cannot_build_its_source_fails_loudly_by_index(shared_ray):
     pool = FinalizerPool(1, failing_factory, call_timeout_s=60.0, cfg=CFG)
     try:
         with pytest.raises(FinalizerPoolError, match="finalizer workers died while starting \\(0: "):
@@ -351,7 +343,7 @@ async def test_a_worker_that_cannot_build_its_source_fails_loudly_by_index(ray_c
         pool.shutdown()
 
 
-async def test_shutdown_kills_only_this_pools_actors(ray_cluster, chains):
+async def test_shutdown_kills_only_this_pools_actors(shared_ray, chains):
     chain, item = _item(chains, "r-a", 0)
     factory = functools.partial(FakeSource, _by_key(chain))
     keep = FinalizerPool.from_config(TokenCaptureConfig(num_finalizer_workers=1, finalize_timeout_s=60.0), factory)
@@ -370,26 +362,22 @@ async def test_shutdown_kills_only_this_pools_actors(ray_cluster, chains):
 
 
 @pytest.mark.integration
-async def test_pool_reads_records_staged_in_the_real_data_plane(ray_cluster, chains):
-    data_plane = DataPlaneConfig(call_timeout_s=30.0)
+async def test_pool_reads_records_staged_in_the_real_data_plane(shared_plane, chains):
+    data_plane = DataPlaneConfig(call_timeout_s=30.0)  # the session's plane, attached with a 30 s deadline
     partition = "finalizer_pool_test"
     chain, item = _item(chains, "r-tq", 0)
     keys = [record.staging_key for record in chain.records]
-    plane = start_data_plane(data_plane)
-    try:
-        with DataPlaneClient.attach(data_plane) as client:
-            assert all(TQTokenSink(client, partition).stage(record).ok for record in chain.staged)
-            pool = FinalizerPool(1, TQSourceFactory(data_plane, partition, timeout_s=30.0), call_timeout_s=60.0,
-                                 cfg=CFG)
-            try:
-                await pool.wait_ready(READY_TIMEOUT_S)
-                (staged,) = await pool.finalize_group([item])
-                TQTokenSource(client, partition).clear(keys)  # retention, as the RolloutManager does
-                (cleared,) = await pool.finalize_group([item])
-            finally:
-                pool.shutdown()
-    finally:
-        plane.shutdown()
+    with DataPlaneClient.attach(data_plane) as client:
+        assert all(TQTokenSink(client, partition).stage(record).ok for record in chain.staged)
+        pool = FinalizerPool(1, TQSourceFactory(data_plane, partition, timeout_s=30.0), call_timeout_s=60.0,
+                             cfg=CFG)
+        try:
+            await pool.wait_ready(READY_TIMEOUT_S)
+            (staged,) = await pool.finalize_group([item])
+            TQTokenSource(client, partition).clear(keys)  # retention, as the RolloutManager does
+            (cleared,) = await pool.finalize_group([item])
+        finally:
+            pool.shutdown()
 
     assert isinstance(staged.result, KeptRollout)
     (row,) = staged.result.rows

@@ -5,7 +5,6 @@ from __future__ import annotations
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -14,6 +13,8 @@ import ray
 from nemo_rl.algorithms.grpo import ClippedPGLossFn
 from nemo_rl.data.errors import PolicyWorkerError
 from nemo_rl.data.train import TrainBatch
+from nemo_rl.data_plane import DataPlane
+from nemo_rl.distributed.ray_cluster import RayClusterHandle
 from nemo_rl.models.policy import LossConfig, PolicyConfig, PolicyWorkerHandle
 from nemo_rl.models.policy.core import PolicyCore, PolicyStateInfo
 from nemo_rl.models.policy.errors import (
@@ -24,20 +25,7 @@ from nemo_rl.models.policy.errors import (
 from nemo_rl.models.policy.worker import PolicyWorker, RayPolicyClient
 
 
-@pytest.fixture
-def private_ray(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    # A short private dir: Ray's unix socket paths must stay under the OS length limit.
-    tmp = tempfile.mkdtemp(prefix="nrlpol_")
-    monkeypatch.setenv("RAY_TMPDIR", tmp)
-    try:
-        ray.init(address="local", num_cpus=1, _temp_dir=tmp, include_dashboard=False)
-        yield
-    finally:
-        ray.shutdown()
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-def test_policy_worker_actor_shell(private_ray: None, tiny_model_dir: Path) -> None:
+def test_policy_worker_actor_shell(shared_ray: RayClusterHandle, tiny_model_dir: Path) -> None:
     cfg = PolicyConfig(model_path=str(tiny_model_dir))
     actor = PolicyWorker.remote(cfg)
     impatient = RayPolicyClient(actor, call_timeout_s=1e-3, name="policy")
@@ -88,16 +76,15 @@ def test_policy_worker_actor_shell(private_ray: None, tiny_model_dir: Path) -> N
         time.sleep(0.2)
 
 
-def test_policy_worker_trains_on_the_rows_it_reads_from_the_train_partition(tiny_model_dir: Path) -> None:
+def test_policy_worker_trains_on_the_rows_it_reads_from_the_train_partition(shared_plane: DataPlane, tiny_model_dir: Path) -> None:
     """Rows written by `store_rows` (as a finalizer actor does) train in the actor exactly as the same
     TrainBatch passed by value; a plan whose digest does not match is refused and trains nothing."""
     import dataclasses
 
     from nemo_rl.data.rows import KeptRollout, RowOrigin, TrainRow
     from nemo_rl.data.train import TrainPlan
-    from nemo_rl.data_plane import DataPlaneClient, DataPlaneConfig, start_data_plane
+    from nemo_rl.data_plane import DataPlaneClient, DataPlaneConfig
     from nemo_rl.data_plane.train_rows import TrainRowDigestError, store_rows
-    from nemo_rl.distributed.ray_cluster import init_local_ray
 
     row = TrainRow(
         rollout_id="r-0", group_index=0, sample_index=0, token_ids=(1, 2, 3, 4), token_mask=(0.0, 1.0, 1.0, 1.0),
@@ -110,26 +97,18 @@ def test_policy_worker_trains_on_the_rows_it_reads_from_the_train_partition(tiny
     loss_fn = ClippedPGLossFn.from_config(LossConfig())
     cfg = PolicyConfig(model_path=str(tiny_model_dir))
     data_plane = DataPlaneConfig(call_timeout_s=30.0)
-    cluster = init_local_ray(num_cpus=2)
-    try:
-        plane = start_data_plane(data_plane)
-        try:
-            with DataPlaneClient.attach(data_plane) as client:
-                kept = store_rows(client, "policy_train", KeptRollout("r-0", 0, 0, (row,), 1.0, "response_id"), 30.0, False)
-                plan = TrainPlan.of("policy_train", kept.rows, [1.0])
-                policy = RayPolicyClient.spawn(cfg, data_plane=data_plane)
-                local = PolicyCore(cfg)
-                with pytest.raises(TrainRowDigestError, match=r"key 'r-0#0': payload digest [0-9a-f]{64} != 0{64}"):
-                    policy.train_planned(dataclasses.replace(plan, digests=("0" * 64,)), loss_fn)
-                assert policy.state_fingerprint() == local.state_fingerprint()  # nothing trained
-                assert policy.train_planned(plan, loss_fn) == local.train_step(batch, loss_fn)
-                assert policy.state_fingerprint() == local.state_fingerprint()
-                policy.kill()
-                bare = RayPolicyClient.spawn(cfg)
-                with pytest.raises(PolicyWorkerError, match="train_planned needs the data plane"):
-                    bare.train_planned(plan, loss_fn)
-                bare.kill()
-        finally:
-            plane.shutdown()
-    finally:
-        cluster.shutdown()
+    with DataPlaneClient.attach(data_plane) as client:  # the session's plane, with a 30 s deadline
+        kept = store_rows(client, "policy_train", KeptRollout("r-0", 0, 0, (row,), 1.0, "response_id"), 30.0, False)
+        plan = TrainPlan.of("policy_train", kept.rows, [1.0])
+        policy = RayPolicyClient.spawn(cfg, data_plane=data_plane)
+        local = PolicyCore(cfg)
+        with pytest.raises(TrainRowDigestError, match=r"key 'r-0#0': payload digest [0-9a-f]{64} != 0{64}"):
+            policy.train_planned(dataclasses.replace(plan, digests=("0" * 64,)), loss_fn)
+        assert policy.state_fingerprint() == local.state_fingerprint()  # nothing trained
+        assert policy.train_planned(plan, loss_fn) == local.train_step(batch, loss_fn)
+        assert policy.state_fingerprint() == local.state_fingerprint()
+        policy.kill()
+        bare = RayPolicyClient.spawn(cfg)
+        with pytest.raises(PolicyWorkerError, match="train_planned needs the data plane"):
+            bare.train_planned(plan, loss_fn)
+        bare.kill()
