@@ -7,7 +7,9 @@ Contract:
   1.0 when the counter equals `expected_count` (= initial + a + b), else 0.0.
 - `env_tools()` are the tools of the package's own `data/example.jsonl` rows (every row carries the
   same two), in the chat form the gate hands the chat template (`{"type": "function", "function":
-  {name, description, parameters}}`). `env_rows()` are those rows as shipped.
+  {name, description, parameters}}`), keys in the rows' own order: the template prints them as
+  JSON, so the transcripts render the very system prompt the env's rollouts see. `env_rows()` are
+  those rows as shipped.
 - `make_problems(seed, n)`: `n` `CounterProblem`s, a pure function of `seed`, with `a, b` in
   `1..MAX_ADD` and `initial` in `0..MAX_INITIAL`.
 - `counter_conversation(p)`: the intended rollout as chat messages, one tool call per assistant
@@ -28,7 +30,7 @@ ENV_NAME = "example_session_state_mgmt"
 DATASET = "data/example.jsonl"
 INCREMENT = "increment_counter"
 READ = "get_counter_value"
-MAX_ADD = 60
+MAX_ADD = 20  # the env's example rows add 1..14: cover that range densely (1..60 left most rollouts miscopying)
 MAX_INITIAL = 40
 
 
@@ -64,11 +66,13 @@ def chat_tool(tool: dict) -> dict:
 
 
 def env_tools() -> list[dict]:
-    """The tools every shipped example row carries, in chat form (an error if rows disagree)."""
-    shapes = {json.dumps(r["responses_create_params"].get("tools"), sort_keys=True) for r in env_rows()}
+    """The tools every shipped example row carries, in chat form and in the rows' own key order (the
+    order the chat template renders them in at run time); an error if rows disagree."""
+    rows = env_rows()
+    shapes = {json.dumps(r["responses_create_params"].get("tools"), sort_keys=True) for r in rows}
     if len(shapes) != 1:
         raise CounterTranscriptError(f"{dataset_path()} rows carry {len(shapes)} different tool lists; expected one")
-    tools = [chat_tool(t) for t in json.loads(shapes.pop())]
+    tools = [chat_tool(t) for t in rows[0]["responses_create_params"]["tools"]]
     names = [t["function"]["name"] for t in tools]
     if names != [INCREMENT, READ]:
         raise CounterTranscriptError(f"{dataset_path()} tools are {names}; this generator knows {[INCREMENT, READ]}")
