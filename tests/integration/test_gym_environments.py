@@ -54,7 +54,7 @@ def _check_packaged(log_dir: Path, stdout: str, server: str) -> None:
 
 @pytest.mark.integration
 def test_gyms_multi_step_env_runs_through_the_loop(tmp_path: Path) -> None:
-    # One step: its ~4.6k-token prompts are the point here; two steps across a refit run below.
+    # One step: its ~4.6k-token prompts are the point here (loops across refits: the L1 legs).
     log_dir = tmp_path / "multi_step"
     lines, stdout = _run("grpo_gym_example_multi_step", log_dir, steps=1)
     _check_accounted(lines, steps=1, dispatched=GENERATIONS)
