@@ -93,13 +93,19 @@ def row_nbytes(row: Row) -> int:
     return tensors + len(row[HEADER_FIELD].encode()) + len(row[EXTRAS_FIELD].encode())
 
 
-def _row_payload(key: str, row: Row) -> dict[str, Any]:
+def _header(key: str, row: Row) -> dict[str, Any]:
+    """The row's `header` as a JSON object, else `StagedRecordInvalidError` naming `key`."""
     try:
-        payload = json.loads(row[HEADER_FIELD])
+        header = json.loads(row[HEADER_FIELD])
     except (TypeError, json.JSONDecodeError) as e:
         raise StagedRecordInvalidError(key, f"header is not JSON: {e}") from e
-    if not isinstance(payload, dict):
-        raise StagedRecordInvalidError(key, f"header is {type(payload).__name__}, expected a JSON object")
+    if not isinstance(header, dict):
+        raise StagedRecordInvalidError(key, f"header is {type(header).__name__}, expected a JSON object")
+    return header
+
+
+def _row_payload(key: str, row: Row) -> dict[str, Any]:
+    payload = _header(key, row)
     for name in _ARRAY_FIELDS:
         value = row[name]
         if not isinstance(value, torch.Tensor):
@@ -146,12 +152,7 @@ def verified_extras(key: str, row: Row, expected_extras_digest: str | None = Non
     Raises `StagedRecordInvalidError` for a malformed row and `ExtrasDigestMismatchError` when the
     payload's digest differs from the header's `extras_digest` or from `expected_extras_digest`.
     """
-    try:
-        header = json.loads(row[HEADER_FIELD])
-    except (TypeError, json.JSONDecodeError) as e:
-        raise StagedRecordInvalidError(key, f"header is not JSON: {e}") from e
-    if not isinstance(header, dict):
-        raise StagedRecordInvalidError(key, f"header is {type(header).__name__}, expected a JSON object")
+    header = _header(key, row)
     try:
         described = staging_key(header.get("rollout_id", ""), header.get("model_call_id", ""))
     except ValueError as e:
