@@ -35,9 +35,9 @@ from nemo_rl.data_plane.train_rows import store_many_rows
 from nemo_rl.distributed.actor_call import ActorCallTimeoutError, ActorDiedError, ActorRaisedError, await_with_deadline
 from nemo_rl.distributed.component_watch import Probe, Role, first_line, ray_actor_probe
 from nemo_rl.token_capture.config import TokenCaptureConfig
-from nemo_rl.token_capture.judge import FetchProblem, RolloutEvidence, all_served_lost, judge_rollout
+from nemo_rl.token_capture.judge import FetchProblem, RolloutEvidence, all_served_lost, fetch_error_reason, judge_rollout
 from nemo_rl.token_capture.receipt import reward_of
-from nemo_rl.token_capture.router_replay import attach_router_replay, fetch_error_reason
+from nemo_rl.token_capture.router_replay import attach_router_replay
 
 LOGGER = logging.getLogger(__name__)
 
@@ -188,7 +188,7 @@ def judge_group_from_source(
     verdicts: list[GroupEntry] = []
     for ev in items:
         verdict = judge_rollout(ev, snapshots, problems, cfg) if ev.run_failure is None else judge_rollout(ev, {}, {}, cfg)
-        if isinstance(verdict, KeptRollout):
+        if isinstance(verdict, KeptRollout) and ev.staged_extras():  # R3 runs for MoE rollouts only
             verdict = attach_router_replay(source, ev, snapshots, verdict)
         verdicts.append(verdict)
     kept = [i for i, verdict in enumerate(verdicts) if isinstance(verdict, KeptRollout)]

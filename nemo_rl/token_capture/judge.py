@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from nemo_gym.token_id_capture.staging import (
+    EMPTY_EXTRAS_DIGEST,
     CallRecord,
     ReceiptVerificationError,
     RolloutReceipt,
@@ -36,7 +37,8 @@ from nemo_rl.data.rows import (
     RowOrigin,
     TrainRow,
 )
-from nemo_rl.data.calls import ServedCall
+from nemo_rl.data.calls import ServedCall, StagedRecordInvalidError, StagingFetchError
+from nemo_rl.data_plane.staging import StagedKeysMissingError
 from nemo_rl.token_capture.config import TokenCaptureConfig
 from nemo_rl.token_capture.receipt import TerminalChoice, choose_terminal, reward_of
 
@@ -80,6 +82,12 @@ class RolloutEvidence:
             return []
         return [record.staging_key for record in self.manifest.records]
 
+    def staged_extras(self) -> bool:
+        """Whether a committed call staged extras (router replay's routes): only then is R3 attached."""
+        if self.manifest is None or self.manifest.rollout_id != self.rollout_id:
+            return False
+        return any(record.extras_digest != EMPTY_EXTRAS_DIGEST for record in self.manifest.records)
+
 
 @dataclass(frozen=True)
 class FetchProblem:
@@ -87,6 +95,15 @@ class FetchProblem:
 
     reason: PlaceholderReason  # staged_record_missing, verification_failed or data_plane_error
     detail: str
+
+
+def fetch_error_reason(error: StagingFetchError) -> PlaceholderReason:
+    """The verdict for a staging read that failed: missing, invalid (tampered/corrupt), or unavailable."""
+    if isinstance(error, StagedKeysMissingError):
+        return PlaceholderReason.STAGED_RECORD_MISSING
+    if isinstance(error, StagedRecordInvalidError):
+        return PlaceholderReason.VERIFICATION_FAILED
+    return PlaceholderReason.DATA_PLANE_ERROR
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """Router replay (R3): a kept rollout's staged routed experts, shaped beside its training rows.
 
-`attach_router_replay` (finalizer actor, right after the judge keeps a rollout) gives each row
+`attach_router_replay` (finalizer actor, after the judge keeps a rollout that staged extras) gives each row
 whose calls committed to non-empty extras `routed_experts` (int16 `[len(row), L, K]`), from ONE
 digest-bound `fetch_extras` per rollout through the source it is handed (no I/O of its own; no
 extras, no round trip). Shaping is pure (`build_router_replay`: `[n_rows, max_len, L, K]` and
@@ -8,7 +8,7 @@ coverage; Gym's codec and span rule as is), with `MISSING_ROUTE_SENTINEL` (-1) w
 has no usable route (counted, not raised). Invariant: an MoE never trains without its routes
 silently: extras that cannot be fetched, fail their digest or are not route fragments (a
 `RouterReplayError`) make the rollout a placeholder (`router_replay_extras: ...`;
-`fetch_error_reason`, shared with `fetch_snapshots`); coverage counts real rows only.
+the judge's `fetch_error_reason`); coverage counts real rows only.
 See docs/design-docs/token-capture-receipts.md, "Router replay (R3)", "Routes beside the rows".
 """
 
@@ -33,9 +33,8 @@ from nemo_gym.token_id_capture.staging import (
 
 from nemo_rl.data.errors import FatalError, RecoverableError
 from nemo_rl.data.rows import GroupEntry, KeptRollout, Placeholder, PlaceholderReason, TrainRow
-from nemo_rl.data.calls import StagedRecordInvalidError, StagingFetchError
-from nemo_rl.data_plane.staging import StagedKeysMissingError
-from nemo_rl.token_capture.judge import RolloutEvidence, all_served_lost
+from nemo_rl.data.calls import StagingFetchError
+from nemo_rl.token_capture.judge import RolloutEvidence, all_served_lost, fetch_error_reason
 
 ROUTED_EXPERTS_KEY = ROUTED_EXPERTS_FIELD
 SENTINEL = MISSING_ROUTE_SENTINEL
@@ -300,15 +299,6 @@ def router_replay_metrics(coverage: RouterReplayCoverage) -> dict[str, float]:
 # Route-payload faults that make a rollout's verdict (a RouteSpanError would be our own bug).
 _ROUTE_DATA_ERRORS = (RoutedExpertsDecodeError, RouteShapeMismatchError, RouteValueError)
 ROUTER_REPLAY_DETAIL_PREFIX = "router_replay_extras"
-
-
-def fetch_error_reason(error: StagingFetchError) -> PlaceholderReason:
-    """The verdict for a staging read that failed: missing, invalid (tampered/corrupt), or unavailable."""
-    if isinstance(error, StagedKeysMissingError):
-        return PlaceholderReason.STAGED_RECORD_MISSING
-    if isinstance(error, StagedRecordInvalidError):
-        return PlaceholderReason.VERIFICATION_FAILED
-    return PlaceholderReason.DATA_PLANE_ERROR
 
 
 def attach_router_replay(

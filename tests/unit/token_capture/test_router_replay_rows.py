@@ -256,10 +256,17 @@ def test_branch_rows_use_the_staged_generation_length_not_the_masked_row(clients
     tq.clear([r.staging_key for r in records])
 
 
-def test_chain_without_extras_keeps_none_and_makes_no_extras_fetch(clients) -> None:
+def _no_router_replay(*args: Any) -> Any:
+    raise AssertionError("a dense rollout must not reach router replay")
+
+
+def test_chain_without_extras_keeps_none_and_makes_no_extras_fetch(clients, monkeypatch) -> None:
     sink, tq = io(clients)
     ev, records = plain_chain(sink, new_rollout("r3-plain"))
     assert {r.extras_digest for r in records} == {EMPTY_EXTRAS_DIGEST}
+    assert ev.staged_extras() is False
+    # A dense rollout never runs R3's code: router replay is off the default path.
+    monkeypatch.setattr("nemo_rl.experience.finalizer_pool.attach_router_replay", _no_router_replay)
     source = CountingSource(tq)
 
     verdict = judge_from_source(source, ev, CAPTURE)
@@ -275,6 +282,7 @@ def test_chain_without_extras_keeps_none_and_makes_no_extras_fetch(clients) -> N
 def test_source_without_fetch_extras_is_a_clear_error_when_routes_are_needed(clients) -> None:
     sink, tq = io(clients)
     ev, records = routed_chain(sink, new_rollout("r3-nosource"))
+    assert ev.staged_extras() is True
     with pytest.raises(TypeError, match="has no fetch_extras"):
         judge_from_source(BaseOnlySource(tq), ev, CAPTURE)
     tq.clear([r.staging_key for r in records])
