@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 import ray
+import torch
+from safetensors.torch import load_file
 
 from nemo_rl.algorithms.grpo import ClippedPGLossFn
 from nemo_rl.data.errors import PolicyWorkerError
@@ -22,7 +24,7 @@ from nemo_rl.models.policy.errors import (
     PolicyWorkerDiedError,
     PolicyWorkerTimeoutError,
 )
-from nemo_rl.models.policy.state_io import PolicyStateInfo, optimizer_fingerprint, state_fingerprint
+from nemo_rl.models.policy.state_io import WEIGHTS_FILE, PolicyStateInfo, optimizer_fingerprint, state_fingerprint
 from nemo_rl.models.policy.worker import PolicyWorker, RayPolicyClient
 
 
@@ -61,6 +63,11 @@ def test_policy_worker_actor_shell(shared_ray: RayClusterHandle, tiny_model_dir:
         assert (client.state_fingerprint(), client.optimizer_fingerprint()) == (saved.policy_fingerprint, saved.optimizer_fingerprint)
         with pytest.raises(PolicyWorkerError, match=r"save_state failed: PolicyCheckpointError: .*already holds"):
             client.save_state(ckpt / "s")
+        # The refit export through the actor writes the weights the local core holds (same state).
+        out = client.export_weights(ckpt / "refit")
+        assert out == ckpt / "refit" and sorted(f.name for f in out.iterdir()) == ["config.json", WEIGHTS_FILE]
+        exported, own = load_file(str(out / WEIGHTS_FILE)), local.model.state_dict()
+        assert exported.keys() == own.keys() and all(torch.equal(exported[k], own[k]) for k in own)
     finally:
         shutil.rmtree(ckpt)
 
