@@ -1,6 +1,6 @@
 """What a GRPO checkpoint holds besides the policy, and how a run finds the one to resume from.
 
-A checkpoint `step_<k>` holds `policy/` (`PolicyCore.save_state`) and `trainer_state.json` (a
+A checkpoint `step_<k>` holds `policy/` (`models.policy.state_io.save_state`) and `trainer_state.json` (a
 `TrainerState`: step, served weight version, masked-step streak, driver RNG states, the engine's
 probe logprobs, the dataloader position). The dataloader position IS the step (prompt sources
 are pure in (seed, step)), so `check_resumable` / `check_prompt_position` refuse a recipe that

@@ -1,55 +1,41 @@
-"""PolicyCore: a Hugging Face causal LM (float32 on CPU by default), trained with a given loss.
+"""The train step: `PolicyCore` (a Hugging Face causal LM and its AdamW, no Ray) and the `LossFn` it calls.
 
-Owns the model and its AdamW optimizer, no Ray: `get_logprobs`, `train_step(batch, loss_fn)`,
-`export_weights` (the safetensors layout vLLM reloads), fingerprints, `save_state` / `load_state`.
-Promises: the model stays in eval mode (no dropout), so reference and trained logprobs come from
-one deterministic function; a step recomputes "prev" logprobs over the same micro-batches as
-`get_logprobs` and reports their mismatch against the generation's; a restored state is checked
-bit for bit against its recorded fingerprints. Refuses, by a named error: a batch without a
-masked token (`EmptyMaskError`), a non-finite grad norm (`NonFiniteGradientError`, no step
-taken), tied embeddings on export for the CPU engine, and a checkpoint that does not fit (`PolicyCheckpointError`).
-With `router_replay: replay` the step's forwards replay the batch's routes (`router_replay`).
-See docs/design-docs/policy.md, "`PolicyCore`".
+`get_logprobs` and `train_step(batch, loss_fn)`: the loss is an argument (this package never
+imports `nemo_rl.algorithms`), called once per micro-batch holding a masked token with right-padded
+[B, T] logprobs (column 0 is 0.0), advantages, the mask and `normalizer` (the WHOLE batch's masked
+tokens); it returns `(loss, metrics)` of micro-batch shares the step sums (`_max`/`_min` names
+combine by max/min; `CORE_METRICS` are reserved) and must be picklable. Promises: the model stays
+in eval mode, so "prev" and trained logprobs come from one deterministic function over the same
+micro-batches; every step reports `token_mult_prob_error` and `gen_kl_error` of prev against the
+generation's; masked-out positions never influence a result, even inf or nan. Refuses by name: a
+batch without a masked token (`EmptyMaskError`), a bad mask (`LossInputError`), a non-finite grad
+norm (`NonFiniteGradientError`, no step taken). Export and checkpoints: `state_io`; with
+`router_replay: replay` the forwards replay the batch's routes (`router_replay`).
+See docs/design-docs/policy.md, "`PolicyCore`" and "The `LossFn` contract".
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
 import os
-import pickle
-import shutil
+from collections.abc import Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from nemo_rl.data.train import TrainBatch
-from nemo_rl.models.policy.config import PolicyConfig
+from nemo_rl.models.policy.config import LossConfig, PolicyConfig
 from nemo_rl.models.policy.errors import (
     EmptyMaskError,
+    LossFnError,
+    LossInputError,
     NonFiniteGradientError,
-    PolicyError,
     PolicyDeviceError,
     PolicyLoadError,
     TokenIdOutOfRangeError,
-    WeightExportError,
-)
-from nemo_rl.models.policy.loss import (
-    LossFn,
-    check_loss_fn,
-    check_loss_output,
-    combine_metric,
-    gather_token_logprobs,
-    gen_kl_error,
-    micro_batches,
-    pad_right,
-    token_mult_prob_error,
 )
 from nemo_rl.models.policy.router_replay import (
     ReplayStats,
@@ -59,32 +45,189 @@ from nemo_rl.models.policy.router_replay import (
     replaying,
 )
 
-WEIGHTS_FILE = "model.safetensors"
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
 CONFIG_FILE = "config.json"
-OPTIMIZER_FILE = "optimizer.pt"
-POLICY_STATE_FILE = "policy_state.json"
-POLICY_STATE_FORMAT = 1
+
+# Metrics the train step computes itself; a LossFn may not return these names.
+CORE_METRICS = frozenset(
+    {"grad_norm", "lr", "token_mult_prob_error", "gen_kl_error", "num_tokens", "num_samples"}
+)
+
+# A metric named `<x>_max` is a maximum: micro-batch maxima combine by max, never by sum.
+MAX_METRIC_SUFFIX = "_max"
+MIN_METRIC_SUFFIX = "_min"
 
 
-class PolicyCheckpointError(PolicyError):
-    """A policy checkpoint cannot be written, or does not fit this policy (the message names why)."""
+def combine_metric(name: str, total: float | None, part: float) -> float:
+    """The batch value of metric `name` so far (`total`, None before the first micro-batch) with one more part."""
+    if total is None:
+        return part
+    if name.endswith(MAX_METRIC_SUFFIX):
+        return max(total, part)
+    if name.endswith(MIN_METRIC_SUFFIX):
+        return min(total, part)
+    return total + part
 
 
-@dataclass(frozen=True)
-class PolicyStateInfo:
-    """What `save_state` wrote / `load_state` restored: the step counter and both fingerprints."""
+@runtime_checkable
+class LossFn(Protocol):
+    def __call__(
+        self,
+        *,
+        curr_logprobs: torch.Tensor,
+        prev_logprobs: torch.Tensor,
+        generation_logprobs: torch.Tensor,
+        advantages: torch.Tensor,
+        mask: torch.Tensor,
+        normalizer: int,
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """The micro-batch's loss share and its metric shares (see the module docstring)."""
+        ...
 
-    steps_taken: int
-    policy_fingerprint: str
-    optimizer_fingerprint: str
 
-    def __post_init__(self) -> None:
-        if self.steps_taken < 0:
-            raise ValueError(f"steps_taken={self.steps_taken}: a count of optimizer steps is >= 0")
-        for name in ("policy_fingerprint", "optimizer_fingerprint"):
-            value = getattr(self, name)
-            if len(value) != 64 or any(c not in "0123456789abcdef" for c in value):
-                raise ValueError(f"{name}={value!r}: not a sha256 hex digest")
+def check_loss_fn(loss_fn: object) -> LossFn:
+    """`loss_fn` if it is callable; a named `LossFnError` with the fix otherwise."""
+    if isinstance(loss_fn, LossConfig):
+        raise LossFnError(
+            "train_step got a LossConfig (the loss_fn: section), not a loss function; the policy "
+            "no longer builds the GRPO loss itself (fix: pass "
+            "nemo_rl.algorithms.grpo.ClippedPGLossFn.from_config(cfg.loss_fn))"
+        )
+    if not callable(loss_fn):
+        raise LossFnError(
+            f"train_step got loss_fn={loss_fn!r} ({type(loss_fn).__name__}), which is not callable "
+            "(fix: pass a LossFn, e.g. nemo_rl.algorithms.grpo.ClippedPGLossFn.from_config(cfg.loss_fn))"
+        )
+    return loss_fn  # type: ignore[return-value]
+
+
+def check_loss_output(out: object, loss_fn: object) -> tuple[torch.Tensor, dict[str, float]]:
+    """The `(loss, metrics)` a LossFn returned, checked against the contract."""
+    name = getattr(loss_fn, "__qualname__", type(loss_fn).__qualname__)
+    if not (isinstance(out, tuple) and len(out) == 2):
+        raise LossFnError(f"loss_fn {name} returned {type(out).__name__}; a LossFn returns (loss, metrics)")
+    loss, metrics = out
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+        raise LossFnError(f"loss_fn {name} returned a loss that is not a 0-dim tensor: {loss!r}")
+    if not isinstance(metrics, dict):
+        raise LossFnError(f"loss_fn {name} returned metrics of type {type(metrics).__name__}; expected a dict")
+    reserved = sorted(CORE_METRICS & set(metrics))
+    if reserved:
+        raise LossFnError(
+            f"loss_fn {name} returned metric(s) {reserved} that the policy reports itself "
+            "(fix: rename them in the loss)"
+        )
+    return loss, metrics
+
+
+# --- token logprobs and the micro-batch split (pure tensor helpers) ---------------------
+
+
+def pad_right(
+    rows: Sequence[Sequence[float]], pad: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stack ragged rows into [B, max_len] (right-padded) plus a 0/1 long attention mask.
+
+    Right padding keeps every real token's position id and causal context, so its logits match
+    an unpadded forward; the mask is 1 exactly on real positions."""
+    if not rows:
+        raise ValueError("pad_right needs at least one row")
+    width = max(len(r) for r in rows)
+    out = torch.full((len(rows), width), pad, dtype=dtype)
+    attn = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows):
+        out[i, : len(row)] = torch.tensor(row, dtype=dtype)
+        attn[i, : len(row)] = 1
+    return out, attn
+
+
+def micro_batches(n: int, size: int) -> list[range]:
+    """Consecutive index ranges of at most `size` covering range(n)."""
+    if size < 1:
+        raise ValueError(f"micro-batch size={size} must be >= 1")
+    return [range(s, min(s + size, n)) for s in range(0, n, size)]
+
+
+def gather_token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    """Logprob of each token given its prefix, [B, T]; column 0 is 0.0."""
+    if logits.dim() != 3 or logits.shape[:2] != input_ids.shape:
+        raise ValueError(
+            f"logits shape {tuple(logits.shape)} does not match input_ids {tuple(input_ids.shape)}"
+        )
+    logits = logits[:, :-1].float()
+    target = input_ids[:, 1:].unsqueeze(-1)
+    # gather - logsumexp avoids materialising a second [B, T, V] log-softmax tensor.
+    picked = logits.gather(-1, target).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    first = torch.zeros((input_ids.shape[0], 1), dtype=picked.dtype, device=picked.device)
+    return torch.cat([first, picked], dim=1)
+
+
+# --- masked sums and the trainer/sampler mismatch metrics every loss shares -------------
+
+
+def as_bool_mask(mask: torch.Tensor, like: torch.Tensor, name: str) -> torch.Tensor:
+    """`mask` as a bool tensor shaped like `like` (named `name` in errors); never empty."""
+    if mask.shape != like.shape:
+        raise LossInputError(
+            f"mask shape {tuple(mask.shape)} != {name} shape {tuple(like.shape)}"
+        )
+    if mask.dtype != torch.bool:
+        if not bool(((mask == 0) | (mask == 1)).all()):
+            raise LossInputError("mask must hold only 0 and 1")
+        mask = mask != 0
+    if not bool(mask.any()):
+        raise EmptyMaskError("mask selects no token; a masked mean over zero tokens is undefined")
+    return mask
+
+
+def check_same_shape(ref: torch.Tensor, **tensors: torch.Tensor) -> None:
+    """Every keyword tensor has `ref`'s shape (the keyword names the offender)."""
+    for name, t in tensors.items():
+        if t.shape != ref.shape:
+            raise LossInputError(
+                f"{name} shape {tuple(t.shape)} != expected {tuple(ref.shape)}"
+            )
+
+
+def masked_sum(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Sum of `values` where the bool `mask` is set."""
+    # torch.where (not multiplication) so inf/nan at unselected positions cannot leak in.
+    return torch.where(mask, values, torch.zeros_like(values)).sum()
+
+
+def mismatch_sums(
+    train_logprobs: torch.Tensor, gen_logprobs: torch.Tensor, mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Masked sums (float64) of exp(|d|) and of exp(d) - d - 1, d = train - gen."""
+    d = (train_logprobs - gen_logprobs).detach().to(torch.float64)
+    mult = masked_sum(torch.exp(d.abs()), mask)
+    k3 = masked_sum(torch.exp(d) - d - 1.0, mask)
+    return mult, k3
+
+
+def token_mult_prob_error(
+    train_logprobs: torch.Tensor, gen_logprobs: torch.Tensor, mask: torch.Tensor
+) -> float:
+    """Mean over masked tokens of exp(|train - gen|); 1.0 means the logprobs agree exactly."""
+    check_same_shape(train_logprobs, gen_logprobs=gen_logprobs)
+    m = as_bool_mask(mask, train_logprobs, "train_logprobs")
+    mult, _ = mismatch_sums(train_logprobs, gen_logprobs, m)
+    return float(mult / m.sum())
+
+
+def gen_kl_error(
+    train_logprobs: torch.Tensor, gen_logprobs: torch.Tensor, mask: torch.Tensor
+) -> float:
+    """k3 estimate of KL(P_gen || P_train): mean over masked tokens of exp(d) - d - 1, d = t - g."""
+    check_same_shape(train_logprobs, gen_logprobs=gen_logprobs)
+    m = as_bool_mask(mask, train_logprobs, "train_logprobs")
+    _, k3 = mismatch_sums(train_logprobs, gen_logprobs, m)
+    return float(k3 / m.sum())
+
+
+# --- PolicyCore: the model, its optimizer and the step --------------------------------
 
 
 @dataclass(frozen=True)
@@ -116,6 +259,10 @@ def _load_model(model_dir: Path, dtype: str, device: torch.device) -> PreTrained
             f"policy.model_path={str(model_dir)!r} has no {CONFIG_FILE}; "
             "point it at a local Hugging Face model folder"
         )
+    # Imported here, not at the top: `nemo_rl.algorithms.grpo` imports this module for the loss
+    # contract and its math, and should not pay for transformers.
+    from transformers import AutoModelForCausalLM
+
     try:
         model = AutoModelForCausalLM.from_pretrained(
             model_dir, dtype=getattr(torch, dtype), local_files_only=True
@@ -158,9 +305,8 @@ class PolicyCore:
         torch.set_num_threads(cfg.num_threads)
         torch.manual_seed(cfg.seed)
         self._cfg = cfg
-        self._model_dir = Path(cfg.model_path)
         self._device = _device(cfg.device)
-        self._model = _load_model(self._model_dir, cfg.dtype, self._device)
+        self._model = _load_model(Path(cfg.model_path), cfg.dtype, self._device)
         self._vocab_size = int(self._model.get_output_embeddings().weight.shape[0])
         self._routers = moe_routers(self._model) if cfg.router_replay == "replay" else []
         if cfg.router_replay == "replay" and not self._routers:
@@ -179,6 +325,29 @@ class PolicyCore:
     @property
     def model(self) -> PreTrainedModel:
         return self._model
+
+    @property
+    def optimizer(self) -> torch.optim.AdamW:
+        return self._optimizer
+
+    @property
+    def cfg(self) -> PolicyConfig:
+        return self._cfg
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    @property
+    def steps_taken(self) -> int:
+        """Optimizer steps taken (the lr warmup's k of the last step)."""
+        return self._steps_taken
+
+    def restore(self, weights: dict[str, torch.Tensor], optimizer_state: dict, steps_taken: int) -> None:
+        """Replace weights, optimizer state and step count (`state_io.load_state` checked they fit)."""
+        self._model.load_state_dict(weights, strict=True)
+        self._optimizer.load_state_dict(optimizer_state)
+        self._steps_taken = steps_taken
 
     def _check_token_ids(self, token_ids: list[list[int]] | tuple[tuple[int, ...], ...]) -> None:
         if not token_ids:
@@ -281,173 +450,3 @@ class PolicyCore:
             "num_samples": float(batch.num_samples),
             **(stats.metrics() if replay else {}),
         }
-
-    def export_weights(self, out_dir: str | Path) -> Path:
-        out = Path(out_dir)
-        emb_in = self._model.get_input_embeddings().weight
-        emb_out = self._model.get_output_embeddings().weight
-        tied = self._model.config.tie_word_embeddings or emb_in.data_ptr() == emb_out.data_ptr()
-        if tied and self._cfg.engine_flavor == "cpu":
-            raise WeightExportError(
-                f"policy.model_path={self._cfg.model_path!r} ties input and output embeddings; "
-                "vLLM's reload_weights would keep a stale lm_head on the CPU engine (generation.vllm.flavor=cpu). "
-                "Use an untied model (tie_word_embeddings=false), or the GPU engine"
-            )
-        out.mkdir(parents=True, exist_ok=True)
-        stale = sorted(
-            f.name
-            for f in out.iterdir()
-            if f.name != WEIGHTS_FILE
-            and (f.name.endswith(".safetensors") or f.name.endswith(".safetensors.index.json"))
-        )
-        if stale:
-            raise WeightExportError(
-                f"export dir {str(out)!r} already holds other weight files {stale}; a reload "
-                "would read them too. Export into an empty folder"
-            )
-        # Clones: a tied lm_head shares the embedding's storage, which safetensors writes once per name.
-        tensors = {k: v.detach().cpu().clone().contiguous() for k, v in self._model.state_dict().items()}
-        partial = out / (WEIGHTS_FILE + ".partial")
-        save_file(tensors, str(partial), metadata={"format": "pt"})
-        shutil.copyfile(self._model_dir / CONFIG_FILE, out / CONFIG_FILE)
-        os.replace(partial, out / WEIGHTS_FILE)
-        return out
-
-    def state_fingerprint(self) -> str:
-        h = hashlib.sha256()
-        for name, t in sorted(self._model.state_dict().items()):
-            _hash_tensor(h, name, t)
-        return h.hexdigest()
-
-    def optimizer_fingerprint(self) -> str:
-        h = hashlib.sha256()
-        h.update(f"steps_taken|{self._steps_taken}|".encode())
-        state = self._optimizer.state_dict()
-        for i, group in enumerate(state["param_groups"]):
-            # Hyperparameters are plain numbers/bools/None (AdamW); a tensor here would be a new
-            # optimizer this fingerprint does not know, and json.dumps says so (TypeError).
-            h.update(f"group|{i}|{json.dumps(group, sort_keys=True)}|".encode())
-        for index in sorted(state["state"]):
-            for key, value in sorted(state["state"][index].items()):
-                if isinstance(value, torch.Tensor):
-                    _hash_tensor(h, f"state|{index}|{key}", value)
-                else:
-                    h.update(f"state|{index}|{key}|{value!r}|".encode())
-        return h.hexdigest()
-
-    def _state_info(self) -> PolicyStateInfo:
-        return PolicyStateInfo(self._steps_taken, self.state_fingerprint(), self.optimizer_fingerprint())
-
-    def save_state(self, out_dir: str | Path) -> PolicyStateInfo:
-        out = Path(out_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        present = sorted(p.name for p in out.iterdir())
-        if present:
-            raise PolicyCheckpointError(
-                f"save_state into {str(out)!r}: the folder already holds {present}; a checkpoint is written "
-                "into an empty folder (fix: pass a new folder)"
-            )
-        info = self._state_info()
-        # Clones: tied embeddings share storage, which safetensors refuses to write twice.
-        tensors = {k: v.detach().cpu().clone().contiguous() for k, v in self._model.state_dict().items()}
-        save_file(tensors, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
-        torch.save(self._optimizer.state_dict(), out / OPTIMIZER_FILE)
-        record = {
-            "format": POLICY_STATE_FORMAT,
-            "steps_taken": info.steps_taken,
-            "policy_fingerprint": info.policy_fingerprint,
-            "optimizer_fingerprint": info.optimizer_fingerprint,
-            "torch_rng": torch.get_rng_state().numpy().tobytes().hex(),
-            "cuda_rng": [s.numpy().tobytes().hex() for s in torch.cuda.get_rng_state_all()]
-            if self._device.type == "cuda" else [],
-        }
-        with open(out / POLICY_STATE_FILE, "w", encoding="utf-8") as f:
-            f.write(json.dumps(record, sort_keys=True, indent=1) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        return info
-
-    def _read_state_record(self, folder: Path) -> dict:
-        path = folder / POLICY_STATE_FILE
-        try:
-            record = json.loads(path.read_text(encoding="utf-8"))
-        except FileNotFoundError as e:
-            raise PolicyCheckpointError(f"load_state: {str(folder)!r} has no {POLICY_STATE_FILE}; not a policy checkpoint") from e
-        except json.JSONDecodeError as e:
-            raise PolicyCheckpointError(f"load_state: {path} is not valid JSON ({e.msg})") from e
-        if not isinstance(record, dict) or record.get("format") != POLICY_STATE_FORMAT:
-            raise PolicyCheckpointError(
-                f"load_state: {path} has format {record.get('format') if isinstance(record, dict) else record!r}; "
-                f"this code reads format {POLICY_STATE_FORMAT}"
-            )
-        return record
-
-    def _check_hyperparameters(self, groups: list[dict], folder: Path) -> None:
-        want = {"betas": (self._cfg.adam_beta1, self._cfg.adam_beta2), "weight_decay": self._cfg.weight_decay}
-        fields = {"betas": "policy.adam_beta1/adam_beta2", "weight_decay": "policy.weight_decay"}
-        for i, group in enumerate(groups):
-            for key, value in want.items():
-                saved = tuple(group[key]) if key == "betas" else group[key]
-                if saved != value:
-                    raise PolicyCheckpointError(
-                        f"load_state: the optimizer in {str(folder)!r} was saved with {key}={saved} (param group "
-                        f"{i}) but {fields[key]} gives {value}; the restored optimizer would keep the saved value "
-                        f"(fix: set {fields[key]} back to {saved}, or start a new run without resuming)"
-                    )
-
-    def _check_fits(self, weights: dict[str, torch.Tensor], optimizer_state: dict, folder: Path) -> None:
-        """Everything that could refuse the checkpoint, checked before any state is touched."""
-        own = self._model.state_dict()
-        if set(weights) != set(own):
-            raise PolicyCheckpointError(
-                f"load_state: the weights in {str(folder)!r} do not fit policy.model_path={self._cfg.model_path!r}: "
-                f"missing {sorted(set(own) - set(weights))[:5]}, unexpected {sorted(set(weights) - set(own))[:5]}"
-            )
-        for name, tensor in sorted(weights.items()):
-            if tensor.shape != own[name].shape or tensor.dtype != own[name].dtype:
-                raise PolicyCheckpointError(
-                    f"load_state: the weights in {str(folder)!r} do not fit policy.model_path={self._cfg.model_path!r}: "
-                    f"{name} is {tuple(tensor.shape)} {tensor.dtype} there, {tuple(own[name].shape)} {own[name].dtype} here"
-                )
-        groups = optimizer_state["param_groups"]
-        sizes, own_sizes = [len(g["params"]) for g in groups], [len(g["params"]) for g in self._optimizer.param_groups]
-        if sizes != own_sizes:
-            raise PolicyCheckpointError(
-                f"load_state: the optimizer state in {str(folder)!r} covers parameter groups of sizes {sizes}, this "
-                f"model's optimizer has {own_sizes}; it belongs to another model"
-            )
-        self._check_hyperparameters(groups, folder)
-
-    def load_state(self, in_dir: str | Path) -> PolicyStateInfo:
-        folder = Path(in_dir)
-        record = self._read_state_record(folder)
-        try:
-            weights = load_file(str(folder / WEIGHTS_FILE), device=str(self._device))
-            optimizer_state = torch.load(folder / OPTIMIZER_FILE, map_location=self._device, weights_only=True)
-        except (OSError, SafetensorError, RuntimeError, EOFError, pickle.UnpicklingError) as e:
-            raise PolicyCheckpointError(f"load_state: cannot read the checkpoint in {str(folder)!r}: {type(e).__name__}: {e}") from e
-        self._check_fits(weights, optimizer_state, folder)
-        self._model.load_state_dict(weights, strict=True)
-        self._optimizer.load_state_dict(optimizer_state)
-        self._steps_taken = int(record["steps_taken"])
-        torch.set_rng_state(_bytes_tensor(record["torch_rng"]))
-        if self._device.type == "cuda":
-            torch.cuda.set_rng_state_all([_bytes_tensor(s) for s in record["cuda_rng"]])
-        info = self._state_info()
-        saved = PolicyStateInfo(record["steps_taken"], record["policy_fingerprint"], record["optimizer_fingerprint"])
-        if info != saved:
-            raise PolicyCheckpointError(
-                f"load_state: the state restored from {str(folder)!r} is not the state that was saved "
-                f"(restored {info}, recorded {saved}); the checkpoint is damaged"
-            )
-        return info
-
-
-def _hash_tensor(h: "hashlib._Hash", label: str, t: torch.Tensor) -> None:
-    data = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
-    h.update(f"{label}|{t.dtype}|{tuple(t.shape)}|".encode())
-    h.update(data.numpy().tobytes())
-
-
-def _bytes_tensor(hex_text: str) -> torch.Tensor:
-    return torch.frombuffer(bytearray.fromhex(hex_text), dtype=torch.uint8).clone()

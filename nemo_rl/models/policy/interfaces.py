@@ -1,16 +1,19 @@
-"""PolicyWorkerHandle: what the training loop calls on a policy, local or remote.
+"""PolicyWorkerHandle: what the training loop calls on the policy worker.
 
-Implemented by `PolicyCore` (in-process, tests) and `RayPolicyClient` (a Ray actor behind
-per-call deadlines). Every method is synchronous and raises a named `PolicyError` on failure.
+Implemented by `RayPolicyClient` (a Ray actor behind per-call deadlines); in one process the same
+calls are `PolicyCore`'s step methods and `state_io`'s functions of the core. Every method is
+synchronous and raises a named `PolicyError` on failure.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from nemo_rl.data.train import TrainBatch
-from nemo_rl.models.policy.loss import LossFn
+
+if TYPE_CHECKING:  # the core pulls in torch; the package's light re-exports must not
+    from nemo_rl.models.policy.core import LossFn
 
 
 @runtime_checkable

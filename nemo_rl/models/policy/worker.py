@@ -1,6 +1,7 @@
 """The Ray shell around PolicyCore, and the deadline-bounded client the loop calls.
 
-`PolicyWorker` holds one PolicyCore; any failure inside a method is a `PolicyWorkerError` naming
+`PolicyWorker` holds one PolicyCore (the train step) and calls `state_io` on it for the refit
+export, checkpoints and fingerprints; any failure inside a method is a `PolicyWorkerError` naming
 the method and the cause. `RayPolicyClient` implements `PolicyWorkerHandle`: every call waits at
 most `call_timeout_s` (`PolicyWorkerTimeoutError`), a dead actor is `PolicyWorkerDiedError`, and
 `loss_fn` is checked in the driver before it is pickled. With a train partition the worker
@@ -31,9 +32,10 @@ from nemo_rl.distributed.actor_call import (
 )
 from nemo_rl.distributed.shared_fs import SharedDirProbe, check_probe
 from nemo_rl.models.policy.config import PolicyConfig
-from nemo_rl.models.policy.core import PolicyCore, PolicyStateInfo
+from nemo_rl.models.policy import state_io
+from nemo_rl.models.policy.core import LossFn, PolicyCore, check_loss_fn
 from nemo_rl.models.policy.errors import PolicyWorkerDiedError, PolicyWorkerTimeoutError
-from nemo_rl.models.policy.loss import LossFn, check_loss_fn
+from nemo_rl.models.policy.state_io import PolicyStateInfo
 
 T = TypeVar("T")
 
@@ -83,10 +85,10 @@ class PolicyWorker:
         return _guard("train_step", self._core.train_step, batch, loss_fn)
 
     def export_weights(self, out_dir: str) -> str:
-        return str(_guard("export_weights", self._core.export_weights, out_dir))
+        return str(_guard("export_weights", state_io.export_weights, self._core, out_dir))
 
     def state_fingerprint(self) -> str:
-        return _guard("state_fingerprint", self._core.state_fingerprint)
+        return _guard("state_fingerprint", state_io.state_fingerprint, self._core)
 
     def check_shared_dir(self, probe: SharedDirProbe, knob: str) -> None:
         import ray.util
@@ -95,13 +97,13 @@ class PolicyWorker:
         _guard("check_shared_dir", check_probe, probe, knob, where)
 
     def optimizer_fingerprint(self) -> str:
-        return _guard("optimizer_fingerprint", self._core.optimizer_fingerprint)
+        return _guard("optimizer_fingerprint", state_io.optimizer_fingerprint, self._core)
 
     def save_state(self, out_dir: str) -> PolicyStateInfo:
-        return _guard("save_state", self._core.save_state, out_dir)
+        return _guard("save_state", state_io.save_state, self._core, out_dir)
 
     def load_state(self, in_dir: str) -> PolicyStateInfo:
-        return _guard("load_state", self._core.load_state, in_dir)
+        return _guard("load_state", state_io.load_state, self._core, in_dir)
 
 
 class RayPolicyClient:

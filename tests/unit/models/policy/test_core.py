@@ -1,27 +1,21 @@
-"""PolicyCore on a tiny random untied Qwen2: logprobs, the GRPO step, export, fingerprints.
+"""PolicyCore on a tiny random untied Qwen2: logprobs and the GRPO step (export, fingerprints: test_state_io.py).
 
 The step is driven by the GRPO loss (`ClippedPGLossFn`), handed in as the policy's LossFn."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
-from transformers import AutoConfig, Qwen2ForCausalLM
 
 from nemo_rl.algorithms.grpo import ClippedPGLossFn, EmptyMaskError
 from nemo_rl.data.train import TrainBatch
-from nemo_rl.models.policy import LossConfig, PolicyConfig, PolicyWorkerHandle
+from nemo_rl.models.policy import LossConfig, PolicyConfig
 from nemo_rl.models.policy.core import PolicyCore, warmup_lr
-from nemo_rl.models.policy.errors import (
-    PolicyLoadError,
-    TokenIdOutOfRangeError,
-    WeightExportError,
-)
+from nemo_rl.models.policy.errors import PolicyLoadError, TokenIdOutOfRangeError
+from nemo_rl.models.policy.state_io import state_fingerprint
 
 # The on-policy loss (weight 1): these tests pin the step itself, with placeholder generation
 # logprobs of 0.0; the off-policy weight is tested in tests/unit/algorithms/test_off_policy.py.
@@ -47,7 +41,6 @@ def _batch(seqs, masks, advs, gen=None) -> TrainBatch:
 
 def test_get_logprobs_equals_manual_log_softmax(tiny_model_dir: Path) -> None:
     core = _core(tiny_model_dir)
-    assert isinstance(core, PolicyWorkerHandle)
     seqs = [SEQ, [1, 2, 3], list(range(100, 112))]  # ragged: exercises right padding
     got = core.get_logprobs(seqs)
     for seq, lps in zip(seqs, got):
@@ -63,11 +56,11 @@ def test_positive_advantage_raises_masked_logprob_negative_lowers_it(tiny_model_
     for adv, sign in ((1.0, 1.0), (-1.0, -1.0)):
         core = _core(tiny_model_dir, learning_rate=1e-3)
         before = _masked_sum(core.get_logprobs([SEQ])[0], MASK)
-        fp0 = core.state_fingerprint()
+        fp0 = state_fingerprint(core)
         metrics = core.train_step(_batch([SEQ], [MASK], [adv]), LOSS)
         after = _masked_sum(core.get_logprobs([SEQ])[0], MASK)
         assert sign * (after - before) > 0.01
-        assert core.state_fingerprint() != fp0
+        assert state_fingerprint(core) != fp0
         assert metrics["num_tokens"] == len(GEN)
         assert metrics["loss"] == pytest.approx(-adv, rel=1e-6)  # ratio 1 on-policy
         assert metrics["grad_norm"] > 0.0
@@ -85,13 +78,13 @@ def test_placeholder_advantage_and_unmasked_values_do_not_touch_the_update(
     for adv_other, gen in ((5.0, gen_a), (-5.0, gen_b)):
         core = _core(tiny_model_dir)
         core.train_step(_batch([SEQ, other], [MASK, placeholder_mask], [1.0, adv_other], gen), LOSS)
-        fingerprints.append(core.state_fingerprint())
+        fingerprints.append(state_fingerprint(core))
     assert fingerprints[0] == fingerprints[1]
     # Control: training one more token of the same sequence does change the update.
     core = _core(tiny_model_dir)
     wider = [0] * (len(PROMPT) - 1) + [1] * (len(GEN) + 1)
     core.train_step(_batch([SEQ, other], [wider, placeholder_mask], [1.0, 5.0]), LOSS)
-    assert core.state_fingerprint() != fingerprints[0]
+    assert state_fingerprint(core) != fingerprints[0]
 
 
 def test_micro_batching_keeps_the_token_level_mean(tiny_model_dir: Path) -> None:
@@ -144,62 +137,6 @@ def test_captured_mode_weights_tokens_and_reports_batch_metrics(tiny_model_dir: 
     on_policy = _core(tiny_model_dir).train_step(_batch(seqs, masks, [1.0, -1.0], prev), captured)
     assert (on_policy["is_weight_mean"], on_policy["is_weight_max"], on_policy["is_weight_min"],
             on_policy["is_truncated_fraction"]) == (1.0, 1.0, 1.0, 0.0)
-
-
-def test_export_round_trips_to_identical_logits(tiny_model_dir: Path, tmp_path: Path) -> None:
-    core = _core(tiny_model_dir, learning_rate=1e-3)
-    core.train_step(_batch([SEQ], [MASK], [1.0]), LOSS)
-    out = core.export_weights(tmp_path / "export")
-    assert sorted(f.name for f in out.iterdir()) == ["config.json", "model.safetensors"]
-    # HF parameter names, exactly those of the checkpoint the policy was loaded from.
-    exported = load_file(str(out / "model.safetensors"))
-    assert exported.keys() == load_file(str(tiny_model_dir / "model.safetensors")).keys()
-    fresh = Qwen2ForCausalLM(AutoConfig.from_pretrained(out))
-    fresh.load_state_dict(exported, strict=True)
-    fresh.eval()
-    ids = torch.tensor([SEQ])
-    with torch.no_grad():
-        assert torch.equal(fresh(input_ids=ids).logits, core.model(input_ids=ids).logits)
-    # Re-export into the same folder overwrites; a foreign shard there is refused.
-    core.export_weights(out)
-    (out / "model-00001-of-00002.safetensors").write_bytes(b"")
-    with pytest.raises(WeightExportError, match="model-00001-of-00002.safetensors"):
-        core.export_weights(out)
-
-
-def test_tied_model_export_is_refused_for_the_cpu_engine(tmp_path: Path, make_tiny_model: Callable[..., Path]) -> None:
-    core = _core(make_tiny_model(tmp_path / "tied", tie_word_embeddings=True))  # engine_flavor defaults to cpu
-    with pytest.raises(WeightExportError, match=r"stale lm_head on the CPU engine .*tie_word_embeddings=false"):
-        core.export_weights(tmp_path / "export")
-    assert not (tmp_path / "export").exists()
-
-
-def test_tied_model_exports_for_the_gpu_engine_with_a_fresh_lm_head(
-    tmp_path: Path, make_tiny_model: Callable[..., Path]
-) -> None:
-    core = _core(make_tiny_model(tmp_path / "tied", tie_word_embeddings=True), engine_flavor="gpu", learning_rate=1e-2)
-    batch = TrainBatch(token_ids=[SEQ], token_mask=[MASK], generation_logprobs=[[0.0] * len(SEQ)], advantages=[1.0])
-    core.train_step(batch, LOSS)  # the tied matrix moves: an export of the old lm_head would be stale
-    out = core.export_weights(tmp_path / "export")
-    saved = load_file(str(out / "model.safetensors"))
-    embed = core.model.get_input_embeddings().weight.detach()
-    assert torch.equal(saved["model.embed_tokens.weight"], embed)
-    if "lm_head.weight" in saved:  # both names, one value: a loader that skips the tied name reads the same
-        assert torch.equal(saved["lm_head.weight"], embed)
-    fresh = Qwen2ForCausalLM.from_pretrained(out)
-    assert fresh.config.tie_word_embeddings and torch.equal(fresh.lm_head.weight, embed)
-    ids = torch.tensor([SEQ])
-    with torch.no_grad():
-        assert torch.equal(fresh(input_ids=ids).logits, core.model(input_ids=ids).logits)
-
-
-def test_fingerprint_is_a_function_of_the_weights(
-    tiny_model_dir: Path, tmp_path: Path, make_tiny_model: Callable[..., Path]
-) -> None:
-    a, b = _core(tiny_model_dir), _core(tiny_model_dir)
-    assert a.state_fingerprint() == b.state_fingerprint()
-    c = _core(make_tiny_model(tmp_path / "other", seed=1))
-    assert c.state_fingerprint() != a.state_fingerprint()
 
 
 def test_named_errors(tiny_model_dir: Path, tmp_path: Path) -> None:

@@ -12,11 +12,10 @@ import torch
 
 from nemo_rl.algorithms.grpo import ClippedPGLossFn
 from nemo_rl.data.train import TrainBatch
-from nemo_rl.models.policy import LossConfig, LossFn, PolicyConfig
+from nemo_rl.models.policy import LossConfig, PolicyConfig
 from nemo_rl.models.policy.config import dtype_mismatch
-from nemo_rl.models.policy.core import PolicyCore
+from nemo_rl.models.policy.core import CORE_METRICS, LossFn, PolicyCore, check_loss_fn, check_loss_output
 from nemo_rl.models.policy.errors import LossFnError, PolicyDeviceError
-from nemo_rl.models.policy.loss import CORE_METRICS, check_loss_fn, check_loss_output
 
 POLICY_DIR = Path(__file__).resolve().parents[4] / "nemo_rl" / "models" / "policy"
 SEQ = [3, 17, 42, 9, 77, 5, 101]

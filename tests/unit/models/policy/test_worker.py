@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 import ray
+import torch
+from safetensors.torch import load_file
 
 from nemo_rl.algorithms.grpo import ClippedPGLossFn
 from nemo_rl.data.errors import PolicyWorkerError
@@ -16,12 +18,13 @@ from nemo_rl.data.train import TrainBatch
 from nemo_rl.data_plane import DataPlane
 from nemo_rl.distributed.ray_cluster import RayClusterHandle
 from nemo_rl.models.policy import LossConfig, PolicyConfig, PolicyWorkerHandle
-from nemo_rl.models.policy.core import PolicyCore, PolicyStateInfo
+from nemo_rl.models.policy.core import PolicyCore
 from nemo_rl.models.policy.errors import (
     LossFnError,
     PolicyWorkerDiedError,
     PolicyWorkerTimeoutError,
 )
+from nemo_rl.models.policy.state_io import WEIGHTS_FILE, PolicyStateInfo, optimizer_fingerprint, state_fingerprint
 from nemo_rl.models.policy.worker import PolicyWorker, RayPolicyClient
 
 
@@ -35,7 +38,7 @@ def test_policy_worker_actor_shell(shared_ray: RayClusterHandle, tiny_model_dir:
     client = RayPolicyClient(actor, call_timeout_s=120.0, name="policy")
     assert isinstance(client, PolicyWorkerHandle)
     local = PolicyCore(cfg)
-    assert client.state_fingerprint() == local.state_fingerprint()
+    assert client.state_fingerprint() == state_fingerprint(local)
     assert client.get_logprobs([[1, 2, 3]]) == local.get_logprobs([[1, 2, 3]])
     with pytest.raises(PolicyWorkerError, match="get_logprobs failed: TokenIdOutOfRangeError"):
         client.get_logprobs([[1, 999]])
@@ -44,7 +47,7 @@ def test_policy_worker_actor_shell(shared_ray: RayClusterHandle, tiny_model_dir:
                        generation_logprobs=[[0.0] * 4], advantages=[1.0])
     loss_fn = ClippedPGLossFn.from_config(LossConfig())
     assert client.train_step(batch, loss_fn) == local.train_step(batch, loss_fn)
-    assert client.state_fingerprint() == local.state_fingerprint()
+    assert client.state_fingerprint() == state_fingerprint(local)
     with pytest.raises(LossFnError, match="ClippedPGLossFn.from_config"):
         client.train_step(batch, LossConfig())  # refused in the driver, before any remote call
 
@@ -53,13 +56,18 @@ def test_policy_worker_actor_shell(shared_ray: RayClusterHandle, tiny_model_dir:
     ckpt = Path(tempfile.mkdtemp(prefix="nrlpol_ckpt_"))
     try:
         saved = client.save_state(ckpt / "s")
-        assert saved == PolicyStateInfo(1, local.state_fingerprint(), local.optimizer_fingerprint())
+        assert saved == PolicyStateInfo(1, state_fingerprint(local), optimizer_fingerprint(local))
         client.train_step(batch, loss_fn)
         assert client.optimizer_fingerprint() != saved.optimizer_fingerprint
         assert client.load_state(ckpt / "s") == saved
         assert (client.state_fingerprint(), client.optimizer_fingerprint()) == (saved.policy_fingerprint, saved.optimizer_fingerprint)
         with pytest.raises(PolicyWorkerError, match=r"save_state failed: PolicyCheckpointError: .*already holds"):
             client.save_state(ckpt / "s")
+        # The refit export through the actor writes the weights the local core holds (same state).
+        out = client.export_weights(ckpt / "refit")
+        assert out == ckpt / "refit" and sorted(f.name for f in out.iterdir()) == ["config.json", WEIGHTS_FILE]
+        exported, own = load_file(str(out / WEIGHTS_FILE)), local.model.state_dict()
+        assert exported.keys() == own.keys() and all(torch.equal(exported[k], own[k]) for k in own)
     finally:
         shutil.rmtree(ckpt)
 
@@ -104,9 +112,9 @@ def test_policy_worker_trains_on_the_rows_it_reads_from_the_train_partition(shar
         local = PolicyCore(cfg)
         with pytest.raises(TrainRowDigestError, match=r"key 'r-0#0': payload digest [0-9a-f]{64} != 0{64}"):
             policy.train_planned(dataclasses.replace(plan, digests=("0" * 64,)), loss_fn)
-        assert policy.state_fingerprint() == local.state_fingerprint()  # nothing trained
+        assert policy.state_fingerprint() == state_fingerprint(local)  # nothing trained
         assert policy.train_planned(plan, loss_fn) == local.train_step(batch, loss_fn)
-        assert policy.state_fingerprint() == local.state_fingerprint()
+        assert policy.state_fingerprint() == state_fingerprint(local)
         policy.kill()
         bare = RayPolicyClient.spawn(cfg)
         with pytest.raises(PolicyWorkerError, match="train_planned needs the data plane"):
