@@ -222,6 +222,7 @@ class NemoGymEnvironment:
 
     async def start(self) -> None:
         """Start the servers (`GymServers.start`), with a fresh HTTP client after a stop."""
+        self.servers.check_stopped()  # before touching the client a running environment uses
         if self._http.closed:
             self._http = GymHttpClient()
         try:

@@ -120,9 +120,13 @@ class GymServers:
         return self._url(self._require_ports().resources)
 
     # --- lifecycle ------------------------------------------------------------------------
-    async def start(self) -> None:
+    def check_stopped(self) -> None:
+        """Raise a `call_order` `NemoGymError` while the servers run (start() twice)."""
         if self._procs:
             raise NemoGymError("NemoGymEnvironment.start() called twice; stop() it first", kind="call_order")
+
+    async def start(self) -> None:
+        self.check_stopped()
         agent_python = await self._agent_python()  # a first build takes minutes: before the start deadline
         began = time.monotonic()
         ports = launch.ServerPorts(*launch.pick_free_ports(3))
