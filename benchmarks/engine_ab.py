@@ -125,7 +125,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     from nemo_rl.algorithms.setup import start_stack
     from examples.arith.task import CALCULATOR_TOOL, SYSTEM_PROMPT, make_problems, user_prompt
     from examples.arith.tiny_model import TinyModelConfig, ensure_tiny_model
-    from nemo_rl.environments.nemo_gym import NemoGymConfig
+    from nemo_rl.environments.nemo_gym_config import NemoGymConfig
     from nemo_rl.data.request_rules import rollout_id_for
     from nemo_rl.models.generation.vllm.config import GenerationConfig
     from nemo_rl.token_capture.config import TokenCaptureConfig
@@ -148,7 +148,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     run_id = f"engine-ab-{uuid.uuid4().hex[:8]}"
     try:
         assert stack.env is not None and stack.workers is not None
-        gate, worker = stack.env.gate_url, stack.workers.base_urls[0]
+        gate, worker = stack.env.servers.gate_url, stack.workers.base_urls[0]
         async with aiohttp.ClientSession() as session:
             for index in range(args.warmup_rounds + args.rounds):
                 measured = index >= args.warmup_rounds

@@ -164,7 +164,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     from nemo_rl.algorithms.setup import start_stack
     from nemo_rl.data.request_rules import rollout_id_for
     from nemo_rl.data_plane import DataPlaneConfig
-    from nemo_rl.environments.nemo_gym import NemoGymConfig
+    from nemo_rl.environments.nemo_gym_config import NemoGymConfig
     from nemo_rl.models.generation.vllm.config import GenerationConfig
     from nemo_rl.token_capture.config import TokenCaptureConfig
 
@@ -184,7 +184,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     run_id = f"stream-ttfc-{uuid.uuid4().hex[:8]}"
     try:
         assert stack.env is not None
-        gate = stack.env.gate_url
+        gate = stack.env.servers.gate_url
         async with aiohttp.ClientSession() as session:
             lengths = [(await one_call(session, f"{gate}/v1/chat/completions", c, False, args.call_timeout_s))["tokens"]
                        for c in candidates]

@@ -35,7 +35,8 @@ from nemo_rl.algorithms.setup import start_stack
 from nemo_rl.data.rows import KeptRollout
 from nemo_rl.data_plane import DataPlaneConfig
 from nemo_rl.data_plane.staging import TQTokenSource
-from nemo_rl.environments.nemo_gym import NemoGymConfig, RowSampling
+from nemo_rl.environments.nemo_gym_config import NemoGymConfig
+from nemo_rl.environments.task import RowSampling
 from nemo_rl.experience.finalizer_pool import fetch_snapshots
 from nemo_rl.models.generation.vllm.config import GenerationConfig
 from nemo_rl.token_capture.audit import audit_train_row, retokenization_drift

@@ -98,7 +98,7 @@ from nemo_rl.data.rows import KeptRollout, PlaceholderReason
 from nemo_rl.algorithms.setup import start_stack
 from nemo_rl.data_plane import DataPlaneConfig
 from nemo_rl.data_plane.staging import TQStagingCleaner
-from nemo_rl.environments.nemo_gym import NemoGymConfig
+from nemo_rl.environments.nemo_gym_config import NemoGymConfig
 from nemo_rl.experience.finalizer_pool import FinalizerPool, TQSourceFactory
 from nemo_rl.experience.rollout_manager import RetentionError, RolloutManager, RolloutManagerConfig
 from nemo_rl.models.generation.vllm.config import GenerationConfig
@@ -787,7 +787,7 @@ async def main(args: argparse.Namespace) -> list[dict[str, Any]]:
         for name, rollout_id in zip(names, rollout_ids):
             log(f"[scenario] {name} -> rollout {rollout_id}")
             run = ScenarioRun()
-            harness = Harness(stack.env.gate_url, rollout_id, generation.model_name, args, run)
+            harness = Harness(stack.env.servers.gate_url, rollout_id, generation.model_name, args, run)
             try:
                 await asyncio.wait_for(SCENARIOS[name](harness, ctx, run), args.scenario_timeout_s)
                 done = run.kept is not None or run.declared_outcome is not None

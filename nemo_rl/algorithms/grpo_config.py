@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from nemo_rl.algorithms.async_config import AsyncRolloutsConfig, async_cross_check
 from nemo_rl.data_plane import DataPlaneConfig
-from nemo_rl.environments.nemo_gym import NemoGymConfig
+from nemo_rl.environments.nemo_gym_config import NemoGymConfig
 from nemo_rl.models.generation.vllm.config import GenerationConfig
 from nemo_rl.models.policy import LossConfig, PolicyConfig
 from nemo_rl.token_capture.config import TokenCaptureConfig

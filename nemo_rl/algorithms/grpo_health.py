@@ -37,7 +37,7 @@ def build_watch(
     def probes():
         found = []
         if stack.env is not None:
-            found += stack.env.probes()
+            found += stack.env.servers.probes()
         if stack.workers is not None:
             found += stack.workers.probes()
         if stack.data_plane is not None:
@@ -65,7 +65,7 @@ def build_watch(
 def unrecoverable(stack: Stack, down: dict[str, str]) -> dict[str, str]:
     """Dead rollout-path components that `recover` cannot restart (all but the Gym servers)."""
     env = stack.env
-    return {name: detail for name, detail in down.items() if env is None or env.server_for(name) is None}
+    return {name: detail for name, detail in down.items() if env is None or env.servers.server_for(name) is None}
 
 
 async def recover(stack: Stack, watch: ComponentWatch, pool: FinalizerPool | None,
@@ -74,9 +74,9 @@ async def recover(stack: Stack, watch: ComponentWatch, pool: FinalizerPool | Non
     await watch.poll()
     restarted = 0
     for name in sorted(watch.dead()):
-        server = stack.env.server_for(name) if stack.env is not None else None
+        server = stack.env.servers.server_for(name) if stack.env is not None else None
         if server is not None:
-            seconds = await stack.env.restart(server)
+            seconds = await stack.env.servers.restart(server)
             watch.recovered(name)
             restarted += 1
             progress(f"[health] restarted {name} (Gym server {server}) on its port in {seconds:.1f}s")

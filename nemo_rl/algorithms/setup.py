@@ -47,8 +47,10 @@ from nemo_rl.distributed.ray_cluster import (
 )
 from nemo_rl.distributed.shared_fs import remove_probe, write_probe
 from nemo_rl.distributed.topology import check_cluster_binds
-from nemo_rl.environments.datasets import PromptSource, make_prompt_source
-from nemo_rl.environments.nemo_gym import NemoGymConfig, NemoGymEnvironment, RowSampling
+from nemo_rl.environments.datasets import make_prompt_source
+from nemo_rl.environments.gym_client import NemoGymEnvironment, PromptSource
+from nemo_rl.environments.nemo_gym_config import NemoGymConfig
+from nemo_rl.environments.task import RowSampling
 from nemo_rl.experience.finalizer_pool import FinalizeOutcome, FinalizerPool, TQSourceFactory, TQTrainRowsFactory
 from nemo_rl.experience.rollout_manager import RolloutManager, RolloutManagerConfig
 from nemo_rl.models.generation.vllm.config import GenerationConfig
@@ -308,7 +310,7 @@ def component_pids(stack: Stack, pool: FinalizerPool | None, timeout_s: float) -
     """run_info.json `components`: the pid of every watched component by its watch name (Ray actors
     asked with one bounded call; engine cores as their worker reports them), for operators and
     chaos tests."""
-    pids = dict(stack.env.pids()) if stack.env is not None else {}
+    pids = dict(stack.env.servers.pids()) if stack.env is not None else {}
     actors = {}
     if stack.workers is not None:
         actors.update({worker_name(i): h for i, h in enumerate(stack.workers.handles)})

@@ -1,53 +1,30 @@
-"""Prompt sources: the rows the GRPO loop dispatches each step (the loop knows no task).
+"""Prompt-source set-up: read and check the rows the GRPO loop dispatches (the loop knows no task).
 
-A `PromptSource` has `batch(step, n)`: the agent `/run` bodies of step `step`, deterministic in
-(seed, step), each a fresh deep copy. `PromptDataset` walks its rows in seeded epochs (every row
-once before any repeats) and sets the recipe's sampling onto each row; `TaskPromptSource` and
-`task_pool` draw from a `GymTask`; `make_prompt_source` picks what the `env:` section names.
-Refuses a bad dataset line (`GymDatasetError` naming file and line); a row whose prompt plus
-`max_output_tokens` exceeds `max_model_len` is dropped and counted, never dispatched to fail,
-and all rows dropped is an error naming the fix.
-Invariant: the dataloader position is the step, which is what makes resume exact.
-See docs/design-docs/gym-environment.md, "Prompt sources".
+`make_prompt_source` builds what the `env:` section names, once before the first step: a
+`TaskPromptSource` or a `task_pool` of a `GymTask`, or a `PromptDataset` read from a Gym JSONL
+(`load_jsonl`). Refuses a bad dataset line (`GymDatasetError` naming file and line); a row whose
+prompt plus `max_output_tokens` exceeds `max_model_len` is dropped and counted, never dispatched
+to fail, and all rows dropped is an error naming the fix. What runs each step (`batch`) is
+`gym_client`'s. See docs/design-docs/gym-environment.md, "Prompt sources".
 """
 
 from __future__ import annotations
 
-import copy
 import json
-import random
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
+from nemo_rl.environments.gym_client import (
+    PARAMS_FIELD,
+    TASK_STEP_STRIDE,
+    PromptDataset,
+    PromptSource,
+    TaskPromptSource,
+)
 from nemo_rl.environments.gym_servers import dataset_path, package_dir
 from nemo_rl.environments.nemo_gym_config import GymDatasetError, NemoGymConfig
 from nemo_rl.environments.task import GymTask, RowSampling, load_task
-
-PARAMS_FIELD = "responses_create_params"
-_TASK_STEP_STRIDE = 100_003
-_EPOCH_STRIDE = 1_000_003
-
-
-class PromptSource(Protocol):
-    def batch(self, step: int, n: int) -> list[dict[str, Any]]: ...
-
-
-def _check_step(step: int, n: int) -> None:
-    if step < 1 or n < 1:
-        raise ValueError(f"batch(step={step}, n={n}): step is 1-based and n must be >= 1")
-
-
-def apply_sampling(row: Mapping[str, Any], sampling: RowSampling) -> dict[str, Any]:
-    """A deep copy of `row` whose `responses_create_params` carries the recipe's sampling."""
-    out = copy.deepcopy(dict(row))
-    out[PARAMS_FIELD] = {
-        **out[PARAMS_FIELD],
-        "temperature": sampling.temperature,
-        "top_p": sampling.top_p,
-        "max_output_tokens": sampling.max_output_tokens,
-    }
-    return out
 
 
 def parse_row(line: str, where: str) -> dict[str, Any]:
@@ -69,71 +46,20 @@ def parse_row(line: str, where: str) -> dict[str, Any]:
     return row
 
 
-class PromptDataset:
-    """Rows from a file, walked epoch by epoch (see the module docstring)."""
-
-    def __init__(self, rows: Sequence[Mapping[str, Any]], seed: int, sampling: RowSampling, source: str = "<rows>") -> None:
-        if not rows:
-            raise GymDatasetError(f"{source}: the dataset has no rows")
-        self._rows = tuple(copy.deepcopy(dict(r)) for r in rows)
-        self._seed = seed
-        self._sampling = sampling
-        self.source = source
-        self._orders: dict[int, list[int]] = {}
-
-    @classmethod
-    def from_jsonl(cls, path: Path | str, seed: int, sampling: RowSampling) -> "PromptDataset":
-        path = Path(path)
-        rows = [
-            parse_row(line, f"{path}:{number}")
-            for number, line in enumerate(path.read_text().splitlines(), start=1)
-            if line.strip()
-        ]
-        return cls(rows, seed, sampling, source=str(path))
-
-    def with_rows(self, rows: Sequence[Mapping[str, Any]]) -> "PromptDataset":
-        """The same seed, sampling and source over other rows (e.g. after a length filter)."""
-        return PromptDataset(rows, self._seed, self._sampling, self.source)
-
-    def __len__(self) -> int:
-        return len(self._rows)
-
-    @property
-    def rows(self) -> tuple[dict[str, Any], ...]:
-        return self._rows
-
-    def epoch_order(self, epoch: int) -> list[int]:
-        """The row order of one epoch (a permutation of all row indices)."""
-        if epoch not in self._orders:
-            order = list(range(len(self._rows)))
-            random.Random(self._seed * _EPOCH_STRIDE + epoch).shuffle(order)
-            self._orders[epoch] = order
-        return self._orders[epoch]
-
-    def batch(self, step: int, n: int) -> list[dict[str, Any]]:
-        _check_step(step, n)
-        size = len(self._rows)
-        picks = [self.epoch_order(pos // size)[pos % size] for pos in range((step - 1) * n, step * n)]
-        return [apply_sampling(self._rows[i], self._sampling) for i in picks]
-
-
-class TaskPromptSource:
-    """A `GymTask`'s rows, drawn afresh every step."""
-
-    def __init__(self, task: GymTask, seed: int, sampling: RowSampling) -> None:
-        self._task = task
-        self._seed = seed
-        self._sampling = sampling
-
-    def batch(self, step: int, n: int) -> list[dict[str, Any]]:
-        _check_step(step, n)
-        # Deep copies: the rows are the callers' to mutate, whatever the task shares between calls.
-        return copy.deepcopy(self._task.rows(self._seed * _TASK_STEP_STRIDE + step, n, self._sampling))
+def load_jsonl(path: Path | str, seed: int, sampling: RowSampling) -> PromptDataset:
+    """A `PromptDataset` of a Gym JSONL file's rows (each checked by `parse_row`)."""
+    path = Path(path)
+    rows = [
+        parse_row(line, f"{path}:{number}")
+        for number, line in enumerate(path.read_text().splitlines(), start=1)
+        if line.strip()
+    ]
+    return PromptDataset(rows, seed, sampling, source=str(path))
 
 
 def task_pool(task: GymTask, seed: int, size: int, sampling: RowSampling) -> PromptDataset:
     """A fixed pool of `size` rows of `task` drawn from `seed`, walked in epochs."""
-    rows = task.rows(seed * _TASK_STEP_STRIDE, size, sampling)
+    rows = task.rows(seed * TASK_STEP_STRIDE, size, sampling)
     source = f"<{task.resources_server.package} pool of {size}, seed {seed}>"
     return PromptDataset(rows, seed, sampling, source=source)
 
@@ -211,7 +137,7 @@ def make_prompt_source(
             return TaskPromptSource(task, seed, sampling)
         return task_pool(task, seed, env_cfg.arith_problem_pool, sampling)
     path = dataset_path(env_cfg.gym, package_dir(env_cfg.gym.resources_server))
-    dataset = PromptDataset.from_jsonl(path, seed, sampling)
+    dataset = load_jsonl(path, seed, sampling)
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))

@@ -41,7 +41,8 @@ from examples.arith.tiny_model import TinyModelConfig, ensure_tiny_model
 from nemo_rl.data_plane import DataPlaneClient, DataPlaneConfig, start_data_plane
 from nemo_rl.data_plane import tq_backend
 from nemo_rl.distributed.ray_cluster import init_local_ray
-from nemo_rl.environments.nemo_gym import NemoGymConfig, NemoGymEnvironment
+from nemo_rl.environments.gym_client import NemoGymEnvironment
+from nemo_rl.environments.nemo_gym_config import NemoGymConfig
 from nemo_rl.models.generation.vllm.config import GenerationConfig
 from nemo_rl.models.generation.vllm.launcher import await_workers, spawn_workers
 from nemo_rl.token_capture.config import TokenCaptureConfig
@@ -200,7 +201,7 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
         client = DataPlaneClient.attach(dp_cfg)
         env = NemoGymEnvironment(NemoGymConfig(), capture, worker_base_url=pending.base_urls, log_dir=log_dir)
         await env.start()
-        gate = env.gate_url
+        gate = env.servers.gate_url
         report["startup"]["gate_chat"] = await call("POST", gate + chat_path("startup-1"), body=CHAT)
         group = await asyncio.to_thread(await_workers, pending, progress=lambda m: print(m, file=sys.stderr, flush=True))
 
@@ -233,7 +234,7 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
         }
         state_url = worker.removesuffix("/v1") + "/control/state"
         manifest_url = gate + "/training-token-capture/control/rollouts/good-1/manifest"
-        bearer = env._bearer  # the gate's per-run bearer (held privately by the environment)
+        bearer = env.servers.bearer  # the gate's per-run bearer
         report["control"] = {
             "worker_none": await call("GET", state_url),
             "worker_wrong": await call("GET", state_url, headers={"Authorization": "Bearer wrong"}),
@@ -248,7 +249,7 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
         conf = await asyncio.to_thread(tq_backend.fetch_published_conf, dp_cfg.call_timeout_s)
         infos = [conf.controller.zmq_info, *conf.backend.SimpleStorage.zmq_info.values()]
         known = {int(urlsplit(worker).port): "vllm_worker_http"}
-        for name, url in (("gate", env.gate_url), ("resources", env.resources_url), ("agent", env.agent_url)):
+        for name, url in (("gate", env.servers.gate_url), ("resources", env.servers.resources_url), ("agent", env.servers.agent_url)):
             known[int(urlsplit(url).port)] = f"gym_{name}"
         for info in infos:
             for port in info.ports.values():
@@ -259,7 +260,7 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
         report["token_leaks"] = token_leaks(
             [log_dir, Path(ray_handle.temp_dir)], {"gate_bearer": bearer, "worker_control_token": group.control_token})
     finally:
-        urls = (worker if group is not None else None, env.gate_url if env is not None and env._ports else None)
+        urls = (worker if group is not None else None, env.servers.gate_url if env is not None and env.servers.pids() else None)
         if env is not None:
             await env.aclose()
         if group is not None:

@@ -23,7 +23,8 @@ from nemo_rl.algorithms.grpo_checkpoint import (
     write_trainer_state,
 )
 from nemo_rl.algorithms.grpo_single_controller import resumable_logs
-from nemo_rl.environments.datasets import PromptDataset, TaskPromptSource, task_pool
+from nemo_rl.environments.datasets import task_pool
+from nemo_rl.environments.gym_client import PromptDataset, TaskPromptSource
 from nemo_rl.environments.task import RowSampling
 from nemo_rl.utils.checkpoint import (
     CheckpointError,

@@ -32,7 +32,7 @@ from nemo_rl.algorithms.grpo_checkpoint import (
     write_trainer_state,
 )
 from nemo_rl.algorithms.grpo_single_controller import log_and_checkpoint
-from nemo_rl.environments.datasets import TaskPromptSource
+from nemo_rl.environments.gym_client import TaskPromptSource
 from nemo_rl.environments.task import RowSampling
 from nemo_rl.experience.prompt_queue import LedgerSnapshot, PendingState, PromptLedger
 from nemo_rl.utils.checkpoint import CheckpointError, CheckpointingConfig, capture_rng_states

@@ -73,7 +73,9 @@ def test_component_metrics() -> None:
         "component/deaths": 1.0, "component/down": 0.0, "component/restarts": 1.0, "finalize/replaced_workers": 2.0}
 
 
-class FakeEnv:
+class FakeServers:
+    """The Gym servers' lifecycle an environment holds (`NemoGymEnvironment.servers`)."""
+
     def __init__(self, dead_servers: set[str]) -> None:
         self.dead = set(dead_servers)
         self.restarted: list[str] = []
@@ -95,9 +97,14 @@ class FakeEnv:
         return 0.5
 
 
+class FakeEnv:
+    def __init__(self, servers: FakeServers) -> None:
+        self.servers = servers
+
+
 class FakeStack:
-    def __init__(self, env: FakeEnv, workers: WorkerGroup | None = None) -> None:
-        self.env = env
+    def __init__(self, servers: FakeServers, workers: WorkerGroup | None = None) -> None:
+        self.env = FakeEnv(servers)
         self.workers = workers
         self.data_plane = None  # the legacy path has no TransferQueue
 
@@ -117,22 +124,22 @@ class FakePool:
 
 
 def test_unrecoverable_is_every_dead_component_but_the_gym_servers() -> None:
-    stack = FakeStack(FakeEnv(set()))
+    stack = FakeStack(FakeServers(set()))
     down = {"gate": "a", "vllm_worker_0": "b", "tq_storage_unit_0": "c"}
     assert unrecoverable(stack, down) == {"vllm_worker_0": "b", "tq_storage_unit_0": "c"}
 
 
 def test_recover_restarts_dead_gym_servers_and_clears_them() -> None:
-    env = FakeEnv({"policy_model"})
+    servers = FakeServers({"policy_model"})
     said: list[str] = []
 
     async def body():
-        watch = ComponentWatch(env.probes, interval_s=0.01, probe_timeout_s=1.0)
-        restarted = await recover(FakeStack(env), watch, FakePool(), said.append)
+        watch = ComponentWatch(servers.probes, interval_s=0.01, probe_timeout_s=1.0)
+        restarted = await recover(FakeStack(servers), watch, FakePool(), said.append)
         return restarted, watch.down()
 
     restarted, down = asyncio.run(body())
-    assert (restarted, down, env.restarted) == (1, {}, ["policy_model"])
+    assert (restarted, down, servers.restarted) == (1, {}, ["policy_model"])
     assert said == ["[health] restarted gate (Gym server policy_model) on its port in 0.5s"]
 
 
@@ -187,7 +194,7 @@ def test_the_legacy_watch_holds_the_gym_servers_the_worker_and_its_engine_core()
     cfg = TokenCaptureConfig(enabled=False)
 
     async def body():
-        watch = build_watch(FakeStack(FakeEnv(set()), _group(handle)), None, cfg, said.append)
+        watch = build_watch(FakeStack(FakeServers(set()), _group(handle)), None, cfg, said.append)
         names = [p.name for p in watch._probes()]
         alive = await watch.poll()
         handle.core_exitcode = -9

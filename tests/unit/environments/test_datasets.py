@@ -1,4 +1,4 @@
-"""Prompt sources: determinism, the epoch walk, the sampling overlay, bad rows, the length filter."""
+"""Prompt-source set-up: bad rows, the length filter, the `env:` section's source (`datasets`)."""
 
 from __future__ import annotations
 
@@ -12,13 +12,13 @@ from examples.arith.gym_task import TASK as ARITH_TASK
 from examples.arith.rows import build_row
 from examples.arith.task import make_problems
 from nemo_rl.environments.datasets import (
-    PromptDataset,
-    TaskPromptSource,
     chat_messages,
     chat_tools,
     drop_overlong,
+    load_jsonl,
     make_prompt_source,
 )
+from nemo_rl.environments.gym_client import PromptDataset, TaskPromptSource
 from nemo_rl.environments.gym_servers import dataset_path, package_dir
 from nemo_rl.environments.nemo_gym_config import GymDatasetError, GymEnvironmentConfig, NemoGymConfig
 from nemo_rl.environments.task import RowSampling
@@ -37,55 +37,20 @@ def _ids(rows: list[dict]) -> list[int]:
     return [r["id"] for r in rows]
 
 
-def test_batch_is_deterministic_in_seed_and_step() -> None:
-    a, b = PromptDataset(_rows(7), 3, SAMPLING), PromptDataset(_rows(7), 3, SAMPLING)
-    assert [_ids(a.batch(s, 3)) for s in range(1, 6)] == [_ids(b.batch(s, 3)) for s in range(1, 6)]
-    assert _ids(a.batch(4, 3)) == _ids(a.batch(4, 3))  # not a stateful iterator
-    other = PromptDataset(_rows(7), 4, SAMPLING)
-    assert [_ids(a.batch(s, 7)) for s in (1, 2)] != [_ids(other.batch(s, 7)) for s in (1, 2)]
-
-
-@pytest.mark.parametrize("size,n", [(5, 1), (5, 2), (7, 3), (4, 4), (3, 5)])
-def test_each_epoch_walks_every_row_once_before_repeating(size: int, n: int) -> None:
-    ds = PromptDataset(_rows(size), 11, SAMPLING)
-    walked = [i for step in range(1, 4 * size + 1) for i in _ids(ds.batch(step, n))]
-    epochs = [walked[k : k + size] for k in range(0, len(walked) - size + 1, size)]
-    assert all(sorted(epoch) == list(range(size)) for epoch in epochs)
-    assert len({tuple(e) for e in epochs}) > 1  # reshuffled per epoch
-
-
-def test_sampling_is_set_on_a_copy_and_the_source_rows_stay_untouched() -> None:
-    rows = _rows(2)
-    ds = PromptDataset(rows, 0, SAMPLING)
-    out = ds.batch(1, 2)
-    for row in out:
-        params = row["responses_create_params"]
-        assert (params["temperature"], params["top_p"], params["max_output_tokens"]) == (0.7, 0.9, 32)
-        row["responses_create_params"]["input"].append({"role": "user", "content": "mutated"})
-    assert rows == _rows(2)
-    assert all(len(r["responses_create_params"]["input"]) == 1 for r in ds.rows)
-    assert all(r["responses_create_params"]["temperature"] == 0.1 for r in ds.rows)
-
-
-def test_from_jsonl_names_the_file_and_line_of_a_bad_row(tmp_path: Path) -> None:
+def test_load_jsonl_names_the_file_and_line_of_a_bad_row(tmp_path: Path) -> None:
     path = tmp_path / "rows.jsonl"
     path.write_text(json.dumps(_rows(1)[0]) + "\n\n" + json.dumps({"prompt": "no params"}) + "\n")
     with pytest.raises(GymDatasetError, match=rf"{path}:3: the row has no `responses_create_params`"):
-        PromptDataset.from_jsonl(path, 0, SAMPLING)
+        load_jsonl(path, 0, SAMPLING)
     path.write_text("{not json\n")
     with pytest.raises(GymDatasetError, match=rf"{path}:1: not valid JSON"):
-        PromptDataset.from_jsonl(path, 0, SAMPLING)
+        load_jsonl(path, 0, SAMPLING)
     path.write_text(json.dumps({"responses_create_params": {"tools": []}}) + "\n")
     with pytest.raises(GymDatasetError, match=rf"{path}:1: `responses_create_params` has no `input`"):
-        PromptDataset.from_jsonl(path, 0, SAMPLING)
+        load_jsonl(path, 0, SAMPLING)
     path.write_text("\n")
     with pytest.raises(GymDatasetError, match="no rows"):
-        PromptDataset.from_jsonl(path, 0, SAMPLING)
-
-
-def test_batch_rejects_step_zero() -> None:
-    with pytest.raises(ValueError, match="1-based"):
-        PromptDataset(_rows(2), 0, SAMPLING).batch(0, 1)
+        load_jsonl(path, 0, SAMPLING)
 
 
 def test_arith_source_is_todays_rows() -> None:
@@ -106,7 +71,7 @@ def test_drop_overlong_counts_skips_and_fails_when_nothing_fits() -> None:
 
 def test_shipped_example_rows_parse_and_render_as_chat() -> None:
     cfg = GymEnvironmentConfig(resources_server="example_single_tool_call")
-    ds = PromptDataset.from_jsonl(dataset_path(cfg, package_dir(cfg.resources_server)), 0, SAMPLING)
+    ds = load_jsonl(dataset_path(cfg, package_dir(cfg.resources_server)), 0, SAMPLING)
     assert len(ds) == 5
     params = ds.rows[0]["responses_create_params"]
     assert [m["role"] for m in chat_messages(params)] == ["developer", "user"]

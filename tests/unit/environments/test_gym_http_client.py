@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
-from nemo_rl.environments.nemo_gym import GymHttpClient, NemoGymEnvironment
+from nemo_rl.environments.gym_client import GymHttpClient, NemoGymEnvironment
 from nemo_rl.environments.nemo_gym_config import (
     NemoGymConfig,
     NemoGymError,

@@ -19,7 +19,7 @@ from nemo_rl.environments.gym_servers import (
     resolve_gym_environment,
     resources_block,
 )
-from nemo_rl.environments.nemo_gym import NemoGymEnvironment, apply_reward_key
+from nemo_rl.environments.gym_client import NemoGymEnvironment, apply_reward_key
 from nemo_rl.environments.nemo_gym_config import (
     GymEnvironmentConfig,
     GymRequirementsError,
@@ -119,7 +119,7 @@ def test_global_config_keeps_the_capture_wiring_for_a_gym_server(tmp_path: Path)
 
 def test_the_default_is_still_the_arithmetic_environment(tmp_path: Path) -> None:
     env = NemoGymEnvironment(NemoGymConfig(), TokenCaptureConfig(enabled=False), worker_base_url=WORKER, log_dir=tmp_path)
-    assert env.resources_server == ARITH
+    assert env.servers.resources_server == ARITH
     assert launch.build_global_config(NemoGymConfig(), worker_base_url=WORKER, ports=PORTS, capture=None, resources_server=ARITH)[
         ARITH.name
     ] == {"resources_servers": {"arith": {"entrypoint": "arith_resources.py", "domain": "math",

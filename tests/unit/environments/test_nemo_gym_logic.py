@@ -15,10 +15,8 @@ from examples.arith.task import Problem
 from nemo_gym.token_id_capture.config import TokenIdCaptureConfig, token_id_capture_enabled_for_agent
 from nemo_gym.token_id_capture.staging.records import RolloutManifest
 from nemo_rl.environments import nemo_gym_launch as launch
-from nemo_rl.environments.nemo_gym import (
-    NemoGymConfig,
+from nemo_rl.environments.gym_client import (
     NemoGymEnvironment,
-    NemoGymError,
     _parse_manifest,
     check_rollout_id,
     ledger_files,
@@ -33,6 +31,8 @@ from nemo_rl.environments.nemo_gym_config import (
     ManifestRequestError,
     ManifestServerError,
     ManifestTimeoutError,
+    NemoGymConfig,
+    NemoGymError,
 )
 from nemo_rl.environments.task import RowSampling
 from nemo_rl.token_capture.config import TokenCaptureConfig
@@ -297,9 +297,12 @@ async def _fake_server(handler) -> tuple[web.AppRunner, int]:
 
 def _attach(env: NemoGymEnvironment, *, gate: int = 1, agent: int = 2) -> None:
     # Point a never-started environment at a fake server (the Gym servers are not under test here).
-    env._ports = launch.ServerPorts(gate=gate, resources=3, agent=agent)
-    env._bearer = "good"
-    env._log_paths = {name: env._log_dir / f"gym_{name}.log" for name in (launch.GATE, ARITH.name, ARITH.agent_name)}
+    servers = env.servers
+    servers._ports = launch.ServerPorts(gate=gate, resources=3, agent=agent)
+    servers._bearer = "good"
+    servers._log_paths = {
+        name: servers._log_dir / f"gym_{name}.log" for name in (launch.GATE, ARITH.name, ARITH.agent_name)
+    }
 
 
 @pytest.mark.parametrize(

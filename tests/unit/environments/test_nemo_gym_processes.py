@@ -38,12 +38,9 @@ from nemo_gym.token_id_capture.staging.records import (
     staging_key,
 )
 from nemo_rl.environments import nemo_gym_launch as launch
-from nemo_rl.environments.nemo_gym import (
-    NemoGymConfig,
-    NemoGymEnvironment,
-    RowSampling,
-)
-from nemo_rl.environments.nemo_gym_config import GymServerStartError, ManifestAuthError
+from nemo_rl.environments.gym_client import NemoGymEnvironment
+from nemo_rl.environments.nemo_gym_config import GymServerStartError, ManifestAuthError, NemoGymConfig
+from nemo_rl.environments.task import RowSampling
 from nemo_rl.token_capture.config import TokenCaptureConfig
 
 pytestmark = pytest.mark.integration
@@ -195,18 +192,18 @@ async def test_legacy_run_rewards_the_tool_answer_with_token_echo(tmp_path: Path
         wrong = json.loads(json.dumps(result["response"]))
         wrong["output"][-1]["content"][0]["text"] = "The answer is 26."
         async with aiohttp.ClientSession() as session:
-            async with session.post(f"{env.resources_url}/calculator", json={"expression": "7 / 0"}) as resp:
+            async with session.post(f"{env.servers.resources_url}/calculator", json={"expression": "7 / 0"}) as resp:
                 calc_status, calc_text = resp.status, await resp.text()
             verify_wrong = {**build_row(PROBLEM, SAMPLING), "response": wrong}
-            async with session.post(f"{env.resources_url}/verify", json=verify_wrong) as resp:
+            async with session.post(f"{env.servers.resources_url}/verify", json=verify_wrong) as resp:
                 wrong_status, wrong_json = resp.status, await resp.json()
             corrupt_row = {**build_row(PROBLEM, SAMPLING), "answer": 28, "response": result["response"]}
-            async with session.post(f"{env.resources_url}/verify", json=corrupt_row) as resp:
+            async with session.post(f"{env.servers.resources_url}/verify", json=corrupt_row) as resp:
                 corrupt_status, corrupt_text = resp.status, await resp.text()
     finally:
         await env.aclose()
         await runner.cleanup()
-    print(f"legacy: startup {env.startup_seconds:.2f}s, one rollout {run_s:.3f}s")
+    print(f"legacy: startup {env.servers.startup_seconds:.2f}s, one rollout {run_s:.3f}s")
     assert result["reward"] == 1.0
     assert result["final_text"] == "The answer is 27."
     assert (result["expression"], result["answer"]) == (PROBLEM.expression, PROBLEM.answer)
@@ -244,13 +241,13 @@ async def test_capture_run_stages_both_turns_and_serves_the_manifest(tmp_path: P
         run_s = time.monotonic() - t0
         manifest = await env.manifest("r1-step0-g0-i0-a0")
         unknown = await env.manifest("never-ran")
-        env._bearer = "wrong-bearer"
+        env.servers._bearer = "wrong-bearer"
         with pytest.raises(ManifestAuthError, match="HTTP 401"):
             await env.manifest("r1-step0-g0-i0-a0")
     finally:
         await env.aclose()
         await runner.cleanup()
-    print(f"capture: startup {env.startup_seconds:.2f}s, one rollout {run_s:.3f}s")
+    print(f"capture: startup {env.servers.startup_seconds:.2f}s, one rollout {run_s:.3f}s")
     assert result["reward"] == 1.0
     admissions = [CaptureAdmission.model_validate(body["ng_capture"]) for body in worker.requests]
     assert [a.mode for a in admissions] == ["text", "token_in"]
@@ -306,7 +303,7 @@ async def test_start_timeout_stops_the_started_servers(tmp_path: Path) -> None:
     )
     with pytest.raises(GymServerStartError, match="within startup_timeout_s=0.3"):
         await env.start()
-    assert env._procs == {}
+    assert env.servers._procs == {}
 
 
 def test_terminate_escalates_to_sigkill_only_for_our_process() -> None:

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from nemo_rl.environments.datasets import PromptDataset
+from nemo_rl.environments.gym_client import PromptDataset
 from nemo_rl.environments.task import RowSampling
 from nemo_rl.experience.prompt_queue import (
     ConsumedPrompt,
