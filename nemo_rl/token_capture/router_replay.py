@@ -34,7 +34,7 @@ from nemo_gym.token_id_capture.staging import (
 from nemo_rl.data.errors import FatalError, RecoverableError
 from nemo_rl.data.rows import GroupEntry, KeptRollout, Placeholder, PlaceholderReason, TrainRow
 from nemo_rl.data.calls import StagedRecordInvalidError, StagingFetchError
-from nemo_rl.data_plane.staging import StagedKeysMissingError
+from nemo_rl.data_plane.partitions import StagedKeysMissingError
 from nemo_rl.token_capture.judge import RolloutEvidence, all_served_lost
 
 ROUTED_EXPERTS_KEY = ROUTED_EXPERTS_FIELD
