@@ -21,7 +21,7 @@ and summarises):
    re-tokenization drift (`audit.retokenization_drift`) and measures the row bytes that went
    through the driver (pickled groups + what it sent the policy worker). Rows that went through
    the train partition never reach the driver: the child reads each plan's rows back with
-   `train_rows.read_train_batch` right before the step's retention clears them (one TQ get per
+   `partitions.read_train_batch` right before the step's retention clears them (one TQ get per
    step, after the train phase; it counts in `step_s`).
    Why children rather than in-process runs: every arm then pays the same imports, a hang is
    bounded by `--arm-timeout-s` and killed by process group without touching the next arm, and
@@ -561,7 +561,7 @@ def arm_main(args: argparse.Namespace) -> int:
     from examples.arith.recipe import load_and_resolve
     from nemo_rl.token_capture.audit import retokenization_drift
     from nemo_rl.data.train import TrainPlan
-    from nemo_rl.data_plane.train_rows import read_train_batch
+    from nemo_rl.data_plane.partitions import read_train_batch
 
     arm_dir: Path = args.arm_dir
     overrides = [
@@ -759,9 +759,8 @@ async def _synthetic(out: Path, turns: Sequence[int], num_finalizers: int) -> di
     from nemo_rl.environments.gate.ledger import BranchingCaptureLedger
     from nemo_rl.token_capture.config import TokenCaptureConfig
     from nemo_rl.experience.finalizer_pool import FinalizerPool, TQSourceFactory
-    from nemo_rl.data_plane.staging import TQStagingCleaner, reported_staged_keys
     from nemo_rl.data.calls import record_to_row
-    from nemo_rl.data_plane.staging import TQTokenSink, TQTokenSource
+    from nemo_rl.data_plane.partitions import TQStagingCleaner, TQTokenSink, TQTokenSource, reported_staged_keys
 
     capture_cfg = TokenCaptureConfig(enabled=True, num_finalizer_workers=num_finalizers)
     dp_cfg = DataPlaneConfig()

@@ -32,7 +32,7 @@ Contract (on):
   `prefix_fetch_s`, `commit_s` which includes `stage_s`), and `status`.
   `time_capture_calls(service)` wraps the service's installed Gym capture core so that
   `begin_call` and `complete_call_from_response` report their time. The sink and source
-  (`data_plane.staging`) report `stage_s`, `staged_bytes` and `prefix_fetch_s` themselves.
+  (`data_plane.partitions`) report `stage_s`, `staged_bytes` and `prefix_fetch_s` themselves.
   The scope follows the call into `asyncio.to_thread` (which copies the context; the scope is
   a mutable dict shared by the copies).
 - `set_call_fact` puts facts about the call into its sample: the engine's start time

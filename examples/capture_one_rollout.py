@@ -34,7 +34,7 @@ from examples.arith.tiny_model import TinyModelConfig, ensure_tiny_model
 from nemo_rl.algorithms.setup import start_stack
 from nemo_rl.data.rows import KeptRollout
 from nemo_rl.data_plane import DataPlaneConfig
-from nemo_rl.data_plane.staging import TQTokenSource
+from nemo_rl.data_plane.partitions import TQTokenSource
 from nemo_rl.environments.nemo_gym_config import NemoGymConfig
 from nemo_rl.environments.task import RowSampling
 from nemo_rl.experience.finalizer_pool import fetch_snapshots

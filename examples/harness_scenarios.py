@@ -97,7 +97,7 @@ from nemo_gym.token_id_capture.fingerprint import assistant_fingerprint
 from nemo_rl.data.rows import KeptRollout, PlaceholderReason
 from nemo_rl.algorithms.setup import start_stack
 from nemo_rl.data_plane import DataPlaneConfig
-from nemo_rl.data_plane.staging import TQStagingCleaner
+from nemo_rl.data_plane.partitions import TQStagingCleaner
 from nemo_rl.environments.nemo_gym_config import NemoGymConfig
 from nemo_rl.experience.finalizer_pool import FinalizerPool, TQSourceFactory
 from nemo_rl.experience.rollout_manager import RetentionError, RolloutManager, RolloutManagerConfig

@@ -42,7 +42,7 @@ from nemo_rl.algorithms.grpo_single_controller import (
 )
 from nemo_rl.data.rows import GroupResult, RowRef
 from nemo_rl.data.train import KEY_SEPARATOR
-from nemo_rl.data_plane.train_rows import TrainRowCleaner
+from nemo_rl.data_plane.partitions import TrainRowCleaner
 from nemo_rl.distributed.component_watch import ComponentKind, any_down
 from nemo_rl.experience.prompt_queue import GroupTicket, PromptLedger
 from nemo_rl.experience.staleness import age_histogram_metrics, split_fresh, trajectory_age_metrics

@@ -48,7 +48,7 @@ from nemo_rl.algorithms.grpo_health import (
 )
 from nemo_rl.data.rows import GroupResult, KeptRollout, RowRef
 from nemo_rl.data.train import TrainBatch, TrainPlan, batch_routes
-from nemo_rl.data_plane.train_rows import TrainRowCleaner
+from nemo_rl.data_plane.partitions import TrainRowCleaner
 from nemo_rl.algorithms.refit import refit_to
 from nemo_rl.algorithms.setup import GRPORun, setup
 from nemo_rl.distributed.component_watch import DATA_PLANE_KINDS, ComponentKind, any_down

@@ -35,7 +35,7 @@ from nemo_rl.algorithms.grpo_config import REFIT_DIR_KNOB, MasterConfig, model_p
 from nemo_rl.algorithms.grpo_health import build_watch
 from nemo_rl.algorithms.refit import max_abs_diff, refit_to
 from nemo_rl.data_plane import DataPlane, DataPlaneClient, DataPlaneConfig, start_data_plane
-from nemo_rl.data_plane.staging import TQStagingCleaner
+from nemo_rl.data_plane.partitions import TQStagingCleaner, TrainRowCleaner
 from nemo_rl.distributed.actor_call import ActorCallTimeoutError, ActorDiedError, call_with_deadline
 from nemo_rl.distributed.component_watch import ComponentWatch
 from nemo_rl.distributed.placement import actor_node_ids
@@ -64,7 +64,6 @@ from nemo_rl.models.generation.vllm.launcher import (
 from nemo_rl.models.policy.worker import RayPolicyClient
 from nemo_rl.token_capture.config import TokenCaptureConfig
 from nemo_rl.token_capture.judge import RolloutEvidence
-from nemo_rl.data_plane.train_rows import TrainRowCleaner
 from nemo_rl.utils.checkpoint import CheckpointError, restore_rng_states
 from nemo_rl.utils.logger import MetricsLogger, write_run_info
 from nemo_rl.utils.venvs import spec_hash, venv_folder_name, vllm_spec

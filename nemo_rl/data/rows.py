@@ -269,7 +269,7 @@ class RowRef:
     sample_index: int
     chain_index: int
     key: str
-    digest: str  # sha256 hex of the stored payload (`train_rows.payload_digest`)
+    digest: str  # sha256 hex of the stored payload (`nemo_rl.data.train.payload_digest`)
     num_tokens: int
     prompt_len: int
     num_generated_tokens: int  # loss (mask 1.0) tokens

@@ -6,7 +6,7 @@ finite, <= 0) and one finite advantage; a masked placeholder is an all-0 mask. C
 construction (`TrainBatchError`), stored as tuples. With `token_capture.train_partition` set a
 kept row goes finalizer -> data plane -> policy worker past the driver, which keeps a `RowRef`
 and sends a `TrainPlan` (partition, unique keys, digests, one finite advantage per key). Pure;
-the I/O is `nemo_rl.data_plane.train_rows`. Invariants: `train_key` is unique per row; float
+the I/O is `nemo_rl.data_plane.partitions`. Invariants: `train_key` is unique per row; float
 payloads are float64, so the batch read is bit for bit the driver-built one; `payload_digest`
 covers `meta`, which names the key, so a row read under another key fails.
 Layout: docs/design-docs/token-capture-receipts.md, "The train-row codec and `TrainPlan`".

@@ -1,12 +1,15 @@
-"""`DataPlaneClient`: a synchronous, deadline-bounded handle on the shared data plane.
+"""`DataPlaneClient`: a synchronous, deadline-bounded handle on the shared data plane, and TQ's kv calls.
 
 Works in any process of the Ray job once the owner ran `start_data_plane` (`attach`, or
 `attach_async` from a coroutine, which never blocks the event loop). Promises: every call is
 bounded, even if TQ's loop blocks (`DataPlaneTimeoutError`); methods are thread-safe; `get`
-returns exactly one row per key in request order or raises `MissingKeysError`; a write is
+returns exactly one row per key in request order or raises `MissingKeysError` (the kv calls
+check that every requested key and field came back: TQ silently drops missing keys); a write is
 readable by every client once `put` / `put_many` returns; `close()` detaches this client only.
-Invariant (weather vs bugs): only what the transport can cause is a `DataPlaneError`; every
-other exception from TQ propagates unchanged, with a note naming the operation and partition.
+Invariant (weather vs bugs): only what the transport can cause is a `DataPlaneError`
+(`transport_failure` walks only the explicit cause chain); an undecodable answer is
+`DataPlaneDecodeError`; every other exception from TQ propagates unchanged, with a note naming
+the operation and partition. Set-up (TQ's import, attach handshake, types) is `tq_backend`'s.
 See docs/design-docs/distributed.md, "The data-plane client".
 """
 
@@ -19,15 +22,19 @@ import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
+import torch
+
 from nemo_rl.data.calls import Row
 from nemo_rl.data_plane import tq_backend
 from nemo_rl.data_plane.config import DataPlaneConfig
 from nemo_rl.data_plane.errors import (
+    DataPlaneDecodeError,
     DataPlaneError,
     DataPlaneTimeoutError,
     DataPlaneUsageError,
+    MissingKeysError,
 )
-from nemo_rl.data_plane.fields import batch_schema, check_fields, check_keys, unique_in_order
+from nemo_rl.data_plane.fields import Schema, batch_schema, check_fields, check_keys, unique_in_order
 
 T = TypeVar("T")
 
@@ -35,6 +42,133 @@ T = TypeVar("T")
 # cancels TQ's coroutine and closes its socket) normally fires first.
 _CALLER_GRACE_S = 0.5
 _LOOP_STOP_TIMEOUT_S = 5.0
+
+
+# ---------------------------------------------------------------- TQ's kv calls (run on the client's loop)
+
+
+def transport_failure(error: BaseException, transport: tuple[type[BaseException], ...]) -> BaseException | None:
+    """The transport failure (one of `transport`: `TQErrors.transport`) in `error`'s explicit cause chain, or None.
+
+    TQ wraps what fails inside a call in its own `RuntimeError(...) from cause`, so the class of
+    the outer exception says nothing; the cause chain does. Implicit context (an exception raised
+    while another was handled) is not followed: that is a bug in the handler, not weather.
+    """
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        if isinstance(current, transport):
+            return current
+        seen.add(id(current))
+        current = current.__cause__
+    return None
+
+
+def rows_to_tensordict(rows: list[Row], schema: Schema) -> Any:
+    """Columns for one batch put: jagged int64/float64 tensors, non-tensor stacks for str/bytes."""
+    from tensordict import TensorDict
+    from tensordict.tensorclass import NonTensorStack
+
+    columns: dict[str, Any] = {}
+    for name, kind in schema:
+        values = [row[name] for row in rows]
+        if kind in ("int64", "float64"):
+            columns[name] = torch.nested.nested_tensor(values, layout=torch.jagged)
+        else:
+            columns[name] = NonTensorStack(*values)
+    return TensorDict(columns, batch_size=[len(rows)])
+
+
+def _column(data: Any, name: str, count: int) -> list[Any]:
+    value = data[name]
+    if isinstance(value, torch.Tensor):
+        items = list(value.unbind()) if value.is_nested else [value[i] for i in range(value.shape[0])]
+    elif isinstance(value, (str, bytes)):
+        items = [value]
+    else:
+        items = list(value)
+    if len(items) != count:
+        raise DataPlaneDecodeError(f"TransferQueue returned {len(items)} values for field {name!r}, expected {count} "
+                                   "(one per key): the answer does not decode as one row per key")
+    return items
+
+
+async def put_rows(client: Any, partition: str, keys: list[str], rows: list[Row], schema: Schema) -> None:
+    """Write rows under keys (overwriting existing keys); returns once the controller has ACKed."""
+    meta = await client.async_kv_retrieve_meta(keys=keys, partition_id=partition, create=True)
+    if meta.size != len(keys):
+        raise DataPlaneDecodeError(f"put on partition {partition!r}: the controller registered {meta.size} of "
+                                   f"{len(keys)} keys asked with create=True")
+    await client.async_put(rows_to_tensordict(rows, schema), meta)
+
+
+async def _keys_lacking(client: Any, partition: str, keys: list[str], fields: list[str]) -> list[str]:
+    """Keys (in order) that are absent or lack one of fields, checked one by one (error path only)."""
+    lacking = []
+    for key in keys:
+        meta = await client.async_kv_retrieve_meta(keys=[key], partition_id=partition, create=False)
+        if meta.size == 0 or not set(fields) <= set(meta.field_names):
+            lacking.append(key)
+        elif not meta.select_fields(fields).is_ready:
+            lacking.append(key)
+    return lacking
+
+
+async def get_rows(
+    client: Any, partition: str, keys: list[str], fields: list[str], key_not_found: type[BaseException]
+) -> list[Row]:
+    """Rows for unique keys, in key order.
+
+    MissingKeysError names the absent keys or, when none is absent, the keys lacking a requested
+    field (registered but never written, or written without it). `key_not_found` is TQ's
+    `StorageKeyNotFoundError` (`TQErrors.key_not_found`).
+    """
+    meta = await client.async_kv_retrieve_meta(keys=keys, partition_id=partition, create=False)
+    if meta.size != len(keys):
+        # TQ dropped the absent keys; one reverse lookup names them without a per-key scan.
+        found = await client.async_kv_retrieve_keys(meta.global_indexes, partition) if meta.size else []
+        present = set(found)
+        raise MissingKeysError(partition, [k for k in keys if k not in present], fields)
+    complete = set(fields) <= set(meta.field_names)
+    if complete:
+        meta = meta.select_fields(fields)
+        complete = meta.is_ready
+    if not complete:
+        missing = await _keys_lacking(client, partition, keys, fields)
+        if not missing:
+            raise DataPlaneError(
+                f"get on partition {partition!r}: TQ reported the batch incomplete but every key is readable "
+                f"on its own; a concurrent write or clear raced this read, retry it",
+                kind="race",
+            )
+        raise MissingKeysError(partition, missing, fields)
+    try:
+        data = await client.async_get_data(meta)
+    except key_not_found as e:
+        # TQ's documented race: a concurrent clear removed a key between its metadata and its data.
+        missing = await _keys_lacking(client, partition, keys, fields)
+        if not missing:
+            raise DataPlaneError(
+                f"get on partition {partition!r}: a storage unit lost a key the controller still lists ({e}); "
+                "a concurrent clear raced this read, retry it",
+                kind="race",
+            ) from e
+        raise MissingKeysError(partition, missing, fields) from e
+    columns = {name: _column(data, name, len(keys)) for name in fields}
+    return [{name: columns[name][i] for name in fields} for i in range(len(keys))]
+
+
+async def list_partition_keys(client: Any, partition: str) -> list[str]:
+    """Keys registered in the partition ([] when the partition does not exist)."""
+    info = await client.async_kv_list(partition)
+    return list(info.get(partition, {}))
+
+
+async def clear_keys(client: Any, partition: str, keys: list[str]) -> None:
+    """Remove keys and their data; absent keys are ignored (clearing is idempotent)."""
+    meta = await client.async_kv_retrieve_meta(keys=keys, partition_id=partition, create=False)
+    if meta.size > 0:
+        await client.async_clear_samples(meta)
 
 
 class _LoopThread:
@@ -96,11 +230,12 @@ class _LoopThread:
 class DataPlaneClient:
     """Key/row access to the TransferQueue data plane from any process of the Ray job."""
 
-    def __init__(self, cfg: DataPlaneConfig, loop: _LoopThread, tq_client: Any) -> None:
+    def __init__(self, cfg: DataPlaneConfig, loop: _LoopThread, tq_client: Any, errors: tq_backend.TQErrors) -> None:
         """Use `DataPlaneClient.attach(cfg)`; this constructor only wires already-built parts."""
         self.cfg = cfg
         self._loop = loop
         self._tq = tq_client
+        self._errors = errors
         self._closed = False
         self._close_lock = threading.Lock()
 
@@ -132,6 +267,7 @@ class DataPlaneClient:
     @classmethod
     def _connect(cls, cfg: DataPlaneConfig, conf: Any, deadline: float, started: float) -> DataPlaneClient:
         """The storage handshake of `attach` (blocking), within what is left of `deadline` since `started`."""
+        errors = tq_backend.tq_errors()
         loop = _LoopThread(name="nrl-data-plane-client")
 
         async def build() -> Any:
@@ -144,7 +280,7 @@ class DataPlaneClient:
             raise DataPlaneTimeoutError("attach", None, deadline, "storage-manager handshake with the controller") from e
         except Exception as e:
             loop.stop()
-            cause = tq_backend.transport_failure(e)
+            cause = transport_failure(e, errors.transport)
             if cause is None:
                 e.add_note("raised while attaching a TransferQueue client: not a transport failure, so not retried")
                 raise
@@ -152,7 +288,7 @@ class DataPlaneClient:
                 f"attaching a TransferQueue client failed in transport: {type(cause).__name__}: {cause}",
                 kind="transport",
             ) from e
-        return cls(cfg, loop, tq_client)
+        return cls(cfg, loop, tq_client, errors)
 
     def _call(self, operation: str, partition: str, make_coro: Callable[[], Awaitable[T]], timeout_s: float | None) -> T:
         if self._closed:
@@ -176,7 +312,7 @@ class DataPlaneClient:
         except DataPlaneError:
             raise
         except Exception as e:
-            cause = tq_backend.transport_failure(e)
+            cause = transport_failure(e, self._errors.transport)
             if cause is None:
                 e.add_note(f"raised inside data plane {operation} on partition {partition!r}: not a TransferQueue "
                            "transport failure, so it is not data-plane weather (a bug, or a component's refusal)")
@@ -202,7 +338,7 @@ class DataPlaneClient:
         """Write rows under keys in one batch (all rows share one schema)."""
         keys, rows = list(keys), [dict(r) for r in rows]
         schema = batch_schema(keys, rows)
-        self._call("put", partition, lambda: tq_backend.put_rows(self._tq, partition, keys, rows, schema), timeout_s)
+        self._call("put", partition, lambda: put_rows(self._tq, partition, keys, rows, schema), timeout_s)
 
     def get(
         self,
@@ -216,19 +352,20 @@ class DataPlaneClient:
         check_keys(keys, "get")
         check_fields(fields)
         unique, fields = unique_in_order(keys), list(fields)
-        rows = self._call("get", partition, lambda: tq_backend.get_rows(self._tq, partition, unique, fields), timeout_s)
+        key_not_found = self._errors.key_not_found
+        rows = self._call("get", partition, lambda: get_rows(self._tq, partition, unique, fields, key_not_found), timeout_s)
         by_key = dict(zip(unique, rows))
         return [dict(by_key[k]) for k in keys]
 
     def list_keys(self, partition: str, *, timeout_s: float | None = None) -> list[str]:
         """Keys registered in the partition ([] when it does not exist)."""
-        return self._call("list_keys", partition, lambda: tq_backend.list_keys(self._tq, partition), timeout_s)
+        return self._call("list_keys", partition, lambda: list_partition_keys(self._tq, partition), timeout_s)
 
     def clear(self, partition: str, keys: Sequence[str], *, timeout_s: float | None = None) -> None:
         """Remove keys and their data; absent keys are ignored."""
         check_keys(keys, "clear")
         unique = unique_in_order(keys)
-        self._call("clear", partition, lambda: tq_backend.clear_keys(self._tq, partition, unique), timeout_s)
+        self._call("clear", partition, lambda: clear_keys(self._tq, partition, unique), timeout_s)
 
     @property
     def closed(self) -> bool:

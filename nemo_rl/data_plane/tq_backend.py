@@ -1,12 +1,11 @@
-"""The one module that imports `transfer_queue` (TQ 0.1.11); every TQ sharp edge is owned here.
+"""TransferQueue's set-up, once per process: the one module that imports `transfer_queue` (TQ 0.1.11).
 
 `prepare_process(cfg)` sets TQ's import-time knobs before importing it (other values already
 imported: a `config` `DataPlaneError`); `start_actors` creates the controller and storage units with
-`num_cpus=0`, under a deadline; each `new_client` is private (never TQ's process-global one).
-Promises: reads check that every requested key and field came back (TQ silently drops missing
-keys); failures are classified (`transport_failure` walks only the explicit cause chain, so a
-bug raised while handling a transport error stays a bug; an undecodable answer is
-`DataPlaneDecodeError`, never weather). Deadlines are not applied here but by the client.
+`num_cpus=0`, under a deadline; `fetch_published_conf` reads the config the owner published, by a
+deadline; each `new_client` is private (never TQ's process-global one); `tq_errors` hands the
+per-call path TQ's exception types, so no other module imports TQ. Nothing here runs per call:
+the kv calls, their completeness checks and failure classes are `client`'s.
 See docs/design-docs/distributed.md, "The TransferQueue backend".
 """
 
@@ -22,18 +21,10 @@ from importlib import resources
 from typing import Any
 
 import ray
-import torch
 
-from nemo_rl.data.calls import Row
 from nemo_rl.data_plane.bind import loopback_actor
 from nemo_rl.data_plane.config import DataPlaneConfig
-from nemo_rl.data_plane.errors import (
-    DataPlaneDecodeError,
-    DataPlaneError,
-    DataPlaneTimeoutError,
-    MissingKeysError,
-)
-from nemo_rl.data_plane.fields import Schema
+from nemo_rl.data_plane.errors import DataPlaneError, DataPlaneTimeoutError
 
 # The names and namespace TQ's own `tq.init()` uses to find a running deployment, so a process
 # that attaches with plain TQ still finds ours.
@@ -194,30 +185,22 @@ def start_actors(cfg: DataPlaneConfig) -> StartedActors:
 # ---------------------------------------------------------------- client side (any process)
 
 
-def _transport_types() -> tuple[type[BaseException], ...]:
+@dataclass(frozen=True)
+class TQErrors:
+    """TQ's exception types the per-call path classifies, resolved once per client (after `prepare_process`)."""
+
+    transport: tuple[type[BaseException], ...]  # what the transport raises: weather, not a bug
+    key_not_found: type[BaseException]  # a storage unit lost a key the controller still lists
+
+
+def tq_errors() -> TQErrors:
+    """The exception types of this process's TQ (its knobs fixed by `prepare_process` first)."""
+    tq_storage = _tq_modules()[3]
     import zmq
     from transfer_queue.storage.managers.simple_storage_manager import StorageUnitTimeout
 
-    return (zmq.ZMQError, StorageUnitTimeout, TimeoutError)
-
-
-def transport_failure(error: BaseException) -> BaseException | None:
-    """The transport failure in `error`'s explicit cause chain (itself included), or None.
-
-    TQ wraps what fails inside a call in its own `RuntimeError(...) from cause`, so the class of
-    the outer exception says nothing; the cause chain does. Implicit context (an exception raised
-    while another was handled) is not followed: that is a bug in the handler, not weather.
-    """
-    _tq_modules()  # TQ (and its knobs) must be in place before its exception types are imported
-    transport = _transport_types()
-    seen: set[int] = set()
-    current: BaseException | None = error
-    while current is not None and id(current) not in seen:
-        if isinstance(current, transport):
-            return current
-        seen.add(id(current))
-        current = current.__cause__
-    return None
+    return TQErrors(transport=(zmq.ZMQError, StorageUnitTimeout, TimeoutError),
+                    key_not_found=tq_storage.StorageKeyNotFoundError)
 
 
 def _controller() -> Any:
@@ -298,107 +281,3 @@ def new_client(conf: Any, io_threads: int) -> Any:
 def close_client(client: Any) -> None:
     """Release one private client's sockets and threads; the shared controller is untouched."""
     client.close()
-
-
-def rows_to_tensordict(rows: list[Row], schema: Schema) -> Any:
-    """Columns for one batch put: jagged int64/float64 tensors, non-tensor stacks for str/bytes."""
-    from tensordict import TensorDict
-    from tensordict.tensorclass import NonTensorStack
-
-    columns: dict[str, Any] = {}
-    for name, kind in schema:
-        values = [row[name] for row in rows]
-        if kind in ("int64", "float64"):
-            columns[name] = torch.nested.nested_tensor(values, layout=torch.jagged)
-        else:
-            columns[name] = NonTensorStack(*values)
-    return TensorDict(columns, batch_size=[len(rows)])
-
-
-def _column(data: Any, name: str, count: int) -> list[Any]:
-    value = data[name]
-    if isinstance(value, torch.Tensor):
-        items = list(value.unbind()) if value.is_nested else [value[i] for i in range(value.shape[0])]
-    elif isinstance(value, (str, bytes)):
-        items = [value]
-    else:
-        items = list(value)
-    if len(items) != count:
-        raise DataPlaneDecodeError(f"TransferQueue returned {len(items)} values for field {name!r}, expected {count} "
-                                   "(one per key): the answer does not decode as one row per key")
-    return items
-
-
-async def put_rows(client: Any, partition: str, keys: list[str], rows: list[Row], schema: Schema) -> None:
-    """Write rows under keys (overwriting existing keys); returns once the controller has ACKed."""
-    meta = await client.async_kv_retrieve_meta(keys=keys, partition_id=partition, create=True)
-    if meta.size != len(keys):
-        raise DataPlaneDecodeError(f"put on partition {partition!r}: the controller registered {meta.size} of "
-                                   f"{len(keys)} keys asked with create=True")
-    await client.async_put(rows_to_tensordict(rows, schema), meta)
-
-
-async def _keys_lacking(client: Any, partition: str, keys: list[str], fields: list[str]) -> list[str]:
-    """Keys (in order) that are absent or lack one of fields, checked one by one (error path only)."""
-    lacking = []
-    for key in keys:
-        meta = await client.async_kv_retrieve_meta(keys=[key], partition_id=partition, create=False)
-        if meta.size == 0 or not set(fields) <= set(meta.field_names):
-            lacking.append(key)
-        elif not meta.select_fields(fields).is_ready:
-            lacking.append(key)
-    return lacking
-
-
-async def get_rows(client: Any, partition: str, keys: list[str], fields: list[str]) -> list[Row]:
-    """Rows for unique keys, in key order.
-
-    MissingKeysError names the absent keys or, when none is absent, the keys lacking a requested
-    field (registered but never written, or written without it).
-    """
-    meta = await client.async_kv_retrieve_meta(keys=keys, partition_id=partition, create=False)
-    if meta.size != len(keys):
-        # TQ dropped the absent keys; one reverse lookup names them without a per-key scan.
-        found = await client.async_kv_retrieve_keys(meta.global_indexes, partition) if meta.size else []
-        present = set(found)
-        raise MissingKeysError(partition, [k for k in keys if k not in present], fields)
-    complete = set(fields) <= set(meta.field_names)
-    if complete:
-        meta = meta.select_fields(fields)
-        complete = meta.is_ready
-    if not complete:
-        missing = await _keys_lacking(client, partition, keys, fields)
-        if not missing:
-            raise DataPlaneError(
-                f"get on partition {partition!r}: TQ reported the batch incomplete but every key is readable "
-                f"on its own; a concurrent write or clear raced this read, retry it",
-                kind="race",
-            )
-        raise MissingKeysError(partition, missing, fields)
-    try:
-        data = await client.async_get_data(meta)
-    except _tq_modules()[3].StorageKeyNotFoundError as e:
-        # TQ's documented race: a concurrent clear removed a key between its metadata and its data.
-        missing = await _keys_lacking(client, partition, keys, fields)
-        if not missing:
-            raise DataPlaneError(
-                f"get on partition {partition!r}: a storage unit lost a key the controller still lists ({e}); "
-                "a concurrent clear raced this read, retry it",
-                kind="race",
-            ) from e
-        raise MissingKeysError(partition, missing, fields) from e
-    columns = {name: _column(data, name, len(keys)) for name in fields}
-    return [{name: columns[name][i] for name in fields} for i in range(len(keys))]
-
-
-async def list_keys(client: Any, partition: str) -> list[str]:
-    """Keys registered in the partition ([] when the partition does not exist)."""
-    info = await client.async_kv_list(partition)
-    return list(info.get(partition, {}))
-
-
-async def clear_keys(client: Any, partition: str, keys: list[str]) -> None:
-    """Remove keys and their data; absent keys are ignored (clearing is idempotent)."""
-    meta = await client.async_kv_retrieve_meta(keys=keys, partition_id=partition, create=False)
-    if meta.size > 0:
-        await client.async_clear_samples(meta)

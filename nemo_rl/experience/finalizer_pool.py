@@ -30,8 +30,7 @@ from nemo_rl.data.errors import FatalError
 from nemo_rl.data.rows import GroupEntry, KeptRollout, Placeholder, PlaceholderReason
 from nemo_rl.data.calls import StagedRecordInvalidError, StagingFetchError
 from nemo_rl.data_plane import DataPlaneClient, DataPlaneConfig, DataPlaneError, FieldEncodingError
-from nemo_rl.data_plane.staging import StagedKeysMissingError, TQTokenSource
-from nemo_rl.data_plane.train_rows import store_many_rows
+from nemo_rl.data_plane.partitions import StagedKeysMissingError, TQTokenSource, store_many_rows
 from nemo_rl.distributed.actor_call import ActorCallTimeoutError, ActorDiedError, ActorRaisedError, await_with_deadline
 from nemo_rl.distributed.component_watch import Probe, Role, first_line, ray_actor_probe
 from nemo_rl.token_capture.config import TokenCaptureConfig
@@ -113,7 +112,7 @@ class TQSourceFactory:
 
 @dataclass(frozen=True)
 class TQTrainRowsFactory:
-    """Builds the train-partition row store inside the actor (`train_rows.store_many_rows` over its own client)."""
+    """Builds the train-partition row store inside the actor (`partitions.store_many_rows` over its own client)."""
 
     data_plane: DataPlaneConfig
     partition: str

@@ -38,7 +38,7 @@ from nemo_rl.data.rows import (
     TrainRow,
 )
 from nemo_rl.data.calls import ServedCall, StagedRecordInvalidError, StagingFetchError
-from nemo_rl.data_plane.staging import StagedKeysMissingError
+from nemo_rl.data_plane.partitions import StagedKeysMissingError
 from nemo_rl.token_capture.config import TokenCaptureConfig
 from nemo_rl.token_capture.receipt import TerminalChoice, choose_terminal, reward_of
 

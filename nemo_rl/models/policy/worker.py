@@ -23,7 +23,7 @@ from ray.actor import ActorHandle
 from nemo_rl.data.errors import PolicyWorkerError
 from nemo_rl.data.train import TrainBatch, TrainPlan
 from nemo_rl.data_plane import DataPlaneClient, DataPlaneConfig
-from nemo_rl.data_plane.train_rows import read_train_batch
+from nemo_rl.data_plane.partitions import read_train_batch
 from nemo_rl.distributed.actor_call import (
     ActorCallError,
     ActorCallTimeoutError,

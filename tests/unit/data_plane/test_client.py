@@ -24,6 +24,7 @@ from nemo_rl.data_plane import (
     start_data_plane,
     tq_backend,
 )
+from nemo_rl.data_plane.client import get_rows, transport_failure
 
 # Values whose float64 bits a lossy path would change: subnormals, -0.0, non-terminating fractions.
 EXACT_FLOATS = [-0.0, 0.0, 1 / 3, -2.5e-8, 5e-324, -1.7976931348623157e308, 0.1 + 0.2, -123.456789012345678]
@@ -129,7 +130,7 @@ class _AnswerEditingTQ:
 def test_a_type_error_inside_a_tq_call_surfaces_as_itself(client: DataPlaneClient) -> None:
     # TQ's own argument check raises TypeError for a non-str key (a bug of the layer above it).
     with pytest.raises(TypeError) as info:
-        client._call("get", "bugs", lambda: tq_backend.get_rows(client._tq, "bugs", [7], ["tag"]), None)
+        client._call("get", "bugs", lambda: get_rows(client._tq, "bugs", [7], ["tag"], client._errors.key_not_found), None)
     assert type(info.value) is TypeError
     assert str(info.value) == "Not all elements in `keys` are strings."
     assert info.value.__notes__ == [
@@ -296,11 +297,16 @@ def test_only_the_explicit_cause_chain_makes_a_failure_transport(cfg: DataPlaneC
     tq_backend.prepare_process(cfg)  # imports TQ with this module's knobs; no Ray needed
     from transfer_queue.storage.managers.simple_storage_manager import StorageUnitTimeout
 
+    errors = tq_backend.tq_errors()
+    assert errors.transport == (zmq.ZMQError, StorageUnitTimeout, TimeoutError)
+    assert errors.key_not_found.__module__ == "transfer_queue.storage.simple_storage"
+    assert errors.key_not_found.__name__ == "StorageKeyNotFoundError"
+    transport = errors.transport
     again = zmq.Again()
     wrapped = _raised(lambda: _tq_wraps(again))
-    assert tq_backend.transport_failure(wrapped) is again
+    assert transport_failure(wrapped, transport) is again
     unit_timeout = StorageUnitTimeout("no answer in 30s during get from storage unit su0")
-    assert tq_backend.transport_failure(_raised(lambda: _tq_wraps(unit_timeout))) is unit_timeout
-    assert tq_backend.transport_failure(_raised(lambda: _tq_wraps(TypeError("bad")))) is None
-    assert tq_backend.transport_failure(_raised(lambda: _bug_while_handling(zmq.Again()))) is None
-    assert tq_backend.transport_failure(KeyError("tag")) is None
+    assert transport_failure(_raised(lambda: _tq_wraps(unit_timeout)), transport) is unit_timeout
+    assert transport_failure(_raised(lambda: _tq_wraps(TypeError("bad"))), transport) is None
+    assert transport_failure(_raised(lambda: _bug_while_handling(zmq.Again())), transport) is None
+    assert transport_failure(KeyError("tag"), transport) is None

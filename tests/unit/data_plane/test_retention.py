@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from nemo_gym.token_id_capture.staging import staging_key
 from nemo_rl.data.calls import ServedCall
-from nemo_rl.data_plane.staging import TQStagingCleaner, orphaned_keys, reported_staged_keys
+from nemo_rl.data_plane.partitions import TQStagingCleaner, orphaned_keys, reported_staged_keys
 
 
 def test_orphans_are_the_groups_unnamed_keys_in_listing_order() -> None:

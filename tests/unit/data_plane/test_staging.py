@@ -31,9 +31,8 @@ from nemo_gym.token_id_capture.staging import (
 
 from nemo_rl.data.calls import StagedRecordInvalidError, StagingFetchError, record_to_row
 from nemo_rl.data_plane import DataPlaneClient, DataPlaneConfig, DataPlaneTimeoutError
-from nemo_rl.data_plane.staging import TQStagingCleaner
+from nemo_rl.data_plane.partitions import StagedKeysMissingError, TQStagingCleaner, TQTokenSink, TQTokenSource
 from nemo_rl.data_plane.stage_writer import StageWriter
-from nemo_rl.data_plane.staging import StagedKeysMissingError, TQTokenSink, TQTokenSource
 
 PARTITION = "staging_test"
 CFG = DataPlaneConfig(call_timeout_s=10.0)

@@ -19,8 +19,9 @@ from nemo_rl.data.errors import PolicyWorkerError
 from nemo_rl.data.rows import GroupResult, KeptRollout, Placeholder, PlaceholderReason, RowOrigin, RowRef, TrainRow
 from nemo_rl.data.train import FIELDS, train_key
 from nemo_rl.data_plane import DataPlaneError, MissingKeysError
-from nemo_rl.data_plane.staging import TQTokenSink, TQTokenSource
-from nemo_rl.data_plane.train_rows import (
+from nemo_rl.data_plane.partitions import (
+    TQTokenSink,
+    TQTokenSource,
     TrainRowCleaner,
     TrainRowDigestError,
     read_train_batch,

@@ -15,7 +15,7 @@ from nemo_gym.token_id_capture.staging import StagedCallBaseSnapshot
 from nemo_rl.data.rows import KeptRollout, Placeholder, PlaceholderReason
 from nemo_rl.data.calls import StagedRecordInvalidError
 from nemo_rl.data_plane import DataPlaneClient, DataPlaneConfig
-from nemo_rl.data_plane.staging import (
+from nemo_rl.data_plane.partitions import (
     StagedKeysMissingError,
     StagingStoreUnavailableError,
     TQTokenSink,

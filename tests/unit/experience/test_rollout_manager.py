@@ -35,7 +35,7 @@ from nemo_rl.data.rows import (
     TrainRow,
 )
 from nemo_rl.data.calls import ServedCall
-from nemo_rl.data_plane.staging import StagedKeysMissingError
+from nemo_rl.data_plane.partitions import StagedKeysMissingError
 from nemo_rl.environments.nemo_gym_config import GymRunError, GymRunTimeoutError, ManifestServerError
 from nemo_rl.experience.finalizer_pool import FinalizeOutcome, judge_from_source
 from nemo_rl.experience.rollout_manager import (

@@ -16,7 +16,7 @@ from nemo_rl.data.calls import (
     ServedCall,
     StagedRecordInvalidError,
 )
-from nemo_rl.data_plane.staging import StagedKeysMissingError, StagingStoreUnavailableError
+from nemo_rl.data_plane.partitions import StagedKeysMissingError, StagingStoreUnavailableError
 from nemo_rl.experience.finalizer_pool import fetch_snapshots
 from nemo_rl.experience.finalizer_pool import judge_from_source
 from nemo_rl.token_capture.config import TokenCaptureConfig

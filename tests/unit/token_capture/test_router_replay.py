@@ -21,7 +21,7 @@ from nemo_gym.token_id_capture.staging import (
 
 from nemo_rl.data.calls import ExtrasDigestMismatchError, StagedRecordInvalidError, StagingFetchError
 from nemo_rl.data_plane import DataPlaneClient, DataPlaneConfig
-from nemo_rl.data_plane.staging import TQTokenSink, TQTokenSource
+from nemo_rl.data_plane.partitions import TQTokenSink, TQTokenSource
 from nemo_rl.token_capture.router_replay import (
     CallRoutes,
     RoutedExpertsDecodeError,

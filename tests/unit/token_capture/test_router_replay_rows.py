@@ -36,7 +36,7 @@ from nemo_rl.data.rows import (
     TrainRow,
 )
 from nemo_rl.data_plane import DataPlaneClient, DataPlaneConfig
-from nemo_rl.data_plane.staging import TQTokenSink, TQTokenSource
+from nemo_rl.data_plane.partitions import TQTokenSink, TQTokenSource
 from nemo_rl.experience.finalizer_pool import judge_from_source
 from nemo_rl.token_capture.config import TokenCaptureConfig
 from nemo_rl.token_capture.judge import RolloutEvidence
@@ -456,7 +456,7 @@ def test_staged_routes_reach_the_policy_and_its_routers_replay_them(clients, tmp
 
     from nemo_rl.algorithms.grpo import ClippedPGLossFn
     from nemo_rl.algorithms.grpo_single_controller import build_train_batch
-    from nemo_rl.data_plane.train_rows import TrainRowCleaner, read_train_batch, store_many_rows
+    from nemo_rl.data_plane.partitions import TrainRowCleaner, read_train_batch, store_many_rows
     from nemo_rl.models.policy import LossConfig, PolicyConfig
     from nemo_rl.models.policy.core import PolicyCore
     from tests.unit.models.policy.tiny_moe import EXPERTS, build_tiny_qwen3_moe, free_topk

@@ -46,7 +46,7 @@ from nemo_rl.data.calls import (
 )
 from nemo_rl.data_plane.errors import DataPlaneError
 from nemo_rl.data_plane.stage_writer import ParentRows, StageWriter
-from nemo_rl.data_plane.staging import TQTokenSink, TQTokenSource
+from nemo_rl.data_plane.partitions import TQTokenSink, TQTokenSource
 from nemo_rl.models.generation.vllm.chat import SamplingRequest, TailRenderError
 from nemo_rl.models.generation.vllm.custody_state import (
     AdmittedCalls,

@@ -92,7 +92,7 @@ def test_policy_worker_trains_on_the_rows_it_reads_from_the_train_partition(shar
     from nemo_rl.data.rows import KeptRollout, RowOrigin, TrainRow
     from nemo_rl.data.train import TrainPlan
     from nemo_rl.data_plane import DataPlaneClient, DataPlaneConfig
-    from nemo_rl.data_plane.train_rows import TrainRowDigestError, store_rows
+    from nemo_rl.data_plane.partitions import TrainRowDigestError, store_rows
 
     row = TrainRow(
         rollout_id="r-0", group_index=0, sample_index=0, token_ids=(1, 2, 3, 4), token_mask=(0.0, 1.0, 1.0, 1.0),

@@ -30,7 +30,7 @@ from nemo_gym.token_id_capture.staging import (
 from nemo_rl.data.calls import ServedCall
 from nemo_rl.data_plane import MissingKeysError
 from nemo_rl.data_plane.errors import DataPlaneTimeoutError
-from nemo_rl.data_plane.staging import StagedKeysMissingError
+from nemo_rl.data_plane.partitions import StagedKeysMissingError
 from nemo_rl.models.generation.vllm.chat import normalize_messages, render_root_prompt
 from nemo_rl.data.errors import ApiError
 from nemo_rl.models.generation.vllm.custody_state import PrefixCache, ServedRegistry

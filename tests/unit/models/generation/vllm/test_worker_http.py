@@ -24,7 +24,7 @@ from examples.arith.tiny_model.corpus import task_conversation
 from examples.arith.tiny_model.tokenizer import train_tokenizer
 from nemo_gym.token_id_capture.staging import StageResult, staging_key
 from nemo_rl.data_plane.errors import DataPlaneTimeoutError
-from nemo_rl.data_plane.staging import StagedKeysMissingError, StagingStoreUnavailableError
+from nemo_rl.data_plane.partitions import StagedKeysMissingError, StagingStoreUnavailableError
 from nemo_rl.models.generation.vllm.config import GenerationConfig
 from nemo_rl.models.generation.vllm.engine import (
     EngineDeadlines,

@@ -1,21 +1,23 @@
-"""The staging partition over the TransferQueue data plane: Gym's sink and source, and retention.
+"""The two partitions' I/O over the data plane: staging (Gym's sink, source, retention) and train rows.
 
-`TQTokenSink` (vLLM worker) and `TQTokenSource` (finalizer) are Gym's `StagingSink` / `StagingSource`:
-one staged call is one row in `partition`, keyed by Gym's `staging_key(rollout_id, model_call_id)`;
-the row codec is `nemo_rl.data.calls`. `stage` costs one write per new key and no read (with
-a `StageWriter` it queues and returns at once); a byte-identical re-stage is ok without a write, a
-different digest is refused and the stored row kept; every fetched record is validated by Gym's
-model, extras against their digests. `TQStagingCleaner` (driver) clears an accounted group's
-named keys and its orphans in one bounded call, and only keys of that group's rollouts.
-Failures are named (`DataPlaneError`, `StagingFetchError` subclasses), never None.
-Invariant: a key is written by one worker once; if that broke, digests make it a
-`verification_failed` placeholder, never a trained token.
-See docs/design-docs/vllm-worker-capture.md, "The TransferQueue sink and source", and
-docs/design-docs/token-capture-receipts.md, "Retention of the staging partition".
+Staging: `TQTokenSink` (vLLM worker) and `TQTokenSource` (finalizer) are Gym's `StagingSink` /
+`StagingSource`; one staged call is one row keyed by Gym's `staging_key(rollout_id, model_call_id)`
+(codec: `nemo_rl.data.calls`). `stage` costs one write per new key and no read (with a `StageWriter`
+it queues and returns at once); a byte-identical re-stage is ok without a write, a different digest
+is refused and the stored row kept; fetched records are validated by Gym's model, extras against
+their digests. `TQStagingCleaner` (driver) clears an accounted group's named keys and orphans in one
+bounded call, only keys of that group's rollouts. Train rows (codec: `nemo_rl.data.train`):
+`store_many_rows` writes a finalizer's kept rows in ONE `put_many` and returns `RowRef`s;
+`read_train_batch` reads a plan's keys in ONE `get` and rechecks every digest (`TrainRowDigestError`:
+nothing is trained); `TrainRowCleaner` clears. Failures are named, never None. Invariants: a staging
+key is written once (else digests make it a `verification_failed` placeholder); the batch read is the
+very `TrainBatch` the driver would have built. See docs/design-docs/vllm-worker-capture.md ("The
+TransferQueue sink and source"), docs/design-docs/token-capture-receipts.md ("Retention", "Train partition").
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -43,6 +45,21 @@ from nemo_rl.data.calls import (
     row_to_record,
     row_to_snapshot,
     verified_extras,
+)
+from nemo_rl.data.errors import PolicyWorkerError
+from nemo_rl.data.rows import KeptRollout, RowRef, TrainRow
+from nemo_rl.data.train import (
+    FIELDS,
+    LOGPROBS,
+    TOKEN_IDS,
+    TOKEN_MASK,
+    TrainBatch,
+    TrainPlan,
+    batch_routes,
+    decode_row_routes,
+    payload_digest,
+    row_payload,
+    train_key,
 )
 from nemo_rl.data_plane import DataPlaneClient, DataPlaneError, MissingKeysError
 from nemo_rl.data_plane.errors import format_keys
@@ -299,3 +316,71 @@ class TQStagingCleaner:
     def remaining(self) -> int:
         """How many keys the staging partition still holds (one bounded list)."""
         return len(self._client.list_keys(self._partition, timeout_s=self._timeout_s))
+
+
+# ---------------------------------------------------------------- the train partition
+
+
+class TrainRowDigestError(PolicyWorkerError):
+    """A row read from the train partition is not the row the finalizer wrote: the step is not trained."""
+
+
+def store_rows(
+    client: DataPlaneClient, partition: str, kept: KeptRollout, timeout_s: float, carry_prompt_ids: bool
+) -> KeptRollout:
+    """Write the rollout's rows in one put; the rollout with `RowRef` rows (see the module contract)."""
+    return store_many_rows(client, partition, [kept], timeout_s, carry_prompt_ids)[0]
+
+
+def store_many_rows(
+    client: DataPlaneClient, partition: str, kept: Sequence[KeptRollout], timeout_s: float, carry_prompt_ids: bool
+) -> list[KeptRollout]:
+    """Write the rows of several kept rollouts in ONE put; each rollout with `RowRef` rows, in order."""
+    keys, payloads, refs = [], [], []
+    for rollout in kept:
+        refs.append([])
+        for row in rollout.rows:
+            if not isinstance(row, TrainRow):
+                raise TypeError(f"rollout {rollout.rollout_id}: store_rows takes TrainRows, got {type(row).__name__}")
+            key = train_key(row.rollout_id, row.chain_index)
+            payload = row_payload(key, row)
+            keys.append(key)
+            payloads.append(payload)
+            refs[-1].append(RowRef.of(row, key, payload_digest(payload), carry_prompt_ids))
+    if keys:
+        client.put_many(partition, keys, payloads, timeout_s=timeout_s)
+    return [dataclasses.replace(rollout, rows=tuple(r)) for rollout, r in zip(kept, refs)]
+
+
+def read_train_batch(client: DataPlaneClient, plan: TrainPlan, timeout_s: float | None = None) -> TrainBatch:
+    """The plan's rows, digest-checked, as the TrainBatch the driver would have built."""
+    rows = client.get(plan.partition, list(plan.keys), list(FIELDS), timeout_s=timeout_s)
+    for key, expected, row in zip(plan.keys, plan.digests, rows, strict=True):
+        found = payload_digest(row)
+        if found != expected:
+            raise TrainRowDigestError(
+                f"train partition {plan.partition!r} key {key!r}: payload digest {found} != {expected} recorded by "
+                "the finalizer; the row changed after it was judged, so this step is not trained"
+            )
+    token_ids = [row[TOKEN_IDS].tolist() for row in rows]
+    return TrainBatch(
+        token_ids=token_ids,
+        token_mask=[[int(m) for m in row[TOKEN_MASK].tolist()] for row in rows],
+        generation_logprobs=[row[LOGPROBS].tolist() for row in rows],
+        advantages=list(plan.advantages),
+        routed_experts=batch_routes([decode_row_routes(row) for row in rows], [len(ids) for ids in token_ids]),
+    )
+
+
+class TrainRowCleaner:
+    """Clears trained (or abandoned) rows from the train partition; every call bounded."""
+
+    def __init__(self, client: DataPlaneClient, partition: str, timeout_s: float) -> None:
+        self.client, self.partition, self._timeout_s = client, partition, timeout_s
+
+    def clear(self, keys: Sequence[str]) -> None:
+        if keys:
+            self.client.clear(self.partition, list(keys), timeout_s=self._timeout_s)
+
+    def remaining(self) -> list[str]:
+        return self.client.list_keys(self.partition, timeout_s=self._timeout_s)
