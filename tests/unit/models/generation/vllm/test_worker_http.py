@@ -34,12 +34,17 @@ from nemo_rl.models.generation.vllm.engine import (
     StreamStep,
     VllmEngine,
 )
-from nemo_rl.models.generation.vllm.server import Endpoint, build_app
 from nemo_rl.data.errors import ApiError
-from nemo_rl.models.generation.vllm.custody import build_custody
+from nemo_rl.models.generation.vllm.lifecycle import build_custody
 from nemo_rl.models.generation.vllm.custody_state import AdmittedCalls, request_digest
 from nemo_rl.models.generation.vllm.serving import ChatService
-from nemo_rl.models.generation.vllm.worker import VllmGenerationWorker, WorkerError, WorkerFailedError
+from nemo_rl.models.generation.vllm.worker import (
+    Endpoint,
+    VllmGenerationWorker,
+    WorkerError,
+    WorkerFailedError,
+    build_app,
+)
 from nemo_rl.data.calls import StagedRecordInvalidError
 
 TOKEN = "per-run-control-token-0123456789"
