@@ -45,7 +45,7 @@ from nemo_rl.distributed.component_watch import (
 from nemo_rl.distributed.placement import actor_node_ids, alive_nodes, node_affinity, plan_worker_placement
 from nemo_rl.distributed.shared_fs import SharedDirProbe
 from nemo_rl.models.generation.vllm.config import GenerationConfig
-from nemo_rl.models.generation.vllm.engine import cpu_engine_env
+from nemo_rl.models.generation.vllm.lifecycle import cpu_engine_env
 from nemo_rl.models.generation.vllm.worker import (
     WORKERS,
     ServedReporter,

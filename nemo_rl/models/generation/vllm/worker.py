@@ -246,8 +246,7 @@ class VllmGenerationWorker:
 
     async def start_engine(self) -> None:
         """Start the vLLM engine (the slow part: vLLM imports, model load); serves nothing yet."""
-        from nemo_rl.models.generation.vllm.engine import wait_ready
-        from nemo_rl.models.generation.vllm.lifecycle import start_engine
+        from nemo_rl.models.generation.vllm.lifecycle import start_engine, wait_ready
 
         t0 = time.monotonic()
         try:
