@@ -41,6 +41,13 @@ from nemo_rl.distributed.actor_call import (
 from nemo_rl.distributed.shared_fs import SharedDirError, SharedDirProbe, check_probe, require_dir
 from nemo_rl.distributed.topology import http_base_url, listen_host
 from nemo_rl.models.generation.vllm.config import GenerationConfig
+from nemo_rl.models.generation.vllm.lifecycle import (
+    attach_capture,
+    chat_service,
+    close_capture,
+    start_engine,
+    wait_ready,
+)
 from nemo_rl.models.generation.vllm.serving import ChatService
 from nemo_rl.models.generation.vllm.streaming import open_chat_stream, stream_sse
 from nemo_rl.token_capture.config import TokenCaptureConfig
@@ -246,8 +253,6 @@ class VllmGenerationWorker:
 
     async def start_engine(self) -> None:
         """Start the vLLM engine (the slow part: vLLM imports, model load); serves nothing yet."""
-        from nemo_rl.models.generation.vllm.lifecycle import start_engine, wait_ready
-
         t0 = time.monotonic()
         try:
             require_dir(self._model_dir, "model.path", self._where())
@@ -322,8 +327,6 @@ class VllmGenerationWorker:
         return self.base_url
 
     async def _build_service(self) -> ChatService:
-        from nemo_rl.models.generation.vllm.lifecycle import attach_capture, chat_service
-
         custody = None
         if self._capture_cfg.enabled:
             if self._dp_cfg is None:
@@ -454,8 +457,6 @@ class VllmGenerationWorker:
             # vLLM hands the loop-bound part (its sockets and output task) back to this loop itself.
             await asyncio.to_thread(self._engine.shutdown)
             self._engine = None
-        from nemo_rl.models.generation.vllm.lifecycle import close_capture
-
         custody, client, self._custody, self._client = self._custody, self._client, None, None
         await close_capture(custody, client, self._capture_cfg.stage_timeout_s)
 
