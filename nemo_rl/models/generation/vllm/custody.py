@@ -108,12 +108,14 @@ class CallOpening:
     the call claimed under `key` with its plan (`CustodyCore.finish`, `release` or `abandon` it)."""
 
     key: tuple[str, str]
-    plan: "_Plan | None"
+    plan: "CallPlan | None"
     replay: dict | None
 
 
 @dataclass(frozen=True)
-class _Plan:
+class CallPlan:
+    """What an opened call generates from (`prompt_ids`, `sampling`) and what custody needs after."""
+
     admission: CaptureAdmission
     call: ActiveCall  # from the one `begin_call`; its weight version is restamped after generation
     prefix: list[int] | None
@@ -351,7 +353,7 @@ class CustodyCore:
         tools: list[dict] | None,
         sampling: SamplingRequest,
         serving: CallServing,
-    ) -> _Plan:
+    ) -> CallPlan:
         if admission.mode == "text":
             prefix = None
             prompt_ids, tail_error = serving.render_root(messages, tools), None
@@ -372,7 +374,7 @@ class CustodyCore:
             )
         except CaptureError as e:
             raise ApiError("invalid_capture_admission", str(e), param="ng_capture") from e
-        return _Plan(
+        return CallPlan(
             admission=admission, call=call, prefix=prefix, prompt_ids=prompt_ids, tail_error=tail_error, sampling=sampling,
             history_has_assistant_turn=has_assistant_turn(messages),
         )
@@ -457,7 +459,7 @@ class CustodyCore:
                 param=param,
             )
 
-    async def _stage(self, plan: _Plan, result: GenerationResultLike, serving: CallServing) -> dict:
+    async def _stage(self, plan: CallPlan, result: GenerationResultLike, serving: CallServing) -> dict:
         """Stage the generated call (or record why not), seed, record it served; the reply with coords."""
         admission = plan.admission
         call = _stamped(plan.call, result.weight_version)

@@ -198,7 +198,7 @@ async def open_chat_stream(service: ChatService, body: Any) -> AsyncIterator[byt
     opening = await custody.open_call(body, raw_admission, messages, tools, sampling, service)
     if opening.replay is not None:
         return _replayed(opening.replay, usage)
-    steps = stream_admitted(custody, opening, service, generate_stream(service, opening, request_id), request_id)
+    steps = stream_admitted(custody, opening, service, _admitted_steps(service, opening, request_id), request_id)
     return _sse(service, request_id, steps, content_mode(True, service.tool_call_parser), usage)
 
 
@@ -214,7 +214,7 @@ async def _plain_steps(
             yield service.plain_reply(step.result, sampling, parse_tools=parse_tools)
 
 
-def generate_stream(service: ChatService, opening: CallOpening, request_id: str) -> AsyncIterator[Any]:
+def _admitted_steps(service: ChatService, opening: CallOpening, request_id: str) -> AsyncIterator[Any]:
     """The engine's steps for an opened admitted call (its planned prompt and sampling)."""
     assert opening.plan is not None, "a replayed opening has nothing to generate"
     return _engine_steps(service, opening.plan.prompt_ids, opening.plan.sampling, request_id)
