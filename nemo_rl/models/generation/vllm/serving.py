@@ -1,14 +1,14 @@
 """The worker's chat-completions core: honours `ng_capture` admissions over an exact-id engine.
 
-Owns `ChatService` (`worker.py`'s HTTP transport is a thin shell over it); admitted calls go through the custody
-core (`custody.CustodyCore`). Promises: a plain call is answered as stock vLLM would; an admitted
-call's prompt is the parent's exact ids plus the newly rendered tail, admitted once by Gym's
-`begin_call` before anything is generated, and its reply carries no token echo (the staged
-record is the source of truth). Refuses generation from an unverified prefix, a second
-generation of a call (a byte-identical re-send is replayed) and a silently uncaptured success
-(custody failing after generation is `capture_failed`, counted). Invariant: only durable rows
-enter the `PrefixCache`; errors are named `ApiError`s, anything else is a bug that propagates.
-`stream=true` is `streaming.open_chat_stream`'s, over this service's public parts.
+Owns `ChatService` (`worker.py`'s HTTP transport is a thin shell over it); admitted calls go
+through the custody core (`custody.CustodyCore`). Promises: a plain call is answered as stock
+vLLM would; an admitted call's prompt is the parent's exact ids plus the newly rendered tail,
+admitted once by Gym's `begin_call` before anything is generated, and its reply carries no
+token echo (the staged record is the source of truth). Refuses generation from an unverified
+prefix, a second generation of a call (a byte-identical re-send is replayed) and a silently
+uncaptured success (custody failing after generation is `capture_failed`, counted). Invariant:
+only durable rows enter the `PrefixCache`; errors are named `ApiError`s, anything else is a bug
+that propagates. `stream=true` is `streaming.open_chat_stream`'s, over this service's public parts.
 See docs/design-docs/vllm-worker-capture.md ("One request" to "Errors, context overflow ...").
 """
 
