@@ -157,7 +157,7 @@ async def main(args: argparse.Namespace) -> dict:
         result = await stack.env.run(rollout_id, row_body)
         rollout_s = time.monotonic() - t0
         manifest = await stack.env.manifest(rollout_id)
-        served = tuple(await stack.workers.take_served_async([rollout_id]))
+        served = tuple(await stack.workers.served.take_served_async([rollout_id]))
         evidence = RolloutEvidence(rollout_id, 0, 0, result, None, manifest, None, served)
         snapshots, problems = fetch_snapshots(
             TQTokenSource(stack.client, capture.staging_partition), evidence.staging_keys())

@@ -771,7 +771,7 @@ async def main(args: argparse.Namespace) -> list[dict[str, Any]]:
         manager = RolloutManager(
             RolloutManagerConfig(run_id=f"harness-{uuid.uuid4().hex[:8]}", run_timeout_s=args.scenario_timeout_s,
                                  capture=capture),
-            stack.env, finalizer=pool, cleaner=cleaner, served=stack.workers,
+            stack.env, finalizer=pool, cleaner=cleaner, served=stack.workers.served,
         )
         rollout_ids = manager.reserve(1, 0, len(names))
         workers = stack.workers

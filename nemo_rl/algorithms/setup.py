@@ -471,7 +471,7 @@ async def setup(
             stack.env,
             finalizer=finalizer,
             cleaner=cleaner,
-            served=stack.workers if cfg.token_capture.enabled else None,
+            served=stack.workers.served if cfg.token_capture.enabled else None,
             health=watch,
         )
         start = await asyncio.to_thread(read_run_start, stack, policy, pool, cfg, flavor, model_dir)

@@ -222,7 +222,7 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
 
         manifests = {rid: (await env.manifest(rid)).model_dump(mode="json") for rid in ("good-1", "bad-1", "bad-2", "startup-1")}
         # The served report is the write-behind barrier: every row staged for these rollouts is written after it.
-        await group.take_served_async(["good-1", "bad-1", "bad-2", "startup-1", "direct-1"])
+        await group.served.take_served_async(["good-1", "bad-1", "bad-2", "startup-1", "direct-1"])
         keys = await asyncio.to_thread(client.list_keys, capture.staging_partition)
         report["integrity"] = {
             "manifest_records": {rid: [r["mode"] for r in m["records"]] for rid, m in manifests.items()},

@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 
 from nemo_rl.models.generation.vllm.config import GenerationConfig
-from nemo_rl.models.generation.vllm.engine import engine_args
+from nemo_rl.models.generation.vllm.lifecycle import engine_args
 
 HOST = "127.0.0.1"
 CONTROL_TOKEN = "identity-test-control-token-0123456789"

@@ -187,12 +187,12 @@ def test_a_dead_worker_is_recoverable_and_a_failed_worker_fatal_for_the_driver()
 
     # The actor is gone: the served report is unavailable, the rollout manager records that.
     with pytest.raises(WorkerError, match="vLLM worker died during take_served") as died:
-        asyncio.run(group(RayActorError()).take_served_async(["r1"]))
+        asyncio.run(group(RayActorError()).served.take_served_async(["r1"]))
     assert isinstance(died.value, RecoverableError) and not isinstance(died.value, FatalError)
 
     # The worker refused the call (terminal failed state): its own fatal error reaches the driver.
     refused = WorkerFailedError("vLLM worker 0 is failed, take_served refused: engine died")
     with pytest.raises(WorkerFailedError, match="take_served refused") as failed:
         raised = RayTaskError("take_served", f"WorkerFailedError: {refused}", refused).as_instanceof_cause()
-        asyncio.run(group(raised).take_served_async(["r1"]))
+        asyncio.run(group(raised).served.take_served_async(["r1"]))
     assert isinstance(failed.value, FatalError) and not isinstance(failed.value, WorkerError)

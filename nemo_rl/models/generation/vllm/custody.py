@@ -1,13 +1,13 @@
 """The worker's custody core: what an admitted (`ng_capture`) call goes through, apart from HTTP.
 
 `CustodyCore.serve`: admission check, claim (or replay) of the call's id, the parents' barrier,
-exact prefix, Gym's one `begin_call`, generation (`CallServing`), staging, prefix-cache seed once
-durable, served registry; `open_stream` + `stream` the same for a `stream=true` call (staged only
-once generation ends). `build_custody` / `build_tq_custody` build it from the worker's parts.
+exact prefix, Gym's one `begin_call` (`open_call`), generation (`CallServing`), staging,
+prefix-cache seed once durable, served registry (`finish`). A streamed call is opened and
+finished the same way by `streaming.stream_admitted`. `lifecycle.build_custody` builds the core.
 Invariants: nothing is generated from an unverified prefix or a parent whose row is not durable;
 an admitted call is generated at most once (a byte-identical re-send is replayed); every
 generated admitted call leaves one `ServedCall`; a failed custody step after generation is a
-`capture_failed` reply; a streamed call whose client left is `client_disconnected`, never staged.
+`capture_failed` reply; a call cut mid-generation (`abandon`) is recorded served, never staged.
 Failures are `ApiError`s; no HTTP here.
 The rules in full: docs/design-docs/vllm-worker-capture.md.
 """
@@ -20,21 +20,18 @@ import json
 import logging
 import time
 from collections import Counter, deque
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from pydantic import ValidationError
 
-from nemo_gym.token_id_capture.adapters.vllm import VLLMCaptureAdapter
 from nemo_gym.token_id_capture.staging import (
     ActiveCall,
     CaptureAdmission,
     CaptureError,
     CommitCoords,
     RolloutTokenCapture,
-    StagingSink,
-    StagingSource,
     staging_key,
 )
 from nemo_rl.data.errors import ApiError
@@ -45,8 +42,7 @@ from nemo_rl.data.calls import (
     has_assistant_turn,
 )
 from nemo_rl.data_plane.errors import DataPlaneError
-from nemo_rl.data_plane.stage_writer import ParentRows, StageWriter
-from nemo_rl.data_plane.partitions import TQTokenSink, TQTokenSource
+from nemo_rl.data_plane.stage_writer import ParentRows
 from nemo_rl.models.generation.vllm.chat import SamplingRequest, TailRenderError
 from nemo_rl.models.generation.vllm.custody_state import (
     AdmittedCalls,
@@ -57,23 +53,13 @@ from nemo_rl.models.generation.vllm.custody_state import (
     request_digest,
 )
 from nemo_rl.utils import instrumentation  # opt-in per-call cost (benchmarks/capture_ab.py)
-from nemo_rl.token_capture.config import TokenCaptureConfig
 
 LOGGER = logging.getLogger(__name__)
 
 DEFAULT_MAX_SERVED_ROLLOUTS = 100_000
-# The failure of a streamed call whose client went away before its reply was complete (off-chain:
-# aborted in the engine, nothing staged, Gym's capture told; the gate ledgers it uncommitted).
-CLIENT_DISCONNECTED = "client_disconnected"
 # How long a re-send waits for the same call still in flight before it is refused (409). The worker
-# passes its own bound (`duplicate_wait_bound_s`); this is the default of a bare core.
+# passes its own bound (`lifecycle.duplicate_wait_bound_s`); this is the default of a bare core.
 DEFAULT_DUPLICATE_WAIT_S = 60.0
-
-
-def duplicate_wait_bound_s(generate_timeout_s: float, stage_timeout_s: float) -> float:
-    """The longest an admitted call can take here: the parents' wait, a prefix read (which may wait
-    for a missing key), the generation and a before-reply write, each under its own deadline."""
-    return generate_timeout_s + 3 * stage_timeout_s
 
 
 class GenerationResultLike(Protocol):
@@ -105,12 +91,6 @@ class CallServing(Protocol):
         """The chat completion for `result`, without any token echo."""
         ...
 
-    def generate_stream(
-        self, prompt_ids: list[int], sampling: SamplingRequest, request_id: str
-    ) -> AsyncIterator[Any]:
-        """Steps with `new_token_ids`, the last one with the finished `result` (`VllmEngine.generate_stream`)."""
-        ...
-
 
 class StageBarrier(Protocol):
     """Write-behind staging's barriers (`StageWriter` implements them)."""
@@ -123,17 +103,19 @@ class StageBarrier(Protocol):
 
 
 @dataclass(frozen=True)
-class StreamOpening:
-    """An admitted streamed call before its first token: the committed reply of a re-send
-    (`replay`), or the call claimed under `key` with its plan (pass it to `CustodyCore.stream`)."""
+class CallOpening:
+    """An admitted call before its first token: the committed reply of a re-send (`replay`), or
+    the call claimed under `key` with its plan (`CustodyCore.finish`, `release` or `abandon` it)."""
 
     key: tuple[str, str]
-    plan: "_Plan | None"
+    plan: "CallPlan | None"
     replay: dict | None
 
 
 @dataclass(frozen=True)
-class _Plan:
+class CallPlan:
+    """What an opened call generates from (`prompt_ids`, `sampling`) and what custody needs after."""
+
     admission: CaptureAdmission
     call: ActiveCall  # from the one `begin_call`; its weight version is restamped after generation
     prefix: list[int] | None
@@ -170,7 +152,7 @@ def _capture_payload(result: GenerationResultLike) -> dict:
 
 
 class CustodyCore:
-    """The admitted-call pipeline of one worker (module contract); build it with `build_custody`."""
+    """The admitted-call pipeline of one worker (module contract); `lifecycle.build_custody` builds it."""
 
     def __init__(
         self,
@@ -215,27 +197,21 @@ class CustodyCore:
         serving: CallServing,
     ) -> dict:
         """The reply to one admitted call (its `ng_commit_coords` included), or a replay of it."""
-        opening = await self.open_stream(body, raw_admission, messages, tools, sampling, serving)
+        opening = await self.open_call(body, raw_admission, messages, tools, sampling, serving)
         if opening.replay is not None:
             return opening.replay
-        plan, key = opening.plan, opening.key
+        plan = opening.plan
         assert plan is not None, "an opening without a replay holds its plan"
         try:
             result = await serving.generate(plan.prompt_ids, plan.sampling)
         except BaseException:
             # Refused or not generated (timeout, failed engine): nothing was staged under this id, so a
             # retry of the same call (Gym's client retries 5xx with the same body) may use it.
-            self._admitted.release(key)
+            self.release(opening)
             raise
-        try:
-            reply = await self._stage(plan, result, serving)
-        except BaseException:
-            self._admitted.spoil(key)  # generated once: never again, and there is no reply to replay
-            raise
-        self._admitted.commit(key, reply)
-        return reply
+        return await self.finish(opening, result, serving)
 
-    async def open_stream(
+    async def open_call(
         self,
         body: Mapping[str, Any],
         raw_admission: Any,
@@ -243,71 +219,49 @@ class CustodyCore:
         tools: list[dict] | None,
         sampling: SamplingRequest,
         serving: CallServing,
-    ) -> StreamOpening:
-        """A call admitted and planned, before its first token (any refusal raises here; `serve` opens
-        its calls here too)."""
+    ) -> CallOpening:
+        """A call admitted and planned, before its first token (any refusal raises here), or the
+        committed reply of a re-send. Whoever generates it then ends it with exactly one of
+        `finish`, `release` or `abandon`."""
         admission = self._validate_admission(raw_admission)
         instrumentation.set_call_fact("capture", 1.0)  # admitted (the benchmarks split calls by path)
         key = (admission.rollout_id, admission.model_call_id)
         replay = await self._claim_or_replay(key, request_digest(body), admission)
         if replay is not None:
-            return StreamOpening(key, None, replay)
+            return CallOpening(key, None, replay)
         try:
             plan = await self._plan(admission, body, messages, tools, sampling, serving)
         except BaseException:
             self._admitted.release(key)
             raise
-        return StreamOpening(key, plan, None)
+        return CallOpening(key, plan, None)
 
-    async def stream(self, opening: StreamOpening, serving: CallServing, request_id: str) -> AsyncIterator[Any]:
-        """Generate an opened call step by step: yields each step's new ids (a list), then the reply
-        (a dict, `ng_commit_coords` included) once the call is staged exactly as `serve` stages it.
+    def release(self, opening: CallOpening) -> None:
+        """The opened call was not generated (refused, timed out, failed engine): its id is free again."""
+        self._admitted.release(opening.key)
 
-        A consumer that stops before the reply (the client went away) leaves the call aborted in
-        the engine, failed in Gym's capture, recorded served and not staged (`CLIENT_DISCONNECTED`,
-        with the tokens generated so far) and its id spoiled: an off-chain outcome, never staged.
-        """
-        plan, key = opening.plan, opening.key
-        assert plan is not None, "a replayed opening has nothing to generate"
-        generated, result = 0, None
-        steps = serving.generate_stream(plan.prompt_ids, plan.sampling, request_id)
+    async def finish(self, opening: CallOpening, result: GenerationResultLike, serving: CallServing) -> dict:
+        """Stage the generated call and commit its reply (replayed to a re-send); the reply with coords."""
+        assert opening.plan is not None, "a replayed opening has nothing to finish"
         try:
-            async for step in steps:
-                if step.result is not None:
-                    result = step.result
-                    break
-                generated += len(step.new_token_ids)
-                yield step.new_token_ids
-        except (GeneratorExit, asyncio.CancelledError):
-            if result is None:
-                self._disconnected(plan, key, generated)
-            raise
+            reply = await self._stage(opening.plan, result, serving)
         except BaseException:
-            self._admitted.release(key)  # not generated to the end: nothing staged under this id
+            self._admitted.spoil(opening.key)  # generated once: never again, and there is no reply to replay
             raise
-        finally:
-            await steps.aclose()  # aborts an unfinished generation in the engine
-        if result is None:
-            self._admitted.release(key)
-            raise ApiError("worker_failed", f"request {request_id}: the engine stream ended without a result")
-        try:
-            reply = await self._stage(plan, result, serving)
-        except BaseException:
-            self._admitted.spoil(key)
-            raise
-        self._admitted.commit(key, reply)
-        yield reply
+        self._admitted.commit(opening.key, reply)
+        return reply
 
-    def _disconnected(self, plan: _Plan, key: tuple[str, str], generated: int) -> None:
-        admission = plan.admission
-        self._admitted.spoil(key)
-        self.capture.fail_call(plan.call, reason=CLIENT_DISCONNECTED)
-        self.stats["client_disconnected"] += 1
+    def abandon(self, opening: CallOpening, generated_tokens: int, reason: str) -> None:
+        """The call was cut mid-generation (`reason`, e.g. a streamed call's client gone): its id is
+        spoiled, Gym's capture fails the call, and it is recorded served and not staged."""
+        plan = opening.plan
+        assert plan is not None, "a replayed opening has nothing to abandon"
+        self._admitted.spoil(opening.key)
+        self.capture.fail_call(plan.call, reason=reason)
+        self.stats[reason] += 1
         self.stats["served_calls"] += 1
-        self._record_served(admission, generated_tokens=generated, failure=CLIENT_DISCONNECTED,
+        self._record_served(plan.admission, generated_tokens=generated_tokens, failure=reason,
                             history_has_assistant_turn=plan.history_has_assistant_turn)
-        LOGGER.warning("client went away mid-stream: rollout=%s call=%s aborted after %d token(s), not staged",
-                       admission.rollout_id, admission.model_call_id, generated)
 
     def take_served(self, rollout_ids: list[str]) -> list[ServedCall]:
         """Pop and return the served-call records of `rollout_ids` (unknown ids: nothing).
@@ -399,7 +353,7 @@ class CustodyCore:
         tools: list[dict] | None,
         sampling: SamplingRequest,
         serving: CallServing,
-    ) -> _Plan:
+    ) -> CallPlan:
         if admission.mode == "text":
             prefix = None
             prompt_ids, tail_error = serving.render_root(messages, tools), None
@@ -420,7 +374,7 @@ class CustodyCore:
             )
         except CaptureError as e:
             raise ApiError("invalid_capture_admission", str(e), param="ng_capture") from e
-        return _Plan(
+        return CallPlan(
             admission=admission, call=call, prefix=prefix, prompt_ids=prompt_ids, tail_error=tail_error, sampling=sampling,
             history_has_assistant_turn=has_assistant_turn(messages),
         )
@@ -505,7 +459,7 @@ class CustodyCore:
                 param=param,
             )
 
-    async def _stage(self, plan: _Plan, result: GenerationResultLike, serving: CallServing) -> dict:
+    async def _stage(self, plan: CallPlan, result: GenerationResultLike, serving: CallServing) -> dict:
         """Stage the generated call (or record why not), seed, record it served; the reply with coords."""
         admission = plan.admission
         call = _stamped(plan.call, result.weight_version)
@@ -602,83 +556,3 @@ class CustodyCore:
         if evicted:
             self.stats["served_evicted_rollouts"] += evicted
             LOGGER.warning("served-call registry full: evicted %d rollout(s) never taken", evicted)
-
-
-def build_custody(
-    sink: StagingSink,
-    source: StagingSource | None,
-    *,
-    weight_version_fn: Callable[[], int],
-    prefix_cache_max_tokens: int,
-    vocab_size: int,
-    max_admitted_calls: int,
-    worker_index: int = 0,
-    max_served_rollouts: int = DEFAULT_MAX_SERVED_ROLLOUTS,
-    duplicate_wait_s: float = DEFAULT_DUPLICATE_WAIT_S,
-    barrier: StageBarrier | None = None,
-    barrier_timeout_s: float = 0.0,
-) -> CustodyCore:
-    """The custody core over one staging sink and source: Gym's capture core (vLLM adapter), the
-    prefix cache over `source` (None: `staging_chain` admissions are 503) and, under write-behind,
-    the `barrier` (its waits bounded by `barrier_timeout_s`)."""
-    capture = RolloutTokenCapture(sink=sink, weight_version_fn=weight_version_fn, adapter=VLLMCaptureAdapter())
-    return CustodyCore(
-        capture,
-        PrefixCache(source, prefix_cache_max_tokens) if source is not None else None,
-        vocab_size=vocab_size,
-        max_admitted_calls=max_admitted_calls,
-        worker_index=worker_index,
-        max_served_rollouts=max_served_rollouts,
-        duplicate_wait_s=duplicate_wait_s,
-        barrier=barrier,
-        barrier_timeout_s=barrier_timeout_s,
-    )
-
-
-@dataclass(frozen=True)
-class TQCustody:
-    """The worker's custody over the data plane: the core, its write-behind writer and its prefix source."""
-
-    core: CustodyCore
-    writer: StageWriter | None  # under token_capture.stage_write=behind_reply
-    source: TQTokenSource
-
-    def stats(self) -> dict[str, Any]:
-        return {
-            "prefix_fetch_missing_waits": self.source.missing_waits,
-            "stage_writer": dict(self.writer.stats) if self.writer is not None else None,
-        }
-
-
-def build_tq_custody(
-    client: Any,
-    capture_cfg: TokenCaptureConfig,
-    *,
-    weight_version_fn: Callable[[], int],
-    vocab_size: int,
-    max_admitted_calls: int,
-    worker_index: int = 0,
-    duplicate_wait_s: float = DEFAULT_DUPLICATE_WAIT_S,
-) -> TQCustody:
-    """`build_custody` over the data plane `client` (a `DataPlaneClient`, or anything with its
-    put/put_many/get/clear): TQ staging sink and source and, under `behind_reply`, the `StageWriter`
-    as the barrier (served report, parents' check, prefix seeding once durable)."""
-    partition = capture_cfg.staging_partition
-    timeout_s = capture_cfg.stage_timeout_s
-    behind = capture_cfg.stage_write == "behind_reply"
-    writer = StageWriter(client, partition, timeout_s=timeout_s) if behind else None
-    # Under write-behind a parent staged by another worker may still be in its write.
-    source = TQTokenSource(client, partition, timeout_s=timeout_s, missing_wait_s=timeout_s if behind else 0.0)
-    core = build_custody(
-        TQTokenSink(client, partition, timeout_s=timeout_s, writer=writer),
-        source,
-        weight_version_fn=weight_version_fn,
-        prefix_cache_max_tokens=capture_cfg.prefix_cache_max_tokens,
-        vocab_size=vocab_size,
-        max_admitted_calls=max_admitted_calls,
-        worker_index=worker_index,
-        duplicate_wait_s=duplicate_wait_s,
-        barrier=writer,
-        barrier_timeout_s=timeout_s if writer is not None else 0.0,
-    )
-    return TQCustody(core, writer, source)

@@ -1,7 +1,8 @@
-"""The one module that imports vLLM: a real `AsyncLLM` engine driven by exact token ids.
+"""A real vLLM `AsyncLLM` driven by exact token ids (`lifecycle.start_vllm_engine` starts one).
 
 Promises: `generate` takes prompt token ids (never text) and returns the exact sampled ids with
-the engine's raw logprob of each (`generate_stream`: the same, step by step); every sample is kept in a bounded record log for audits;
+the engine's raw logprob of each (`generate_stream`: the same, step by step); every sample is
+kept in a bounded record log for audits;
 `reload_weights` drains, reloads, clears the prefix cache and bumps `weight_version`, so every
 result carries the one version that generated all of its tokens. States `serving`,
 `refitting`, `failed`: every wait is bounded (`EngineDeadlines`); a drain past its deadline
@@ -118,54 +119,6 @@ class GenerationResult:
     weight_version: int
 
 
-def cpu_engine_env(cfg: VllmConfig) -> dict[str, str]:
-    """Environment a CPU engine needs (set before vLLM is imported)."""
-    cpus = os.cpu_count() or 1
-    bind = cfg.omp_threads_bind if cfg.omp_threads_bind != "auto" else f"0-{cpus - 1}"
-    # No VLLM_CPU_KVCACHE_SPACE: it would override the exact `kv_cache_memory_bytes` engine arg
-    # with whole GiB. VLLM_ENABLE_V1_MULTIPROCESSING=0 does not move the engine core in-process
-    # (AsyncLLM always spawns it); it only stops the CPU platform from turning the "uni" executor
-    # into "mp", whose extra worker process would import vLLM a third time (~35 s per start on
-    # 2 cores) for no gain with one engine per worker.
-    return {
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-        "VLLM_CPU_OMP_THREADS_BIND": bind,
-        "VLLM_NO_USAGE_STATS": "1",
-        "VLLM_LOGGING_LEVEL": "WARNING",
-        "TOKENIZERS_PARALLELISM": "false",
-    }
-
-
-def engine_args(model_dir: Path, cfg: VllmConfig) -> dict:
-    """`AsyncEngineArgs` keyword arguments for `cfg.flavor` (the launcher resolves auto first).
-
-    cpu (and an unresolved auto): float32, an exact KV budget (`kv_cache_memory_bytes`), the
-    in-process "uni" executor. gpu: `dtype`, `tensor_parallel_size` GPUs (the "mp" executor when
-    more than one, inside the Ray actor that reserved them), a KV cache sized by
-    `gpu_memory_utilization` (vLLM ignores that fraction when kv_cache_memory_bytes is given).
-    """
-    args = dict(
-        model=str(model_dir),
-        tokenizer=str(model_dir),
-        dtype=cfg.dtype,
-        seed=cfg.seed,
-        enforce_eager=cfg.enforce_eager,
-        max_model_len=cfg.max_model_len,
-        enable_prefix_caching=True,
-        disable_log_stats=True,
-        worker_extension_cls=worker_extension.QUALNAME,  # `trim_host_memory` after every refit
-    )
-    if cfg.flavor == "gpu":
-        tp = cfg.tensor_parallel_size
-        return {
-            **args,
-            "tensor_parallel_size": tp,
-            "gpu_memory_utilization": cfg.gpu_memory_utilization,
-            "distributed_executor_backend": "mp" if tp > 1 else "uni",
-        }
-    return {**args, "kv_cache_memory_bytes": cfg.kv_cache_memory_bytes, "distributed_executor_backend": "uni"}
-
-
 def engine_core_processes(engine: Any) -> list[ChildProcess]:
     """The engine-core processes an `AsyncLLM` started, as its parent process sees them.
 
@@ -228,29 +181,11 @@ class VllmEngine:
         self._refits = self._refits_aborted = self._refit_drained_calls = self._refits_with_calls = 0
         self._refit_pause_s = 0.0
 
-    @classmethod
-    def start(cls, model_dir: Path, cfg: VllmConfig, eos_token_id: int) -> "VllmEngine":
-        from vllm import SamplingParams
-        from vllm.engine.arg_utils import AsyncEngineArgs
-        from vllm.v1.engine.async_llm import AsyncLLM
-        from vllm.v1.engine.exceptions import EngineDeadError
-
-        args = AsyncEngineArgs(**engine_args(model_dir, cfg))
-        try:
-            engine = AsyncLLM.from_engine_args(args)
-        except Exception as e:  # vLLM raises many types at startup; all mean "no engine".
-            raise EngineError(f"vLLM AsyncLLM failed to start for model {model_dir}: {e}") from e
-        return cls(
-            engine,
-            eos_token_id,
-            cfg.max_model_len,
-            cfg.max_records,
-            EngineDeadlines.from_config(cfg),
-            params_cls=SamplingParams,
-            dead_errors=(EngineDeadError,),
-        )
-
     # --- state -------------------------------------------------------------------------------
+    @property
+    def eos_token_id(self) -> int:
+        return self._eos
+
     @property
     def state(self) -> EngineState:
         return self._state
@@ -536,8 +471,3 @@ class VllmEngine:
     def shutdown(self) -> None:
         self._engine.shutdown()
 
-
-async def wait_ready(engine: VllmEngine, timeout_s: float) -> None:
-    """One tiny generation proves the engine serves (bounded)."""
-    probe = SamplingRequest(temperature=0.0, top_p=1.0, max_tokens=1, seed=None, logprobs=False, return_token_ids=False)
-    await asyncio.wait_for(engine.generate([engine._eos], probe, "warmup-0"), timeout_s)

@@ -1,6 +1,8 @@
 """Driver-side launch of vLLM generation workers in their flavored venv, with deadlines.
 
-Owns `resolve_flavor`, `spawn_workers` / `await_workers` and `WorkerGroup`. Promises: the flavor
+Owns `resolve_flavor`, `spawn_workers` / `await_workers` and `WorkerGroup` (the workers' lifecycle
+handle: refit, probes, audits, shutdown; its `served` is the per-rollout `worker.ServedReporter`,
+so a rollout never runs this module). Promises: the flavor
 and the placement plan are checked before the venv build or any engine starts (`NoGPUError`,
 `NotEnoughGPUsError`, `PlacementError`); `spawn_workers` returns base URLs as soon as the ports
 are open, so other components start while engines load; every actor call has a deadline and a
@@ -20,18 +22,14 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import ray
 
 from nemo_rl.data.errors import FatalError
-from nemo_rl.data.calls import ServedCall
 from nemo_rl.distributed.actor_call import (
     ActorCallError,
     ActorCallTimeoutError,
-    ActorDiedError,
-    ActorRaisedError,
-    await_with_deadline,
     call_with_deadline,
     deadline_left,
 )
@@ -47,8 +45,14 @@ from nemo_rl.distributed.component_watch import (
 from nemo_rl.distributed.placement import actor_node_ids, alive_nodes, node_affinity, plan_worker_placement
 from nemo_rl.distributed.shared_fs import SharedDirProbe
 from nemo_rl.models.generation.vllm.config import GenerationConfig
-from nemo_rl.models.generation.vllm.engine import cpu_engine_env
-from nemo_rl.models.generation.vllm.worker import VllmGenerationWorker, WorkerError
+from nemo_rl.models.generation.vllm.lifecycle import cpu_engine_env
+from nemo_rl.models.generation.vllm.worker import (
+    WORKERS,
+    ServedReporter,
+    VllmGenerationWorker,
+    WorkerError,
+    raise_worker_error,
+)
 from nemo_rl.utils.venvs import REPO_ROOT, ensure_venv, venv_python, vllm_spec
 
 CUDA_VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
@@ -183,31 +187,6 @@ def worker_name(worker: int) -> str:
     return Component(ComponentKind.VLLM_WORKER, worker).name
 
 
-WORKERS = "vLLM workers"  # the actor name `ActorCallError`s of group calls carry
-
-
-def raise_worker_error(
-    failure: ActorCallTimeoutError | ActorDiedError | ActorRaisedError, timeout_s: float
-) -> NoReturn:
-    """A failed group call as a `WorkerError`; what a worker raised itself stays as it is (a
-    `WorkerError` such as a refit failure, a `WorkerFailedError`, or a bug)."""
-    if isinstance(failure, ActorRaisedError):
-        assert failure.cause is not None
-        raise failure.cause from None
-    if isinstance(failure, ActorCallTimeoutError):
-        raise WorkerError(f"vLLM worker {failure.op} exceeded its {timeout_s:.0f}s deadline") from failure
-    raise WorkerError(f"vLLM worker died during {failure.op}: {failure.cause}") from failure
-
-
-def merge_served(parts: list[list[dict]]) -> list[ServedCall]:
-    """Every worker's `take_served` answer (wire dicts), in worker order, as `ServedCall`s.
-
-    Nothing is dropped or deduplicated: each record is one completion a worker produced.
-    A malformed record raises `ServedCallError` (a worker/driver version mismatch).
-    """
-    return [ServedCall.from_wire(record) for part in parts for record in part]
-
-
 @dataclass
 class WorkerGroup:
     handles: list[Any]
@@ -266,19 +245,13 @@ class WorkerGroup:
     def prompt_logprobs(self, token_ids: list[int]) -> list[list[float]]:
         return self._get([h.prompt_logprobs.remote(token_ids) for h in self.handles], "prompt_logprobs")
 
-    async def _get_async(self, refs: list[Any], op: str) -> list[Any]:
-        try:
-            return await await_with_deadline(list(refs), actor=WORKERS, op=op, timeout_s=self.call_timeout_s)
-        except ActorCallError as e:
-            raise_worker_error(e, self.call_timeout_s)
-
     def capture_stats(self) -> list[dict]:
         return self._get([h.capture_stats.remote() for h in self.handles], "capture_stats")
 
-    async def take_served_async(self, rollout_ids: list[str]) -> list[ServedCall]:
-        """Pop what every worker served for `rollout_ids`; awaits the refs, never blocks the event loop."""
-        refs = [h.take_served.remote(list(rollout_ids)) for h in self.handles]
-        return merge_served(await self._get_async(refs, "take_served"))
+    @property
+    def served(self) -> ServedReporter:
+        """The per-rollout served report over these workers (what the rollout manager is given)."""
+        return ServedReporter(list(self.handles), self.call_timeout_s)
 
     def probes(self) -> list[Probe]:
         """Per worker: the actor, `vllm_worker_<i>`, and its engine core, `vllm_worker_<i>/engine_core`

@@ -1,15 +1,14 @@
 """The worker's chat-completions core: honours `ng_capture` admissions over an exact-id engine.
 
-Owns `ChatService` (`server.py` is a thin shell over it); admitted calls go through the custody
-core (`custody.CustodyCore`). Promises: a plain call is answered as stock vLLM would; an admitted
-call's prompt is the parent's exact ids plus the newly rendered tail, admitted once by Gym's
-`begin_call` before anything is generated, and its reply carries no token echo (the staged
-record is the source of truth). Refuses generation from an unverified prefix, a second
-generation of a call (a byte-identical re-send is replayed) and a silently uncaptured success
-(custody failing after generation is `capture_failed`, counted). Invariant: only durable rows
-enter the `PrefixCache`; errors are named `ApiError`s, anything else is a bug that propagates.
-`open_chat_stream` serves `stream=true`: the same checks before the first byte, content deltas as
-generated, the call committed as a whole one before its finish chunk ("The streamed path").
+Owns `ChatService` (`worker.py`'s HTTP transport is a thin shell over it); admitted calls go
+through the custody core (`custody.CustodyCore`). Promises: a plain call is answered as stock
+vLLM would; an admitted call's prompt is the parent's exact ids plus the newly rendered tail,
+admitted once by Gym's `begin_call` before anything is generated, and its reply carries no
+token echo (the staged record is the source of truth). Refuses generation from an unverified
+prefix, a second generation of a call (a byte-identical re-send is replayed) and a silently
+uncaptured success (custody failing after generation is `capture_failed`, counted). Invariant:
+only durable rows enter the `PrefixCache`; errors are named `ApiError`s, anything else is a bug
+that propagates. `stream=true` is `streaming.open_chat_stream`'s, over this service's public parts.
 See docs/design-docs/vllm-worker-capture.md ("One request" to "Errors, context overflow ...").
 """
 
@@ -20,7 +19,7 @@ import contextlib
 import logging
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any, Protocol
 
@@ -37,7 +36,6 @@ from nemo_rl.models.generation.vllm.chat import (
     build_chat_completion,
     chat_tools,
     derive_turn_end,
-    generated_text,
     get_tool_call_parser,
     new_request_id,
     normalize_messages,
@@ -47,21 +45,13 @@ from nemo_rl.models.generation.vllm.chat import (
     sampled_turn_close,
     sampling_from_body,
 )
-from nemo_rl.models.generation.vllm.custody import CustodyCore, GenerationResultLike, StreamOpening
+from nemo_rl.models.generation.vllm.custody import CustodyCore, GenerationResultLike
 from nemo_rl.models.generation.vllm.engine import (
     EngineFailedError,
     GenerationTimeoutError,
     RefitGateTimeoutError,
 )
 from nemo_rl.models.generation.vllm.custody_state import PrefixCache
-from nemo_rl.models.generation.vllm.streaming import (
-    ContentStreamer,
-    chunk,
-    content_mode,
-    final_chunks,
-    replay_chunks,
-    sse_event,
-)
 from nemo_rl.data.request_rules import RequestFieldError, check_chat_request
 from nemo_rl.utils import instrumentation  # opt-in per-call cost (benchmarks/capture_ab.py)
 from nemo_rl.data.calls import ServedCall
@@ -69,7 +59,7 @@ from nemo_rl.data.calls import ServedCall
 LOGGER = logging.getLogger(__name__)
 
 
-def _record_generation(started: float, prompt_ids: list[int], result: GenerationResultLike) -> None:
+def record_generation(started: float, prompt_ids: list[int], result: GenerationResultLike) -> None:
     """The engine's part of one call's cost (both paths; read by benchmarks/capture_ab.py)."""
     instrumentation.add_call_cost("generate_s", time.perf_counter() - started)
     instrumentation.set_call_fact("generate_t0_s", started)
@@ -81,14 +71,6 @@ class Generator(Protocol):
     weight_version: int
 
     async def generate(self, prompt_ids: list[int], sampling: SamplingRequest, request_id: str) -> GenerationResultLike: ...
-
-    def generate_stream(self, prompt_ids: list[int], sampling: SamplingRequest, request_id: str) -> AsyncIterator[Any]: ...
-
-
-def include_usage(body: dict) -> bool:
-    """`stream_options.include_usage` of a streamed request (request_rules checked its shape)."""
-    options = body.get("stream_options")
-    return bool(isinstance(options, dict) and options.get("include_usage"))
 
 
 def context_overflow_message(prompt_len: int, requested: int | None, max_model_len: int) -> str | None:
@@ -174,7 +156,23 @@ class ChatService:
     def weight_version(self) -> int:
         return self._engine.weight_version
 
-    def _parse_chat(self, body: Any, *, streamed: bool) -> tuple[list[dict], list[dict] | None, SamplingRequest]:
+    @property
+    def engine(self) -> Generator:
+        return self._engine
+
+    @property
+    def tokenizer(self) -> ChatTemplateTokenizer:
+        return self._tokenizer
+
+    @property
+    def model_name(self) -> str:
+        return self._model_name
+
+    @property
+    def tool_call_parser(self) -> str:
+        return self._tool_call_parser
+
+    def parse_chat(self, body: Any, *, streamed: bool) -> tuple[list[dict], list[dict] | None, SamplingRequest]:
         """The checked request's messages, tools and sampling (`ApiError` 400 naming the field otherwise)."""
         try:
             check_chat_request(body, max_model_len=self._max_model_len)
@@ -192,7 +190,7 @@ class ChatService:
         return messages, tools, sampling
 
     async def chat_completions(self, body: Any) -> dict:
-        messages, tools, sampling = self._parse_chat(body, streamed=False)
+        messages, tools, sampling = self.parse_chat(body, streamed=False)
         raw_admission = body.get("ng_capture")
         if raw_admission is None:
             return await self._serve_plain(
@@ -206,86 +204,6 @@ class ChatService:
                 param="ng_capture",
             )
         return await self.custody.serve(body, raw_admission, messages, tools, sampling, self)
-
-    async def open_chat_stream(self, body: Any) -> AsyncIterator[bytes]:
-        """A `stream=true` chat completion: every check up to the first token runs here (an `ApiError`
-        before any byte is sent); returns the SSE events (role chunk, content deltas as the engine
-        produces them, `streaming.final_chunks`). An admitted call is staged and committed exactly
-        as `chat_completions` does before its finish chunk (which carries `ng_commit_coords`)."""
-        messages, tools, sampling = self._parse_chat(body, streamed=True)
-        usage = include_usage(body)
-        request_id = new_request_id()
-        raw_admission = body.get("ng_capture")
-        if raw_admission is None:
-            parse_tools = parses_tool_calls(tools, body.get("tool_choice"))
-            prompt_ids = self.render_root(messages, tools)
-            sampling = self.fit_context(prompt_ids, sampling)
-            steps = self._plain_steps(prompt_ids, sampling, request_id, parse_tools)
-            return self._sse(request_id, steps, content_mode(parse_tools, self._tool_call_parser), usage)
-        if self.custody is None:
-            raise ApiError("capture_not_installed", "request carries ng_capture but token capture is not installed on "
-                           "this worker (set token_capture.enabled=true)", param="ng_capture")
-        opening: StreamOpening = await self.custody.open_stream(body, raw_admission, messages, tools, sampling, self)
-        if opening.replay is not None:
-            return _replayed(opening.replay, usage)
-        steps = self.custody.stream(opening, self, request_id)
-        return self._sse(request_id, steps, content_mode(True, self._tool_call_parser), usage)
-
-    async def _plain_steps(
-        self, prompt_ids: list[int], sampling: SamplingRequest, request_id: str, parse_tools: bool
-    ) -> AsyncIterator[Any]:
-        async with contextlib.aclosing(self.generate_stream(prompt_ids, sampling, request_id)) as steps:
-            async for step in steps:
-                if step.result is None:
-                    yield step.new_token_ids
-                    continue
-                self._stats["plain_calls"] += 1
-                self._stats["served_calls"] += 1
-                yield self._response(step.result, include_logprobs=False, include_token_ids=False,
-                                     parse_tools=parse_tools)
-
-    async def _sse(self, request_id: str, steps: AsyncIterator[Any], mode: str, usage: bool) -> AsyncIterator[bytes]:
-        """SSE events of one stream: `steps` yields new ids (lists), then the finished reply (a dict).
-
-        The role chunk is yielded once the first step is in (generation started), so a consumer
-        that stops at any yield finds `steps` running and its close records the call."""
-        created = int(time.time())
-        streamer = ContentStreamer(self._stream_decoder(mode), mode)
-        try:
-            item = await anext(steps, None)
-            yield sse_event(chunk(request_id, self._model_name, created, {"role": "assistant", "content": ""}))
-            while item is not None:
-                if isinstance(item, dict):
-                    for event in final_chunks({**item, "created": created}, streamer.streamed, include_usage=usage):
-                        yield sse_event(event)
-                    return
-                delta = streamer.push(item)
-                if delta:
-                    yield sse_event(chunk(request_id, self._model_name, created, {"content": delta}))
-                item = await anext(steps, None)
-        finally:
-            await steps.aclose()  # a consumer gone mid-stream: the generation is aborted, the call recorded
-
-    def _stream_decoder(self, mode: str):
-        eos = self._tokenizer.eos_token_id
-        if mode == "all":
-            return lambda ids: generated_text(self._tokenizer, ids)
-        # What `assistant_reply` parses for hermes: special tokens kept, the closing stop token dropped.
-        return lambda ids: self._tokenizer.decode(ids[:-1] if ids and ids[-1] == eos else ids, skip_special_tokens=False)
-
-    async def generate_stream(self, prompt_ids: list[int], sampling: SamplingRequest, request_id: str) -> AsyncIterator[Any]:
-        """The engine's steps for one streamed call, engine errors mapped as `generate` maps them."""
-        started = time.perf_counter()
-        first = True
-        with self._engine_errors():
-            async with contextlib.aclosing(self._engine.generate_stream(prompt_ids, sampling, request_id)) as steps:
-                async for step in steps:
-                    if first:
-                        instrumentation.set_call_fact("first_token_s", time.perf_counter() - started)
-                        first = False
-                    if step.result is not None:
-                        _record_generation(started, prompt_ids, step.result)
-                    yield step
 
     def take_served(self, rollout_ids: list[str]) -> list[ServedCall]:
         """Pop the served-call records of `rollout_ids` (`CustodyCore.take_served`; none without custody)."""
@@ -357,7 +275,10 @@ class ChatService:
     ) -> dict:
         prompt_ids = self.render_root(messages, tools)
         sampling = self.fit_context(prompt_ids, sampling)
-        result = await self.generate(prompt_ids, sampling)
+        return self.plain_reply(await self.generate(prompt_ids, sampling), sampling, parse_tools=parse_tools)
+
+    def plain_reply(self, result: GenerationResultLike, sampling: SamplingRequest, *, parse_tools: bool) -> dict:
+        """A plain (capture-off) call's reply, with the token echo its request asked for; counted served."""
         self._stats["plain_calls"] += 1
         self._stats["served_calls"] += 1
         return self._response(
@@ -370,13 +291,13 @@ class ChatService:
 
     async def generate(self, prompt_ids: list[int], sampling: SamplingRequest) -> GenerationResultLike:
         started = time.perf_counter()
-        with self._engine_errors():
+        with self.engine_errors():
             result = await self._engine.generate(prompt_ids, sampling, new_request_id())
-            _record_generation(started, prompt_ids, result)
+            record_generation(started, prompt_ids, result)
             return result
 
     @contextlib.contextmanager
-    def _engine_errors(self) -> Iterator[None]:
+    def engine_errors(self) -> Iterator[None]:
         """The engine's failures as the `ApiError`s the transport answers (one mapping for both paths)."""
         try:
             yield
@@ -418,8 +339,3 @@ class ChatService:
             ],
         )
 
-
-async def _replayed(reply: dict, usage: bool) -> AsyncIterator[bytes]:
-    """A committed reply re-sent as a whole stream (a byte-identical re-send of a streamed call)."""
-    for event in replay_chunks(reply, include_usage=usage):
-        yield sse_event(event)

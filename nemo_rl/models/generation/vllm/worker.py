@@ -1,15 +1,17 @@
-"""The async vLLM generation worker: a Ray actor hosting a real `AsyncLLM` and its HTTP endpoint.
+"""The vLLM worker's process-facing shell: its Ray actor, its HTTP transport, the driver's served report.
 
-A thin actor shell: vLLM stays in `engine.py`, request logic in `serving.py`, the transport in
-`server.py`; every failure becomes a `WorkerError` before it crosses the Ray boundary.
-Promises: start-up is `bind` (port open, every route 503 `worker_starting`), `start_engine`,
-then `serve`, which builds the custody core before letting requests through, so no request is
-served uncaptured; a refit that cannot drain keeps the old weights, one that fails leaves the
-worker failed (every route 503 `worker_failed`, every driver call `WorkerFailedError`), never
-wedged. Control routes need the per-run bearer token, which is never logged.
-Invariant: every sample carries the weight version it ran under.
-Driver calls and `capture_stats()` counters: docs/design-docs/vllm-worker-capture.md,
-"The actor shell".
+`VllmGenerationWorker` hosts a real `AsyncLLM` (`engine.py`) behind `ChatService` (`serving.py`);
+start-up and tear-down are `lifecycle.py`'s. Start-up is `bind` (port open, every route 503
+`worker_starting`), `start_engine`, then `serve`, which builds the custody core before letting
+requests through, so no request is served uncaptured. `build_app` (aiohttp) only reads the body
+(strict JSON, at most `max_request_bytes`), calls the service and is the one place an `ApiError`
+becomes an HTTP response; any other exception is a bug: 500 `internal_error`, the worker failed.
+A refit that cannot drain keeps the old weights, one that fails leaves the worker failed (every
+route 503 `worker_failed`, every driver call `WorkerFailedError`), never wedged. Control routes
+need the per-run bearer, never logged. `ServedReporter` is the driver's per-rollout handle
+(`take_served_async`). Invariant: every sample carries the weight version it ran under; every
+failure crossing the Ray boundary is a `WorkerError` or `WorkerFailedError`.
+See docs/design-docs/vllm-worker-capture.md ("The actor shell", "Errors, context overflow ...").
 """
 
 from __future__ import annotations
@@ -18,15 +20,38 @@ import asyncio
 import dataclasses
 import logging
 import time
+import traceback
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, NoReturn
 
-from nemo_rl.data.errors import FatalError, RecoverableError
+from aiohttp import web
+
+from nemo_rl.data.calls import ServedCall
+from nemo_rl.data.errors import ApiError, FatalError, RecoverableError
+from nemo_rl.data.request_rules import RequestFieldError, bearer_status, parse_json_body
 from nemo_rl.data_plane import DataPlaneClient, DataPlaneConfig
+from nemo_rl.distributed.actor_call import (
+    ActorCallError,
+    ActorCallTimeoutError,
+    ActorDiedError,
+    ActorRaisedError,
+    await_with_deadline,
+)
 from nemo_rl.distributed.shared_fs import SharedDirError, SharedDirProbe, check_probe, require_dir
 from nemo_rl.distributed.topology import http_base_url, listen_host
 from nemo_rl.models.generation.vllm.config import GenerationConfig
-from nemo_rl.models.generation.vllm.server import Endpoint
+from nemo_rl.models.generation.vllm.lifecycle import (
+    attach_capture,
+    chat_service,
+    close_capture,
+    start_engine,
+    wait_ready,
+)
+from nemo_rl.models.generation.vllm.serving import ChatService
+from nemo_rl.models.generation.vllm.streaming import open_chat_stream, stream_sse
 from nemo_rl.token_capture.config import TokenCaptureConfig
+from nemo_rl.utils import instrumentation  # opt-in body/latency counters (benchmarks/capture_ab.py)
 from nemo_rl.utils.venvs import running_venv_info
 
 LOGGER = logging.getLogger(__name__)
@@ -48,10 +73,158 @@ class WorkerFailedError(FatalError, RuntimeError):
     `WorkerError`: a caller that handles both names both."""
 
 
-def _load_tokenizer(model_dir: Path):  # -> a transformers tokenizer (blocking: file reads, imports)
-    from transformers import AutoTokenizer
+# --- the HTTP transport ---------------------------------------------------------------------
 
-    return AutoTokenizer.from_pretrained(str(model_dir))
+CONTROL_PREFIX = "/control/"
+_AUTH_MESSAGES = {
+    401: ("control_auth_required", "control routes need an Authorization: Bearer <control token> header"),
+    403: ("control_auth_invalid", "the control bearer token is not this run's"),
+}
+
+
+class Endpoint:
+    """What the routes serve from; the worker actor owns it and updates it as it starts, fails, stops."""
+
+    def __init__(self) -> None:
+        self.service: ChatService | None = None  # None while starting
+        self.stopping = False
+        # Set by the worker once its engine exists (until then: no failure, nothing to report).
+        self.engine_failure: Callable[[], str | None] = lambda: None
+        self.engine_state: Callable[[], str] = lambda: "serving"
+        self.status: Callable[[], dict[str, Any]] = lambda: {}
+        self._bug: str | None = None
+
+    def failure(self) -> str | None:
+        """Why the worker is failed: the first bug a route hit, else the engine's failure."""
+        return self._bug or self.engine_failure()
+
+    def report_bug(self, where: str, error: BaseException) -> None:
+        if self._bug is None:
+            trace = "".join(traceback.format_exception(error)).rstrip()
+            self._bug = f"internal error in {where}: {type(error).__name__}: {error}\n{trace}"
+
+    def state(self) -> str:
+        if self.stopping:
+            return "stopping"
+        if self.failure() is not None:
+            return "failed"
+        if self.service is None:
+            return "starting"
+        return self.engine_state()  # serving or refitting
+
+
+def _error(e: ApiError, headers: dict[str, str] | None = None) -> web.Response:
+    return web.json_response(e.body(), status=e.status, headers=headers)
+
+
+async def _json_body(request: web.Request, max_request_bytes: int) -> object:
+    try:
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge as e:
+        raise ApiError(
+            "request_too_large",
+            f"request body exceeds generation.vllm.max_request_bytes={max_request_bytes} bytes",
+            param="body",
+        ) from e
+    try:
+        return parse_json_body(raw)
+    except RequestFieldError as e:
+        raise ApiError("invalid_json", e.message, param=e.field) from e
+
+
+def _unavailable(endpoint: Endpoint) -> ApiError | None:
+    if endpoint.stopping:
+        return ApiError("worker_stopping", "the vLLM worker is shutting down")
+    failure = endpoint.failure()
+    if failure is not None:
+        first_line = failure.splitlines()[0]
+        return ApiError("worker_failed", f"the vLLM worker is failed and serves nothing: {first_line}")
+    if endpoint.service is None:
+        return ApiError("worker_starting", "the vLLM worker is still starting; retry once /health answers 200")
+    return None
+
+
+def build_app(
+    endpoint: Endpoint, *, model_name: str, max_model_len: int, max_request_bytes: int, control_token: str
+) -> web.Application:
+    if not control_token:
+        raise ValueError("build_app needs the run's control bearer token (control routes are never open)")
+
+    def service() -> ChatService:
+        assert endpoint.service is not None  # the availability middleware let the request through
+        return endpoint.service
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        body = await _json_body(request, max_request_bytes)
+        if isinstance(body, dict) and body.get("stream") is True:
+            return await stream_sse(request, await open_chat_stream(service(), body))
+        return web.json_response(await service().chat_completions(body))
+
+    async def tokenize(request: web.Request) -> web.Response:
+        out = service().tokenize(await _json_body(request, max_request_bytes))
+        return web.json_response({**out, "max_model_len": max_model_len})
+
+    async def models(_: web.Request) -> web.Response:
+        return web.json_response(
+            {"object": "list", "data": [{"id": model_name, "object": "model", "owned_by": "nemo-rl", "max_model_len": max_model_len}]}
+        )
+
+    async def health(_: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def control_state(_: web.Request) -> web.Response:
+        return web.json_response({**endpoint.status(), "state": endpoint.state(), "failure": endpoint.failure()})
+
+    @web.middleware
+    async def errors(request: web.Request, handler) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except ApiError as e:
+            return _error(e)
+        except web.HTTPException:
+            raise  # aiohttp's own answers (404, 405): the caller's mistake, already a response
+        except Exception as e:  # a bug in our code: loud, and the worker stops serving (see the contract)
+            LOGGER.exception("internal error serving %s %s; the worker is now failed", request.method, request.path)
+            endpoint.report_bug(f"{request.method} {request.path}", e)
+            return _error(
+                ApiError("internal_error", f"internal error ({type(e).__name__}); the worker is now failed, see its log")
+            )
+
+    @web.middleware
+    async def gate(request: web.Request, handler) -> web.StreamResponse:
+        if request.path.startswith(CONTROL_PREFIX):
+            status = bearer_status(request.headers.get("Authorization"), control_token)
+            if status is not None:
+                err_type, message = _AUTH_MESSAGES[status]
+                headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+                return _error(ApiError(err_type, message, param="Authorization"), headers)
+            return await handler(request)
+        unavailable = _unavailable(endpoint)
+        if unavailable is not None:
+            return _error(unavailable)
+        return await handler(request)
+
+    app = web.Application(client_max_size=max_request_bytes, middlewares=[*instrumentation.aiohttp_middlewares(), errors, gate])
+    app.router.add_post("/v1/chat/completions", chat)
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/v1/tokenize", tokenize)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/v1/health", health)
+    app.router.add_get(CONTROL_PREFIX + "state", control_state)
+    return app
+
+
+async def serve(app: web.Application, host: str = "127.0.0.1") -> tuple[web.AppRunner, int]:
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # aiohttp exposes the bound port only here
+    return runner, port
+
+
+# --- the actor ------------------------------------------------------------------------------
 
 
 class VllmGenerationWorker:
@@ -75,24 +248,18 @@ class VllmGenerationWorker:
         self._endpoint = Endpoint()  # what the HTTP routes serve from (starting until `serve`)
         self._runner = None
         self._client: DataPlaneClient | None = None
-        self._custody = None  # custody.TQCustody once `serve` built it (capture on)
+        self._custody = None  # lifecycle.TQCustody once `serve` built it (capture on)
         self.base_url: str | None = None
 
     async def start_engine(self) -> None:
         """Start the vLLM engine (the slow part: vLLM imports, model load); serves nothing yet."""
-        from nemo_rl.models.generation.vllm.engine import VllmEngine, wait_ready
-
         t0 = time.monotonic()
         try:
             require_dir(self._model_dir, "model.path", self._where())
         except SharedDirError as e:
             raise WorkerError(str(e)) from e
         try:
-            # Off the loop too (transformers' import and the tokenizer's files take a second or more).
-            tokenizer = await asyncio.to_thread(_load_tokenizer, self._model_dir)
-            # Built off the event loop (vLLM starts its loop tasks lazily then), so the open port keeps
-            # answering 503 worker_starting at once instead of hanging while vLLM loads (~60 s on CPU).
-            self._engine = await asyncio.to_thread(VllmEngine.start, self._model_dir, self._gen.vllm, tokenizer.eos_token_id)
+            tokenizer, self._engine = await start_engine(self._model_dir, self._gen.vllm)
             await wait_ready(self._engine, self._gen.vllm.startup_timeout_s)
         except Exception as e:
             raise WorkerError(f"vLLM engine failed to start from {self._model_dir}: {type(e).__name__}: {e}") from e
@@ -120,8 +287,6 @@ class VllmGenerationWorker:
         is 127.0.0.1 (`generation.vllm.bind=loopback`) or this node's IP (`node_ip`).
 
         `control_token` is the run's bearer for the control routes (minted by the launcher)."""
-        from nemo_rl.models.generation.vllm.server import build_app, serve
-
         if self.base_url is not None:
             return self.base_url
         bind = self._gen.vllm.bind
@@ -156,49 +321,26 @@ class VllmGenerationWorker:
         if self._engine is None or self.base_url is None:
             raise WorkerError("serve called before bind and start_engine")
         if self._endpoint.service is None:
-            from nemo_rl.utils import instrumentation
-
             self._service = await self._build_service()
             instrumentation.time_capture_calls(self._service)  # opt-in per-call capture timing (benchmarks/capture_ab.py)
             self._endpoint.service = self._service
         return self.base_url
 
-    async def _build_service(self):  # -> ChatService (imported here: the vLLM venv only)
-        from nemo_rl.models.generation.vllm.custody import build_tq_custody, duplicate_wait_bound_s
-        from nemo_rl.models.generation.vllm.serving import ChatService
-
+    async def _build_service(self) -> ChatService:
         custody = None
         if self._capture_cfg.enabled:
             if self._dp_cfg is None:
                 raise WorkerError("token_capture.enabled=true needs a data plane config for the TQ staging sink")
             engine = self._engine
             try:
-                # Awaited, not `ray.get`: no blocking call runs on (or for) the actor's event loop.
-                self._client = await DataPlaneClient.attach_async(self._dp_cfg)
-                self._custody = build_tq_custody(
-                    self._client,
-                    self._capture_cfg,
-                    weight_version_fn=lambda: engine.weight_version,
-                    vocab_size=len(self._tokenizer),
-                    max_admitted_calls=self._gen.vllm.max_admitted_calls,
-                    worker_index=self._worker_index,
-                    duplicate_wait_s=duplicate_wait_bound_s(
-                        self._gen.vllm.generate_timeout_s, self._capture_cfg.stage_timeout_s
-                    ),
+                self._client, self._custody = await attach_capture(
+                    self._dp_cfg, self._capture_cfg, self._gen, weight_version_fn=lambda: engine.weight_version,
+                    vocab_size=len(self._tokenizer), worker_index=self._worker_index,
                 )
             except Exception as e:  # converted before it crosses the Ray boundary
                 raise WorkerError(f"installing token capture failed: {type(e).__name__}: {e}") from e
             custody = self._custody.core
-        service = ChatService(
-            self._engine,
-            self._tokenizer,
-            model_name=self._gen.model_name,
-            default_max_tokens=self._gen.max_new_tokens,
-            max_model_len=self._gen.vllm.max_model_len,
-            tool_call_parser=self._gen.tool_call_parser,
-            custody=custody,
-        )
-        return service
+        return chat_service(self._engine, self._tokenizer, self._gen, custody)
 
     def _require_healthy(self, op: str) -> None:
         """A failed worker refuses every driver call, naming why (the run must not go on silently)."""
@@ -315,10 +457,49 @@ class VllmGenerationWorker:
             # vLLM hands the loop-bound part (its sockets and output task) back to this loop itself.
             await asyncio.to_thread(self._engine.shutdown)
             self._engine = None
-        # The writer's join and the client's close wait on threads: off the actor's event loop.
-        if self._custody is not None and self._custody.writer is not None:
-            await asyncio.to_thread(self._custody.writer.close, self._capture_cfg.stage_timeout_s)  # before its client
-        self._custody = None
-        if self._client is not None:
-            await asyncio.to_thread(self._client.close)
-            self._client = None
+        custody, client, self._custody, self._client = self._custody, self._client, None, None
+        await close_capture(custody, client, self._capture_cfg.stage_timeout_s)
+
+
+# --- the driver's side: the per-rollout served report ---------------------------------------
+
+WORKERS = "vLLM workers"  # the actor name `ActorCallError`s of group calls carry
+
+
+def raise_worker_error(
+    failure: ActorCallTimeoutError | ActorDiedError | ActorRaisedError, timeout_s: float
+) -> NoReturn:
+    """A failed group call as a `WorkerError`; what a worker raised itself stays as it is (a
+    `WorkerError` such as a refit failure, a `WorkerFailedError`, or a bug)."""
+    if isinstance(failure, ActorRaisedError):
+        assert failure.cause is not None
+        raise failure.cause from None
+    if isinstance(failure, ActorCallTimeoutError):
+        raise WorkerError(f"vLLM worker {failure.op} exceeded its {timeout_s:.0f}s deadline") from failure
+    raise WorkerError(f"vLLM worker died during {failure.op}: {failure.cause}") from failure
+
+
+def merge_served(parts: list[list[dict]]) -> list[ServedCall]:
+    """Every worker's `take_served` answer (wire dicts), in worker order, as `ServedCall`s.
+
+    Nothing is dropped or deduplicated: each record is one completion a worker produced.
+    A malformed record raises `ServedCallError` (a worker/driver version mismatch).
+    """
+    return [ServedCall.from_wire(record) for part in parts for record in part]
+
+
+@dataclasses.dataclass(frozen=True)
+class ServedReporter:
+    """The driver's served-call report over the worker actors (`launcher.WorkerGroup.served`)."""
+
+    handles: list[Any]
+    call_timeout_s: float
+
+    async def take_served_async(self, rollout_ids: list[str]) -> list[ServedCall]:
+        """Pop what every worker served for `rollout_ids`; awaits the refs, never blocks the event loop."""
+        refs = [h.take_served.remote(list(rollout_ids)) for h in self.handles]
+        try:
+            parts = await await_with_deadline(refs, actor=WORKERS, op="take_served", timeout_s=self.call_timeout_s)
+        except ActorCallError as e:
+            raise_worker_error(e, self.call_timeout_s)
+        return merge_served(parts)

@@ -271,7 +271,7 @@ async def test_a_dead_engine_process_fails_the_engine(tmp_path: Path) -> None:
 
 def test_the_trim_extension_is_wired_and_runs_here() -> None:
     from nemo_rl.models.generation.vllm.config import VllmConfig
-    from nemo_rl.models.generation.vllm.engine import engine_args
+    from nemo_rl.models.generation.vllm.lifecycle import engine_args
     from nemo_rl.models.generation.vllm.worker_extension import QUALNAME, HostMemoryTrim, trim_process_heap
 
     module, _, name = QUALNAME.rpartition(".")

@@ -13,7 +13,7 @@ import pytest
 from nemo_rl.algorithms.grpo_config import load_master_config, policy_config
 from nemo_rl.models.generation.vllm import launcher
 from nemo_rl.models.generation.vllm.config import GenerationConfig, VllmConfig
-from nemo_rl.models.generation.vllm.engine import engine_args
+from nemo_rl.models.generation.vllm.lifecycle import engine_args
 from nemo_rl.models.generation.vllm.launcher import (
     NoGPUError,
     NotEnoughGPUsError,

@@ -34,7 +34,7 @@ from nemo_rl.data_plane.partitions import StagedKeysMissingError
 from nemo_rl.models.generation.vllm.chat import normalize_messages, render_root_prompt
 from nemo_rl.data.errors import ApiError
 from nemo_rl.models.generation.vllm.custody_state import PrefixCache, ServedRegistry
-from nemo_rl.models.generation.vllm.custody import build_custody, build_tq_custody
+from nemo_rl.models.generation.vllm.lifecycle import build_custody, build_tq_custody
 from nemo_rl.models.generation.vllm.serving import ChatService, context_overflow_message
 from nemo_rl.token_capture.config import TokenCaptureConfig
 
@@ -509,13 +509,13 @@ async def test_tail_render_failure_is_capture_failed_not_silent(tokenizer):
     assert "r1/c2" not in staging.records
 
 
-# --- the HTTP transport (server.py) -------------------------------------------------------------
+# --- the HTTP transport (worker.py) -------------------------------------------------------------
 
 
 async def test_http_routes_answer_503_until_the_service_is_let_through(tokenizer):
     from aiohttp import ClientSession
 
-    from nemo_rl.models.generation.vllm.server import Endpoint, build_app, serve
+    from nemo_rl.models.generation.vllm.worker import Endpoint, build_app, serve
 
     svc, engine, _ = _service(tokenizer, [_gen(tokenizer, "The answer is 17.")], capture=False)
     endpoint = Endpoint()
@@ -906,7 +906,7 @@ async def test_token_in_overflow_is_400_before_begin_call(tokenizer):
 async def test_http_context_overflow_body_matches_gyms_check(tokenizer):
     from aiohttp import ClientSession
 
-    from nemo_rl.models.generation.vllm.server import Endpoint, build_app, serve
+    from nemo_rl.models.generation.vllm.worker import Endpoint, build_app, serve
 
     svc, engine, _ = _service(tokenizer, [[1]], capture=False, max_model_len=8)
     endpoint = Endpoint()

@@ -1,6 +1,6 @@
 """Bad input, component failures and bugs at the worker's HTTP surface, with exact answers.
 
-The transport (`server.py`) runs for real on loopback (aiohttp's TestServer) over the real
+The transport (`worker.py`) runs for real on loopback (aiohttp's TestServer) over the real
 `ChatService`, Gym's real `RolloutTokenCapture` and an in-memory staging store; only the engine is
 a scripted stand-in (pure request logic). Expected failures are named 4xx/503s; a bug is a 500
 that fails the worker; nothing is staged for a refused request; the bearer never leaks.
@@ -34,12 +34,17 @@ from nemo_rl.models.generation.vllm.engine import (
     StreamStep,
     VllmEngine,
 )
-from nemo_rl.models.generation.vllm.server import Endpoint, build_app
 from nemo_rl.data.errors import ApiError
-from nemo_rl.models.generation.vllm.custody import build_custody
+from nemo_rl.models.generation.vllm.lifecycle import build_custody
 from nemo_rl.models.generation.vllm.custody_state import AdmittedCalls, request_digest
 from nemo_rl.models.generation.vllm.serving import ChatService
-from nemo_rl.models.generation.vllm.worker import VllmGenerationWorker, WorkerError, WorkerFailedError
+from nemo_rl.models.generation.vllm.worker import (
+    Endpoint,
+    VllmGenerationWorker,
+    WorkerError,
+    WorkerFailedError,
+    build_app,
+)
 from nemo_rl.data.calls import StagedRecordInvalidError
 
 TOKEN = "per-run-control-token-0123456789"

@@ -1,4 +1,4 @@
-"""WorkerGroup's served-call fan-out without Ray: the merge is pure and the async variant awaits
+"""The driver's served-call report (`worker.ServedReporter`) without Ray: the merge is pure and the report awaits
 whatever `handle.take_served.remote(...)` returns, so awaitable stand-ins prove its deadline and
 error mapping (a live Ray actor is exercised by the integration tests)."""
 
@@ -10,8 +10,8 @@ import pytest
 import ray
 
 from nemo_rl.data.calls import ServedCall, ServedCallError
-from nemo_rl.models.generation.vllm.launcher import WorkerGroup, merge_served
-from nemo_rl.models.generation.vllm.worker import WorkerError
+from nemo_rl.models.generation.vllm.launcher import WorkerGroup
+from nemo_rl.models.generation.vllm.worker import ServedReporter, WorkerError, merge_served
 
 ROOT_W0 = ServedCall("r1", "c1", None, "text", 5, True, None, 0)
 CHILD_W1 = ServedCall("r1", "c2", "c1", "token_in", 3, False, "staging_failed (see worker log)", 1)
@@ -43,8 +43,8 @@ class FakeWorker:
         self.take_served = _Remote(take)
 
 
-def _group(*workers, timeout_s=5.0) -> WorkerGroup:
-    return WorkerGroup(handles=list(workers), base_urls=[], call_timeout_s=timeout_s)
+def _group(*workers, timeout_s=5.0) -> ServedReporter:
+    return WorkerGroup(handles=list(workers), base_urls=[], call_timeout_s=timeout_s).served
 
 
 def test_merge_served_keeps_worker_then_call_order():
