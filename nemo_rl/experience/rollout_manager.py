@@ -82,7 +82,7 @@ class GroupFinalizer(Protocol):
 
 
 class ServedReporter(Protocol):
-    """The generation workers' served-call report (`WorkerGroup.take_served_async`), bounded.
+    """The generation workers' served-call report (`WorkerGroup.served`, a `vllm.worker.ServedReporter`), bounded.
 
     A worker that times out or died raises `WorkerError` (recoverable: the judge runs without the
     report and fails closed); `WorkerFailedError` (a worker in its failed state) and any other
@@ -235,7 +235,7 @@ class RolloutManager:
         if cfg.capture.enabled and (finalizer is None or cleaner is None or served is None):
             raise ValueError(
                 "token_capture.enabled=true needs a finalizer (FinalizerPool), a staging cleaner and the "
-                "workers' served-call reporter (WorkerGroup)"
+                "workers' served-call reporter (WorkerGroup.served)"
             )
         self._cfg = cfg
         self._env = env
