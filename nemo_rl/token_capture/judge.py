@@ -76,17 +76,19 @@ class RolloutEvidence:
         if self.manifest is None and self.manifest_problem is None and self.run_failure is None:
             raise ValueError(f"{self.rollout_id}: a missing manifest needs a manifest_problem")
 
+    def _committed(self) -> Sequence[CallRecord]:
+        """This rollout's committed records (none when the manifest is missing or another rollout's)."""
+        if self.manifest is None or self.manifest.rollout_id != self.rollout_id:
+            return ()
+        return self.manifest.records
+
     def staging_keys(self) -> list[str]:
         """The staged keys the judge may need (every committed record of this rollout's manifest)."""
-        if self.manifest is None or self.manifest.rollout_id != self.rollout_id:
-            return []
-        return [record.staging_key for record in self.manifest.records]
+        return [record.staging_key for record in self._committed()]
 
     def staged_extras(self) -> bool:
         """Whether a committed call staged extras (router replay's routes): only then is R3 attached."""
-        if self.manifest is None or self.manifest.rollout_id != self.rollout_id:
-            return False
-        return any(record.extras_digest != EMPTY_EXTRAS_DIGEST for record in self.manifest.records)
+        return any(record.extras_digest != EMPTY_EXTRAS_DIGEST for record in self._committed())
 
 
 @dataclass(frozen=True)

@@ -196,6 +196,10 @@ class ChatService:
             return await self._serve_plain(
                 messages, tools, sampling, parse_tools=parses_tool_calls(tools, body.get("tool_choice"))
             )
+        return await self.require_custody().serve(body, raw_admission, messages, tools, sampling, self)
+
+    def require_custody(self) -> CustodyCore:
+        """The custody core an admitted (`ng_capture`) call needs, whole or streamed; 400 without one."""
         if self.custody is None:
             raise ApiError(
                 "capture_not_installed",
@@ -203,7 +207,7 @@ class ChatService:
                 "(set token_capture.enabled=true, or point the gate at a capture-off worker)",
                 param="ng_capture",
             )
-        return await self.custody.serve(body, raw_admission, messages, tools, sampling, self)
+        return self.custody
 
     def take_served(self, rollout_ids: list[str]) -> list[ServedCall]:
         """Pop the served-call records of `rollout_ids` (`CustodyCore.take_served`; none without custody)."""

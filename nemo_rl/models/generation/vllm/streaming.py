@@ -191,10 +191,7 @@ async def open_chat_stream(service: ChatService, body: Any) -> AsyncIterator[byt
         sampling = service.fit_context(prompt_ids, sampling)
         steps = _plain_steps(service, prompt_ids, sampling, request_id, parse_tools)
         return _sse(service, request_id, steps, content_mode(parse_tools, service.tool_call_parser), usage)
-    custody = service.custody
-    if custody is None:
-        raise ApiError("capture_not_installed", "request carries ng_capture but token capture is not installed on "
-                       "this worker (set token_capture.enabled=true)", param="ng_capture")
+    custody = service.require_custody()
     opening = await custody.open_call(body, raw_admission, messages, tools, sampling, service)
     if opening.replay is not None:
         return _replayed(opening.replay, usage)
