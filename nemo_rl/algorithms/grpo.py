@@ -2,7 +2,7 @@
 
 Pure functions; no model, no Ray, no I/O. `compute_group_advantages`, `grpo_clipped_loss`,
 `truncated_is_weights` and `ClippedPGLossFn` (the policy's `LossFn`, picklable into the policy
-actor); the mismatch metrics are re-exported from `nemo_rl.models.policy.core`.
+actor); the mismatch metrics are re-exported from `nemo_rl.models.policy.worker`.
 Invariants: invalid samples (placeholders) get advantage exactly 0.0 and never enter the
 statistics; a group without signal is all 0.0; the loss is a token-level mean over the whole
 batch's masked tokens (pass `normalizer` per micro-batch); the ratio is pi_theta / pi_prox
@@ -23,7 +23,7 @@ import torch
 
 from nemo_rl.models.policy.config import BehaviourLogprobs, LossConfig
 from nemo_rl.models.policy.errors import EmptyMaskError, LossInputError
-from nemo_rl.models.policy.core import (
+from nemo_rl.models.policy.worker import (
     as_bool_mask,
     check_same_shape,
     gen_kl_error,

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 from nemo_rl.data.train import TrainBatch
 
 if TYPE_CHECKING:  # the core pulls in torch; the package's light re-exports must not
-    from nemo_rl.models.policy.core import LossFn
+    from nemo_rl.models.policy.worker import LossFn
 
 
 @runtime_checkable

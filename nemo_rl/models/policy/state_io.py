@@ -1,15 +1,15 @@
-"""The policy's state on disk: the refit export, checkpoints, and the fingerprints they record.
+"""The policy's state outside a train step: the refit export and probe, checkpoints, fingerprints.
 
 Free functions over a `PolicyCore` (the train step owns the model and optimizer; this module only
 reads them, and writes them back through `PolicyCore.restore`); none runs in a train step.
-`export_weights` writes the safetensors layout vLLM reloads (a refit); `save_state` / `load_state`
-write and restore the whole training state (weights, AdamW state, step count, RNG states);
-`state_fingerprint` / `optimizer_fingerprint` are sha256 digests of the weights and the optimizer.
-Promises: a restored state is checked bit for bit against its recorded fingerprints, and a
-checkpoint that does not fit (another model, other AdamW hyperparameters) is refused before any
-state changes (`PolicyCheckpointError`); tied embeddings are refused on export for the CPU engine
-and a folder holding other weight files is never exported into (`WeightExportError`).
-See docs/design-docs/policy.md, "Checkpoints and the refit export".
+`export_weights` writes the safetensors layout vLLM reloads (a refit); `get_logprobs` is the
+trainer's side of the refit probe; `save_state` / `load_state` write and restore the whole
+training state (weights, AdamW state, step count, RNG states); `state_fingerprint` /
+`optimizer_fingerprint` are sha256 digests of the weights and the optimizer. Promises: a restored
+state is checked bit for bit against its recorded fingerprints, and a checkpoint that does not
+fit is refused before any state changes (`PolicyCheckpointError`); tied embeddings are refused on
+export for the CPU engine and a folder holding other weight files is never exported into
+(`WeightExportError`). See docs/design-docs/policy.md, "Checkpoints and the refit export".
 """
 
 from __future__ import annotations
@@ -21,13 +21,17 @@ import pickle
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from nemo_rl.models.policy.core import CONFIG_FILE, PolicyCore
 from nemo_rl.models.policy.errors import PolicyError, WeightExportError
+from nemo_rl.models.policy.setup import CONFIG_FILE
+
+if TYPE_CHECKING:  # the worker module imports this one
+    from nemo_rl.models.policy.worker import PolicyCore
 
 WEIGHTS_FILE = "model.safetensors"
 OPTIMIZER_FILE = "optimizer.pt"
@@ -90,6 +94,21 @@ def export_weights(core: PolicyCore, out_dir: str | Path) -> Path:
     save_file(_cpu_tensors(core), str(partial), metadata={"format": "pt"})
     shutil.copyfile(Path(cfg.model_path) / CONFIG_FILE, out / CONFIG_FILE)
     os.replace(partial, out / WEIGHTS_FILE)
+    return out
+
+
+def get_logprobs(core: PolicyCore, token_ids: list[list[int]]) -> list[list[float]]:
+    """Per sequence, log p(token_t | tokens_<t) (0.0 at t = 0), in the train step's micro-batches."""
+    from nemo_rl.models.policy.worker import micro_batches, pad_right  # here: the worker imports this module
+
+    core.check_token_ids(token_ids)
+    out: list[list[float]] = []
+    with torch.no_grad():
+        for idx in micro_batches(len(token_ids), core.cfg.train_micro_batch_size):
+            rows = [token_ids[i] for i in idx]
+            ids, attn = pad_right(rows, 0, torch.long)
+            lp = core.forward_logprobs(ids, attn)
+            out.extend(lp[j, : len(row)].tolist() for j, row in enumerate(rows))
     return out
 
 

@@ -1,23 +1,28 @@
-"""The Ray shell around PolicyCore, and the deadline-bounded client the loop calls.
+"""The policy worker: the train step (`PolicyCore`, no Ray), the `LossFn` it calls, its Ray shell and client.
 
-`PolicyWorker` holds one PolicyCore (the train step) and calls `state_io` on it for the refit
-export, checkpoints and fingerprints; any failure inside a method is a `PolicyWorkerError` naming
-the method and the cause. `RayPolicyClient` implements `PolicyWorkerHandle`: every call waits at
-most `call_timeout_s` (`PolicyWorkerTimeoutError`), a dead actor is `PolicyWorkerDiedError`, and
-`loss_fn` is checked in the driver before it is pickled. With a train partition the worker
-reads a `TrainPlan`'s rows itself and checks their digests (`TrainRowDigestError`: nothing is
-trained). Checkpoint and refit folders must be shared by every node; `check_shared_dir` proves
-it, failing by the knob's name.
-See docs/design-docs/policy.md, "The Ray shell and its client".
+`PolicyCore.train_step(batch, loss_fn)` calls the loss once per micro-batch holding a masked token
+with right-padded [B, T] logprobs (column 0 is 0.0), advantages, the mask and `normalizer` (the
+WHOLE batch's masked tokens); it returns `(loss, metrics)` of micro-batch shares the step sums
+(`_max`/`_min` names combine by max/min; `CORE_METRICS` are reserved) and must be picklable. The
+model stays in eval mode, so "prev" and trained logprobs come from one deterministic function;
+every step reports `token_mult_prob_error` and `gen_kl_error`; masked-out positions never influence
+a result. Refused by name: no masked token (`EmptyMaskError`), a bad mask (`LossInputError`), a
+non-finite grad norm (`NonFiniteGradientError`, no step). `PolicyWorker` wraps every failure in a
+`PolicyWorkerError` naming the method; `RayPolicyClient` bounds every call by `call_timeout_s`.
+Set-up: `setup`; refit, checkpoints, fingerprints: `state_io`. See docs/design-docs/policy.md.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 
 import ray
+import torch
 from ray.actor import ActorHandle
 
 from nemo_rl.data.errors import PolicyWorkerError
@@ -31,11 +36,352 @@ from nemo_rl.distributed.actor_call import (
     call_with_deadline,
 )
 from nemo_rl.distributed.shared_fs import SharedDirProbe, check_probe
-from nemo_rl.models.policy.config import PolicyConfig
 from nemo_rl.models.policy import state_io
-from nemo_rl.models.policy.core import LossFn, PolicyCore, check_loss_fn
-from nemo_rl.models.policy.errors import PolicyWorkerDiedError, PolicyWorkerTimeoutError
-from nemo_rl.models.policy.state_io import PolicyStateInfo
+from nemo_rl.models.policy.config import LossConfig, PolicyConfig
+from nemo_rl.models.policy.errors import (
+    EmptyMaskError,
+    LossFnError,
+    LossInputError,
+    NonFiniteGradientError,
+    PolicyWorkerDiedError,
+    PolicyWorkerTimeoutError,
+    TokenIdOutOfRangeError,
+)
+from nemo_rl.models.policy.router_replay import ReplayStats, check_routes_fit, replaying
+from nemo_rl.models.policy.setup import build_parts
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+# Metrics the train step computes itself; a LossFn may not return these names.
+CORE_METRICS = frozenset(
+    {"grad_norm", "lr", "token_mult_prob_error", "gen_kl_error", "num_tokens", "num_samples"}
+)
+
+# A metric named `<x>_max` is a maximum: micro-batch maxima combine by max, never by sum.
+MAX_METRIC_SUFFIX = "_max"
+MIN_METRIC_SUFFIX = "_min"
+
+
+def combine_metric(name: str, total: float | None, part: float) -> float:
+    """The batch value of metric `name` so far (`total`, None before the first micro-batch) with one more part."""
+    if total is None:
+        return part
+    if name.endswith(MAX_METRIC_SUFFIX):
+        return max(total, part)
+    if name.endswith(MIN_METRIC_SUFFIX):
+        return min(total, part)
+    return total + part
+
+
+@runtime_checkable
+class LossFn(Protocol):
+    def __call__(
+        self,
+        *,
+        curr_logprobs: torch.Tensor,
+        prev_logprobs: torch.Tensor,
+        generation_logprobs: torch.Tensor,
+        advantages: torch.Tensor,
+        mask: torch.Tensor,
+        normalizer: int,
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """The micro-batch's loss share and its metric shares (see the module docstring)."""
+        ...
+
+
+def check_loss_fn(loss_fn: object) -> LossFn:
+    """`loss_fn` if it is callable; a named `LossFnError` with the fix otherwise."""
+    if isinstance(loss_fn, LossConfig):
+        raise LossFnError(
+            "train_step got a LossConfig (the loss_fn: section), not a loss function; the policy "
+            "no longer builds the GRPO loss itself (fix: pass "
+            "nemo_rl.algorithms.grpo.ClippedPGLossFn.from_config(cfg.loss_fn))"
+        )
+    if not callable(loss_fn):
+        raise LossFnError(
+            f"train_step got loss_fn={loss_fn!r} ({type(loss_fn).__name__}), which is not callable "
+            "(fix: pass a LossFn, e.g. nemo_rl.algorithms.grpo.ClippedPGLossFn.from_config(cfg.loss_fn))"
+        )
+    return loss_fn  # type: ignore[return-value]
+
+
+def check_loss_output(out: object, loss_fn: object) -> tuple[torch.Tensor, dict[str, float]]:
+    """The `(loss, metrics)` a LossFn returned, checked against the contract."""
+    name = getattr(loss_fn, "__qualname__", type(loss_fn).__qualname__)
+    if not (isinstance(out, tuple) and len(out) == 2):
+        raise LossFnError(f"loss_fn {name} returned {type(out).__name__}; a LossFn returns (loss, metrics)")
+    loss, metrics = out
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+        raise LossFnError(f"loss_fn {name} returned a loss that is not a 0-dim tensor: {loss!r}")
+    if not isinstance(metrics, dict):
+        raise LossFnError(f"loss_fn {name} returned metrics of type {type(metrics).__name__}; expected a dict")
+    reserved = sorted(CORE_METRICS & set(metrics))
+    if reserved:
+        raise LossFnError(
+            f"loss_fn {name} returned metric(s) {reserved} that the policy reports itself "
+            "(fix: rename them in the loss)"
+        )
+    return loss, metrics
+
+
+# --- token logprobs and the micro-batch split (pure tensor helpers) ---------------------
+
+
+def pad_right(rows: Sequence[Sequence[float]], pad: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ragged rows as [B, max_len], right-padded (every real token keeps its position and causal
+    context), plus a 0/1 long attention mask that is 1 exactly on real positions."""
+    if not rows:
+        raise ValueError("pad_right needs at least one row")
+    width = max(len(r) for r in rows)
+    out = torch.full((len(rows), width), pad, dtype=dtype)
+    attn = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows):
+        out[i, : len(row)] = torch.tensor(row, dtype=dtype)
+        attn[i, : len(row)] = 1
+    return out, attn
+
+
+def micro_batches(n: int, size: int) -> list[range]:
+    """Consecutive index ranges of at most `size` covering range(n)."""
+    if size < 1:
+        raise ValueError(f"micro-batch size={size} must be >= 1")
+    return [range(s, min(s + size, n)) for s in range(0, n, size)]
+
+
+def gather_token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    """Logprob of each token given its prefix, [B, T]; column 0 is 0.0."""
+    if logits.dim() != 3 or logits.shape[:2] != input_ids.shape:
+        raise ValueError(
+            f"logits shape {tuple(logits.shape)} does not match input_ids {tuple(input_ids.shape)}"
+        )
+    logits = logits[:, :-1].float()
+    target = input_ids[:, 1:].unsqueeze(-1)
+    # gather - logsumexp avoids materialising a second [B, T, V] log-softmax tensor.
+    picked = logits.gather(-1, target).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    first = torch.zeros((input_ids.shape[0], 1), dtype=picked.dtype, device=picked.device)
+    return torch.cat([first, picked], dim=1)
+
+
+# --- masked sums and the trainer/sampler mismatch metrics every loss shares -------------
+
+
+def as_bool_mask(mask: torch.Tensor, like: torch.Tensor, name: str) -> torch.Tensor:
+    """`mask` as a bool tensor shaped like `like` (named `name` in errors); never empty."""
+    if mask.shape != like.shape:
+        raise LossInputError(f"mask shape {tuple(mask.shape)} != {name} shape {tuple(like.shape)}")
+    if mask.dtype != torch.bool:
+        if not bool(((mask == 0) | (mask == 1)).all()):
+            raise LossInputError("mask must hold only 0 and 1")
+        mask = mask != 0
+    if not bool(mask.any()):
+        raise EmptyMaskError("mask selects no token; a masked mean over zero tokens is undefined")
+    return mask
+
+
+def check_same_shape(ref: torch.Tensor, **tensors: torch.Tensor) -> None:
+    """Every keyword tensor has `ref`'s shape (the keyword names the offender)."""
+    for name, t in tensors.items():
+        if t.shape != ref.shape:
+            raise LossInputError(f"{name} shape {tuple(t.shape)} != expected {tuple(ref.shape)}")
+
+
+def masked_sum(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Sum of `values` where the bool `mask` is set."""
+    # torch.where (not multiplication) so inf/nan at unselected positions cannot leak in.
+    return torch.where(mask, values, torch.zeros_like(values)).sum()
+
+
+def mismatch_sums(train_logprobs: torch.Tensor, gen_logprobs: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Masked sums (float64) of exp(|d|) and of exp(d) - d - 1, d = train - gen."""
+    d = (train_logprobs - gen_logprobs).detach().to(torch.float64)
+    mult = masked_sum(torch.exp(d.abs()), mask)
+    k3 = masked_sum(torch.exp(d) - d - 1.0, mask)
+    return mult, k3
+
+
+def token_mult_prob_error(train_logprobs: torch.Tensor, gen_logprobs: torch.Tensor, mask: torch.Tensor) -> float:
+    """Mean over masked tokens of exp(|train - gen|); 1.0 means the logprobs agree exactly."""
+    check_same_shape(train_logprobs, gen_logprobs=gen_logprobs)
+    m = as_bool_mask(mask, train_logprobs, "train_logprobs")
+    mult, _ = mismatch_sums(train_logprobs, gen_logprobs, m)
+    return float(mult / m.sum())
+
+
+def gen_kl_error(train_logprobs: torch.Tensor, gen_logprobs: torch.Tensor, mask: torch.Tensor) -> float:
+    """k3 estimate of KL(P_gen || P_train): mean over masked tokens of exp(d) - d - 1, d = t - g."""
+    check_same_shape(train_logprobs, gen_logprobs=gen_logprobs)
+    m = as_bool_mask(mask, train_logprobs, "train_logprobs")
+    _, k3 = mismatch_sums(train_logprobs, gen_logprobs, m)
+    return float(k3 / m.sum())
+
+
+# --- PolicyCore: the model, its optimizer and the step --------------------------------
+
+
+@dataclass(frozen=True)
+class _MicroBatch:
+    """Padded tensors of one micro-batch of a TrainBatch (mask is False on padding)."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    loss_mask: torch.Tensor
+    generation_logprobs: torch.Tensor
+    advantages: torch.Tensor
+    routes: torch.Tensor | None = None  # [B, T, L, K] replayed expert ids, -1 where none
+
+
+def _prepare(batch: TrainBatch, idx: range, device: torch.device, replay: bool) -> _MicroBatch:
+    ids, attn = pad_right([batch.token_ids[i] for i in idx], 0, torch.long)
+    mask, _ = pad_right([batch.token_mask[i] for i in idx], 0, torch.long)
+    gen, _ = pad_right([batch.generation_logprobs[i] for i in idx], 0.0, torch.float32)
+    adv = torch.tensor([batch.advantages[i] for i in idx], dtype=torch.float32)
+    routes = None
+    if replay and batch.routed_experts is not None:
+        routes = torch.from_numpy(batch.routed_experts[idx.start : idx.stop, : ids.shape[1]].astype("int64"))
+        routes = routes.to(device)
+    return _MicroBatch(
+        ids.to(device), attn.to(device), mask.bool().to(device), gen.to(device), adv.to(device), routes
+    )
+
+
+def warmup_lr(base_lr: float, warmup_steps: int, step: int) -> float:
+    """The rate of 1-based train step `step`: base_lr * min(1, step / warmup_steps)."""
+    if step < 1:
+        raise ValueError(f"step={step}: train steps are 1-based")
+    if warmup_steps == 0:
+        return base_lr
+    return base_lr * min(1.0, step / warmup_steps)
+
+
+class PolicyCore:
+    """The in-process policy; see the module docstring for the contract."""
+
+    def __init__(self, cfg: PolicyConfig) -> None:
+        parts = build_parts(cfg)
+        self._cfg, self._device, self._model = cfg, parts.device, parts.model
+        self._routers, self._optimizer = parts.routers, parts.optimizer
+        self._vocab_size = int(self._model.get_output_embeddings().weight.shape[0])
+        self._steps_taken = 0
+
+    @property
+    def model(self) -> PreTrainedModel:
+        return self._model
+
+    @property
+    def optimizer(self) -> torch.optim.AdamW:
+        return self._optimizer
+
+    @property
+    def cfg(self) -> PolicyConfig:
+        return self._cfg
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    @property
+    def steps_taken(self) -> int:
+        """Optimizer steps taken (the lr warmup's k of the last step)."""
+        return self._steps_taken
+
+    def restore(self, weights: dict[str, torch.Tensor], optimizer_state: dict, steps_taken: int) -> None:
+        """Replace weights, optimizer state and step count (`state_io.load_state` checked they fit)."""
+        self._model.load_state_dict(weights, strict=True)
+        self._optimizer.load_state_dict(optimizer_state)
+        self._steps_taken = steps_taken
+
+    def check_token_ids(self, token_ids: list[list[int]] | tuple[tuple[int, ...], ...]) -> None:
+        if not token_ids:
+            raise TokenIdOutOfRangeError("token_ids is empty; pass at least one sequence")
+        for i, seq in enumerate(token_ids):
+            if not seq:
+                raise TokenIdOutOfRangeError(f"token_ids[{i}] is empty")
+            for t, tok in enumerate(seq):
+                if not 0 <= tok < self._vocab_size:
+                    raise TokenIdOutOfRangeError(
+                        f"token_ids[{i}][{t}]={tok} is outside the vocabulary [0, "
+                        f"{self._vocab_size}) of policy.model_path={self._cfg.model_path!r}; "
+                        "the tokens must come from this model's tokenizer"
+                    )
+
+    def forward_logprobs(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+        routes: torch.Tensor | None = None, stats: ReplayStats | None = None,
+    ) -> torch.Tensor:
+        input_ids, attention_mask = input_ids.to(self._device), attention_mask.to(self._device)
+        with nullcontext() if routes is None else replaying(self._routers, routes, attention_mask, stats):
+            logits = self._model(input_ids=input_ids, attention_mask=attention_mask).logits
+        return gather_token_logprobs(logits, input_ids)
+
+    def train_step(self, batch: TrainBatch, loss_fn: LossFn) -> dict[str, float]:
+        loss_fn = check_loss_fn(loss_fn)
+        self.check_token_ids(batch.token_ids)
+        num_tokens = batch.num_masked_tokens
+        if num_tokens == 0:
+            raise EmptyMaskError(
+                f"TrainBatch of {batch.num_samples} samples has no masked token (all "
+                "placeholders?); skip the step instead of training on nothing"
+            )
+        replay = bool(self._routers)
+        if replay and batch.routed_experts is not None:
+            check_routes_fit(batch.routed_experts, self._routers, self._cfg.model_path)
+        parts = [
+            _prepare(batch, idx, self._device, replay)
+            for idx in micro_batches(batch.num_samples, self._cfg.train_micro_batch_size)
+        ]
+        stats = ReplayStats()  # counted over the pre-update pass: one look at every token
+        with torch.no_grad():
+            prev = [self.forward_logprobs(p.input_ids, p.attention_mask, p.routes, stats) for p in parts]
+            flat_prev = torch.cat([pv[p.loss_mask] for p, pv in zip(parts, prev)]).unsqueeze(0)
+            flat_gen = torch.cat([p.generation_logprobs[p.loss_mask] for p in parts]).unsqueeze(0)
+            all_tokens = torch.ones_like(flat_prev, dtype=torch.bool)
+            mult_err = token_mult_prob_error(flat_prev, flat_gen, all_tokens)
+            kl_err = gen_kl_error(flat_prev, flat_gen, all_tokens)
+
+        self._optimizer.zero_grad(set_to_none=True)
+        loss_metrics: dict[str, float] = {}
+        for p, pv in zip(parts, prev):
+            if not bool(p.loss_mask.any()):
+                continue  # an all-placeholder micro-batch contributes no token and no gradient
+            curr = self.forward_logprobs(p.input_ids, p.attention_mask, p.routes)
+            out = loss_fn(
+                curr_logprobs=curr,
+                prev_logprobs=pv,
+                generation_logprobs=p.generation_logprobs,
+                advantages=p.advantages,
+                mask=p.loss_mask,
+                normalizer=num_tokens,
+            )
+            loss, m = check_loss_output(out, loss_fn)
+            loss.backward()
+            for k, v in m.items():  # shares sum to the batch value; `*_max` parts take the max
+                loss_metrics[k] = combine_metric(k, loss_metrics.get(k), float(v))
+
+        params = [q for q in self._model.parameters() if q.grad is not None]
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self._cfg.max_grad_norm))
+        if not math.isfinite(grad_norm):
+            self._optimizer.zero_grad(set_to_none=True)
+            raise NonFiniteGradientError(
+                f"grad norm is {grad_norm} on a batch of {batch.num_samples} samples / "
+                f"{num_tokens} tokens; the step was not taken (check advantages and logprobs)"
+            )
+        self._steps_taken += 1
+        lr = warmup_lr(self._cfg.learning_rate, self._cfg.lr_warmup_steps, self._steps_taken)
+        for group in self._optimizer.param_groups:
+            group["lr"] = lr
+        self._optimizer.step()
+        return {
+            "lr": lr,
+            **loss_metrics,
+            "grad_norm": grad_norm,
+            "token_mult_prob_error": mult_err,
+            "gen_kl_error": kl_err,
+            "num_tokens": float(num_tokens),
+            "num_samples": float(batch.num_samples),
+            **(stats.metrics() if replay else {}),
+        }
+
 
 T = TypeVar("T")
 
@@ -79,7 +425,7 @@ class PolicyWorker:
             self._client = None
 
     def get_logprobs(self, token_ids: list[list[int]]) -> list[list[float]]:
-        return _guard("get_logprobs", self._core.get_logprobs, token_ids)
+        return _guard("get_logprobs", state_io.get_logprobs, self._core, token_ids)
 
     def train_step(self, batch: TrainBatch, loss_fn: LossFn) -> dict[str, float]:
         return _guard("train_step", self._core.train_step, batch, loss_fn)
@@ -99,10 +445,10 @@ class PolicyWorker:
     def optimizer_fingerprint(self) -> str:
         return _guard("optimizer_fingerprint", state_io.optimizer_fingerprint, self._core)
 
-    def save_state(self, out_dir: str) -> PolicyStateInfo:
+    def save_state(self, out_dir: str) -> state_io.PolicyStateInfo:
         return _guard("save_state", state_io.save_state, self._core, out_dir)
 
-    def load_state(self, in_dir: str) -> PolicyStateInfo:
+    def load_state(self, in_dir: str) -> state_io.PolicyStateInfo:
         return _guard("load_state", state_io.load_state, self._core, in_dir)
 
 
@@ -164,10 +510,10 @@ class RayPolicyClient:
     def optimizer_fingerprint(self) -> str:
         return self._get("optimizer_fingerprint", self._actor.optimizer_fingerprint.remote())
 
-    def save_state(self, out_dir: str | Path) -> PolicyStateInfo:
+    def save_state(self, out_dir: str | Path) -> state_io.PolicyStateInfo:
         return self._get("save_state", self._actor.save_state.remote(str(out_dir)))
 
-    def load_state(self, in_dir: str | Path) -> PolicyStateInfo:
+    def load_state(self, in_dir: str | Path) -> state_io.PolicyStateInfo:
         return self._get("load_state", self._actor.load_state.remote(str(in_dir)))
 
     def kill(self) -> None:

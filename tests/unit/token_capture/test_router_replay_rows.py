@@ -458,7 +458,7 @@ def test_staged_routes_reach_the_policy_and_its_routers_replay_them(clients, tmp
     from nemo_rl.algorithms.grpo_single_controller import build_train_batch
     from nemo_rl.data_plane.partitions import TrainRowCleaner, read_train_batch, store_many_rows
     from nemo_rl.models.policy import LossConfig, PolicyConfig
-    from nemo_rl.models.policy.core import PolicyCore
+    from nemo_rl.models.policy.worker import PolicyCore
     from tests.unit.models.policy.tiny_moe import EXPERTS, build_tiny_qwen3_moe, free_topk
 
     writer, reader = clients

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from nemo_rl.models.policy.core import gather_token_logprobs, micro_batches, pad_right
+from nemo_rl.models.policy.worker import gather_token_logprobs, micro_batches, pad_right
 
 
 def test_pad_right() -> None:

@@ -14,8 +14,9 @@ from nemo_rl.algorithms.grpo import ClippedPGLossFn
 from nemo_rl.data.train import TrainBatch
 from nemo_rl.models.policy import LossConfig, PolicyConfig
 from nemo_rl.models.policy.config import dtype_mismatch
-from nemo_rl.models.policy.core import CORE_METRICS, LossFn, PolicyCore, check_loss_fn, check_loss_output
 from nemo_rl.models.policy.errors import LossFnError, PolicyDeviceError
+from nemo_rl.models.policy.state_io import get_logprobs
+from nemo_rl.models.policy.worker import CORE_METRICS, LossFn, PolicyCore, check_loss_fn, check_loss_output
 
 POLICY_DIR = Path(__file__).resolve().parents[4] / "nemo_rl" / "models" / "policy"
 SEQ = [3, 17, 42, 9, 77, 5, 101]
@@ -77,12 +78,12 @@ def test_loss_output_contract() -> None:
 def test_core_trains_with_any_loss_fn_and_sums_its_shares(tiny_model_dir: Path) -> None:
     # Three samples in micro-batches of 1: each share is 4/12 tokens; the sums are batch values.
     core = PolicyCore(PolicyConfig(model_path=str(tiny_model_dir), train_micro_batch_size=1))
-    before = core.get_logprobs([SEQ])[0]
+    before = get_logprobs(core, [SEQ])[0]
     metrics = core.train_step(_batch(3), mean_nll_loss)
     assert metrics["tokens_seen"] == pytest.approx(1.0)
     assert metrics["nll"] == pytest.approx(-sum(lp for lp, m in zip(before, MASK) if m) / 4, rel=1e-5)
     assert metrics["num_tokens"] == 12.0 and metrics["grad_norm"] > 0.0
-    assert sum(core.get_logprobs([SEQ])[0]) > sum(before)  # NLL went down
+    assert sum(get_logprobs(core, [SEQ])[0]) > sum(before)  # NLL went down
     with pytest.raises(LossFnError, match="LossConfig"):
         core.train_step(_batch(), LossConfig())
 
@@ -90,7 +91,7 @@ def test_core_trains_with_any_loss_fn_and_sums_its_shares(tiny_model_dir: Path) 
 def test_policy_dtype_and_device_knobs(tiny_model_dir: Path) -> None:
     core = PolicyCore(PolicyConfig(model_path=str(tiny_model_dir), dtype="bfloat16"))
     assert {p.dtype for p in core.model.parameters()} == {torch.bfloat16}
-    lps = core.get_logprobs([SEQ])[0]
+    lps = get_logprobs(core, [SEQ])[0]
     assert lps[0] == 0.0 and all(lp <= 0.0 for lp in lps)
     if not torch.cuda.is_available():
         with pytest.raises(PolicyDeviceError, match=r"policy.device='cuda'.*fix: .*policy.device=cpu"):

@@ -16,7 +16,7 @@ import torch
 from nemo_rl.algorithms.grpo import ClippedPGLossFn
 from nemo_rl.data.train import TrainBatch
 from nemo_rl.models.policy import LossConfig, PolicyConfig
-from nemo_rl.models.policy.core import PolicyCore
+from nemo_rl.models.policy.worker import PolicyCore
 from nemo_rl.models.policy.router_replay import (
     ReplayStats,
     RouteFitError,

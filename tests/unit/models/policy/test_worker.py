@@ -18,14 +18,19 @@ from nemo_rl.data.train import TrainBatch
 from nemo_rl.data_plane import DataPlane
 from nemo_rl.distributed.ray_cluster import RayClusterHandle
 from nemo_rl.models.policy import LossConfig, PolicyConfig, PolicyWorkerHandle
-from nemo_rl.models.policy.core import PolicyCore
 from nemo_rl.models.policy.errors import (
     LossFnError,
     PolicyWorkerDiedError,
     PolicyWorkerTimeoutError,
 )
-from nemo_rl.models.policy.state_io import WEIGHTS_FILE, PolicyStateInfo, optimizer_fingerprint, state_fingerprint
-from nemo_rl.models.policy.worker import PolicyWorker, RayPolicyClient
+from nemo_rl.models.policy.state_io import (
+    WEIGHTS_FILE,
+    PolicyStateInfo,
+    get_logprobs,
+    optimizer_fingerprint,
+    state_fingerprint,
+)
+from nemo_rl.models.policy.worker import PolicyCore, PolicyWorker, RayPolicyClient
 
 
 def test_policy_worker_actor_shell(shared_ray: RayClusterHandle, tiny_model_dir: Path) -> None:
@@ -39,7 +44,7 @@ def test_policy_worker_actor_shell(shared_ray: RayClusterHandle, tiny_model_dir:
     assert isinstance(client, PolicyWorkerHandle)
     local = PolicyCore(cfg)
     assert client.state_fingerprint() == state_fingerprint(local)
-    assert client.get_logprobs([[1, 2, 3]]) == local.get_logprobs([[1, 2, 3]])
+    assert client.get_logprobs([[1, 2, 3]]) == get_logprobs(local, [[1, 2, 3]])
     with pytest.raises(PolicyWorkerError, match="get_logprobs failed: TokenIdOutOfRangeError"):
         client.get_logprobs([[1, 999]])
     # The loss crosses into the actor with the call (pickled) and trains exactly as in-process.

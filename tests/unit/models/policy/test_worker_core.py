@@ -13,9 +13,9 @@ import torch
 from nemo_rl.algorithms.grpo import ClippedPGLossFn, EmptyMaskError
 from nemo_rl.data.train import TrainBatch
 from nemo_rl.models.policy import LossConfig, PolicyConfig
-from nemo_rl.models.policy.core import PolicyCore, warmup_lr
 from nemo_rl.models.policy.errors import PolicyLoadError, TokenIdOutOfRangeError
-from nemo_rl.models.policy.state_io import state_fingerprint
+from nemo_rl.models.policy.state_io import get_logprobs, state_fingerprint
+from nemo_rl.models.policy.worker import PolicyCore, warmup_lr
 
 # The on-policy loss (weight 1): these tests pin the step itself, with placeholder generation
 # logprobs of 0.0; the off-policy weight is tested in tests/unit/algorithms/test_off_policy.py.
@@ -42,7 +42,7 @@ def _batch(seqs, masks, advs, gen=None) -> TrainBatch:
 def test_get_logprobs_equals_manual_log_softmax(tiny_model_dir: Path) -> None:
     core = _core(tiny_model_dir)
     seqs = [SEQ, [1, 2, 3], list(range(100, 112))]  # ragged: exercises right padding
-    got = core.get_logprobs(seqs)
+    got = get_logprobs(core, seqs)
     for seq, lps in zip(seqs, got):
         with torch.no_grad():
             logits = core.model(input_ids=torch.tensor([seq])).logits[0]
@@ -55,10 +55,10 @@ def test_get_logprobs_equals_manual_log_softmax(tiny_model_dir: Path) -> None:
 def test_positive_advantage_raises_masked_logprob_negative_lowers_it(tiny_model_dir: Path) -> None:
     for adv, sign in ((1.0, 1.0), (-1.0, -1.0)):
         core = _core(tiny_model_dir, learning_rate=1e-3)
-        before = _masked_sum(core.get_logprobs([SEQ])[0], MASK)
+        before = _masked_sum(get_logprobs(core, [SEQ])[0], MASK)
         fp0 = state_fingerprint(core)
         metrics = core.train_step(_batch([SEQ], [MASK], [adv]), LOSS)
-        after = _masked_sum(core.get_logprobs([SEQ])[0], MASK)
+        after = _masked_sum(get_logprobs(core, [SEQ])[0], MASK)
         assert sign * (after - before) > 0.01
         assert state_fingerprint(core) != fp0
         assert metrics["num_tokens"] == len(GEN)
@@ -106,14 +106,14 @@ def test_mismatch_metrics_exact_when_gen_equals_train(tiny_model_dir: Path) -> N
     core = _core(tiny_model_dir)
     seqs = [SEQ, [1, 2, 3, 4, 5]]
     masks = [MASK, [0, 0, 1, 1, 1]]
-    gen = core.get_logprobs(seqs)
+    gen = get_logprobs(core, seqs)
     metrics = core.train_step(_batch(seqs, masks, [1.0, -1.0], gen), LOSS)
     assert metrics["token_mult_prob_error"] == 1.0
     assert metrics["gen_kl_error"] == 0.0
     # A known offset of 0.1 nats on every generated token: exp(0.1) exactly, pre-update.
     gen2 = [
         [lp - 0.1 * m for lp, m in zip(row, mask)]
-        for row, mask in zip(core.get_logprobs(seqs), masks)
+        for row, mask in zip(get_logprobs(core, seqs), masks)
     ]
     metrics2 = core.train_step(_batch(seqs, masks, [1.0, -1.0], gen2), LOSS)
     assert metrics2["token_mult_prob_error"] == pytest.approx(1.1051709180756477, rel=1e-5)
@@ -124,7 +124,7 @@ def test_captured_mode_weights_tokens_and_reports_batch_metrics(tiny_model_dir: 
     core = _core(tiny_model_dir, train_micro_batch_size=1)
     seqs = [SEQ, [1, 2, 3, 4, 5]]
     masks = [MASK, [0, 0, 1, 1, 1]]
-    prev = core.get_logprobs(seqs)  # what train_step recomputes, bit for bit
+    prev = get_logprobs(core, seqs)  # what train_step recomputes, bit for bit
     # Row 0 was sampled by these very weights (w = 1); row 1 by an engine that liked its first two
     # tokens 0.5 nats more (w = e^-0.5) and its last one 1 nat less (e^1 > 2: truncated to 2).
     gen = [prev[0], [lp + d for lp, d in zip(prev[1], (0.0, 0.0, 0.5, 0.5, -1.0))]]
@@ -144,7 +144,7 @@ def test_named_errors(tiny_model_dir: Path, tmp_path: Path) -> None:
         _core(tmp_path / "missing")
     core = _core(tiny_model_dir)
     with pytest.raises(TokenIdOutOfRangeError, match=r"token_ids\[0\]\[1\]=128"):
-        core.get_logprobs([[1, 128]])
+        get_logprobs(core, [[1, 128]])
     with pytest.raises(EmptyMaskError, match="no masked token"):
         core.train_step(_batch([SEQ], [[0] * len(SEQ)], [1.0]), LOSS)
 
