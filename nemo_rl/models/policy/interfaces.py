@@ -1,7 +1,7 @@
 """PolicyWorkerHandle: what the training loop calls on the policy worker.
 
 Implemented by `RayPolicyClient` (a Ray actor behind per-call deadlines); in one process the same
-calls are `PolicyCore`'s step methods and `state_io`'s functions of the core. Every method is
+calls are `PolicyCore.train_step` and `state_io`'s functions of the core. Every method is
 synchronous and raises a named `PolicyError` on failure.
 """
 
@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from nemo_rl.data.train import TrainBatch
 
-if TYPE_CHECKING:  # the core pulls in torch; the package's light re-exports must not
+if TYPE_CHECKING:  # the worker pulls in torch and Ray; the package's light re-exports must not
     from nemo_rl.models.policy.worker import LossFn
 
 
