@@ -8,8 +8,10 @@ model stays in eval mode, so "prev" and trained logprobs come from one determini
 every step reports `token_mult_prob_error` and `gen_kl_error`; masked-out positions never influence
 a result. Refused by name: no masked token (`EmptyMaskError`), a bad mask (`LossInputError`), a
 non-finite grad norm (`NonFiniteGradientError`, no step). `PolicyWorker` wraps every failure in a
-`PolicyWorkerError` naming the method; `RayPolicyClient` bounds every call by `call_timeout_s`.
-Set-up: `setup`; refit, checkpoints, fingerprints: `state_io`. See docs/design-docs/policy.md.
+`PolicyWorkerError` naming the method; `train_planned` reads a `TrainPlan`'s rows itself and checks
+their digests (nothing is trained on a mismatch). `RayPolicyClient` bounds every call by
+`call_timeout_s` and checks `loss_fn` before pickling it. Set-up: `setup`; refit, checkpoints,
+fingerprints: `state_io`. See docs/design-docs/policy.md.
 """
 
 from __future__ import annotations
@@ -52,6 +54,8 @@ from nemo_rl.models.policy.setup import build_parts
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
+
+# --- the LossFn contract ----------------------------------------------------------------
 
 # Metrics the train step computes itself; a LossFn may not return these names.
 CORE_METRICS = frozenset(
@@ -382,6 +386,8 @@ class PolicyCore:
             **(stats.metrics() if replay else {}),
         }
 
+
+# --- the Ray shell around PolicyCore, and the driver's deadline-bounded client ----------
 
 T = TypeVar("T")
 
