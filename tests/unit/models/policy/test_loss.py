@@ -1,4 +1,4 @@
-"""The policy takes its loss as an argument: the LossFn contract, its checks, dtype/device knobs,
+"""The policy takes its loss as an argument: the LossFn contract, its checks, the dtype check,
 and the import rule (nothing under nemo_rl/models/policy imports nemo_rl.algorithms)."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from nemo_rl.algorithms.grpo import ClippedPGLossFn
 from nemo_rl.data.train import TrainBatch
 from nemo_rl.models.policy import LossConfig, PolicyConfig
 from nemo_rl.models.policy.config import dtype_mismatch
-from nemo_rl.models.policy.errors import LossFnError, PolicyDeviceError
+from nemo_rl.models.policy.errors import LossFnError
 from nemo_rl.models.policy.state_io import get_logprobs
 from nemo_rl.models.policy.worker import CORE_METRICS, LossFn, PolicyCore, check_loss_fn, check_loss_output
 
@@ -86,16 +86,6 @@ def test_core_trains_with_any_loss_fn_and_sums_its_shares(tiny_model_dir: Path) 
     assert sum(get_logprobs(core, [SEQ])[0]) > sum(before)  # NLL went down
     with pytest.raises(LossFnError, match="LossConfig"):
         core.train_step(_batch(), LossConfig())
-
-
-def test_policy_dtype_and_device_knobs(tiny_model_dir: Path) -> None:
-    core = PolicyCore(PolicyConfig(model_path=str(tiny_model_dir), dtype="bfloat16"))
-    assert {p.dtype for p in core.model.parameters()} == {torch.bfloat16}
-    lps = get_logprobs(core, [SEQ])[0]
-    assert lps[0] == 0.0 and all(lp <= 0.0 for lp in lps)
-    if not torch.cuda.is_available():
-        with pytest.raises(PolicyDeviceError, match=r"policy.device='cuda'.*fix: .*policy.device=cpu"):
-            PolicyCore(PolicyConfig(model_path=str(tiny_model_dir), device="cuda"))
 
 
 def test_dtype_mismatch_names_both_keys() -> None:
