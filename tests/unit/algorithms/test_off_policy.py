@@ -29,8 +29,7 @@ from nemo_rl.data.errors import TrainBatchError
 from nemo_rl.data.rows import GroupResult, KeptRollout, RowOrigin, TrainRow
 from nemo_rl.data.train import TrainBatch
 from nemo_rl.models.policy import LossConfig
-from nemo_rl.models.policy.worker import pad_right
-from nemo_rl.models.policy.worker import combine_metric, token_mult_prob_error
+from nemo_rl.models.policy.worker import combine_metric, pad_right, token_mult_prob_error
 from nemo_rl.utils.config import ConfigError, validate_section
 
 CONFIGS = Path(__file__).resolve().parents[3] / "examples" / "configs"

@@ -16,7 +16,6 @@ import torch
 from nemo_rl.algorithms.grpo import ClippedPGLossFn
 from nemo_rl.data.train import TrainBatch
 from nemo_rl.models.policy import LossConfig, PolicyConfig
-from nemo_rl.models.policy.worker import PolicyCore
 from nemo_rl.models.policy.router_replay import (
     ReplayStats,
     RouteFitError,
@@ -24,6 +23,7 @@ from nemo_rl.models.policy.router_replay import (
     moe_routers,
     replaying,
 )
+from nemo_rl.models.policy.worker import PolicyCore
 from tests.unit.models.policy.tiny_moe import EXPERTS, LAYERS, TOPK, build_tiny_qwen3_moe, free_topk
 
 LOSS = ClippedPGLossFn.from_config(LossConfig(behaviour_logprobs="recomputed"))

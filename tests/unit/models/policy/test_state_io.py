@@ -16,7 +16,6 @@ from transformers import AutoConfig, Qwen2ForCausalLM
 from nemo_rl.algorithms.grpo import ClippedPGLossFn
 from nemo_rl.data.train import TrainBatch
 from nemo_rl.models.policy import LossConfig, PolicyConfig, PolicyWorkerHandle, state_io
-from nemo_rl.models.policy.worker import PolicyCore
 from nemo_rl.models.policy.errors import WeightExportError
 from nemo_rl.models.policy.state_io import (
     OPTIMIZER_FILE,
@@ -30,6 +29,7 @@ from nemo_rl.models.policy.state_io import (
     save_state,
     state_fingerprint,
 )
+from nemo_rl.models.policy.worker import PolicyCore
 
 LOSS = ClippedPGLossFn.from_config(LossConfig())
 BATCH = TrainBatch(
