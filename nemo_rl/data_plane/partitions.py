@@ -7,8 +7,10 @@ a byte-identical re-stage is ok without a write, another digest is refused and t
 `TQStagingCleaner` (driver) clears an accounted group's keys and its orphans in one bounded call.
 Train rows (codec: `nemo_rl.data.train`): `store_many_rows` is ONE `put_many` returning `RowRef`s;
 `read_train_batch` is ONE `get` that rechecks every digest (`TrainRowDigestError`: nothing is
-trained). Failures are named, never None. See docs/design-docs/vllm-worker-capture.md ("The
-TransferQueue sink and source"), token-capture-receipts.md ("Retention", "Train partition").
+trained). Invariants: a staging key is written once (else digests make it a placeholder); the batch
+read is the very `TrainBatch` the driver would have built; failures are named, never None.
+See docs/design-docs/vllm-worker-capture.md ("The TransferQueue sink and source"),
+token-capture-receipts.md ("Retention", "Train partition").
 """
 
 from __future__ import annotations
