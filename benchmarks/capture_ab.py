@@ -754,7 +754,7 @@ async def _finalize(
 
 
 async def _synthetic(out: Path, turns: Sequence[int], num_finalizers: int) -> dict[str, Any]:
-    from nemo_rl.data_plane import DataPlaneClient, DataPlaneConfig, start_data_plane
+    from nemo_rl.data_plane import DataPlaneConfig, attach_client, start_data_plane
     from nemo_rl.distributed.ray_cluster import init_local_ray
     from nemo_rl.environments.gate.ledger import BranchingCaptureLedger
     from nemo_rl.token_capture.config import TokenCaptureConfig
@@ -771,7 +771,7 @@ async def _synthetic(out: Path, turns: Sequence[int], num_finalizers: int) -> di
     plane = client = pool = None
     try:
         plane = start_data_plane(dp_cfg)
-        client = DataPlaneClient.attach(dp_cfg)
+        client = attach_client(dp_cfg)
         sink = _TimedSink(TQTokenSink(client, partition, timeout_s=capture_cfg.stage_timeout_s))
         pool = FinalizerPool.from_config(capture_cfg, TQSourceFactory.from_config(dp_cfg, capture_cfg))
         await pool.wait_ready(dp_cfg.startup_timeout_s)

@@ -34,7 +34,7 @@ from nemo_rl.algorithms.grpo_checkpoint import (
 from nemo_rl.algorithms.grpo_config import REFIT_DIR_KNOB, MasterConfig, model_path, policy_config, refit_root
 from nemo_rl.algorithms.grpo_health import build_watch
 from nemo_rl.algorithms.refit import max_abs_diff, refit_to
-from nemo_rl.data_plane import DataPlane, DataPlaneClient, DataPlaneConfig, start_data_plane
+from nemo_rl.data_plane import DataPlane, DataPlaneClient, DataPlaneConfig, attach_client, start_data_plane
 from nemo_rl.data_plane.partitions import TQStagingCleaner, TrainRowCleaner
 from nemo_rl.distributed.actor_call import ActorCallTimeoutError, ActorDiedError, call_with_deadline
 from nemo_rl.distributed.component_watch import ComponentWatch
@@ -181,7 +181,7 @@ async def start_stack(
         if token_capture.enabled:
             t_dp = time.monotonic()
             stack.data_plane = await asyncio.to_thread(start_data_plane, data_plane)
-            stack.client = await asyncio.to_thread(DataPlaneClient.attach, data_plane)
+            stack.client = await asyncio.to_thread(attach_client, data_plane)
             step("data_plane", t_dp)
         t_gym = time.monotonic()
         gate_urls = pending.base_urls if gym_worker_urls is None else gym_worker_urls(list(pending.base_urls))

@@ -6,7 +6,7 @@ reads that fail by name when a key is absent (`MissingKeysError`), `num_cpus=0` 
 per-client close that never kills the shared controller, and TQ knobs from `DataPlaneConfig`
 only. Fields: token ids 1-D int64, masks and logprobs 1-D float64 (bit-exact round trip),
 metadata `str` or `bytes` (`fields`). Use: `start_data_plane(cfg)` once per Ray job, then
-`DataPlaneClient.attach(cfg)` in any process.
+`attach_client(cfg)` in any process.
 See docs/design-docs/distributed.md ("The data-plane client", "The TransferQueue backend").
 """
 
@@ -21,7 +21,7 @@ from nemo_rl.data_plane.errors import (
     FieldEncodingError,
     MissingKeysError,
 )
-from nemo_rl.data_plane.plane import DataPlane, start_data_plane
+from nemo_rl.data_plane.plane import DataPlane, attach_client, attach_client_async, start_data_plane
 
 __all__ = [
     "DataPlane",
@@ -34,5 +34,7 @@ __all__ = [
     "DataPlaneUsageError",
     "FieldEncodingError",
     "MissingKeysError",
+    "attach_client",
+    "attach_client_async",
     "start_data_plane",
 ]

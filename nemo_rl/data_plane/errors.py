@@ -60,6 +60,10 @@ class DataPlaneDecodeError(FatalError, RuntimeError):
     """TQ answered with data that breaks this package's decode contract: a bug here or in TQ."""
 
 
+class StageWriterFailedError(FatalError, RuntimeError):
+    """The write-behind thread stopped on a bug; nothing more can be staged by this worker."""
+
+
 class FieldEncodingError(DataPlaneUsageError):
     """A row has a field value the data plane does not store (see the package docstring)."""
 

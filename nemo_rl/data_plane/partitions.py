@@ -1,18 +1,16 @@
 """The two partitions' I/O over the data plane: staging (Gym's sink, source, retention) and train rows.
 
 Staging: `TQTokenSink` (vLLM worker) and `TQTokenSource` (finalizer) are Gym's `StagingSink` /
-`StagingSource`; one staged call is one row keyed by Gym's `staging_key(rollout_id, model_call_id)`
-(codec: `nemo_rl.data.calls`). `stage` costs one write per new key and no read (with a `StageWriter`
-it queues and returns at once); a byte-identical re-stage is ok without a write, a different digest
-is refused and the stored row kept; fetched records are validated by Gym's model, extras against
-their digests. `TQStagingCleaner` (driver) clears an accounted group's named keys and orphans in one
-bounded call, only keys of that group's rollouts. Train rows (codec: `nemo_rl.data.train`):
-`store_many_rows` writes a finalizer's kept rows in ONE `put_many` and returns `RowRef`s;
-`read_train_batch` reads a plan's keys in ONE `get` and rechecks every digest (`TrainRowDigestError`:
-nothing is trained); `TrainRowCleaner` clears. Failures are named, never None. Invariants: a staging
-key is written once (else digests make it a `verification_failed` placeholder); the batch read is the
-very `TrainBatch` the driver would have built. See docs/design-docs/vllm-worker-capture.md ("The
-TransferQueue sink and source"), docs/design-docs/token-capture-receipts.md ("Retention", "Train partition").
+`StagingSource`; one staged call is one row under `staging_key(rollout_id, model_call_id)` (codec:
+`nemo_rl.data.calls`). `stage` writes once per new key and never reads (or queues on a `StageWriter`);
+a byte-identical re-stage is ok without a write, another digest is refused and the stored row kept.
+`TQStagingCleaner` (driver) clears an accounted group's keys and its orphans in one bounded call.
+Train rows (codec: `nemo_rl.data.train`): `store_many_rows` is ONE `put_many` returning `RowRef`s;
+`read_train_batch` is ONE `get` that rechecks every digest (`TrainRowDigestError`: nothing is
+trained). Invariants: a staging key is written once (else digests make it a placeholder); the batch
+read is the very `TrainBatch` the driver would have built; failures are named, never None.
+See docs/design-docs/vllm-worker-capture.md ("The TransferQueue sink and source"),
+token-capture-receipts.md ("Retention", "Train partition").
 """
 
 from __future__ import annotations
@@ -62,8 +60,8 @@ from nemo_rl.data.train import (
     train_key,
 )
 from nemo_rl.data_plane import DataPlaneClient, DataPlaneError, MissingKeysError
+from nemo_rl.data_plane.client import StageWriter
 from nemo_rl.data_plane.errors import format_keys
-from nemo_rl.data_plane.stage_writer import StageWriter
 from nemo_rl.utils import instrumentation
 from nemo_rl.utils.lru import BoundedLRU
 
@@ -159,7 +157,7 @@ class TQTokenSink:
             if written is not None and written != record.digest:
                 return StageResult(ok=False, staging_key=key, error=conflict_error(key, written, record.digest))
             if written is None:
-                # One write, no read: see "Why a blind write is safe" in the module contract.
+                # One write, no read: vllm-worker-capture.md, "Why a blind write is safe".
                 if self._writer is None:
                     self._client.put(self._partition, key, row, timeout_s=self._timeout_s)
                 else:

@@ -1,4 +1,4 @@
-"""The owner side: start the TransferQueue deployment once per Ray job, stop it once.
+"""The data plane's set-up: start the TransferQueue deployment once per Ray job, attach once per process.
 
 `start_data_plane(cfg)` (driver, after Ray is up) starts one controller and
 `cfg.num_storage_units` storage units (`num_cpus=0`) within `cfg.startup_timeout_s` and returns
@@ -6,10 +6,13 @@ the `DataPlane` that owns them; a data plane already running is an error, never 
 shared. `DataPlane.shutdown()` kills exactly its own actors, once, and is the only call that
 stops the controller (clients then fail by deadline or an `unavailable` `DataPlaneError`, never hang).
 `probes()` gives a rollout-path probe per actor (`tq_controller`, `tq_storage_unit_<i>`).
+`attach_client(cfg)` (from a coroutine: `attach_client_async`, which never blocks the event loop)
+connects a private `DataPlaneClient` in any process of the job, within `cfg.call_timeout_s`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from typing import Any
@@ -17,8 +20,9 @@ from typing import Any
 import ray
 
 from nemo_rl.data_plane import tq_backend
+from nemo_rl.data_plane.client import DataPlaneClient, LoopThread, transport_failure
 from nemo_rl.data_plane.config import DataPlaneConfig
-from nemo_rl.data_plane.errors import DataPlaneError
+from nemo_rl.data_plane.errors import DataPlaneError, DataPlaneTimeoutError
 from nemo_rl.distributed.component_watch import Probe, Role, ray_actor_probe
 
 
@@ -78,3 +82,57 @@ def start_data_plane(cfg: DataPlaneConfig) -> DataPlane:
     started = time.monotonic()
     actors = tq_backend.start_actors(cfg)
     return DataPlane(cfg, actors, startup_s=time.monotonic() - started)
+
+
+# ---------------------------------------------------------------- attach (once per process)
+
+
+def attach_client(cfg: DataPlaneConfig, *, timeout_s: float | None = None) -> DataPlaneClient:
+    """Connect a new private client to the running data plane, within the deadline."""
+    deadline = cfg.call_timeout_s if timeout_s is None else timeout_s
+    # The first import of transfer_queue (torch, zmq, ...) can take longer than a call deadline
+    # in a fresh actor on a loaded host; it cannot hang, so only the network part is bounded.
+    tq_backend.prepare_process(cfg)
+    started = time.monotonic()
+    conf = tq_backend.fetch_published_conf(deadline)
+    return _connect(cfg, conf, deadline, started)
+
+
+async def attach_client_async(cfg: DataPlaneConfig, *, timeout_s: float | None = None) -> DataPlaneClient:
+    """`attach_client` from a coroutine: the same client and deadline, without blocking the event loop.
+
+    The controller's config is awaited (no `ray.get` runs: Ray warns about any blocking get in an
+    asyncio actor's process), and the blocking steps (TQ's import, the storage handshake) run on
+    worker threads.
+    """
+    deadline = cfg.call_timeout_s if timeout_s is None else timeout_s
+    await asyncio.to_thread(tq_backend.prepare_process, cfg)
+    started = time.monotonic()
+    conf = await tq_backend.fetch_published_conf_async(deadline)
+    return await asyncio.to_thread(_connect, cfg, conf, deadline, started)
+
+
+def _connect(cfg: DataPlaneConfig, conf: Any, deadline: float, started: float) -> DataPlaneClient:
+    """The storage handshake of `attach_client` (blocking), within what is left of `deadline` since `started`."""
+    errors = tq_backend.tq_errors()
+    loop = LoopThread(name="nrl-data-plane-client")
+
+    async def build() -> Any:
+        return await asyncio.to_thread(tq_backend.new_client, conf, cfg.client_zmq_io_threads)
+
+    try:
+        tq_client = loop.run(build, max(deadline - (time.monotonic() - started), 0.0))
+    except TimeoutError as e:
+        loop.stop()
+        raise DataPlaneTimeoutError("attach", None, deadline, "storage-manager handshake with the controller") from e
+    except Exception as e:
+        loop.stop()
+        cause = transport_failure(e, errors.transport)
+        if cause is None:
+            e.add_note("raised while attaching a TransferQueue client: not a transport failure, so not retried")
+            raise
+        raise DataPlaneError(
+            f"attaching a TransferQueue client failed in transport: {type(cause).__name__}: {cause}",
+            kind="transport",
+        ) from e
+    return DataPlaneClient(cfg, loop, tq_client, errors)

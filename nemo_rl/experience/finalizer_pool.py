@@ -29,7 +29,7 @@ from nemo_gym.token_id_capture.staging import StagedCallBaseSnapshot
 from nemo_rl.data.errors import FatalError
 from nemo_rl.data.rows import GroupEntry, KeptRollout, Placeholder, PlaceholderReason
 from nemo_rl.data.calls import StagedRecordInvalidError, StagingFetchError
-from nemo_rl.data_plane import DataPlaneClient, DataPlaneConfig, DataPlaneError, FieldEncodingError
+from nemo_rl.data_plane import DataPlaneClient, DataPlaneConfig, DataPlaneError, FieldEncodingError, attach_client
 from nemo_rl.data_plane.partitions import StagedKeysMissingError, TQTokenSource, store_many_rows
 from nemo_rl.distributed.actor_call import ActorCallTimeoutError, ActorDiedError, ActorRaisedError, await_with_deadline
 from nemo_rl.distributed.component_watch import Probe, Role, first_line, ray_actor_probe
@@ -107,7 +107,7 @@ class TQSourceFactory:
         return cls(data_plane, capture.staging_partition, capture.stage_timeout_s)
 
     def __call__(self) -> TQTokenSource:
-        return TQTokenSource(DataPlaneClient.attach(self.data_plane), self.partition, timeout_s=self.timeout_s)
+        return TQTokenSource(attach_client(self.data_plane), self.partition, timeout_s=self.timeout_s)
 
 
 @dataclass(frozen=True)
@@ -121,7 +121,7 @@ class TQTrainRowsFactory:
 
     def __call__(self) -> RowStore:
         return functools.partial(
-            _store_with, DataPlaneClient.attach(self.data_plane), self.partition, self.timeout_s, self.carry_prompt_ids
+            _store_with, attach_client(self.data_plane), self.partition, self.timeout_s, self.carry_prompt_ids
         )
 
 

@@ -38,7 +38,7 @@ import aiohttp
 import psutil
 
 from examples.arith.tiny_model import TinyModelConfig, ensure_tiny_model
-from nemo_rl.data_plane import DataPlaneClient, DataPlaneConfig, start_data_plane
+from nemo_rl.data_plane import DataPlaneConfig, attach_client, start_data_plane
 from nemo_rl.data_plane import tq_backend
 from nemo_rl.distributed.ray_cluster import init_local_ray
 from nemo_rl.environments.gym_client import NemoGymEnvironment
@@ -198,7 +198,7 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
         report["startup"] = {"worker_chat": await call("POST", worker + "/chat/completions", body=CHAT),
                              "worker_health": await call("GET", worker.removesuffix("/v1") + "/health")}
         plane = start_data_plane(dp_cfg)
-        client = DataPlaneClient.attach(dp_cfg)
+        client = attach_client(dp_cfg)
         env = NemoGymEnvironment(NemoGymConfig(), capture, worker_base_url=pending.base_urls, log_dir=log_dir)
         await env.start()
         gate = env.servers.gate_url

@@ -32,7 +32,7 @@ from nemo_gym.token_id_capture.staging import (
 )
 from nemo_gym.token_id_capture.staging.records import ManifestFailure, RolloutManifest
 
-from nemo_rl.data_plane import DataPlane, DataPlaneClient, DataPlaneConfig, start_data_plane
+from nemo_rl.data_plane import DataPlane, DataPlaneClient, DataPlaneConfig, attach_client, start_data_plane
 from nemo_rl.distributed.ray_cluster import RayClusterHandle, init_local_ray
 
 TQ_TEST_CONFIG = DataPlaneConfig(call_timeout_s=10.0)
@@ -282,7 +282,7 @@ def shared_plane(shared_ray: RayClusterHandle) -> Iterator[DataPlane]:
 def clients(shared_plane: DataPlane) -> Iterator[tuple[DataPlaneClient, DataPlaneClient]]:
     """The worker's writer client and the finalizer's reader client on the shared data plane (two
     attachments, as in a run)."""
-    with DataPlaneClient.attach(TQ_TEST_CONFIG) as writer, DataPlaneClient.attach(TQ_TEST_CONFIG) as reader:
+    with attach_client(TQ_TEST_CONFIG) as writer, attach_client(TQ_TEST_CONFIG) as reader:
         yield writer, reader
 
 

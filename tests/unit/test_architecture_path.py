@@ -107,10 +107,10 @@ def test_a_wrong_count_a_missing_module_and_a_table_mismatch_are_each_named() ->
         f"({sorted({package_of(x) for x in _BLOCK.search(doc).group(1).split()})})"
     ]
 
-    vanished = doc.replace("data_plane.stage_writer\n", "data_plane.stage_shredder\n", 1)
+    vanished = doc.replace("data_plane.client\n", "data_plane.stage_shredder\n", 1)
     problems = check_path(vanished)
     assert "data_plane.stage_shredder: no such module under nemo_rl/" in problems
-    assert any(p.startswith("table and block differ") and "'data_plane.stage_writer'" in p for p in problems)
+    assert any(p.startswith("table and block differ") and "'data_plane.client'" in p for p in problems)
 
     dropped = doc.replace("token_capture.metrics\n", "", 1)
     assert any("only in the table ['token_capture.metrics']" in p for p in check_path(dropped))

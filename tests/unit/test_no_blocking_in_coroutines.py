@@ -5,7 +5,7 @@ Contract:
   call what blocks the thread it runs on: `ray.get` / `ray.wait`, `time.sleep`, `subprocess.*`
   runners, `requests.*`, a thread's `.join()`, the project's sync Ray and process helpers
   (`BLOCKING_FUNCTIONS`) and teardowns (`BLOCKING_TEARDOWNS`), or a sync `DataPlaneClient` call
-  (`attach`; `put`/`put_many`/`get`/`list_keys`/`clear`/`close` on a receiver named `*client`).
+  (`attach_client`; `put`/`put_many`/`get`/`list_keys`/`clear`/`close` on a receiver named `*client`).
 - An awaited call is a coroutine, not a blocking call. Nested sync `def`s and lambdas are not
   the body (they run where they are sent, typically `asyncio.to_thread`); a callable passed by
   name (`asyncio.to_thread(ray.get, ref)`) is not a call.
@@ -43,6 +43,7 @@ BLOCKING_FUNCTIONS: dict[str, str] = {
     "start_or_join_ray": _OFFLOAD + " (or run it before the loop starts)",
     "start_ray_for_stack": _OFFLOAD + " (or run it before the loop starts)",
     "start_data_plane": _OFFLOAD,
+    "attach_client": "`await attach_client_async(...)` (nemo_rl.data_plane.plane)",
     "spawn_workers": _OFFLOAD,
     "await_workers": _OFFLOAD,
 }
@@ -112,8 +113,6 @@ def classify_call(call: ast.Call) -> tuple[str, str] | None:
         for key in ((func.value.id, func.attr), (func.value.id, None)):
             if key in BLOCKING_MODULE_CALLS:
                 return written, BLOCKING_MODULE_CALLS[key]
-    if func.attr == "attach" and _terminal_name(func.value) == "DataPlaneClient":
-        return written, "`await DataPlaneClient.attach_async(...)`"
     receiver = _terminal_name(func.value)
     for (method, suffix), fix in BLOCKING_TEARDOWNS.items():
         if func.attr == method and receiver is not None and receiver.lower().endswith(suffix):
@@ -200,7 +199,7 @@ async def bad(ref, thread, client, cfg):
     thread.join(timeout=2)
     self_client = client
     self_client.put_many("p", [], [])
-    DataPlaneClient.attach(cfg)
+    attach_client(cfg)
     call_with_deadline(ref, actor="a", op="b", timeout_s=1)
     requests.get("http://x", timeout=1)
     self.stack.stop()
@@ -213,7 +212,7 @@ def test_the_checker_catches_planted_blocking_calls() -> None:
     calls = [f.call for f in findings]
     assert calls == [
         "ray.get", "ray.wait", "time.sleep", "subprocess.run", "thread.join", "thread.join",
-        "self_client.put_many", "DataPlaneClient.attach", "call_with_deadline", "requests.get",
+        "self_client.put_many", "attach_client", "call_with_deadline", "requests.get",
         "self.stack.stop", "run.close",
     ]
     first = str(findings[0])

@@ -29,7 +29,7 @@ from ray.actor import ActorHandle
 
 from nemo_rl.data.errors import PolicyWorkerError
 from nemo_rl.data.train import TrainBatch, TrainPlan
-from nemo_rl.data_plane import DataPlaneClient, DataPlaneConfig
+from nemo_rl.data_plane import DataPlaneClient, DataPlaneConfig, attach_client
 from nemo_rl.data_plane.partitions import read_train_batch
 from nemo_rl.distributed.actor_call import (
     ActorCallError,
@@ -418,7 +418,7 @@ class PolicyWorker:
                 "train_planned needs the data plane: spawn the policy worker with the run's DataPlaneConfig"
             )
         if self._client is None:
-            self._client = DataPlaneClient.attach(self._data_plane)
+            self._client = attach_client(self._data_plane)
         return read_train_batch(self._client, plan)
 
     def train_planned(self, plan: TrainPlan, loss_fn: LossFn) -> dict[str, float]:

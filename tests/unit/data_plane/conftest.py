@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from nemo_rl.data_plane import DataPlane, DataPlaneClient, DataPlaneConfig
+from nemo_rl.data_plane import DataPlane, DataPlaneClient, DataPlaneConfig, attach_client
 
 # Short client deadline so a broken test fails in seconds, not the production 30 s: the shared
 # plane's own (`TQ_TEST_CONFIG`, call_timeout_s=10.0).
@@ -25,7 +25,7 @@ def plane(shared_plane: DataPlane) -> DataPlane:
 
 @pytest.fixture(scope="module")
 def client(plane: DataPlane) -> Iterator[DataPlaneClient]:
-    attached = DataPlaneClient.attach(TEST_CFG)
+    attached = attach_client(TEST_CFG)
     try:
         yield attached
     finally:

@@ -2,18 +2,15 @@
 
 from __future__ import annotations
 
-import asyncio
 import struct
 from collections.abc import Callable
 from typing import Any
 
 import pytest
-import ray
 import torch
 import zmq
 
 from nemo_rl.data_plane import (
-    DataPlane,
     DataPlaneClient,
     DataPlaneConfig,
     DataPlaneDecodeError,
@@ -21,7 +18,7 @@ from nemo_rl.data_plane import (
     DataPlaneUsageError,
     FieldEncodingError,
     MissingKeysError,
-    start_data_plane,
+    attach_client,
     tq_backend,
 )
 from nemo_rl.data_plane.client import get_rows, transport_failure
@@ -179,7 +176,7 @@ def test_tqs_clear_vs_read_race_is_a_missing_key(client: DataPlaneClient, monkey
 
 def test_a_real_zmq_failure_is_transport_weather(cfg: DataPlaneConfig, client: DataPlaneClient) -> None:
     client.put("transport", "t", {"tag": "t"})
-    broken = DataPlaneClient.attach(cfg)
+    broken = attach_client(cfg)
     broken._tq.zmq_context.destroy(linger=0)  # every socket of this client fails from here on
     try:
         with pytest.raises(DataPlaneError) as info:
@@ -199,7 +196,7 @@ def test_a_real_zmq_failure_is_transport_weather(cfg: DataPlaneConfig, client: D
 
 
 def test_close_of_one_client_leaves_others_working(client: DataPlaneClient, cfg: DataPlaneConfig) -> None:
-    other = DataPlaneClient.attach(cfg)
+    other = attach_client(cfg)
     other.put("shared", "from-other", {"tag": "o"})
     other.close()
     other.close()
@@ -209,65 +206,8 @@ def test_close_of_one_client_leaves_others_working(client: DataPlaneClient, cfg:
     assert raised.value.kind == "closed"
     assert client.get("shared", ["from-other"], ["tag"]) == [{"tag": "o"}]
     client.put("shared", "after-close", {"tag": "a"})
-    with DataPlaneClient.attach(cfg) as fresh:
+    with attach_client(cfg) as fresh:
         assert fresh.get("shared", ["after-close"], ["tag"]) == [{"tag": "a"}]
-
-
-@ray.remote(num_cpus=0)
-class _RemoteUser:
-    """A Ray actor that attaches its own client (another process of the same job)."""
-
-    def round_trip(self, cfg_json: str) -> tuple[list[int], str]:
-        from nemo_rl.data_plane import DataPlaneClient, DataPlaneConfig
-
-        remote = DataPlaneClient.attach(DataPlaneConfig.model_validate_json(cfg_json))
-        (row,) = remote.get("xproc", ["driver"], ["ids", "tag"])
-        remote.put("xproc", "actor", {"ids": torch.tensor([42, 43], dtype=torch.int64), "tag": "from-actor"})
-        remote.close()
-        return row["ids"].tolist(), row["tag"]
-
-
-def test_actor_process_attaches_reads_and_writes(client: DataPlaneClient, cfg: DataPlaneConfig) -> None:
-    client.put("xproc", "driver", {"ids": torch.tensor([5, 6, 7]), "tag": "from-driver"})
-    user = _RemoteUser.remote()
-    assert ray.get(user.round_trip.remote(cfg.model_dump_json()), timeout=180) == ([5, 6, 7], "from-driver")
-    ray.kill(user)
-    (row,) = client.get("xproc", ["actor"], ["ids", "tag"])
-    assert (row["ids"].tolist(), row["tag"]) == ([42, 43], "from-actor")
-
-
-@ray.remote(num_cpus=0)
-class _AsyncUser:
-    """An asyncio actor, as the vLLM worker is: Ray warns about any blocking `ray.get` in its process."""
-
-    async def round_trip(self, cfg_json: str, use_async_attach: bool) -> tuple[str, bool]:
-        import ray._private.worker as ray_worker
-
-        from nemo_rl.data_plane import DataPlaneClient, DataPlaneConfig
-
-        cfg = DataPlaneConfig.model_validate_json(cfg_json)
-        if use_async_attach:
-            remote = await DataPlaneClient.attach_async(cfg)
-        else:  # what the worker did before: the sync attach, off the event loop
-            remote = await asyncio.to_thread(DataPlaneClient.attach, cfg)
-        (row,) = await asyncio.to_thread(remote.get, "xproc", ["driver-async"], ["tag"])
-        await asyncio.to_thread(remote.close)
-        return row["tag"], ray_worker.blocking_get_inside_async_warned
-
-
-def test_an_async_actor_attaches_without_any_blocking_ray_get(client: DataPlaneClient, cfg: DataPlaneConfig) -> None:
-    client.put("xproc", "driver-async", {"tag": "from-driver"})
-    for use_async_attach, warned in [(True, False), (False, True)]:  # the sync attach is the control: it warns
-        user = _AsyncUser.remote()
-        result = ray.get(user.round_trip.remote(cfg.model_dump_json(), use_async_attach), timeout=180)
-        ray.kill(user)
-        assert result == ("from-driver", warned), use_async_attach
-
-
-def test_second_data_plane_in_one_cluster_is_refused(plane: DataPlane, cfg: DataPlaneConfig) -> None:
-    with pytest.raises(DataPlaneError, match="already runs in this Ray cluster"):
-        start_data_plane(cfg)
-    assert not plane.stopped
 
 
 def _raised(make: Callable[[], None]) -> BaseException:

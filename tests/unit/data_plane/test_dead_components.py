@@ -17,6 +17,8 @@ from nemo_rl.data_plane import (
     DataPlaneConfig,
     DataPlaneError,
     DataPlaneTimeoutError,
+    attach_client,
+    attach_client_async,
     start_data_plane,
 )
 from nemo_rl.distributed.ray_cluster import init_local_ray
@@ -95,10 +97,10 @@ def test_dead_storage_unit_then_dead_controller_fail_within_deadline(
         assert elapsed < DEADLINE_S + SLACK_S, (operation, elapsed)
 
     with pytest.raises(DataPlaneError, match="no TransferQueue controller") as raised:
-        DataPlaneClient.attach(cfg)
+        attach_client(cfg)
     assert raised.value.kind == "unavailable"
     with pytest.raises(DataPlaneError, match="no TransferQueue controller") as raised:
-        asyncio.run(DataPlaneClient.attach_async(cfg))
+        asyncio.run(attach_client_async(cfg))
     assert raised.value.kind == "unavailable"
 
     started = time.monotonic()

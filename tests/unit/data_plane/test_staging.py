@@ -30,9 +30,9 @@ from nemo_gym.token_id_capture.staging import (
 )
 
 from nemo_rl.data.calls import StagedRecordInvalidError, StagingFetchError, record_to_row
-from nemo_rl.data_plane import DataPlaneClient, DataPlaneConfig, DataPlaneTimeoutError
+from nemo_rl.data_plane import DataPlaneClient, DataPlaneConfig, DataPlaneTimeoutError, attach_client
+from nemo_rl.data_plane.client import StageWriter
 from nemo_rl.data_plane.partitions import StagedKeysMissingError, TQStagingCleaner, TQTokenSink, TQTokenSource
-from nemo_rl.data_plane.stage_writer import StageWriter
 
 PARTITION = "staging_test"
 CFG = DataPlaneConfig(call_timeout_s=10.0)
@@ -100,7 +100,7 @@ def test_golden_vector_round_trips_through_a_fresh_client(sink: TQTokenSink) -> 
     record = golden_record()
     result = sink.stage(record)
     assert (result.ok, result.staging_key, result.error) == (True, "rollout-1/call-1", None)
-    with DataPlaneClient.attach(CFG) as fresh:
+    with attach_client(CFG) as fresh:
         fresh_source = TQTokenSource(fresh, PARTITION)
         (snapshot,) = fresh_source.fetch(["rollout-1/call-1"])
         (with_extras,) = fresh_source.fetch_records(["rollout-1/call-1"])

@@ -14,7 +14,7 @@ from nemo_gym.token_id_capture.staging import StagedCallBaseSnapshot
 
 from nemo_rl.data.rows import KeptRollout, Placeholder, PlaceholderReason
 from nemo_rl.data.calls import StagedRecordInvalidError
-from nemo_rl.data_plane import DataPlaneClient, DataPlaneConfig
+from nemo_rl.data_plane import DataPlaneConfig, attach_client
 from nemo_rl.data_plane.partitions import (
     StagedKeysMissingError,
     StagingStoreUnavailableError,
@@ -367,7 +367,7 @@ async def test_pool_reads_records_staged_in_the_real_data_plane(shared_plane, ch
     partition = "finalizer_pool_test"
     chain, item = _item(chains, "r-tq", 0)
     keys = [record.staging_key for record in chain.records]
-    with DataPlaneClient.attach(data_plane) as client:
+    with attach_client(data_plane) as client:
         assert all(TQTokenSink(client, partition).stage(record).ok for record in chain.staged)
         pool = FinalizerPool(1, TQSourceFactory(data_plane, partition, timeout_s=30.0), call_timeout_s=60.0,
                              cfg=CFG)

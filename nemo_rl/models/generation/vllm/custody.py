@@ -42,7 +42,7 @@ from nemo_rl.data.calls import (
     has_assistant_turn,
 )
 from nemo_rl.data_plane.errors import DataPlaneError
-from nemo_rl.data_plane.stage_writer import ParentRows
+from nemo_rl.data_plane.client import ParentRows
 from nemo_rl.models.generation.vllm.chat import SamplingRequest, TailRenderError
 from nemo_rl.models.generation.vllm.custody_state import (
     AdmittedCalls,

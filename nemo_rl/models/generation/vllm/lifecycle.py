@@ -21,8 +21,8 @@ from typing import Any
 
 from nemo_gym.token_id_capture.adapters.vllm import VLLMCaptureAdapter
 from nemo_gym.token_id_capture.staging import RolloutTokenCapture, StagingSink, StagingSource
-from nemo_rl.data_plane import DataPlaneClient, DataPlaneConfig
-from nemo_rl.data_plane.stage_writer import StageWriter
+from nemo_rl.data_plane import DataPlaneClient, DataPlaneConfig, attach_client_async
+from nemo_rl.data_plane.client import StageWriter
 from nemo_rl.data_plane.partitions import TQTokenSink, TQTokenSource
 from nemo_rl.models.generation.vllm import worker_extension
 from nemo_rl.models.generation.vllm.chat import SamplingRequest
@@ -155,7 +155,7 @@ async def attach_capture(
 ) -> tuple[DataPlaneClient, "TQCustody"]:
     """The worker's data-plane client (attached awaited, never `ray.get` on the actor's loop) and
     its `TQCustody`; the client is closed again if the custody cannot be built."""
-    client = await DataPlaneClient.attach_async(dp_cfg)
+    client = await attach_client_async(dp_cfg)
     try:
         custody = build_tq_custody(
             client,

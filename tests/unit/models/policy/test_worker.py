@@ -96,7 +96,7 @@ def test_policy_worker_trains_on_the_rows_it_reads_from_the_train_partition(shar
 
     from nemo_rl.data.rows import KeptRollout, RowOrigin, TrainRow
     from nemo_rl.data.train import TrainPlan
-    from nemo_rl.data_plane import DataPlaneClient, DataPlaneConfig
+    from nemo_rl.data_plane import DataPlaneConfig, attach_client
     from nemo_rl.data_plane.partitions import TrainRowDigestError, store_rows
 
     row = TrainRow(
@@ -110,7 +110,7 @@ def test_policy_worker_trains_on_the_rows_it_reads_from_the_train_partition(shar
     loss_fn = ClippedPGLossFn.from_config(LossConfig())
     cfg = PolicyConfig(model_path=str(tiny_model_dir))
     data_plane = DataPlaneConfig(call_timeout_s=30.0)
-    with DataPlaneClient.attach(data_plane) as client:  # the session's plane, with a 30 s deadline
+    with attach_client(data_plane) as client:  # the session's plane, with a 30 s deadline
         kept = store_rows(client, "policy_train", KeptRollout("r-0", 0, 0, (row,), 1.0, "response_id"), 30.0, False)
         plan = TrainPlan.of("policy_train", kept.rows, [1.0])
         policy = RayPolicyClient.spawn(cfg, data_plane=data_plane)

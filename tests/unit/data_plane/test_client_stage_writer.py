@@ -8,7 +8,7 @@ import time
 import pytest
 
 from nemo_rl.data_plane import DataPlaneTimeoutError
-from nemo_rl.data_plane.stage_writer import ParentRows, StageWriter, StageWriterFailedError
+from nemo_rl.data_plane.client import ParentRows, StageWriter, StageWriterFailedError
 
 
 class GatedStore:
