@@ -1,17 +1,16 @@
 """The vLLM worker's process-facing shell: its Ray actor, its HTTP transport, the driver's served report.
 
 `VllmGenerationWorker` hosts a real `AsyncLLM` (`engine.py`) behind `ChatService` (`serving.py`);
-start-up and tear-down are `lifecycle.py`'s. Start-up is `bind` (port open, every route 503
+start-up and tear-down are `lifecycle.py`'s, refit `refit.py`'s, the probes `diagnostics.py`'s
+(its control methods delegate). Start-up is `bind` (port open, every route 503
 `worker_starting`), `start_engine`, then `serve`, which builds the custody core before letting
 requests through, so no request is served uncaptured. `build_app` (aiohttp) only reads the body
 (strict JSON, at most `max_request_bytes`), calls the service and is the one place an `ApiError`
-becomes an HTTP response; any other exception is a bug: 500 `internal_error`, the worker failed.
-A refit that cannot drain keeps the old weights, one that fails leaves the worker failed (every
-route 503 `worker_failed`, every driver call `WorkerFailedError`), never wedged. Control routes
-need the per-run bearer, never logged. `ServedReporter` is the driver's per-rollout handle
-(`take_served_async`). Invariant: every sample carries the weight version it ran under; every
-failure crossing the Ray boundary is a `WorkerError` or `WorkerFailedError`.
-See docs/design-docs/vllm-worker-capture.md ("The actor shell", "Errors, context overflow ...").
+becomes an HTTP response; any other exception is a bug: 500 `internal_error`, the worker failed
+(every route 503 `worker_failed`, every driver call `WorkerFailedError`), never wedged. Control
+routes need the per-run bearer, never logged. `ServedReporter` is the driver's per-rollout handle
+(`take_served_async`). Invariant: every failure crossing the Ray boundary is a `WorkerError` or
+`WorkerFailedError`. See docs/design-docs/vllm-worker-capture.md ("The actor shell").
 """
 
 from __future__ import annotations
