@@ -1,15 +1,14 @@
 """A real vLLM `AsyncLLM` driven by exact token ids (`lifecycle.start_vllm_engine` starts one).
 
 Promises: `generate` takes prompt token ids (never text) and returns the exact sampled ids with
-the engine's raw logprob of each (`generate_stream`: the same, step by step); every sample is
-kept in a bounded record log for audits;
-`reload_weights` drains, reloads, clears the prefix cache and bumps `weight_version`, so every
-result carries the one version that generated all of its tokens. States `serving`,
-`refitting`, `failed`: every wait is bounded (`EngineDeadlines`); a drain past its deadline
-aborts the refit (old weights kept); a reload that fails or an engine that died is `failed`
-for good (`EngineFailedError`), never wedged in `refitting`. `core_processes()` reports the
-engine-core child processes for the component watch; `timing()` the engine's own idle and
-refit-pause counters (the async loop's `async/engine_idle_fraction`, `async/refit_pause_s`).
+the engine's raw logprob of each; every sample is kept in a bounded record log for audits.
+States `serving`, `refitting`, `failed`: calls are admitted through a gate a refit closes
+(`close_gate`, `open_gate`; the refit procedure is `refit.reload_weights`, the streamed call
+`streaming.generate_stream`, the probes `diagnostics`), so every result carries the one
+version that generated all of its tokens. Every wait is bounded (`EngineDeadlines`); a drain
+past its deadline reopens the gate (old weights kept); an engine that died or a reload that
+failed is `failed` for good (`EngineFailedError`), never wedged in `refitting`. `timing()`
+reports the engine's own idle and refit-pause counters.
 See docs/design-docs/vllm-worker-capture.md, "Engine states and deadlines".
 """
 
@@ -17,16 +16,12 @@ from __future__ import annotations
 
 import asyncio
 import enum
-import os
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from nemo_rl.data.errors import FatalError, RecoverableError
-from nemo_rl.distributed.component_watch import ChildProcess
-from nemo_rl.models.generation.vllm import worker_extension
 from nemo_rl.models.generation.vllm.chat import InvalidChatRequest, SamplingRequest
 from nemo_rl.models.generation.vllm.config import VllmConfig
 from nemo_rl.utils.lru import BoundedLRU
@@ -102,14 +97,6 @@ class EngineTiming:
 
 
 @dataclass(frozen=True)
-class StreamStep:
-    """One step of `VllmEngine.generate_stream`: new sampled ids, or (last) the finished result."""
-
-    new_token_ids: list[int]
-    result: "GenerationResult | None"
-
-
-@dataclass(frozen=True)
 class GenerationResult:
     request_id: str
     prompt_token_ids: list[int]
@@ -117,29 +104,6 @@ class GenerationResult:
     logprobs: list[float]
     finish_reason: str
     weight_version: int
-
-
-def engine_core_processes(engine: Any) -> list[ChildProcess]:
-    """The engine-core processes an `AsyncLLM` started, as its parent process sees them.
-
-    vLLM v1 keeps them at `engine.engine_core.resources.engine_manager.processes`
-    (`multiprocessing` processes; `exitcode` reaps a dead one without blocking). No engine
-    manager means the engine core runs in this process: nothing separate to watch. An engine
-    without that structure (another vLLM version) raises `EngineError` naming the path.
-    """
-    try:
-        manager = engine.engine_core.resources.engine_manager
-    except AttributeError as e:
-        raise EngineError(
-            f"cannot find the vLLM engine-core processes (engine.engine_core.resources.engine_manager) on "
-            f"{type(engine).__name__}: {e}; this vLLM version keeps them elsewhere"
-        ) from e
-    if manager is None:
-        return []
-    processes = getattr(manager, "processes", None)
-    if processes is None:
-        raise EngineError(f"the vLLM engine manager {type(manager).__name__} lists no `processes`")
-    return [ChildProcess(p.name, p.pid, p.exitcode) for p in processes]
 
 
 class VllmEngine:
@@ -199,6 +163,23 @@ class VllmEngine:
     def inflight(self) -> int:
         return self._inflight
 
+    @property
+    def deadlines(self) -> EngineDeadlines:
+        return self._deadlines
+
+    @property
+    def dead_errors(self) -> tuple[type[BaseException], ...]:
+        return self._dead_errors
+
+    @property
+    def async_llm(self) -> Any:
+        """The wrapped `AsyncLLM`, for the procedures off the request path (refit, diagnostics)."""
+        return self._engine
+
+    @property
+    def params_cls(self) -> Callable[..., Any]:
+        return self._params_cls
+
     def timing(self) -> EngineTiming:
         """The idle and refit counters now (`EngineTiming`); the current idle stretch is included."""
         now = self._clock()
@@ -210,7 +191,7 @@ class VllmEngine:
         if self._state is EngineState.FAILED:
             raise EngineFailedError(f"the vLLM engine is failed: {self._failure}")
 
-    async def _fail(self, reason: str) -> None:
+    async def fail(self, reason: str) -> None:
         """Enter the terminal `failed` state and wake every waiter (they then raise)."""
         async with self._cond:
             if self._state is not EngineState.FAILED:
@@ -232,7 +213,7 @@ class VllmEngine:
                 f"refit_reload_timeout_s = {self._deadlines.refit_gate_s:g} s; retry the request"
             ) from e
 
-    async def _admit(self) -> int:
+    async def admit(self) -> int:
         """Count one in-flight request once the gate is open; returns the version it will run under."""
         async with self._cond:
             self._raise_if_failed()
@@ -244,7 +225,7 @@ class VllmEngine:
                 self._idle_since = None
             return self.weight_version
 
-    async def _release(self) -> None:
+    async def release(self) -> None:
         async with self._cond:
             self._inflight -= 1
             if self._inflight == 0:
@@ -262,37 +243,41 @@ class VllmEngine:
 
         try:
             return await asyncio.wait_for(
-                consume(self._engine.generate({"prompt_token_ids": list(prompt_ids)}, params, request_id)),
+                consume(self.outputs(prompt_ids, params, request_id)),
                 self._deadlines.generate_s,
             )
         except TimeoutError as e:
             # wait_for cancelled the stream (vLLM aborts a cancelled request itself); abort explicitly
             # too, so the engine frees the sequence even if the cancellation raced the last token.
-            await self._abort(request_id)
+            await self.abort(request_id)
             raise GenerationTimeoutError(
                 f"request {request_id} produced no final output within generation.vllm.generate_timeout_s="
                 f"{self._deadlines.generate_s:g} s and was aborted"
             ) from e
         except self._dead_errors as e:
-            await self._fail(f"the engine process died while serving request {request_id}: {type(e).__name__}: {e}")
-            raise EngineFailedError(f"the vLLM engine is failed: {self._failure}") from e
+            raise await self.died(request_id, e) from e
 
-    async def _abort(self, request_id: str) -> None:
+    async def died(self, request_id: str, error: BaseException) -> EngineFailedError:
+        """Fail the engine for its process dying while serving `request_id`; returns the error to raise."""
+        await self.fail(f"the engine process died while serving request {request_id}: {type(error).__name__}: {error}")
+        return EngineFailedError(f"the vLLM engine is failed: {self._failure}")
+
+    def outputs(self, prompt_ids: list[int], params: Any, request_id: str) -> AsyncIterator[Any]:
+        """The engine's raw output stream for one request (the caller admits, bounds and aborts it)."""
+        return self._engine.generate({"prompt_token_ids": list(prompt_ids)}, params, request_id)
+
+    async def abort(self, request_id: str) -> None:
         try:
             await asyncio.wait_for(self._engine.abort(request_id), self._deadlines.generate_s)
         except TimeoutError as e:
-            await self._fail(f"aborting request {request_id} did not finish within {self._deadlines.generate_s:g} s")
+            await self.fail(f"aborting request {request_id} did not finish within {self._deadlines.generate_s:g} s")
             raise EngineFailedError(f"the vLLM engine is failed: {self._failure}") from e
         except self._dead_errors as e:
-            await self._fail(f"the engine process died while aborting request {request_id}: {type(e).__name__}: {e}")
+            await self.fail(f"the engine process died while aborting request {request_id}: {type(e).__name__}: {e}")
             raise EngineFailedError(f"the vLLM engine is failed: {self._failure}") from e
 
-    def core_processes(self) -> list[ChildProcess]:
-        """This engine's engine-core processes (see `engine_core_processes`)."""
-        return engine_core_processes(self._engine)
-
     # --- requests ----------------------------------------------------------------------------
-    def _params(self, prompt_ids: list[int], sampling: SamplingRequest) -> Any:
+    def sampling_params(self, prompt_ids: list[int], sampling: SamplingRequest) -> Any:
         room = self._max_model_len - len(prompt_ids)
         if room < 1:
             raise InvalidChatRequest(
@@ -311,7 +296,7 @@ class VllmEngine:
         except ValueError as e:  # vLLM validates sampling values with ValueError: the caller's input
             raise InvalidChatRequest(f"sampling parameters rejected by the engine: {e}") from e
 
-    def _result(self, final: Any, request_id: str, version: int) -> GenerationResult:
+    def result(self, final: Any, request_id: str, version: int) -> GenerationResult:
         """The exact result of one finished engine stream (kept in the record log)."""
         if final is None or not final.outputs:
             raise EngineError(f"vLLM returned no output for request {request_id}")
@@ -332,56 +317,22 @@ class VllmEngine:
         return result
 
     async def generate(self, prompt_ids: list[int], sampling: SamplingRequest, request_id: str) -> GenerationResult:
-        params = self._params(prompt_ids, sampling)
-        version = await self._admit()
-        try:
-            final = await self._last_output(prompt_ids, params, request_id)
-        finally:
-            await self._release()
-        return self._result(final, request_id, version)
+        final, version = await self.run(prompt_ids, self.sampling_params(prompt_ids, sampling), request_id)
+        return self.result(final, request_id, version)
 
-    async def generate_stream(
-        self, prompt_ids: list[int], sampling: SamplingRequest, request_id: str
-    ) -> AsyncIterator[StreamStep]:
-        """`generate`, step by step: each engine output's new token ids as it is produced, then one
-        last step carrying the `GenerationResult` (the same exact record `generate` returns).
-
-        The whole stream is bounded by `generate_s`. A consumer that stops early (`aclose`, a client
-        gone) aborts the request in the engine before the generator closes; nothing is recorded.
-        """
-        params = self._params(prompt_ids, sampling)
-        version = await self._admit()
-        stream = self._engine.generate({"prompt_token_ids": list(prompt_ids)}, params, request_id)
-        deadline = time.monotonic() + self._deadlines.generate_s
-        seen, final, finished = 0, None, False
+    async def run(self, prompt_ids: list[int], params: Any, request_id: str) -> tuple[Any, int]:
+        """One admitted request within `generate_s`: its final output and the version it ran under."""
+        version = await self.admit()
         try:
-            while True:
-                try:
-                    out = await asyncio.wait_for(anext(stream), max(deadline - time.monotonic(), 0.0))
-                except StopAsyncIteration:
-                    break
-                except TimeoutError as e:
-                    raise GenerationTimeoutError(
-                        f"request {request_id} produced no final output within generation.vllm.generate_timeout_s="
-                        f"{self._deadlines.generate_s:g} s and was aborted"
-                    ) from e
-                except self._dead_errors as e:
-                    finished = True  # nothing left to abort
-                    await self._fail(f"the engine process died while serving request {request_id}: {type(e).__name__}: {e}")
-                    raise EngineFailedError(f"the vLLM engine is failed: {self._failure}") from e
-                final = out
-                ids = out.outputs[0].token_ids if out.outputs else []
-                if len(ids) > seen:
-                    step = StreamStep([int(t) for t in ids[seen:]], None)
-                    seen = len(ids)
-                    yield step
-            finished = True
+            return await self._last_output(prompt_ids, params, request_id), version
         finally:
-            if not finished:  # a timeout, a failed step, or a consumer that went away mid-stream
-                await asyncio.wait_for(stream.aclose(), self._deadlines.generate_s)
-                await self._abort(request_id)
-            await self._release()
-        yield StreamStep([], self._result(final, request_id, version))
+            await self.release()
+
+    def generate_stream(self, prompt_ids: list[int], sampling: SamplingRequest, request_id: str) -> AsyncIterator[Any]:
+        """`generate` step by step (`stream=true` only): `streaming.generate_stream` over this engine."""
+        from nemo_rl.models.generation.vllm.streaming import generate_stream  # the streamed path's module
+
+        return generate_stream(self, prompt_ids, sampling, request_id)
 
     def _remember(self, result: GenerationResult) -> None:
         self._records.put(result.request_id, result)
@@ -389,30 +340,11 @@ class VllmEngine:
     def records(self, request_ids: list[str]) -> dict[str, GenerationResult]:
         return {rid: record for rid in request_ids if (record := self._records.peek(rid)) is not None}
 
-    async def prompt_logprobs(self, token_ids: list[int]) -> list[float]:
-        """Logprob of each prompt token given its prefix (position 0 gets 0.0); gated like generate."""
-        params = self._params_cls(max_tokens=1, prompt_logprobs=0, temperature=0.0, detokenize=False)
-        request_id = f"plp-{os.urandom(8).hex()}"
-        await self._admit()
-        try:
-            final = await self._last_output(token_ids, params, request_id)
-        finally:
-            await self._release()
-        if final is None or final.prompt_logprobs is None:
-            raise EngineError("vLLM returned no prompt logprobs")
-        values = [0.0]
-        for pos, tok in zip(final.prompt_logprobs[1:], token_ids[1:]):
-            values.append(float(pos[tok].logprob))
-        return values
-
-    # --- refit -------------------------------------------------------------------------------
-    async def reload_weights(self, weights_dir: Path, version: int) -> None:
-        """Refit to `version` from `weights_dir` (see the module docstring for every outcome)."""
-        if not weights_dir.is_dir():
-            raise RefitAbortedError(
-                f"refit to version {version} aborted: weights dir {weights_dir} is not a directory; the engine "
-                f"keeps serving version {self.weight_version}"
-            )
+    # --- the refit gate (the procedure over it is `refit.reload_weights`) --------------------------
+    async def close_gate(self, version: int) -> float:
+        """Close the gate for a refit to `version` once no other refit runs, and wait (within
+        `refit_drain_s`) until no call is in flight; returns the clock when it closed. A drain past
+        its deadline, or a cancelled one, reopens the gate with nothing reloaded (`RefitAbortedError`)."""
         async with self._cond:
             self._raise_if_failed()
             await self._wait_gate_open()  # a concurrent refit finishes (or fails) first
@@ -423,50 +355,30 @@ class VllmEngine:
             self._refits_with_calls += int(draining > 0)
             try:
                 await asyncio.wait_for(self._cond.wait_for(lambda: self._inflight == 0), self._deadlines.refit_drain_s)
-            except TimeoutError as e:
+            except BaseException as e:
+                # Not drained (deadline or cancelled): nothing was reloaded, so the old weights still serve.
                 inflight = self._inflight
                 self._state = EngineState.SERVING
                 self._refits_aborted += 1
                 self._refit_pause_s += self._clock() - closed_at
                 self._cond.notify_all()
+                if not isinstance(e, TimeoutError):
+                    raise
                 raise RefitAbortedError(
                     f"refit to version {version} aborted: {inflight} generation(s) still in flight after "
                     f"generation.vllm.refit_drain_timeout_s={self._deadlines.refit_drain_s:g} s; the engine keeps "
                     f"serving version {self.weight_version} (nothing was reloaded)"
                 ) from e
-            except BaseException:
-                # Cancelled while draining: nothing was reloaded, so the old weights still serve.
-                self._state = EngineState.SERVING
-                self._refits_aborted += 1
-                self._refit_pause_s += self._clock() - closed_at
-                self._cond.notify_all()
-                raise
-        try:
-            await asyncio.wait_for(self._reload(weights_dir), self._deadlines.refit_reload_s)
-        except TimeoutError as e:
-            await self._fail(
-                f"refit to version {version} did not finish within generation.vllm.refit_reload_timeout_s="
-                f"{self._deadlines.refit_reload_s:g} s; the weights may be partially loaded"
-            )
-            raise RefitFailedError(f"the vLLM engine is failed: {self._failure}") from e
-        except asyncio.CancelledError:
-            await self._fail(f"refit to version {version} was cancelled while loading weights; the weights are unknown")
-            raise
-        except Exception as e:  # vLLM's reload raises many types; the weights are unknown after any of them
-            await self._fail(f"refit to version {version} from {weights_dir} raised {type(e).__name__}: {e}")
-            raise RefitFailedError(f"the vLLM engine is failed: {self._failure}") from e
+        return closed_at
+
+    async def open_gate(self, version: int, closed_at: float) -> None:
+        """Reopen the gate closed at `closed_at` after a reload: every later call runs under `version`."""
         async with self._cond:
             self.weight_version = version
             self._state = EngineState.SERVING
             self._refits += 1
             self._refit_pause_s += self._clock() - closed_at
             self._cond.notify_all()
-
-    async def _reload(self, weights_dir: Path) -> None:
-        await self._engine.collective_rpc("reload_weights", kwargs={"weights_path": str(weights_dir)})
-        await self._engine.reset_prefix_cache()
-        # The engine core's freed heap is not returned to the OS by itself (see worker_extension).
-        await self._engine.collective_rpc(worker_extension.TRIM_METHOD, kwargs={})
 
     def shutdown(self) -> None:
         self._engine.shutdown()

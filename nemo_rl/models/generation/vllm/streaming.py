@@ -21,6 +21,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
@@ -28,6 +29,7 @@ from aiohttp import web
 from nemo_rl.data.errors import ApiError, FatalError
 from nemo_rl.models.generation.vllm.chat import SamplingRequest, generated_text, new_request_id, parses_tool_calls
 from nemo_rl.models.generation.vllm.custody import CallOpening, CallServing, CustodyCore
+from nemo_rl.models.generation.vllm.engine import GenerationResult, GenerationTimeoutError, VllmEngine
 from nemo_rl.models.generation.vllm.serving import ChatService, record_generation
 from nemo_rl.utils import instrumentation  # opt-in per-call cost (benchmarks/capture_ab.py)
 
@@ -171,6 +173,62 @@ def include_usage(body: dict) -> bool:
     """`stream_options.include_usage` of a streamed request (request_rules checked its shape)."""
     options = body.get("stream_options")
     return bool(isinstance(options, dict) and options.get("include_usage"))
+
+
+# --- the engine's streamed generation ---------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StreamStep:
+    """One step of `generate_stream`: new sampled ids, or (last) the finished result."""
+
+    new_token_ids: list[int]
+    result: GenerationResult | None
+
+
+async def generate_stream(
+    engine: VllmEngine, prompt_ids: list[int], sampling: SamplingRequest, request_id: str
+) -> AsyncIterator[StreamStep]:
+    """`engine.generate`, step by step: each engine output's new token ids as it is produced, then
+    one last step carrying the `GenerationResult` (the same exact record `generate` returns).
+
+    Admitted through the engine's gate like `generate`; the whole stream is bounded by
+    `generate_s`. A consumer that stops early (`aclose`, a client gone) aborts the request in the
+    engine before the generator closes; nothing is recorded.
+    """
+    params = engine.sampling_params(prompt_ids, sampling)
+    version = await engine.admit()
+    stream = engine.outputs(prompt_ids, params, request_id)
+    generate_s = engine.deadlines.generate_s
+    deadline = time.monotonic() + generate_s
+    seen, final, finished = 0, None, False
+    try:
+        while True:
+            try:
+                out = await asyncio.wait_for(anext(stream), max(deadline - time.monotonic(), 0.0))
+            except StopAsyncIteration:
+                break
+            except TimeoutError as e:
+                raise GenerationTimeoutError(
+                    f"request {request_id} produced no final output within generation.vllm.generate_timeout_s="
+                    f"{generate_s:g} s and was aborted"
+                ) from e
+            except engine.dead_errors as e:
+                finished = True  # nothing left to abort
+                raise await engine.died(request_id, e) from e
+            final = out
+            ids = out.outputs[0].token_ids if out.outputs else []
+            if len(ids) > seen:
+                step = StreamStep([int(t) for t in ids[seen:]], None)
+                seen = len(ids)
+                yield step
+        finished = True
+    finally:
+        if not finished:  # a timeout, a failed step, or a consumer that went away mid-stream
+            await asyncio.wait_for(stream.aclose(), generate_s)
+            await engine.abort(request_id)
+        await engine.release()
+    yield StreamStep([], engine.result(final, request_id, version))
 
 
 # --- the worker core's streamed call ---------------------------------------------------------

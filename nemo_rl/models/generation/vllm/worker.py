@@ -1,17 +1,16 @@
 """The vLLM worker's process-facing shell: its Ray actor, its HTTP transport, the driver's served report.
 
 `VllmGenerationWorker` hosts a real `AsyncLLM` (`engine.py`) behind `ChatService` (`serving.py`);
-start-up and tear-down are `lifecycle.py`'s. Start-up is `bind` (port open, every route 503
+start-up and tear-down are `lifecycle.py`'s, refit `refit.py`'s, the probes `diagnostics.py`'s
+(its control methods delegate). Start-up is `bind` (port open, every route 503
 `worker_starting`), `start_engine`, then `serve`, which builds the custody core before letting
 requests through, so no request is served uncaptured. `build_app` (aiohttp) only reads the body
 (strict JSON, at most `max_request_bytes`), calls the service and is the one place an `ApiError`
-becomes an HTTP response; any other exception is a bug: 500 `internal_error`, the worker failed.
-A refit that cannot drain keeps the old weights, one that fails leaves the worker failed (every
-route 503 `worker_failed`, every driver call `WorkerFailedError`), never wedged. Control routes
-need the per-run bearer, never logged. `ServedReporter` is the driver's per-rollout handle
-(`take_served_async`). Invariant: every sample carries the weight version it ran under; every
-failure crossing the Ray boundary is a `WorkerError` or `WorkerFailedError`.
-See docs/design-docs/vllm-worker-capture.md ("The actor shell", "Errors, context overflow ...").
+becomes an HTTP response; any other exception is a bug: 500 `internal_error`, the worker failed
+(every route 503 `worker_failed`, every driver call `WorkerFailedError`), never wedged. Control
+routes need the per-run bearer, never logged. `ServedReporter` is the driver's per-rollout handle
+(`take_served_async`). Invariant: every failure crossing the Ray boundary is a `WorkerError` or
+`WorkerFailedError`. See docs/design-docs/vllm-worker-capture.md ("The actor shell").
 """
 
 from __future__ import annotations
@@ -48,6 +47,7 @@ from nemo_rl.models.generation.vllm.lifecycle import (
     start_engine,
     wait_ready,
 )
+from nemo_rl.models.generation.vllm.engine import VllmEngine
 from nemo_rl.models.generation.vllm.serving import ChatService
 from nemo_rl.models.generation.vllm.streaming import open_chat_stream, stream_sse
 from nemo_rl.token_capture.config import TokenCaptureConfig
@@ -348,71 +348,53 @@ class VllmGenerationWorker:
         if failure is not None:
             raise WorkerFailedError(f"vLLM worker {self._worker_index} is failed, {op} refused: {failure}")
 
-    async def update_weights(self, weights_dir: str, version: int) -> int:
-        from nemo_rl.models.generation.vllm.engine import RefitAbortedError
-
+    def _engine_for(self, op: str) -> VllmEngine:
+        """The engine a driver call `op` needs: started, and the worker not failed."""
         if self._engine is None:
-            raise WorkerError("update_weights called before start")
-        self._require_healthy("update_weights")
-        try:
-            # Before the engine drains: a folder this node cannot see is a deployment error, not a
-            # failed reload, so the worker keeps serving its current weights.
-            require_dir(Path(weights_dir), "grpo.refit_dir", self._where())
-        except SharedDirError as e:
-            raise WorkerError(str(e)) from e
-        try:
-            await self._engine.reload_weights(Path(weights_dir), version)
-        except RefitAbortedError as e:
-            raise RefitAbortedWorkerError(f"vLLM worker {self._worker_index}: {e}") from e
-        except Exception as e:  # converted before it crosses the Ray boundary; a reload error also fails the engine
-            raise WorkerError(
-                f"vLLM worker {self._worker_index}: refit to version {version} from {weights_dir} failed: "
-                f"{type(e).__name__}: {e}"
-            ) from e
-        return self._engine.weight_version
+            raise WorkerError(f"{op} called before start")
+        self._require_healthy(op)
+        return self._engine
+
+    def _service_for(self, op: str) -> ChatService:
+        """The chat service a driver call `op` needs: built by `serve`, and the worker not failed."""
+        if self._service is None:
+            raise WorkerError(f"{op} called before start")
+        self._require_healthy(op)
+        return self._service
+
+    # Refit and the probes run off the rollout path, in `refit` and `diagnostics` (imported on
+    # first use: both import this module's errors).
+    async def update_weights(self, weights_dir: str, version: int) -> int:
+        from nemo_rl.models.generation.vllm import refit
+
+        engine = self._engine_for("update_weights")
+        return await refit.update_weights(engine, Path(weights_dir), version, worker_index=self._worker_index,
+                                          where=self._where())
 
     def venv_info(self) -> dict:
         """The venv this actor runs in, measured in the actor: prefix, folder, marker spec hash."""
         return running_venv_info()
 
     def engine_core_processes(self) -> list[dict]:
-        """This worker's vLLM engine-core processes (`ChildProcess.to_wire`), for the component watch.
-
-        Answers in the failed state too: a dead engine core is what the watch must be able to name."""
-        from nemo_rl.models.generation.vllm.engine import EngineError
+        """This worker's vLLM engine-core processes, for the component watch (in the failed state too)."""
+        from nemo_rl.models.generation.vllm import diagnostics
 
         if self._engine is None:
             raise WorkerError("engine_core_processes called before start_engine")
-        try:
-            return [child.to_wire() for child in self._engine.core_processes()]
-        except EngineError as e:  # converted before it crosses the Ray boundary
-            raise WorkerError(f"vLLM worker {self._worker_index}: {e}") from e
+        return diagnostics.core_process_wires(self._engine, self._worker_index)
 
     def weight_version(self) -> int:
-        if self._engine is None:
-            raise WorkerError("weight_version called before start")
-        self._require_healthy("weight_version")
-        return self._engine.weight_version
+        return self._engine_for("weight_version").weight_version
 
     def engine_records(self, request_ids: list[str]) -> dict[str, dict]:
-        """What the engine itself sampled, per request id (the audit trail for exactness checks)."""
-        if self._engine is None:
-            raise WorkerError("engine_records called before start")
-        self._require_healthy("engine_records")
-        return {rid: vars(rec) for rid, rec in self._engine.records(request_ids).items()}
+        from nemo_rl.models.generation.vllm import diagnostics
+
+        return diagnostics.engine_records(self._engine_for("engine_records"), request_ids)
 
     async def prompt_logprobs(self, token_ids: list[int]) -> list[float]:
-        if self._engine is None:
-            raise WorkerError("prompt_logprobs called before start")
-        from nemo_rl.models.generation.vllm.engine import EngineError, EngineRequestError
+        from nemo_rl.models.generation.vllm import diagnostics
 
-        self._require_healthy("prompt_logprobs")
-        try:
-            return await self._engine.prompt_logprobs(token_ids)
-        # Both sides of the engine's split (a dead engine, or a gate/deadline miss of this call):
-        # converted before they cross the Ray boundary.
-        except (EngineError, EngineRequestError) as e:
-            raise WorkerError(f"vLLM worker {self._worker_index}: prompt_logprobs failed: {type(e).__name__}: {e}") from e
+        return await diagnostics.prompt_logprobs(self._engine_for("prompt_logprobs"), token_ids, self._worker_index)
 
     async def take_served(self, rollout_ids: list[str]) -> list[dict]:
         """Pop what this worker served for `rollout_ids`, as `ServedCall` wire dicts.
@@ -420,32 +402,15 @@ class VllmGenerationWorker:
         Under write-behind staging it first waits (off the event loop, bounded by
         `token_capture.stage_timeout_s`) for the rollouts' staged rows to be written.
         """
-        if self._service is None:
-            raise WorkerError("take_served called before start")
-        self._require_healthy("take_served")
-        calls = await asyncio.to_thread(self._service.take_served, list(rollout_ids))
+        service = self._service_for("take_served")
+        calls = await asyncio.to_thread(service.take_served, list(rollout_ids))
         return [call.to_wire() for call in calls]
 
     def capture_stats(self) -> dict:
-        if self._service is None:
-            raise WorkerError("capture_stats called before start")
-        self._require_healthy("capture_stats")
-        cache = self._service.prefix_cache
-        return {
-            "worker_index": self._worker_index,
-            "served_calls": self._service.stats["served_calls"],
-            # None only for a service without an engine (a test's stand-in): `serve` needs one
-            "engine_timing": dataclasses.asdict(self._engine.timing()) if self._engine is not None else None,
-            "served_rollouts_pending": self._service.served_rollouts_pending(),
-            "calls": dict(self._service.stats),
-            "capture_failures": list(self._service.capture_failures),
-            "prefix_cache_fetched_keys": cache.fetched_keys if cache else 0,
-            "prefix_cache_fetched_tokens": cache.fetched_tokens if cache else 0,
-            "prefix_cache_seeded_keys": cache.seeded_keys if cache else 0,
-            "prefix_cache_seed_rejected": cache.seed_rejected if cache else 0,
-            "prefix_cache_tokens": cache.cached_tokens if cache else 0,
-            **(self._custody.stats() if self._custody else {"prefix_fetch_missing_waits": 0, "stage_writer": None}),
-        }
+        from nemo_rl.models.generation.vllm import diagnostics
+
+        service = self._service_for("capture_stats")
+        return diagnostics.capture_stats(service, self._engine, self._custody, self._worker_index)
 
     async def shutdown(self) -> None:
         self._endpoint.stopping = True  # requests arriving from now on get 503 worker_stopping

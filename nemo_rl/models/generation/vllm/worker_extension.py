@@ -2,7 +2,7 @@
 
 `HostMemoryTrim.trim_host_memory()` runs in the engine-core process: a full garbage collection,
 then glibc's `malloc_trim(0)`; True when pages were released, False when none were or the C
-library has none (nothing is wrong then). `VllmEngine` calls it after every refit, inside the
+library has none (nothing is wrong then). `refit.reload_weights` calls it after every refit, inside the
 reload deadline. Importable without vLLM (a plain mixin, resolved by qualified name in the
 engine-core process).
 Why: docs/design-docs/vllm-worker-capture.md, "Returning the engine core's heap".

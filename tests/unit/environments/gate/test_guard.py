@@ -50,9 +50,9 @@ from nemo_rl.environments.gate.ingress import (
 )
 from nemo_rl.environments.gate.ledger import BranchingCaptureLedger
 from nemo_rl.environments.nemo_gym_config import NemoGymConfig
-from nemo_rl.models.generation.vllm.engine import StreamStep
 from nemo_rl.models.generation.vllm.lifecycle import build_custody
 from nemo_rl.models.generation.vllm.serving import ChatService
+from nemo_rl.models.generation.vllm.streaming import StreamStep
 from nemo_rl.models.generation.vllm.worker import Endpoint, build_app
 from responses_api_models.vllm_model.app import VLLMModelConfig
 

@@ -15,6 +15,7 @@ import pytest
 
 from nemo_rl.models.generation.vllm.chat import InvalidChatRequest, SamplingRequest
 from nemo_rl.models.generation.vllm.config import VllmConfig
+from nemo_rl.models.generation.vllm.diagnostics import engine_prompt_logprobs
 from nemo_rl.models.generation.vllm.engine import (
     EngineDeadlines,
     EngineFailedError,
@@ -25,6 +26,7 @@ from nemo_rl.models.generation.vllm.engine import (
     RefitGateTimeoutError,
     VllmEngine,
 )
+from nemo_rl.models.generation.vllm.refit import reload_weights
 
 SAMPLING = SamplingRequest(temperature=1.0, top_p=1.0, max_tokens=4, seed=None, logprobs=False, return_token_ids=False)
 EOS = 2
@@ -158,7 +160,7 @@ async def test_a_refit_waits_for_in_flight_requests_and_holds_new_ones_at_the_ga
     engine = _engine(llm)
     old = asyncio.create_task(engine.generate([1], SAMPLING, "old"))
     await _until(lambda: engine.inflight == 1)
-    refit = asyncio.create_task(engine.reload_weights(tmp_path, 7))
+    refit = asyncio.create_task(reload_weights(engine, tmp_path, 7))
     await _until(lambda: engine.state is EngineState.REFITTING)
     new = asyncio.create_task(engine.generate([1], SAMPLING, "new"))
     await asyncio.sleep(0.05)
@@ -175,7 +177,7 @@ async def test_a_refit_whose_drain_times_out_is_aborted_and_the_old_weights_keep
     engine = _engine(llm, drain_s=0.1)
     slow = asyncio.create_task(engine.generate([1], SAMPLING, "slow"))
     await _until(lambda: engine.inflight == 1)
-    refit = asyncio.create_task(engine.reload_weights(tmp_path, 1))
+    refit = asyncio.create_task(reload_weights(engine, tmp_path, 1))
     await _until(lambda: engine.state is EngineState.REFITTING)
     waiting = asyncio.create_task(engine.generate([1], SAMPLING, "waiting"))
     with pytest.raises(RefitAbortedError, match=r"refit to version 1 aborted: 1 generation\(s\) still in flight after "
@@ -190,7 +192,7 @@ async def test_a_refit_whose_drain_times_out_is_aborted_and_the_old_weights_keep
 async def test_a_reload_past_its_deadline_fails_the_engine_loudly(tmp_path: Path) -> None:
     llm = FakeAsyncLLM(reload_s=10.0)
     engine = _engine(llm, reload_s=0.1)
-    refit = asyncio.create_task(engine.reload_weights(tmp_path, 3))
+    refit = asyncio.create_task(reload_weights(engine, tmp_path, 3))
     await _until(lambda: engine.state is EngineState.REFITTING)
     waiting = asyncio.create_task(engine.generate([1], SAMPLING, "waiting"))
     with pytest.raises(RefitFailedError, match=r"refit to version 3 did not finish within "
@@ -204,7 +206,7 @@ async def test_a_reload_past_its_deadline_fails_the_engine_loudly(tmp_path: Path
     with pytest.raises(EngineFailedError):
         await engine.generate([1], SAMPLING, "later")
     with pytest.raises(EngineFailedError):
-        await engine.reload_weights(tmp_path, 4)
+        await reload_weights(engine, tmp_path, 4)
     assert engine.inflight == 0
 
 
@@ -212,7 +214,7 @@ async def test_a_reload_that_raises_fails_the_engine_with_the_cause(tmp_path: Pa
     llm = FakeAsyncLLM(reload_error=KeyError("model.layers.0.weight"))
     engine = _engine(llm)
     with pytest.raises(RefitFailedError, match=r"raised KeyError: 'model.layers.0.weight'"):
-        await engine.reload_weights(tmp_path, 2)
+        await reload_weights(engine, tmp_path, 2)
     assert engine.state is EngineState.FAILED and engine.weight_version == 0
 
 
@@ -221,7 +223,7 @@ async def test_a_refit_cancelled_while_draining_leaves_the_engine_serving(tmp_pa
     engine = _engine(llm, drain_s=5.0)
     slow = asyncio.create_task(engine.generate([1], SAMPLING, "slow"))
     await _until(lambda: engine.inflight == 1)
-    refit = asyncio.create_task(engine.reload_weights(tmp_path, 1))
+    refit = asyncio.create_task(reload_weights(engine, tmp_path, 1))
     await _until(lambda: engine.state is EngineState.REFITTING)
     refit.cancel()
     with pytest.raises(asyncio.CancelledError):
@@ -234,7 +236,7 @@ async def test_a_refit_cancelled_while_draining_leaves_the_engine_serving(tmp_pa
 async def test_a_refit_cancelled_while_loading_fails_the_engine(tmp_path: Path) -> None:
     llm = FakeAsyncLLM(reload_s=5.0)
     engine = _engine(llm, reload_s=10.0)
-    refit = asyncio.create_task(engine.reload_weights(tmp_path, 1))
+    refit = asyncio.create_task(reload_weights(engine, tmp_path, 1))
     await _until(lambda: engine.state is EngineState.REFITTING)
     await asyncio.sleep(0.02)  # inside collective_rpc now
     refit.cancel()
@@ -247,7 +249,7 @@ async def test_a_refit_cancelled_while_loading_fails_the_engine(tmp_path: Path) 
 async def test_a_missing_weights_dir_aborts_before_anything_changes(tmp_path: Path) -> None:
     engine = _engine(FakeAsyncLLM())
     with pytest.raises(RefitAbortedError, match=r"weights dir .*nope is not a directory; the engine keeps serving version 0"):
-        await engine.reload_weights(tmp_path / "nope", 1)
+        await reload_weights(engine, tmp_path / "nope", 1)
     assert (engine.state, engine.weight_version) == (EngineState.SERVING, 0)
 
 
@@ -266,7 +268,7 @@ async def test_a_dead_engine_process_fails_the_engine(tmp_path: Path) -> None:
         await engine.generate([1], SAMPLING, "r1")
     assert engine.state is EngineState.FAILED and engine.inflight == 0
     with pytest.raises(EngineFailedError):
-        await engine.prompt_logprobs([1, 2])
+        await engine_prompt_logprobs(engine, [1, 2])
 
 
 def test_the_trim_extension_is_wired_and_runs_here() -> None:

@@ -8,6 +8,7 @@ import asyncio
 from pathlib import Path
 
 from nemo_rl.models.generation.vllm.engine import EngineState, EngineTiming
+from nemo_rl.models.generation.vllm.refit import reload_weights
 from tests.unit.models.generation.vllm.test_engine_deadlines import SAMPLING, FakeAsyncLLM, _engine, _until
 
 
@@ -51,7 +52,7 @@ async def test_a_refit_with_a_call_in_flight_counts_the_drained_call_and_its_pau
     old = asyncio.create_task(engine.generate([1], SAMPLING, "old"))
     await _until(lambda: engine.inflight == 1)
     clock.now = 101.0
-    refit = asyncio.create_task(engine.reload_weights(tmp_path, 1))
+    refit = asyncio.create_task(reload_weights(engine, tmp_path, 1))
     await _until(lambda: engine.state is EngineState.REFITTING)
     clock.now = 102.5
     llm.release("old")
@@ -68,7 +69,7 @@ async def test_an_aborted_refit_counts_its_pause_and_the_abort(tmp_path: Path):
     engine, clock = _clocked(llm, drain_s=0.05)
     slow = asyncio.create_task(engine.generate([1], SAMPLING, "slow"))
     await _until(lambda: engine.inflight == 1)
-    refit = asyncio.create_task(engine.reload_weights(tmp_path, 1))
+    refit = asyncio.create_task(reload_weights(engine, tmp_path, 1))
     await _until(lambda: engine.state is EngineState.REFITTING)
     clock.now = 100.75
     await asyncio.gather(refit, return_exceptions=True)

@@ -31,13 +31,13 @@ from nemo_rl.models.generation.vllm.engine import (
     EngineFailedError,
     GenerationTimeoutError,
     RefitGateTimeoutError,
-    StreamStep,
     VllmEngine,
 )
 from nemo_rl.data.errors import ApiError
 from nemo_rl.models.generation.vllm.lifecycle import build_custody
 from nemo_rl.models.generation.vllm.custody_state import AdmittedCalls, request_digest
 from nemo_rl.models.generation.vllm.serving import ChatService
+from nemo_rl.models.generation.vllm.streaming import StreamStep
 from nemo_rl.models.generation.vllm.worker import (
     Endpoint,
     VllmGenerationWorker,

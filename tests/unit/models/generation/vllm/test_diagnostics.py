@@ -17,7 +17,8 @@ from types import SimpleNamespace
 import pytest
 
 from nemo_rl.distributed.component_watch import ChildProcess, children_verdict
-from nemo_rl.models.generation.vllm.engine import EngineError, engine_core_processes
+from nemo_rl.models.generation.vllm.diagnostics import engine_core_processes
+from nemo_rl.models.generation.vllm.engine import EngineError
 
 WHAT = "vLLM worker 0 engine core"
 
