@@ -34,6 +34,7 @@ from openai.types.chat.chat_completion_message_function_tool_call_param import (
 from pydantic import BaseModel, PrivateAttr, ValidationError
 
 from nemo_gym.chat_streaming import sanitize_streaming_chat_body
+from nemo_gym.global_config import get_global_config_dict
 from nemo_gym.openai_utils import NeMoGymChatCompletionCreateParamsNonStreaming
 from nemo_rl.data import request_rules
 from nemo_rl.data.errors import ApiError
@@ -545,4 +546,4 @@ class CaptureGateModel(VLLMModel):
 
 
 if __name__ == "__main__":
-    run_gate(CaptureGateModel.run_webserver)
+    run_gate(get_global_config_dict(), CaptureGateModel.run_webserver)

@@ -4,10 +4,11 @@
 `nemo_gym_launch`). `ledger_dir_from_config`, `guard_config_from` and `control_token_from` read
 Gym's global config (pure) and raise `CaptureGateConfigError` naming the key and the fix: capture
 off, a configured `lineage_store` (it would win over ours), no ledger dir, no guard block, an empty
-bearer variable. `WorkerContextLimit` probes the workers' `max_model_len` once (the guard's first
-generating request; a named 502/503 `ApiError` until a worker answers). `run_gate(serve)` installs
-`BranchingCaptureLedger` over the ledger dir, then serves (`python -m nemo_rl.environments.gate.app`
-runs `run_gate(CaptureGateModel.run_webserver)`). Docs: token-capture-receipts.md, "More of the gate".
+bearer variable. `WorkerContextLimit` probes the workers' `max_model_len` once (at the guard's first
+generating request; a named 502/503 `ApiError` until a worker answers). `run_gate(config, serve)`
+installs `BranchingCaptureLedger` over the ledger dir, then serves (`python -m
+nemo_rl.environments.gate.app` runs it with Gym's config and `CaptureGateModel.run_webserver`).
+Docs: token-capture-receipts.md, "More of the gate".
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ import aiohttp
 from omegaconf import DictConfig, OmegaConf
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from nemo_gym.global_config import get_global_config_dict
 from nemo_gym.token_id_capture.config import token_id_capture_config
 from nemo_gym.token_id_capture.protocols import install_lineage_store
 from nemo_rl.data.errors import ApiError, FatalError
@@ -158,8 +158,8 @@ def plain_config(config: Any) -> Any:
     return OmegaConf.to_container(config, resolve=True) if isinstance(config, DictConfig) else config
 
 
-def run_gate(serve: Callable[[], object]) -> None:
-    """Install our ledger over the configured ledger dir, then `serve()` (Gym's `run_webserver`)."""
-    ledger_dir = ledger_dir_from_config(plain_config(get_global_config_dict()))
+def run_gate(global_config: Any, serve: Callable[[], object]) -> None:
+    """Install our ledger over the ledger dir Gym's `global_config` names, then `serve()` (Gym's `run_webserver`)."""
+    ledger_dir = ledger_dir_from_config(plain_config(global_config))
     install_lineage_store(BranchingCaptureLedger(ledger_dir))
     serve()
