@@ -47,6 +47,7 @@ from nemo_rl.data.request_rules import (
     parse_json_body,
     show,
 )
+from nemo_rl.environments.gate.required_prefix import FIELD as REQUIRED_PREFIX
 from nemo_rl.environments.gate.required_prefix import (
     check_required_prefix,
     drop_empty_required_prefix,
@@ -286,7 +287,8 @@ def normalize_chat_body(raw: bytes) -> bytes:
 
 def normalize_chat_post(raw: bytes) -> bytes:
     """A chat body after `normalize_chat_body`, without a null or [] `required_prefix_token_ids`."""
-    return drop_empty_required_prefix_bytes(normalize_chat_body(raw))
+    normalized = normalize_chat_body(raw)
+    return drop_empty_required_prefix_bytes(normalized) if REQUIRED_PREFIX.encode() in normalized else normalized
 
 
 def body_normalizer(scope: Scope) -> Callable[[bytes], bytes] | None:
@@ -354,6 +356,7 @@ class GateGuardMiddleware:
         self._token = control_token
         self._to_chat = to_chat
         self._context_limit = context_limit
+        self._max_model_len: int | None = None  # probed once by `context_limit`, then held here
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope.get("type") != "http":
@@ -411,10 +414,12 @@ class GateGuardMiddleware:
             raise ApiError("invalid_json", e.message, e.field) from e
         if not isinstance(body, dict):
             raise ApiError("invalid_request", f"request body must be a JSON object, got {show(body)}", "body")
-        max_model_len = await self._context_limit()
+        if self._max_model_len is None:
+            self._max_model_len = await self._context_limit()
+        max_model_len = self._max_model_len
         try:
             # The client's own dialect first (precise field names), then Gym's model and conversion.
-            if kind in PREFIX_ROUTES:
+            if kind in PREFIX_ROUTES and REQUIRED_PREFIX in body:  # Gym's compaction agent's field
                 check_required_prefix(body)
                 body = drop_empty_required_prefix(body)  # the normaliser drops it before Gym's model too
             if kind == "chat":
