@@ -13,7 +13,7 @@ Contract:
   (HTTP 422 naming `answer`, FastAPI's shape) instead of being scored, so the rollout fails loudly.
 - Bad input on every route is a 4xx naming the field: FastAPI's 422 for malformed JSON, wrong
   types and missing fields (Gym's validation handler), 413 `request_too_large` for a body above
-  `max_body_bytes` (`gate.ingress.BodyLimitMiddleware`, before anything is parsed).
+  `max_body_bytes` (`gate.app.BodyLimitMiddleware`, before anything is parsed).
 - The handlers are thin shells over the pure functions in `rows`.
 
 Launch: `python -m examples.arith.resources` with Gym's config env variables set
@@ -39,7 +39,7 @@ from nemo_gym.base_resources_server import (
     BaseVerifyResponse,
     SimpleResourcesServer,
 )
-from nemo_rl.environments.gate.ingress import BodyLimitMiddleware
+from nemo_rl.environments.gate.app import BodyLimitMiddleware
 
 
 class ArithResourcesServerConfig(BaseResourcesServerConfig):

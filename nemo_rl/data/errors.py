@@ -7,7 +7,7 @@ Contract:
 - A family whose members differed only by name is one class with a validated `kind` (`Kinded`);
   its message is unchanged and it pickles (Ray) with its kind.
 - An `ApiError`'s HTTP status follows from its type (`STATUS_OF`); only the transports
-  (`models.generation.vllm.worker`, `environments.gate.ingress`) turn it into a response.
+  (`models.generation.vllm.worker`, `environments.gate.app`) turn it into a response.
 - `PolicyError` (fatal) is the base of every policy failure; `TrainBatchError` and
   `PolicyWorkerError` carry strings only, so they cross Ray intact.
 """

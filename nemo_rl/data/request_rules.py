@@ -1,7 +1,7 @@
 """What a model call's request must look like before anything is generated, staged or ledgered (pure).
 
 One set of rules for every process that takes or makes a call: the vLLM worker's endpoint
-(`serving.ChatService`), our capture gate (`gate.ingress`) and the driver that mints rollout ids.
+(`serving.ChatService`), our capture gate (`gate.app`) and the driver that mints rollout ids.
 `parse_json_body` is strict JSON; `check_chat_request` and `check_sampling_fields` raise
 `RequestFieldError` naming the first field at fault (its JSON path) and the fix;
 `bearer_status` authorizes control routes in constant time (None, 401 or 403);

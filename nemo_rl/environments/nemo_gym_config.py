@@ -20,7 +20,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from nemo_rl.data.errors import FatalError, Kinded, RecoverableError
-from nemo_rl.environments.gate.ingress import GateGuardConfig
+from nemo_rl.environments.gate.setup import GateGuardConfig
 
 # A Gym package name is one Python identifier (it is imported as `resources_servers.<name>.app`).
 _PACKAGE_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*$"

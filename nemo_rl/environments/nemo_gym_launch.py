@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from nemo_rl.environments.gate.ingress import GATE_GUARD_KEY, GateGuardConfig
+from nemo_rl.environments.gate.setup import GATE_GUARD_KEY, GateGuardConfig
 from nemo_rl.environments.nemo_gym_config import NemoGymConfig
 from nemo_rl.utils import instrumentation
 

@@ -1,127 +1,147 @@
-"""Our capture gate: Gym's `vllm_model` server with our ledger policy and request normalisation.
+"""Our capture gate's server: Gym's `vllm_model` server with our ingress checks, normalisation and error mapping.
 
-Launched as `python -m nemo_rl.environments.gate.app` with Gym's config variables and a
-`token_id_capture` block (`enabled`, `external_staging`, `dir`); it refuses to start with capture
-off, with a configured `lineage_store` (it would win over ours) or with `num_workers > 1`.
-Owns what changes at the gate: `BranchingCaptureLedger` (identical siblings resolve to one,
-a rewritten history opens a `text` branch instead of poisoning), request normalisation (with a
-null `required_prefix_token_ids` dropped: gate/required_prefix.py), the
-input guard, worker-error mapping (4xx and 503 keep the worker's status and body, anything else
-is 502 `upstream_error`; FastAPI's 422 for a body Gym's model refuses is a named 400) and the
-streamed paths (`stream: true` relayed as the worker generates: chat in gate/streaming.py, the
-Responses API in gate/responses_stream.py). Gym's installed code is never edited.
-Invariant: every relaxation keeps the staged ids exactly what the engine saw; a request the
-guard and normaliser let through reaches Gym with its lineage unchanged.
-Why each relaxation is safe: docs/design-docs/token-capture-receipts.md, "Our gate policy".
+Run as `python -m nemo_rl.environments.gate.app` (set-up, and refusals to start: `gate.setup`); Gym's
+code is never edited. Outermost, `GateGuardMiddleware` checks the rollout id, the control routes'
+bearer (never logged or echoed), body size, JSON and the request rules (`request_rules`, with the
+worker's `max_model_len`): a refusal is a named 4xx JSON error, so nothing is ledgered and nothing
+reaches the worker. Inside it `NormalizeChatRequestMiddleware` drops the response-only and
+echoed-null fields the `openai` client puts in assistant turns (sets derived from the SDK's types).
+A worker error keeps its 4xx or 503 status and body, else is 502 `upstream_error`; FastAPI's 422 is
+a named 400. `stream: true` is relayed by `gate.streaming` (chat) and `gate.responses`. Invariant:
+nothing Gym's lineage fingerprint or context digest reads is touched (`content: null` is kept).
+Docs: token-capture-reliability.md, "The gate guard"; token-capture-receipts.md, "Our gate policy".
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
-from collections.abc import AsyncIterator, Callable, Mapping
-from pathlib import Path
+from collections.abc import Awaitable, Callable, MutableMapping, Sequence
 from typing import Any
-from uuid import uuid4
+from urllib.parse import unquote
 
-import aiohttp
 from aiohttp.client_exceptions import ClientResponseError
 from fastapi import Body, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
-from omegaconf import DictConfig, OmegaConf
-from pydantic import PrivateAttr, ValidationError
+from fastapi.responses import JSONResponse
+from openai.types.chat import ChatCompletionAssistantMessageParam, ChatCompletionMessage
+from openai.types.chat.chat_completion_message_custom_tool_call import ChatCompletionMessageCustomToolCall
+from openai.types.chat.chat_completion_message_custom_tool_call_param import ChatCompletionMessageCustomToolCallParam
+from openai.types.chat.chat_completion_message_function_tool_call import ChatCompletionMessageFunctionToolCall
+from openai.types.chat.chat_completion_message_function_tool_call_param import (
+    ChatCompletionMessageFunctionToolCallParam,
+)
+from pydantic import BaseModel, PrivateAttr, ValidationError
 
-from nemo_gym.anthropic_utils import NeMoGymAnthropicMessageCreateParamsNonStreaming
-from nemo_gym.base_responses_api_model import _ANTHROPIC_CONVERTER, _request_messages, _validate_chat_params
 from nemo_gym.chat_streaming import sanitize_streaming_chat_body
 from nemo_gym.global_config import get_global_config_dict
-from nemo_gym.responses_streaming import (
-    NamespaceMap,
-    restore_namespace_tool_calls,
-    sanitize_streaming_responses_body,
-    validate_streaming_responses_params,
+from nemo_gym.openai_utils import NeMoGymChatCompletionCreateParamsNonStreaming
+from nemo_rl.data import request_rules
+from nemo_rl.data.errors import ApiError
+from nemo_rl.data.request_rules import (
+    RequestFieldError,
+    RolloutIdError,
+    bearer_status,
+    check_chat_request,
+    check_sampling_fields,
+    parse_json_body,
+    show,
 )
-from nemo_gym.openai_utils import (
-    NeMoGymChatCompletion,
-    NeMoGymChatCompletionCreateParamsNonStreaming,
-    NeMoGymResponseCreateParamsNonStreaming,
+from nemo_rl.environments.gate.required_prefix import FIELD as REQUIRED_PREFIX
+from nemo_rl.environments.gate.required_prefix import (
+    check_required_prefix,
+    drop_empty_required_prefix,
+    drop_empty_required_prefix_bytes,
 )
-from nemo_gym.token_id_capture.config import token_id_capture_config
-from nemo_gym.token_id_capture.protocols import install_lineage_store
-from nemo_gym.token_id_capture.sink import current_capture_context, register_call_intent, resolve_parent
-from nemo_rl.data.errors import ApiError, FatalError
-from nemo_rl.data.request_rules import RequestFieldError
-from nemo_rl.environments.gate.ingress import (
-    GATE_GUARD_KEY,
-    ASGIApp,
-    Message,
-    Receive,
-    Scope,
-    Send,
+from nemo_rl.environments.gate.responses import responses_chat_request, streamed_responses
+from nemo_rl.environments.gate.responses_fields import normalize_responses_post, normalize_responses_request
+from nemo_rl.environments.gate.setup import (
+    CaptureGateConfigError,
     GateGuardConfig,
-    GateGuardMiddleware,
     WorkerContextLimit,
-    answer_error,
-    loc_field,
-    normalize_chat_body,
-    normalize_chat_request,
+    control_token_from,
+    guard_config_from,
+    plain_config,
+    run_gate,
 )
-from nemo_rl.environments.gate.ledger import BranchingCaptureLedger
-from nemo_rl.environments.gate.required_prefix import drop_empty_required_prefix_bytes
-from nemo_rl.environments.gate.responses_fields import normalize_responses_body
-from nemo_rl.environments.gate.responses_stream import ResponsesEvents, relay_responses_stream, responses_sse
-from nemo_rl.environments.gate.streaming import StreamRelayError, error_event, relay_stream
+from nemo_rl.environments.gate.streaming import WorkerStream, streamed_chat
 from responses_api_models.vllm_model.app import _PROPAGATE_CONTEXT_ERROR_ATTRIBUTE, VLLMModel
 
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+ROLLOUT_PREFIX = b"/ng-rollout/"
+CONTROL_PREFIX = "/training-token-capture/control/"
+MANIFEST_PREFIX = CONTROL_PREFIX + "rollouts/"
+CAPTURE_SEGMENT = "training-token-capture"
+GENERATING_ROUTES = {"/v1/chat/completions": "chat", "/v1/responses": "responses", "/v1/messages": "messages"}
 CHAT_PATH_SUFFIX = "/chat/completions"
 RESPONSES_PATH_SUFFIX = "/responses"
+PREFIX_ROUTES = ("chat", "responses")  # routes that accept a null `required_prefix_token_ids` (required_prefix)
+# The token-count fields of each route's own dialect (checked on the body as the client sent it).
+TOKEN_FIELDS = {"chat": ("max_tokens", "max_completion_tokens"), "responses": ("max_output_tokens",), "messages": ("max_tokens",)}
 
 
-class CaptureGateConfigError(FatalError, ValueError):
-    """The global config cannot run our capture gate."""
+# --- pure rules: paths, rollout ids, error answers --------------------------------------------------
 
 
-def ledger_dir_from_config(global_config: Any) -> Path:
-    """The capture ledger directory of an external-staging `token_id_capture` block (pure)."""
-    settings = token_id_capture_config(global_config)
-    block = settings.token_id_capture
-    if not (block.enabled and block.external_staging):
-        raise CaptureGateConfigError(
-            "capture_gate needs token_id_capture.enabled and external_staging; "
-            "run responses_api_models.vllm_model.app when capture is off"
-        )
-    if block.lineage_store is not None:
-        raise CaptureGateConfigError(
-            f"token_id_capture.lineage_store={block.lineage_store!r} would replace the gate's BranchingCaptureLedger"
-        )
-    ledger_dir = settings.resolved_dir()
-    if ledger_dir is None:
-        raise CaptureGateConfigError("token_id_capture.dir is required: it is the capture ledger directory")
-    return ledger_dir
-
-
-def guard_config_from(global_config: Any) -> GateGuardConfig:
-    """The gate's `GateGuardConfig` from the global config's `nrl_gate_guard` block (pure)."""
-    block = global_config.get(GATE_GUARD_KEY) if isinstance(global_config, Mapping) else None
-    if block is None:
-        raise CaptureGateConfigError(
-            f"the global config has no {GATE_GUARD_KEY!r} block (nemo_gym_launch.build_global_config writes it)"
-        )
+def check_rollout_id(rollout_id: str, max_chars: int) -> None:
+    """Raise `ApiError` 400 `invalid_rollout_id` unless the id is usable (`nemo_rl.data.request_rules`)."""
     try:
-        return GateGuardConfig.model_validate(block)
-    except ValidationError as e:
-        raise CaptureGateConfigError(f"{GATE_GUARD_KEY} is invalid: {e}") from e
+        request_rules.check_rollout_id(rollout_id, max_chars)
+    except RolloutIdError as e:
+        raise ApiError("invalid_rollout_id", str(e), "rollout_id") from e
 
 
-def control_token_from(global_config: Any, environ: Mapping[str, str]) -> str:
-    """The control bearer, read from the variable the capture block names (never from the config)."""
-    name = token_id_capture_config(global_config).token_id_capture.control_auth_token_env
-    token = environ.get(name)
-    if not token:
-        raise CaptureGateConfigError(f"the control bearer variable ${name} is empty or unset in the gate's environment")
-    return token
+def split_rollout_path(raw_path: bytes) -> tuple[str | None, str]:
+    """(rollout id or None, the route after the prefix), split on the RAW path so an encoded `%2F` stays
+    inside the id (and is then refused); the id is returned decoded, as Gym keys its ledger."""
+    if not raw_path.startswith(ROLLOUT_PREFIX):
+        return None, unquote(raw_path.decode("latin-1"))
+    rest = raw_path[len(ROLLOUT_PREFIX) :]
+    rollout_id, slash, route = rest.partition(b"/")
+    route_text = "/" + unquote(route.decode("latin-1")) if slash else "/"
+    if route_text.startswith("/" + CAPTURE_SEGMENT + "/"):
+        route_text = route_text[len(CAPTURE_SEGMENT) + 1 :]
+    return unquote(rollout_id.decode("latin-1"), errors="replace"), route_text
+
+
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none", "bytes"})
+
+
+def _is_union_tag(part: str) -> bool:
+    # pydantic names the union member it tried (`NeMoGym...Param`, `str`, `function-after[...]`) in `loc`;
+    # those are not fields of the request.
+    return part[:1].isupper() or part in _TYPE_TAGS or ("[" in part and part.endswith("]"))
+
+
+def loc_field(loc: Sequence[Any]) -> str:
+    """A pydantic error location as the request's JSON path (`messages[0].content`)."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif not _is_union_tag(str(part)):
+            out += f".{part}" if out else str(part)
+    return out or "body"
+
+
+def validation_error(e: ValidationError, what: str) -> ApiError:
+    first = e.errors()[0] if e.errors() else {"loc": (), "msg": str(e)}
+    field = loc_field(first.get("loc", ()))
+    return ApiError("invalid_request", f"{what}: {field}: {first.get('msg')}", field)
+
+
+def request_validation_answer(errors: list[dict]) -> ApiError:
+    """FastAPI's 422 for a body Gym's request model refuses, as the gate's named 400 (pure)."""
+    first = errors[0] if errors else {"loc": ("body",), "msg": "the request body is invalid"}
+    loc = tuple(first.get("loc") or ())
+    field = loc_field(loc[1:] if loc[:1] == ("body",) else loc)
+    return ApiError("invalid_request", f"the request does not match Gym's request model: {field}: {first.get('msg')}",
+                    field)
 
 
 def upstream_error_answer(status: int, content: bytes) -> tuple[int, Any]:
@@ -141,29 +161,134 @@ def upstream_error_answer(status: int, content: bytes) -> tuple[int, Any]:
     return out_status, {"error": {"message": message, "type": err_type, "param": None, "code": out_status}}
 
 
-def request_validation_answer(errors: list[dict]) -> ApiError:
-    """FastAPI's 422 for a body Gym's request model refuses, as the gate's named 400 (pure)."""
-    first = errors[0] if errors else {"loc": ("body",), "msg": "the request body is invalid"}
-    loc = tuple(first.get("loc") or ())
-    field = loc_field(loc[1:] if loc[:1] == ("body",) else loc)
-    return ApiError("invalid_request", f"the request does not match Gym's request model: {field}: {first.get('msg')}",
-                    field)
+# --- ASGI plumbing: read a body within a limit, replay it, answer an error --------------------------
 
 
-def _with_content_length(scope: Scope, length: int) -> Scope:
-    headers = [(k, v) for k, v in scope.get("headers") or [] if k.lower() != b"content-length"]
-    headers.append((b"content-length", str(length).encode("ascii")))
-    return {**scope, "headers": headers}
+async def read_body(scope: Scope, receive: Receive, limit: int | None = None,
+                    too_large: ApiError | None = None) -> list[Message]:
+    """The request's messages up to its last (or a disconnect, kept for the app to handle); raises
+    `too_large` once the body exceeds `limit` bytes (by `Content-Length`, or as it streams in)."""
+    for key, value in scope.get("headers") or []:
+        if limit is not None and key.lower() == b"content-length" and value.strip().isdigit() and int(value) > limit:
+            raise too_large
+    received: list[Message] = []
+    size = 0
+    while True:
+        message = await receive()
+        received.append(message)
+        if message.get("type") != "http.request":
+            break
+        size += len(message.get("body", b"") or b"")
+        if limit is not None and size > limit:
+            raise too_large
+        if not message.get("more_body", False):
+            break
+    return received
+
+
+def body_of(received: list[Message]) -> bytes:
+    return b"".join(m.get("body", b"") or b"" for m in received if m.get("type") == "http.request")
+
+
+def replaying(received: list[Message], receive: Receive) -> Receive:
+    """A `receive` that hands out `received` first, then the client's own messages."""
+
+    async def replay() -> Message:
+        if received:
+            return received.pop(0)
+        return await receive()
+
+    return replay
+
+
+async def answer_error(send: Send, error: ApiError) -> None:
+    body = error.encoded()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode("ascii"))]
+    if error.status == 401:
+        headers.append((b"www-authenticate", b"Bearer"))
+    await send({"type": "http.response.start", "status": error.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+# --- request normalisation: assistant turns echoed by the official `openai` client -------------------
+
+
+def _request_keys(typed_dict: type) -> frozenset[str]:
+    return frozenset(typed_dict.__required_keys__ | typed_dict.__optional_keys__)
+
+
+def response_only_fields(response_model: type[BaseModel], request_typed_dict: type) -> frozenset[str]:
+    """Fields the SDK parses from a response but does not declare for a request."""
+    return frozenset(response_model.model_fields) - _request_keys(request_typed_dict)
+
+
+def echoed_null_fields(response_model: type[BaseModel], request_typed_dict: type) -> frozenset[str]:
+    """Shared fields that the response model defaults to null, so `model_dump()` echoes them as null."""
+    shared = frozenset(response_model.model_fields) & _request_keys(request_typed_dict)
+    return frozenset(name for name in shared if response_model.model_fields[name].default is None)
+
+
+RESPONSE_ONLY_MESSAGE_FIELDS = response_only_fields(ChatCompletionMessage, ChatCompletionAssistantMessageParam)
+# `content: null` is the canonical tool-call-only turn (Gym's own echo keeps it), so it is never dropped.
+ECHOED_NULL_MESSAGE_FIELDS = echoed_null_fields(ChatCompletionMessage, ChatCompletionAssistantMessageParam) - {"content"}
+RESPONSE_ONLY_TOOL_CALL_FIELDS: dict[str, frozenset[str]] = {
+    "function": response_only_fields(ChatCompletionMessageFunctionToolCall, ChatCompletionMessageFunctionToolCallParam),
+    "custom": response_only_fields(ChatCompletionMessageCustomToolCall, ChatCompletionMessageCustomToolCallParam),
+}
+
+
+def _is_empty(value: Any) -> bool:
+    return value is None or value == []
+
+
+def _normalize_tool_call(call: Any) -> Any:
+    if not isinstance(call, dict):
+        return call
+    drop = {k for k in RESPONSE_ONLY_TOOL_CALL_FIELDS.get(call.get("type"), ()) if k in call and _is_empty(call[k])}
+    return {k: v for k, v in call.items() if k not in drop} if drop else call
+
+
+def _normalize_assistant(message: dict) -> dict:
+    drop = {k for k in RESPONSE_ONLY_MESSAGE_FIELDS if k in message and _is_empty(message[k])}
+    drop |= {k for k in ECHOED_NULL_MESSAGE_FIELDS if k in message and message[k] is None}
+    out = {k: v for k, v in message.items() if k not in drop} if drop else message
+    calls = out.get("tool_calls")
+    if isinstance(calls, list):
+        new_calls = [_normalize_tool_call(call) for call in calls]
+        if any(new is not old for new, old in zip(new_calls, calls)):
+            out = {**out, "tool_calls": new_calls}
+    return out
+
+
+def normalize_chat_request(body: Any) -> Any:
+    """`body` without the response-only fields the openai client echoes; `body` itself when nothing changes."""
+    if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
+        return body
+    messages = body["messages"]
+    normalized = [
+        _normalize_assistant(m) if isinstance(m, dict) and m.get("role") == "assistant" else m for m in messages
+    ]
+    if all(new is old for new, old in zip(normalized, messages)):
+        return body
+    return {**body, "messages": normalized}
+
+
+def normalize_chat_body(raw: bytes) -> bytes:
+    """The raw bytes after `normalize_chat_request`; `raw` itself when nothing changed or it is not JSON."""
+    try:
+        body = json.loads(raw)
+    except ValueError:  # JSONDecodeError and UnicodeDecodeError are both ValueErrors
+        return raw
+    normalized = normalize_chat_request(body)
+    if normalized is body:
+        return raw
+    return json.dumps(normalized, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
 
 
 def normalize_chat_post(raw: bytes) -> bytes:
     """A chat body after `normalize_chat_body`, without a null or [] `required_prefix_token_ids`."""
-    return drop_empty_required_prefix_bytes(normalize_chat_body(raw))
-
-
-def normalize_responses_post(raw: bytes) -> bytes:
-    """A Responses body after `normalize_responses_body`, without a null or [] `required_prefix_token_ids`."""
-    return drop_empty_required_prefix_bytes(normalize_responses_body(raw))
+    normalized = normalize_chat_body(raw)
+    return drop_empty_required_prefix_bytes(normalized) if REQUIRED_PREFIX.encode() in normalized else normalized
 
 
 def body_normalizer(scope: Scope) -> Callable[[bytes], bytes] | None:
@@ -178,12 +303,15 @@ def body_normalizer(scope: Scope) -> Callable[[bytes], bytes] | None:
     return None
 
 
-class NormalizeChatRequestMiddleware:
-    """Pure ASGI middleware: `body_normalizer(scope)` on chat and Responses POST bodies.
+def _with_content_length(scope: Scope, length: int) -> Scope:
+    headers = [(k, v) for k, v in scope.get("headers") or [] if k.lower() != b"content-length"]
+    headers.append((b"content-length", str(length).encode("ascii")))
+    return {**scope, "headers": headers}
 
-    A refused Responses field (`RequestFieldError`) is answered 400 naming it; the guard outside
-    refuses it first, so this only holds when the normaliser runs without the guard.
-    """
+
+class NormalizeChatRequestMiddleware:
+    """Pure ASGI: `body_normalizer(scope)` on chat and Responses POST bodies; a refused Responses field
+    is answered 400 naming it (the guard outside refuses it first)."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -193,15 +321,10 @@ class NormalizeChatRequestMiddleware:
         if normalize is None:
             await self.app(scope, receive, send)
             return
-        received: list[Message] = []
-        while True:
-            message = await receive()
-            received.append(message)
-            if message.get("type") != "http.request" or not message.get("more_body", False):
-                break
+        received = await read_body(scope, receive)
         # A disconnect before the full body is replayed as it came; the app handles it.
         if received[-1].get("type") == "http.request":
-            raw = b"".join(m.get("body", b"") or b"" for m in received)
+            raw = body_of(received)
             try:
                 normalized = normalize(raw)
             except RequestFieldError as e:
@@ -210,36 +333,148 @@ class NormalizeChatRequestMiddleware:
             if normalized is not raw:
                 received = [{"type": "http.request", "body": normalized, "more_body": False}]
                 scope = _with_content_length(scope, len(normalized))
-
-        async def replay() -> Message:
-            if received:
-                return received.pop(0)
-            return await receive()
-
-        await self.app(scope, replay, send)
+        await self.app(scope, replaying(received, receive), send)
 
 
-Relay = Callable[[AsyncIterator[bytes]], AsyncIterator[bytes]]  # the worker's SSE bytes -> the client's events
+# --- the guard ----------------------------------------------------------------------------------
 
 
-def _skeleton_completion(first: dict) -> dict:
-    """The empty completion Gym's converter turns into the in-progress response of a stream."""
-    return {"id": first["id"], "created": first["created"], "model": first["model"], "object": "chat.completion",
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": ""}, "finish_reason": "stop"}]}
+# (route kind, request body) -> the chat request the worker will get, or None when the route's body
+# cannot be converted before Gym's own handling (a streamed Messages request).
+ToChat = Callable[[str, dict], "dict | None"]
 
 
-def streamed_responses_params(body: dict) -> tuple[NeMoGymResponseCreateParamsNonStreaming, NamespaceMap]:
-    """A `stream: true` Responses body as Gym's streaming dialect maps it, and the namespace tools it
-    flattened (raises ValidationError)."""
-    cleaned, namespaces = sanitize_streaming_responses_body(body)
-    return validate_streaming_responses_params(cleaned), namespaces
+class GateGuardMiddleware:
+    """Pure ASGI middleware: the checks of the module contract; a request it lets through is replayed byte for byte."""
+
+    def __init__(self, app: ASGIApp, *, config: GateGuardConfig, control_token: str, to_chat: ToChat,
+                 context_limit: Callable[[], Awaitable[int]]) -> None:
+        if not control_token:
+            raise ValueError("GateGuardMiddleware needs the run's control bearer token")
+        self.app = app
+        self._cfg = config
+        self._token = control_token
+        self._to_chat = to_chat
+        self._context_limit = context_limit
+        self._max_model_len: int | None = None  # probed once by `context_limit`, then held here
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope.get("type") != "http":
+            await self.app(scope, receive, send)
+            return
+        try:
+            replay = await self._check(scope, receive)
+        except ApiError as e:
+            await answer_error(send, e)
+            return
+        await self.app(scope, replay or receive, send)
+
+    async def _check(self, scope: Scope, receive: Receive) -> Receive | None:
+        raw_path = scope.get("raw_path") or str(scope.get("path") or "").encode("utf-8")
+        rollout_id, route = split_rollout_path(raw_path)
+        if route.startswith(CONTROL_PREFIX):  # with or without a rollout prefix (Gym strips it first)
+            self._check_control(scope, route)
+        elif rollout_id is None and route.startswith("/" + CAPTURE_SEGMENT + "/"):
+            # Gym would answer a bare 404: say what the capture route needs (a client that collapses
+            # `/ng-rollout/../` dot segments sends exactly this).
+            raise ApiError("invalid_rollout_id", f"{route} is the capture route without its rollout prefix; send it "
+                           f"as /ng-rollout/<rollout id>/{CAPTURE_SEGMENT}/...", "path")
+        if rollout_id is not None:
+            check_rollout_id(rollout_id, self._cfg.max_rollout_id_chars)
+        kind = GENERATING_ROUTES.get(route)
+        if kind is None or str(scope.get("method") or "").upper() != "POST":
+            return None
+        limit = self._cfg.max_body_bytes
+        received = await read_body(scope, receive, limit, ApiError(
+            "request_too_large",
+            f"request body exceeds the gate's limit of {limit} bytes (nrl_gate_guard.max_body_bytes); "
+            "nothing was forwarded",
+            "body",
+        ))
+        await self._check_body(kind, body_of(received))
+        return replaying(received, receive)
+
+    def _check_control(self, scope: Scope, route: str) -> None:
+        headers = {k.lower(): v for k, v in scope.get("headers") or []}
+        authorization = headers.get(b"authorization")
+        status = bearer_status(authorization.decode("latin-1") if authorization else None, self._token)
+        if status == 401:
+            raise ApiError("control_auth_required", "control routes need an Authorization: Bearer <control token> "
+                           "header", "Authorization")
+        if status == 403:
+            raise ApiError("control_auth_invalid", "the control bearer token is not this run's", "Authorization")
+        if route.startswith(MANIFEST_PREFIX):
+            rollout_id = route[len(MANIFEST_PREFIX) :].split("/", 1)[0]
+            check_rollout_id(rollout_id, self._cfg.max_rollout_id_chars)
+
+    async def _check_body(self, kind: str, raw: bytes) -> None:
+        try:
+            body = parse_json_body(raw)
+        except RequestFieldError as e:
+            raise ApiError("invalid_json", e.message, e.field) from e
+        if not isinstance(body, dict):
+            raise ApiError("invalid_request", f"request body must be a JSON object, got {show(body)}", "body")
+        if self._max_model_len is None:
+            self._max_model_len = await self._context_limit()
+        max_model_len = self._max_model_len
+        try:
+            # The client's own dialect first (precise field names), then Gym's model and conversion.
+            if kind in PREFIX_ROUTES and REQUIRED_PREFIX in body:  # Gym's compaction agent's field
+                check_required_prefix(body)
+                body = drop_empty_required_prefix(body)  # the normaliser drops it before Gym's model too
+            if kind == "chat":
+                check_chat_request(body, max_model_len=max_model_len)
+            else:
+                check_sampling_fields(body, TOKEN_FIELDS[kind], max_model_len)
+                body = normalize_responses_request(body) if kind == "responses" else body
+        except RequestFieldError as e:
+            raise ApiError("invalid_request", e.message, e.field) from e
+        try:
+            chat = self._to_chat(kind, body)
+        except ValidationError as e:
+            raise validation_error(e, f"the {kind} request does not match Gym's request model") from e
+        except (ValueError, TypeError, KeyError, NotImplementedError) as e:  # how Gym's converters refuse input
+            raise ApiError("invalid_request", f"the {kind} request cannot be converted to a chat request: "
+                           f"{type(e).__name__}: {e}", "body") from e
+        if chat is None:
+            return
+        try:
+            check_chat_request(chat, max_model_len=max_model_len)
+        except RequestFieldError as e:
+            raise ApiError("invalid_request", e.message, e.field) from e
+
+
+class BodyLimitMiddleware:
+    """Pure ASGI: any HTTP request whose body exceeds `max_body_bytes` (by `Content-Length`, or as it
+    streams in) is answered 413 `request_too_large` without reaching the app; smaller bodies are
+    replayed unchanged. For servers without the gate's route rules (our resources server)."""
+
+    def __init__(self, app: ASGIApp, *, max_body_bytes: int, knob: str) -> None:
+        self.app = app
+        self._limit = max_body_bytes
+        self._knob = knob
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope.get("type") != "http":
+            await self.app(scope, receive, send)
+            return
+        error = ApiError("request_too_large", f"request body exceeds {self._limit} bytes ({self._knob})", "body")
+        try:
+            received = await read_body(scope, receive, self._limit, error)
+        except ApiError as e:
+            await answer_error(send, e)
+            return
+        await self.app(scope, replaying(received, receive), send)
+
+
+# --- the server ---------------------------------------------------------------------------------
 
 
 class CaptureGateModel(VLLMModel):
-    """Gym's `VLLMModel` with the normalisation middleware outside Gym's capture middleware, and a
-    streamed chat path that relays the worker's chunks as they come (`gate.streaming`)."""
+    """Gym's `VLLMModel` with our guard and normaliser outside Gym's capture middleware, worker errors
+    mapped, and `stream: true` relayed as the worker generates (`gate.streaming`, `gate.responses`)."""
 
-    _stream_read_timeout_s: float | None = PrivateAttr(default=None)
+    _stream: WorkerStream | None = PrivateAttr(default=None)
 
     def get_session_middleware_key(self) -> str:
         # Same session cookie and log prefix as Gym's own gate.
@@ -256,9 +491,9 @@ class CaptureGateModel(VLLMModel):
         # from the request body, and outside FastAPI's request validation, which answers 422.
         app.add_middleware(NormalizeChatRequestMiddleware)
         # Outside the normaliser: oversized bodies are refused before anything buffers them.
-        global_config = _plain(self.server_client.global_config_dict)
+        global_config = plain_config(self.server_client.global_config_dict)
         guard = guard_config_from(global_config)
-        self._stream_read_timeout_s = guard.stream_read_timeout_s
+        self._stream = WorkerStream(guard.stream_read_timeout_s, upstream_error_answer)
         app.add_middleware(
             GateGuardMiddleware,
             config=guard,
@@ -269,129 +504,29 @@ class CaptureGateModel(VLLMModel):
         return app
 
     def chat_request_for(self, kind: str, body: dict) -> dict | None:
-        """The chat request the worker would get for this route's body (the guard checks it).
-
-        Raises pydantic's ValidationError (Gym's request model refuses the body) or the error
-        Gym's converter raises; a streamed Responses body is first mapped from the streaming dialect
-        by Gym's own functions (as the streamed path serves it); None for a streamed Messages request.
-        """
-        if kind == "chat":
-            if body.get("stream") is True:  # Gym's own mapping of the streaming dialect onto its model
-                body, _ = sanitize_streaming_chat_body(body)
-            normalized = normalize_chat_request(body)
-            NeMoGymChatCompletionCreateParamsNonStreaming.model_validate(normalized)
-            return normalized
-        if kind == "responses" and body.get("stream") is True:
-            params, _ = streamed_responses_params(body)
-        elif body.get("stream") is True:
-            return None
-        elif kind == "responses":
-            params = NeMoGymResponseCreateParamsNonStreaming.model_validate(body)
-        else:
-            NeMoGymAnthropicMessageCreateParamsNonStreaming.model_validate(body)
-            params = _ANTHROPIC_CONVERTER.anthropic_request_to_responses(body)
-        chat = self._converter.responses_to_chat_completion_create_params(params)
-        return chat.model_dump(exclude_unset=True, mode="json")
+        """The chat request the worker would get for this route's body (the guard checks it); raises
+        pydantic's ValidationError when Gym's request model refuses it. Other routes: `gate.responses`."""
+        if kind != "chat":
+            return responses_chat_request(self, kind, body)
+        if body.get("stream") is True:  # Gym's own mapping of the streaming dialect onto its model
+            body, _ = sanitize_streaming_chat_body(body)
+        normalized = normalize_chat_request(body)
+        NeMoGymChatCompletionCreateParamsNonStreaming.model_validate(normalized)
+        return normalized
 
     async def chat_completions_dispatch(self, request: Request, body: dict = Body()):
-        """Gym's dispatch, except `stream: true`: the worker streams and the gate relays (no buffering)."""
+        """Gym's dispatch, except `stream: true`: the worker streams and the gate relays (`gate.streaming`)."""
         if body.get("stream") is not True:
             return await super().chat_completions_dispatch(request, body)
-        cleaned, include_usage = sanitize_streaming_chat_body(body)
-        params = _validate_chat_params(cleaned)  # Gym's own 422 for a body its model refuses
-        if current_capture_context() is not None:  # Gym's steps before dispatch, in Gym's order
-            await resolve_parent(_request_messages(params))
-            await register_call_intent()
-        upstream_body = self._preprocess_chat_completion_create_params(request, params.model_dump(exclude_unset=True))
-        upstream_body["stream"] = True
-        if include_usage:
-            upstream_body["stream_options"] = {"include_usage": True}
-
-        def relay(upstream: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-            return relay_stream(upstream, self._commit_streamed)
-
-        return await self._relay(self._resolve_client(request), upstream_body, relay, error_event)
+        assert self._stream is not None  # set by setup_webserver
+        return await streamed_chat(self, request, body, self._stream)
 
     async def responses_dispatch(self, request: Request, body: dict = Body()):
-        """Gym's dispatch, except `stream: true`: Responses events built from the worker's chat stream
-        as it comes (`gate.responses_stream`), the call committed as Gym commits a whole one."""
+        """Gym's dispatch, except `stream: true`: Responses events from the worker's stream (`gate.responses`)."""
         if body.get("stream") is not True:
             return await super().responses_dispatch(request, body)
-        try:
-            params, namespaces = streamed_responses_params(body)  # Gym's own mapping of the streaming dialect
-        except ValidationError as e:
-            raise RequestValidationError([{**err, "loc": ("body", *err["loc"])} for err in e.errors()]) from e
-        if current_capture_context() is not None:  # Gym's steps before dispatch, in Gym's order
-            await resolve_parent(_request_messages(params))
-            await register_call_intent()
-        chat_params = self._converter.responses_to_chat_completion_create_params(params)
-        params.model = self.config.model  # as Gym's responses() does
-        upstream_body = self._preprocess_chat_completion_create_params(request, chat_params.model_dump(exclude_unset=True))
-        upstream_body["stream"] = True
-        upstream_body["stream_options"] = {"include_usage": True}  # the final response carries usage
-        events = ResponsesEvents(lambda first: self._response_of(params, _skeleton_completion(first), {}),
-                                 message_id=f"msg_{uuid4().hex}", namespaces=namespaces)
-
-        def to_response(completion: dict) -> dict:
-            if self._external_capture_handler is not None:
-                self._external_capture_handler.prepare_response(completion)  # takes ng_commit_coords off
-            return self._response_of(params, completion, namespaces)
-
-        def relay(upstream: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-            return relay_responses_stream(upstream, events, to_response, self._finalize_served_response)
-
-        def failed(message: str) -> bytes:
-            return responses_sse(events.failed(message))
-
-        return await self._relay(self._resolve_client(request), upstream_body, relay, failed)
-
-    def _response_of(self, params: NeMoGymResponseCreateParamsNonStreaming, completion: dict,
-                     namespaces: NamespaceMap) -> dict:
-        """Gym's conversion of a chat completion to the Responses object (as its streamed path serves it:
-        namespace tools' calls under their client-visible names)."""
-        response = self._converter.chat_completion_to_response(
-            responses_create_params=params, chat_completion=NeMoGymChatCompletion.model_validate(completion),
-            preserve_envelope_id=self._preserve_envelope_id())
-        out = response.model_dump(mode="json", by_alias=True)
-        return {**out, "output": restore_namespace_tool_calls(out.get("output") or [], namespaces)}
-
-    async def _relay(self, client: Any, upstream_body: dict, relay: Relay, broke_off: Callable[[str], bytes]) -> Any:
-        """POST the streamed request to the worker; `relay(worker bytes)` is the client's events."""
-        assert self._stream_read_timeout_s is not None  # set by setup_webserver
-        deadline = self._stream_read_timeout_s
-        timeout = aiohttp.ClientTimeout(total=None, sock_connect=deadline, sock_read=deadline)
-        session = aiohttp.ClientSession(timeout=timeout)
-        headers = {**client.default_headers, "Authorization": f"Bearer {client.api_key}"}
-        try:
-            upstream = await session.post(f"{client.base_url}/chat/completions", json=upstream_body, headers=headers)
-            if upstream.status != 200:
-                status, payload = upstream_error_answer(upstream.status, await upstream.read())
-                await session.close()
-                return JSONResponse(content=payload, status_code=status)
-        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-            await session.close()
-            message = f"the vLLM worker at {client.base_url} did not start the stream: {type(e).__name__}: {e}"
-            return JSONResponse(content={"error": {"message": message, "type": "upstream_unavailable", "param": None,
-                                                   "code": 502}}, status_code=502)
-
-        async def events():
-            try:
-                async for event in relay(upstream.content.iter_any()):
-                    yield event
-            except (StreamRelayError, aiohttp.ClientError, asyncio.TimeoutError) as e:
-                yield broke_off(f"the vLLM worker's stream broke off: {type(e).__name__}: {e}; not committed")
-            finally:
-                upstream.release()
-                await session.close()
-
-        return StreamingResponse(events(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-
-    async def _commit_streamed(self, completion: dict) -> None:
-        """Gym's commit of a finished call, from the completion the stream added up to."""
-        if self._external_capture_handler is not None:
-            self._external_capture_handler.prepare_response(completion)  # takes ng_commit_coords off
-        await self._finalize_served_response(NeMoGymChatCompletion.model_validate(completion))
+        assert self._stream is not None  # set by setup_webserver
+        return await streamed_responses(self, request, body, self._stream)
 
     def setup_exception_middleware(self, app) -> None:
         async def refused_by_gyms_model(request: Request, error: RequestValidationError) -> JSONResponse:
@@ -415,15 +550,5 @@ class CaptureGateModel(VLLMModel):
         super().setup_exception_middleware(app)
 
 
-def _plain(config: Any) -> Any:
-    return OmegaConf.to_container(config, resolve=True) if isinstance(config, DictConfig) else config
-
-
-def main() -> None:
-    ledger_dir = ledger_dir_from_config(_plain(get_global_config_dict()))
-    install_lineage_store(BranchingCaptureLedger(ledger_dir))
-    CaptureGateModel.run_webserver()
-
-
 if __name__ == "__main__":
-    main()
+    run_gate(get_global_config_dict(), CaptureGateModel.run_webserver)

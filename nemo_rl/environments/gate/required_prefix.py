@@ -8,7 +8,7 @@ and serves no token echo, so the faithful reading is: null or [] (no requirement
 and dropped before Gym's request model (which forbids the field) sees it; nothing the lineage
 fingerprint reads changes. A non-empty list is refused 400 naming the field, its length and the
 fix (this path cannot serve the echo it is built from); any other value is refused 400 naming
-it. Pure functions; the guard (`ingress`) and the normaliser (`app`) call them.
+it. Pure functions; the guard and the normaliser (`app`) call them.
 """
 
 from __future__ import annotations

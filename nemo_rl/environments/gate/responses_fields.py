@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from nemo_rl.data.request_rules import RequestFieldError, show
+from nemo_rl.environments.gate.required_prefix import drop_empty_required_prefix_bytes
 
 # `include` values the path honours without changing the tokens: there is nothing to encrypt (the
 # model's reasoning is its own text, returned as reasoning items), so it is answered with nothing.
@@ -162,3 +163,8 @@ def normalize_responses_body(raw: bytes) -> bytes:
     if normalized is body:
         return raw
     return json.dumps(normalized, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+
+
+def normalize_responses_post(raw: bytes) -> bytes:
+    """A Responses body after `normalize_responses_body`, without a null or [] `required_prefix_token_ids`."""
+    return drop_empty_required_prefix_bytes(normalize_responses_body(raw))

@@ -1,22 +1,34 @@
 """The gate's streamed chat path: relay the worker's SSE chunk by chunk, ledger the call before `[DONE]`.
 
-`SseSplitter` cuts a byte stream into SSE `data` payloads; `ChunkAssembler` folds
-`chat.completion.chunk`s back into the `chat.completion` the client now holds (content joined,
-tool calls merged by index) and keeps the worker's `ng_commit_coords`, which never reach the
-client. `relay_stream` forwards every chunk as it arrives (no buffering) and, on the worker's
-`[DONE]`, runs `commit` (Gym's `prepare_response` + `finalize_response`: the same ledger row as
-a non-streamed call) before it lets `[DONE]` through. Invariants: the client sees `[DONE]` only
-after the ledger row is written; a stream that ends otherwise (the worker's error event, a cut
-connection, a client gone) never commits, so Gym records the call uncommitted (off-chain).
+`streamed_chat(model, request, body, stream)` is Gym's chat dispatch for `stream: true` (Gym's own
+body mapping, parent resolution and call intent, in Gym's order); `WorkerStream` opens the worker's
+stream under a read deadline and answers a worker error as the gate answers a whole call's.
+`ChunkAssembler` folds the chunks into the `chat.completion` the client now holds and keeps the
+worker's `ng_commit_coords`, which never reach the client. `relay_stream` forwards every chunk as it
+arrives and, on `[DONE]`, commits (Gym's `prepare_response` + `finalize_response`: the ledger row of
+a whole call) before it lets `[DONE]` through. Invariants: the client sees `[DONE]` only after the
+ledger row is written; a stream that ends otherwise (the worker's error event, a cut connection, a
+client gone) never commits, so Gym records the call uncommitted (off-chain).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
+import aiohttp
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from nemo_gym.base_responses_api_model import _request_messages, _validate_chat_params
+from nemo_gym.chat_streaming import sanitize_streaming_chat_body
+from nemo_gym.openai_utils import NeMoGymChatCompletion
+from nemo_gym.token_id_capture.sink import current_capture_context, register_call_intent, resolve_parent
 from nemo_rl.data.errors import RecoverableError
+from responses_api_models.vllm_model.app import VLLMModel
 
 DONE = "[DONE]"
 SSE_DONE = b"data: [DONE]\n\n"
@@ -155,3 +167,83 @@ async def relay_stream(
         if kind == "error":
             return
     yield error_event(CUT_OFF)
+
+
+# --- the dispatch: Gym's steps, then the worker's stream relayed ----------------------------------
+
+Relay = Callable[[AsyncIterator[bytes]], AsyncIterator[bytes]]  # the worker's SSE bytes -> the client's events
+Refused = Callable[[int, bytes], tuple[int, Any]]  # a worker error (status, body) -> the gate's (status, JSON)
+
+
+@dataclass(frozen=True)
+class WorkerStream:
+    """Opens a streamed call to the worker: `read_timeout_s` to connect and between two reads; a worker
+    error is answered `refused(status, body)` (the gate's mapping of a whole call's error)."""
+
+    read_timeout_s: float
+    refused: Refused
+
+    async def relay(self, client: Any, upstream_body: dict, relay: Relay, broke_off: Callable[[str], bytes]) -> Any:
+        """POST the streamed request to the worker; `relay(worker bytes)` is the client's events."""
+        deadline = self.read_timeout_s
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=deadline, sock_read=deadline)
+        session = aiohttp.ClientSession(timeout=timeout)
+        headers = {**client.default_headers, "Authorization": f"Bearer {client.api_key}"}
+        try:
+            upstream = await session.post(f"{client.base_url}/chat/completions", json=upstream_body, headers=headers)
+            if upstream.status != 200:
+                status, payload = self.refused(upstream.status, await upstream.read())
+                await session.close()
+                return JSONResponse(content=payload, status_code=status)
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            await session.close()
+            message = f"the vLLM worker at {client.base_url} did not start the stream: {type(e).__name__}: {e}"
+            return JSONResponse(content={"error": {"message": message, "type": "upstream_unavailable", "param": None,
+                                                   "code": 502}}, status_code=502)
+
+        async def events():
+            try:
+                async for event in relay(upstream.content.iter_any()):
+                    yield event
+            except (StreamRelayError, aiohttp.ClientError, asyncio.TimeoutError) as e:
+                yield broke_off(f"the vLLM worker's stream broke off: {type(e).__name__}: {e}; not committed")
+            finally:
+                upstream.release()
+                await session.close()
+
+        return StreamingResponse(events(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+async def admit(params: Any) -> None:
+    """Gym's steps before a dispatch, in Gym's order: resolve the parent, register the call's intent."""
+    if current_capture_context() is not None:
+        await resolve_parent(_request_messages(params))
+        await register_call_intent()
+
+
+def worker_body(model: VLLMModel, request: Request, chat_params: dict, include_usage: bool) -> dict:
+    """The worker's streamed chat request: Gym's preprocessing (admission, model name), `stream: true`."""
+    upstream_body = model._preprocess_chat_completion_create_params(request, chat_params)
+    upstream_body["stream"] = True
+    if include_usage:
+        upstream_body["stream_options"] = {"include_usage": True}
+    return upstream_body
+
+
+async def streamed_chat(model: VLLMModel, request: Request, body: dict, stream: WorkerStream) -> Any:
+    """Gym's chat dispatch for a `stream: true` body: the worker streams and the gate relays (no buffering)."""
+    cleaned, include_usage = sanitize_streaming_chat_body(body)
+    params = _validate_chat_params(cleaned)  # Gym's own 422 for a body its model refuses
+    await admit(params)
+    upstream_body = worker_body(model, request, params.model_dump(exclude_unset=True), include_usage)
+
+    async def commit(completion: dict) -> None:  # Gym's commit of a finished call
+        if model._external_capture_handler is not None:
+            model._external_capture_handler.prepare_response(completion)  # takes ng_commit_coords off
+        await model._finalize_served_response(NeMoGymChatCompletion.model_validate(completion))
+
+    def relay(upstream: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+        return relay_stream(upstream, commit)
+
+    return await stream.relay(model._resolve_client(request), upstream_body, relay, error_event)

@@ -34,21 +34,16 @@ from nemo_gym.token_id_capture.staging import StageResult, staging_key
 from nemo_rl.environments import nemo_gym_launch as launch
 from nemo_rl.data.errors import ApiError
 from nemo_rl.environments.gate.app import (
-    CaptureGateConfigError,
     CaptureGateModel,
-    control_token_from,
-    guard_config_from,
-    request_validation_answer,
-    upstream_error_answer,
-)
-from nemo_rl.environments.gate.ingress import (
-    GateGuardConfig,
     GateGuardMiddleware,
     check_rollout_id,
     loc_field,
+    request_validation_answer,
     split_rollout_path,
+    upstream_error_answer,
 )
 from nemo_rl.environments.gate.ledger import BranchingCaptureLedger
+from nemo_rl.environments.gate.setup import GateGuardConfig
 from nemo_rl.environments.nemo_gym_config import NemoGymConfig
 from nemo_rl.models.generation.vllm.lifecycle import build_custody
 from nemo_rl.models.generation.vllm.serving import ChatService
@@ -143,20 +138,6 @@ def test_fastapis_422_from_gyms_model_is_the_gates_named_400() -> None:
         "message": "the request does not match Gym's request model: input: Input should be a valid string",
         "type": "invalid_request", "param": "input", "code": 400}}
     assert request_validation_answer([]).body()["error"]["param"] == "body"
-
-
-def test_the_gate_reads_its_limits_and_bearer_or_refuses_to_start(tmp_path: Path) -> None:
-    wiring = launch.CaptureWiring(tmp_path / "ledger", BEARER_ENV)
-    config = launch.build_global_config(NemoGymConfig(), worker_base_url="http://127.0.0.1:9/v1",
-                                        ports=launch.ServerPorts(1001, 1002, 1003), capture=wiring, gate_guard=GUARD, resources_server=ARITH)
-    assert guard_config_from(config) == GUARD
-    assert control_token_from(config, {BEARER_ENV: BEARER}) == BEARER
-    with pytest.raises(CaptureGateConfigError, match=rf"the control bearer variable \${BEARER_ENV} is empty or unset"):
-        control_token_from(config, {})
-    with pytest.raises(CaptureGateConfigError, match="has no 'nrl_gate_guard' block"):
-        guard_config_from({k: v for k, v in config.items() if k != "nrl_gate_guard"})
-    with pytest.raises(CaptureGateConfigError, match="nrl_gate_guard is invalid"):
-        guard_config_from({**config, "nrl_gate_guard": {"max_body_bytes": "big"}})
 
 
 async def test_a_streamed_body_over_the_limit_is_413_without_reading_the_rest() -> None:

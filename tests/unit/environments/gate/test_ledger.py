@@ -44,7 +44,6 @@ from nemo_gym.token_id_capture.staging.records import (
     staging_key,
 )
 from nemo_rl.environments import nemo_gym_launch as launch
-from nemo_rl.environments.gate.app import CaptureGateConfigError, ledger_dir_from_config
 from nemo_rl.environments.gate.ledger import (
     CONTEXT_MISMATCH,
     NO_FINGERPRINT_MATCH,
@@ -509,21 +508,6 @@ async def test_capture_gate_process_admits_sdk_echoes_compaction_and_identical_r
     # What reached the worker on the echoed turns carries none of the SDK's response-only fields.
     echoed = [m for b in worker.bodies for m in b["messages"] if m["role"] == "assistant" and m.get("tool_calls")]
     assert echoed and all(set(m) <= {"role", "content", "tool_calls"} for m in echoed)
-
-
-def test_the_gate_reads_its_ledger_dir_and_refuses_configs_it_cannot_honour(tmp_path: Path) -> None:
-    wiring = launch.CaptureWiring(ledger_dir=tmp_path / "ledger", control_token_env="MY_BEARER")
-    ports = launch.ServerPorts(1001, 1002, 1003)
-    url = "http://127.0.0.1:9/v1"
-    captured = launch.build_global_config(NemoGymConfig(), worker_base_url=url, ports=ports, capture=wiring, resources_server=ARITH)
-    legacy = launch.build_global_config(NemoGymConfig(), worker_base_url=url, ports=ports, capture=None, resources_server=ARITH)
-    custom = {**captured, "token_id_capture": {**captured["token_id_capture"], "lineage_store": "pkg.mod:Store"}}
-
-    assert ledger_dir_from_config(captured) == tmp_path / "ledger"
-    with pytest.raises(CaptureGateConfigError, match="needs token_id_capture.enabled and external_staging"):
-        ledger_dir_from_config(legacy)
-    with pytest.raises(CaptureGateConfigError, match="would replace the gate's BranchingCaptureLedger"):
-        ledger_dir_from_config(custom)
 
 
 # --- rows on disk without cumulative staging chains (ledger.compact_row) ---------------------------

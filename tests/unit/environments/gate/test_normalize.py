@@ -16,11 +16,11 @@ from nemo_gym.openai_utils import (
     NeMoGymResponseCreateParamsNonStreaming,
 )
 from nemo_gym.token_id_capture.fingerprint import assistant_fingerprint, conversation_digest
-from nemo_rl.environments.gate.app import NormalizeChatRequestMiddleware
-from nemo_rl.environments.gate.ingress import (
+from nemo_rl.environments.gate.app import (
     ECHOED_NULL_MESSAGE_FIELDS,
     RESPONSE_ONLY_MESSAGE_FIELDS,
     RESPONSE_ONLY_TOOL_CALL_FIELDS,
+    NormalizeChatRequestMiddleware,
     normalize_chat_body,
     normalize_chat_request,
 )

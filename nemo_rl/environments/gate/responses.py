@@ -1,13 +1,12 @@
-"""The gate's streamed Responses path: Responses API events built from the worker's chat chunks as they come.
+"""The gate's Responses API (and Anthropic Messages) route beyond Gym's own dispatch; chat needs none of it.
 
-`ResponsesEvents` turns each `chat.completion.chunk` the worker streams into the Responses events
-the official client and the Agents SDK parse (`response.created`, `response.in_progress`,
-`response.output_item.added`, `response.content_part.added`, `response.output_text.delta`,
-`response.function_call_arguments.delta`); `settle(final)` checks the final response (built by
-Gym's converter from the assembled completion) against what was streamed and gives it the streamed
-message id; `closing(final)` is the done events and `response.completed` (`response.incomplete`
-for a cut reply) carrying the whole response. `relay_responses_stream` runs them: on the worker's
-`[DONE]` it converts, settles and commits (Gym's ledger row) before any closing event. Invariants:
+`responses_chat_request` is the chat request a `/v1/responses` or `/v1/messages` body becomes (Gym's
+models and converter; the guard checks it). `streamed_responses` is Gym's Responses dispatch for
+`stream: true`: `ResponsesEvents` turns each `chat.completion.chunk` the worker streams into the
+Responses events the official client and the Agents SDK parse; on the worker's `[DONE]`
+`relay_responses_stream` converts the assembled completion (Gym's converter), `settle`s it against
+what was streamed (giving it the streamed message id), commits it (Gym's ledger row) and only then
+sends the done events and `response.completed` (`response.incomplete` for a cut reply). Invariants:
 the client sees the terminal event only after the ledger row is written; streamed text and
 arguments equal the final response's; any other ending is a `response.failed` and commits nothing.
 """
@@ -17,8 +16,30 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
+from uuid import uuid4
 
-from nemo_rl.environments.gate.streaming import CUT_OFF, StreamRelayError, worker_stream
+from fastapi import Request
+from fastapi.exceptions import RequestValidationError
+from pydantic import ValidationError
+
+from nemo_gym.anthropic_utils import NeMoGymAnthropicMessageCreateParamsNonStreaming
+from nemo_gym.base_responses_api_model import _ANTHROPIC_CONVERTER
+from nemo_gym.openai_utils import NeMoGymChatCompletion, NeMoGymResponseCreateParamsNonStreaming
+from nemo_gym.responses_streaming import (
+    NamespaceMap,
+    restore_namespace_tool_calls,
+    sanitize_streaming_responses_body,
+    validate_streaming_responses_params,
+)
+from nemo_rl.environments.gate.streaming import (
+    CUT_OFF,
+    StreamRelayError,
+    WorkerStream,
+    admit,
+    worker_body,
+    worker_stream,
+)
+from responses_api_models.vllm_model.app import VLLMModel
 
 Skeleton = Callable[[dict], dict]  # first chunk -> the response object before any output (Gym's conversion)
 
@@ -178,3 +199,79 @@ async def relay_responses_stream(
         for event in events.on_chunk(value):
             yield responses_sse(event)
     yield responses_sse(events.failed(CUT_OFF))
+
+
+# --- the dispatch: Gym's models and converter around the worker's chat stream ----------------------
+
+
+def streamed_responses_params(body: dict) -> tuple[NeMoGymResponseCreateParamsNonStreaming, NamespaceMap]:
+    """A `stream: true` Responses body as Gym's streaming dialect maps it, and the namespace tools it
+    flattened (raises ValidationError)."""
+    cleaned, namespaces = sanitize_streaming_responses_body(body)
+    return validate_streaming_responses_params(cleaned), namespaces
+
+
+def responses_chat_request(model: VLLMModel, kind: str, body: dict) -> dict | None:
+    """The chat request the worker would get for a `responses` or `messages` body (the guard checks it).
+
+    Raises pydantic's ValidationError (Gym's request model refuses the body) or the error Gym's
+    converter raises; a streamed Responses body is first mapped from the streaming dialect by Gym's
+    own functions (as `streamed_responses` serves it); None for a streamed Messages request.
+    """
+    if kind == "responses" and body.get("stream") is True:
+        params, _ = streamed_responses_params(body)
+    elif body.get("stream") is True:
+        return None
+    elif kind == "responses":
+        params = NeMoGymResponseCreateParamsNonStreaming.model_validate(body)
+    else:
+        NeMoGymAnthropicMessageCreateParamsNonStreaming.model_validate(body)
+        params = _ANTHROPIC_CONVERTER.anthropic_request_to_responses(body)
+    chat = model._converter.responses_to_chat_completion_create_params(params)
+    return chat.model_dump(exclude_unset=True, mode="json")
+
+
+def _skeleton_completion(first: dict) -> dict:
+    """The empty completion Gym's converter turns into the in-progress response of a stream."""
+    return {"id": first["id"], "created": first["created"], "model": first["model"], "object": "chat.completion",
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": ""}, "finish_reason": "stop"}]}
+
+
+def response_of(model: VLLMModel, params: NeMoGymResponseCreateParamsNonStreaming, completion: dict,
+                namespaces: NamespaceMap) -> dict:
+    """Gym's conversion of a chat completion to the Responses object (as its streamed path serves it:
+    namespace tools' calls under their client-visible names)."""
+    response = model._converter.chat_completion_to_response(
+        responses_create_params=params, chat_completion=NeMoGymChatCompletion.model_validate(completion),
+        preserve_envelope_id=model._preserve_envelope_id())
+    out = response.model_dump(mode="json", by_alias=True)
+    return {**out, "output": restore_namespace_tool_calls(out.get("output") or [], namespaces)}
+
+
+async def streamed_responses(model: VLLMModel, request: Request, body: dict, stream: WorkerStream) -> Any:
+    """Gym's Responses dispatch for a `stream: true` body: events built from the worker's chat stream as
+    it comes, the call committed as Gym commits a whole one."""
+    try:
+        params, namespaces = streamed_responses_params(body)  # Gym's own mapping of the streaming dialect
+    except ValidationError as e:
+        raise RequestValidationError([{**err, "loc": ("body", *err["loc"])} for err in e.errors()]) from e
+    await admit(params)
+    chat_params = model._converter.responses_to_chat_completion_create_params(params)
+    params.model = model.config.model  # as Gym's responses() does
+    # The final response carries usage.
+    upstream_body = worker_body(model, request, chat_params.model_dump(exclude_unset=True), include_usage=True)
+    events = ResponsesEvents(lambda first: response_of(model, params, _skeleton_completion(first), {}),
+                             message_id=f"msg_{uuid4().hex}", namespaces=namespaces)
+
+    def to_response(completion: dict) -> dict:
+        if model._external_capture_handler is not None:
+            model._external_capture_handler.prepare_response(completion)  # takes ng_commit_coords off
+        return response_of(model, params, completion, namespaces)
+
+    def relay(upstream: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+        return relay_responses_stream(upstream, events, to_response, model._finalize_served_response)
+
+    def failed(message: str) -> bytes:
+        return responses_sse(events.failed(message))
+
+    return await stream.relay(model._resolve_client(request), upstream_body, relay, failed)

@@ -1,7 +1,7 @@
 """The gate's streamed Responses path (pure parts): events from chat chunks, settling, commit before completed.
 
 `relay_responses_stream` is driven with scripted worker bytes, a scripted conversion and a recording
-commit; the real gate in front of the real worker endpoint is in test_responses_stream_http.py.
+commit; the real gate in front of the real worker endpoint is in test_responses_http.py.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from nemo_rl.environments.gate.responses_stream import ResponsesEvents, relay_responses_stream, responses_sse
+from nemo_rl.environments.gate.responses import ResponsesEvents, relay_responses_stream, responses_sse
 from nemo_rl.environments.gate.streaming import SSE_DONE, StreamRelayError, sse_event
 
 
