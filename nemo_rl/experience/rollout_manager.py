@@ -35,8 +35,7 @@ from nemo_rl.experience.legacy_rows import legacy_row_from_result
 from nemo_rl.experience.finalizer_pool import FinalizeOutcome
 from nemo_rl.models.generation.vllm.worker import WorkerError, WorkerFailedError
 from nemo_rl.token_capture.config import TokenCaptureConfig
-from nemo_rl.token_capture.judge import RolloutEvidence, RunFailure, all_served_lost
-from nemo_rl.token_capture.receipt import reward_of
+from nemo_rl.token_capture.judge import RolloutEvidence, RunFailure, all_served_lost, reward_of
 from nemo_rl.utils.aio import gather_cancelling
 
 LOGGER = logging.getLogger(__name__)
