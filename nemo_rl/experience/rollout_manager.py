@@ -25,9 +25,8 @@ from nemo_gym.token_id_capture.staging.records import RolloutManifest
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from nemo_rl.data.errors import FatalError
-from nemo_rl.data.request_rules import check_rollout_id, rollout_id_for
+from nemo_rl.data.calls import ServedCall, check_rollout_id, rollout_id_for
 from nemo_rl.data.rows import GroupEntry, GroupResult, KeptRollout, Placeholder, PlaceholderReason
-from nemo_rl.data.calls import ServedCall
 from nemo_rl.data_plane.partitions import reported_staged_keys
 from nemo_rl.distributed.component_watch import ComponentKind, any_down
 from nemo_rl.environments.nemo_gym_config import GymRunError, GymRunTimeoutError, ManifestError

@@ -52,7 +52,7 @@ from nemo_gym.token_id_capture.config import token_id_capture_config
 from nemo_gym.token_id_capture.protocols import install_lineage_store
 from nemo_gym.token_id_capture.sink import current_capture_context, register_call_intent, resolve_parent
 from nemo_rl.data.errors import ApiError, FatalError
-from nemo_rl.data.request_rules import RequestFieldError
+from nemo_rl.data.calls import RequestFieldError
 from nemo_rl.environments.gate.ingress import (
     GATE_GUARD_KEY,
     ASGIApp,

@@ -2,7 +2,7 @@
 
 `GateGuardMiddleware` (pure ASGI, outside Gym's middlewares, Gym's code untouched) checks rollout
 ids, the control routes' bearer (never logged or echoed), body size, JSON and the chat request
-rules (`request_rules`, with the worker's `max_model_len`, read once), the Responses field rules
+rules (`data.calls`, with the worker's `max_model_len`, read once), the Responses field rules
 (`responses_fields`) and `required_prefix_token_ids` (`required_prefix`); a refusal is a named 4xx
 JSON error (type and field), so nothing is ledgered and nothing reaches the worker; a request it
 lets through is replayed byte for byte. `BodyLimitMiddleware` is the body limit alone.
@@ -33,10 +33,10 @@ from openai.types.chat.chat_completion_message_function_tool_call_param import (
 )
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from nemo_rl.data import request_rules
+from nemo_rl.data import calls
 from nemo_rl.data.errors import ApiError
 from nemo_rl.environments.gate.required_prefix import check_required_prefix, drop_empty_required_prefix
-from nemo_rl.data.request_rules import (
+from nemo_rl.data.calls import (
     DEFAULT_MAX_ROLLOUT_ID_CHARS,
     MAX_ROLLOUT_ID_CHARS,
     RequestFieldError,
@@ -97,9 +97,9 @@ class GateGuardConfig(BaseModel):
 
 
 def check_rollout_id(rollout_id: str, max_chars: int) -> None:
-    """Raise `ApiError` 400 `invalid_rollout_id` unless the id is usable (`nemo_rl.data.request_rules`)."""
+    """Raise `ApiError` 400 `invalid_rollout_id` unless the id is usable (`nemo_rl.data.calls`)."""
     try:
-        request_rules.check_rollout_id(rollout_id, max_chars)
+        calls.check_rollout_id(rollout_id, max_chars)
     except RolloutIdError as e:
         raise ApiError("invalid_rollout_id", str(e), "rollout_id") from e
 
