@@ -162,7 +162,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     from examples.arith.task import SYSTEM_PROMPT, make_problems, user_prompt
     from examples.arith.tiny_model import TinyModelConfig, ensure_tiny_model
     from nemo_rl.algorithms.setup import start_stack
-    from nemo_rl.data.request_rules import rollout_id_for
+    from nemo_rl.data.calls import rollout_id_for
     from nemo_rl.data_plane import DataPlaneConfig
     from nemo_rl.environments.nemo_gym_config import NemoGymConfig
     from nemo_rl.models.generation.vllm.config import GenerationConfig

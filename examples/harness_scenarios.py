@@ -105,7 +105,7 @@ from nemo_rl.models.generation.vllm.config import GenerationConfig
 from nemo_rl.token_capture.audit import audit_train_row
 from nemo_rl.token_capture.config import TokenCaptureConfig
 from nemo_rl.token_capture.judge import RunFailure
-from nemo_rl.token_capture.receipt import TERMINAL_OUTPUT_TEXT_KEY, TERMINAL_RESPONSE_ID_KEY
+from nemo_rl.token_capture.judge import TERMINAL_OUTPUT_TEXT_KEY, TERMINAL_RESPONSE_ID_KEY
 
 MIN_FRACTION = 0.99
 EDIT_PREFIX = "Let me restate my previous step. "

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from nemo_rl.token_capture.receipt import TERMINAL_OUTPUT_TEXT_KEY, TERMINAL_RESPONSE_ID_KEY
+from nemo_rl.token_capture.judge import TERMINAL_OUTPUT_TEXT_KEY, TERMINAL_RESPONSE_ID_KEY
 from nemo_rl.utils.venvs import ensure_venv, harness_spec, venv_python
 
 REPO = Path(__file__).resolve().parents[2]

@@ -26,7 +26,7 @@ import aiohttp
 from pydantic import ValidationError
 
 from nemo_gym.token_id_capture.staging.records import RolloutManifest
-from nemo_rl.data import request_rules
+from nemo_rl.data import calls
 from nemo_rl.environments import nemo_gym_launch as launch
 from nemo_rl.environments.gym_lifecycle import GymServers
 from nemo_rl.environments.nemo_gym_config import (
@@ -81,14 +81,14 @@ _KEEPALIVE_S = 15.0
 
 
 def check_rollout_id(rollout_id: str) -> str:
-    """The one rollout-id rule (`nemo_rl.data.request_rules`) at its ceiling, as a named error."""
+    """The one rollout-id rule (`nemo_rl.data.calls`) at its ceiling, as a named error."""
     try:
-        return request_rules.check_rollout_id(rollout_id, request_rules.MAX_ROLLOUT_ID_CHARS)
-    except request_rules.RolloutIdError as e:
+        return calls.check_rollout_id(rollout_id, calls.MAX_ROLLOUT_ID_CHARS)
+    except calls.RolloutIdError as e:
         raise InvalidRolloutIdError(
             f"rollout_id={rollout_id!r} is not usable by Gym's capture paths and ledger files ({e.problem}); "
             "use only ASCII letters, digits, '.', '_' and '-', starting with a letter or digit, at most "
-            f"{request_rules.MAX_ROLLOUT_ID_CHARS} characters"
+            f"{calls.MAX_ROLLOUT_ID_CHARS} characters"
         ) from e
 
 

@@ -34,8 +34,8 @@ from nemo_rl.data_plane.partitions import StagedKeysMissingError, TQTokenSource,
 from nemo_rl.distributed.actor_call import ActorCallTimeoutError, ActorDiedError, ActorRaisedError, await_with_deadline
 from nemo_rl.distributed.component_watch import Probe, Role, first_line, ray_actor_probe
 from nemo_rl.token_capture.config import TokenCaptureConfig
-from nemo_rl.token_capture.judge import FetchProblem, RolloutEvidence, all_served_lost, fetch_error_reason, judge_rollout
-from nemo_rl.token_capture.receipt import reward_of
+from nemo_rl.token_capture.judge import (FetchProblem, RolloutEvidence, all_served_lost, fetch_error_reason,
+                                         judge_rollout, reward_of)
 from nemo_rl.token_capture.router_replay import attach_router_replay
 
 LOGGER = logging.getLogger(__name__)

@@ -13,7 +13,7 @@ import math
 from typing import Any
 
 from nemo_rl.data.rows import GroupEntry, KeptRollout, Placeholder, PlaceholderReason, RowOrigin, TrainRow
-from nemo_rl.token_capture.receipt import reward_of
+from nemo_rl.token_capture.judge import reward_of
 
 _ECHO_FIELDS = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
 

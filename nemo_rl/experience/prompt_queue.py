@@ -23,7 +23,7 @@ from enum import Enum
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from nemo_rl.data.request_rules import rollout_id_for
+from nemo_rl.data.calls import rollout_id_for
 from nemo_rl.experience.rollout_manager import AccountingError
 
 IN_FLIGHT_METRIC = "async/in_flight_groups"

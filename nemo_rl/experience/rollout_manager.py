@@ -25,9 +25,8 @@ from nemo_gym.token_id_capture.staging.records import RolloutManifest
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from nemo_rl.data.errors import FatalError
-from nemo_rl.data.request_rules import check_rollout_id, rollout_id_for
+from nemo_rl.data.calls import ServedCall, check_rollout_id, rollout_id_for
 from nemo_rl.data.rows import GroupEntry, GroupResult, KeptRollout, Placeholder, PlaceholderReason
-from nemo_rl.data.calls import ServedCall
 from nemo_rl.data_plane.partitions import reported_staged_keys
 from nemo_rl.distributed.component_watch import ComponentKind, any_down
 from nemo_rl.environments.nemo_gym_config import GymRunError, GymRunTimeoutError, ManifestError
@@ -35,8 +34,7 @@ from nemo_rl.experience.legacy_rows import legacy_row_from_result
 from nemo_rl.experience.finalizer_pool import FinalizeOutcome
 from nemo_rl.models.generation.vllm.worker import WorkerError, WorkerFailedError
 from nemo_rl.token_capture.config import TokenCaptureConfig
-from nemo_rl.token_capture.judge import RolloutEvidence, RunFailure, all_served_lost
-from nemo_rl.token_capture.receipt import reward_of
+from nemo_rl.token_capture.judge import RolloutEvidence, RunFailure, all_served_lost, reward_of
 from nemo_rl.utils.aio import gather_cancelling
 
 LOGGER = logging.getLogger(__name__)

@@ -2,7 +2,7 @@
 
 Run as `python -m nemo_rl.environments.gate.app` (set-up, and refusals to start: `gate.setup`); Gym's
 code is never edited. Outermost, `GateGuardMiddleware` checks the rollout id, the control routes'
-bearer (never logged or echoed), body size, JSON and the request rules (`request_rules`, with the
+bearer (never logged or echoed), body size, JSON and the request rules (`data.calls`, with the
 worker's `max_model_len`): a refusal is a named 4xx JSON error, so nothing is ledgered and nothing
 reaches the worker. Inside it `NormalizeChatRequestMiddleware` drops the response-only and
 echoed-null fields the `openai` client puts in assistant turns (sets derived from the SDK's types).
@@ -36,9 +36,9 @@ from pydantic import BaseModel, PrivateAttr, ValidationError
 from nemo_gym.chat_streaming import sanitize_streaming_chat_body
 from nemo_gym.global_config import get_global_config_dict
 from nemo_gym.openai_utils import NeMoGymChatCompletionCreateParamsNonStreaming
-from nemo_rl.data import request_rules
+from nemo_rl.data import calls
 from nemo_rl.data.errors import ApiError
-from nemo_rl.data.request_rules import (
+from nemo_rl.data.calls import (
     RequestFieldError,
     RolloutIdError,
     bearer_status,
@@ -89,9 +89,9 @@ TOKEN_FIELDS = {"chat": ("max_tokens", "max_completion_tokens"), "responses": ("
 
 
 def check_rollout_id(rollout_id: str, max_chars: int) -> None:
-    """Raise `ApiError` 400 `invalid_rollout_id` unless the id is usable (`nemo_rl.data.request_rules`)."""
+    """Raise `ApiError` 400 `invalid_rollout_id` unless the id is usable (`nemo_rl.data.calls`)."""
     try:
-        request_rules.check_rollout_id(rollout_id, max_chars)
+        calls.check_rollout_id(rollout_id, max_chars)
     except RolloutIdError as e:
         raise ApiError("invalid_rollout_id", str(e), "rollout_id") from e
 

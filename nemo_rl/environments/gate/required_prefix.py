@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from nemo_rl.data.request_rules import RequestFieldError, show
+from nemo_rl.data.calls import RequestFieldError, show
 
 FIELD = "required_prefix_token_ids"
 

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from nemo_rl.data.request_rules import RequestFieldError, show
+from nemo_rl.data.calls import RequestFieldError, show
 from nemo_rl.environments.gate.required_prefix import drop_empty_required_prefix_bytes
 
 # `include` values the path honours without changing the tokens: there is nothing to encrypt (the

@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from nemo_gym.token_id_capture.config import token_id_capture_config
 from nemo_gym.token_id_capture.protocols import install_lineage_store
 from nemo_rl.data.errors import ApiError, FatalError
-from nemo_rl.data.request_rules import DEFAULT_MAX_ROLLOUT_ID_CHARS, MAX_ROLLOUT_ID_CHARS, show
+from nemo_rl.data.calls import DEFAULT_MAX_ROLLOUT_ID_CHARS, MAX_ROLLOUT_ID_CHARS, show
 from nemo_rl.environments.gate.ledger import BranchingCaptureLedger
 
 GATE_GUARD_KEY = "nrl_gate_guard"  # top-level key of Gym's global config that carries GateGuardConfig

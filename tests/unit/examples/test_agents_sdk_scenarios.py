@@ -7,7 +7,7 @@ import json
 import pytest
 
 from examples.harness.agents_sdk_scenarios import AgentsSdkRun, AgentsSdkRunError, parse_driver_line, sdk_outcome
-from nemo_rl.token_capture.receipt import TERMINAL_OUTPUT_TEXT_KEY, TERMINAL_RESPONSE_ID_KEY
+from nemo_rl.token_capture.judge import TERMINAL_OUTPUT_TEXT_KEY, TERMINAL_RESPONSE_ID_KEY
 
 
 def test_the_responses_run_declares_its_last_response_id():

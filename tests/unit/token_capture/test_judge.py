@@ -20,8 +20,13 @@ from nemo_rl.data_plane.partitions import StagedKeysMissingError, StagingStoreUn
 from nemo_rl.experience.finalizer_pool import fetch_snapshots
 from nemo_rl.experience.finalizer_pool import judge_from_source
 from nemo_rl.token_capture.config import TokenCaptureConfig
-from nemo_rl.token_capture.judge import FetchProblem, RolloutEvidence, RunFailure, judge_rollout
-from nemo_rl.token_capture.receipt import TERMINAL_OUTPUT_TEXT_KEY
+from nemo_rl.token_capture.judge import (
+    TERMINAL_OUTPUT_TEXT_KEY,
+    FetchProblem,
+    RolloutEvidence,
+    RunFailure,
+    judge_rollout,
+)
 
 R = PlaceholderReason
 RID = "run-s1-g2-i3-a0"

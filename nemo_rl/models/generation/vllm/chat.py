@@ -110,7 +110,7 @@ def _template_arguments(arguments: Any) -> dict:
 
 def _template_tool_call(call: Any) -> Any:
     if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
-        return call  # request_rules refused these already; nothing to convert
+        return call  # data.calls's rules refused these already; nothing to convert
     function = call["function"]
     return {**call, "function": {**function, "arguments": _template_arguments(function.get("arguments"))}}
 

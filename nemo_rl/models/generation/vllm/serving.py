@@ -52,9 +52,8 @@ from nemo_rl.models.generation.vllm.engine import (
     RefitGateTimeoutError,
 )
 from nemo_rl.models.generation.vllm.custody_state import PrefixCache
-from nemo_rl.data.request_rules import RequestFieldError, check_chat_request
+from nemo_rl.data.calls import RequestFieldError, ServedCall, check_chat_request
 from nemo_rl.utils import instrumentation  # opt-in per-call cost (benchmarks/capture_ab.py)
-from nemo_rl.data.calls import ServedCall
 
 LOGGER = logging.getLogger(__name__)
 

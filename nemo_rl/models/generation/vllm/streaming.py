@@ -170,7 +170,7 @@ def replay_chunks(reply: dict, *, include_usage: bool) -> list[dict]:
 
 
 def include_usage(body: dict) -> bool:
-    """`stream_options.include_usage` of a streamed request (request_rules checked its shape)."""
+    """`stream_options.include_usage` of a streamed request (`data.calls` checked its shape)."""
     options = body.get("stream_options")
     return bool(isinstance(options, dict) and options.get("include_usage"))
 

@@ -26,9 +26,8 @@ from typing import Any, NoReturn
 
 from aiohttp import web
 
-from nemo_rl.data.calls import ServedCall
+from nemo_rl.data.calls import RequestFieldError, ServedCall, bearer_status, parse_json_body
 from nemo_rl.data.errors import ApiError, FatalError, RecoverableError
-from nemo_rl.data.request_rules import RequestFieldError, bearer_status, parse_json_body
 from nemo_rl.data_plane import DataPlaneClient, DataPlaneConfig
 from nemo_rl.distributed.actor_call import (
     ActorCallError,

@@ -12,7 +12,7 @@ import json
 import pytest
 
 from nemo_gym.openai_utils import NeMoGymResponseCreateParamsNonStreaming
-from nemo_rl.data.request_rules import RequestFieldError
+from nemo_rl.data.calls import RequestFieldError
 from nemo_rl.environments.gate.required_prefix import (
     FIELD,
     check_required_prefix,

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from nemo_rl.data.request_rules import RequestFieldError
+from nemo_rl.data.calls import RequestFieldError
 from nemo_rl.environments.gate.app import body_normalizer, normalize_chat_post
 from nemo_rl.environments.gate.responses_fields import (
     RESPONSES_FIELD_RULES,

@@ -19,7 +19,7 @@ from examples.arith.tiny_model.corpus import task_conversation
 from examples.arith.tiny_model.tokenizer import train_tokenizer
 from nemo_gym.token_id_capture.staging import StageResult, staging_key
 from nemo_rl.data.errors import ApiError
-from nemo_rl.data.request_rules import RequestFieldError, check_chat_request
+from nemo_rl.data.calls import RequestFieldError, check_chat_request
 from nemo_rl.models.generation.vllm.lifecycle import build_custody
 from nemo_rl.models.generation.vllm.serving import ChatService
 from nemo_rl.models.generation.vllm.streaming import (

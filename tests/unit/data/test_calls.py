@@ -1,18 +1,38 @@
-"""The chat-request rules shared by the worker and the gate: each bad field is named, exactly."""
+"""`nemo_rl.data.calls`: the chat-request rules, the rollout-id rule and the served-call record.
+
+The request rules are shared by the worker and the gate: each bad field is named, exactly. Minted
+rollout ids pass the one rollout-id rule, and every caller refuses the same ids. The worker marks a
+`text` admission over a history with assistant turns as an unresolved continuation; the gate decided
+"root" for it by Gym's rule (`assistant_fingerprint` empty means no assistant output), so
+`has_assistant_turn` must agree with that rule on every request, or the capture-health figures would
+count a root as a miss (or hide a miss). The gate reads the rules without loading torch.
+"""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from nemo_gym.token_id_capture.fingerprint import assistant_fingerprint
+from nemo_gym.token_id_capture.store import validate_rollout_id
 
-from nemo_rl.data.request_rules import (
+from nemo_rl.data.calls import (
+    DEFAULT_MAX_ROLLOUT_ID_CHARS,
+    MAX_ROLLOUT_ID_CHARS,
     RequestFieldError,
+    RolloutIdError,
+    ServedCall,
+    ServedCallError,
     bearer_status,
     check_chat_request,
+    check_rollout_id,
+    has_assistant_turn,
     parse_json_body,
+    rollout_id_for,
 )
 
 L = 2048
@@ -164,3 +184,103 @@ def test_any_json_either_passes_or_names_a_field_it_contains(extra: dict) -> Non
         top = e.field.split("[")[0].split(".")[0]
         assert top in body or top == "messages"  # a missing messages is named too
         assert e.message and json.dumps({"param": e.field, "message": e.message})
+
+
+def test_minted_ids_name_the_attempt_and_pass_the_rule() -> None:
+    rid = rollout_id_for("grpo-1a2b3c4d", 7, 3, 15, 2)
+    assert rid == "grpo-1a2b3c4d-s7-g3-i15-a2"
+    assert check_rollout_id(rid) == rid == validate_rollout_id(rid)
+
+
+def test_a_run_id_that_cannot_start_an_id_fails_at_minting() -> None:
+    with pytest.raises(RolloutIdError, match='it starts with "-"'):
+        rollout_id_for("-run", 0, 0, 0, 0)
+    with pytest.raises(RolloutIdError, match="too long"):
+        rollout_id_for("r" * DEFAULT_MAX_ROLLOUT_ID_CHARS, 0, 0, 0, 0)
+
+
+@pytest.mark.parametrize(
+    ("rollout_id", "problem"),
+    [
+        ("", "the rollout id is empty"),
+        ("a" * 129, "rollout id of 129 characters is too long"),
+        ("a b", 'rollout id "a b" is not usable: it contains " "'),
+        ("_x", 'rollout id "_x" is not usable: it starts with "_"'),
+        (7, "the rollout id is a int, not a str"),
+    ],
+)
+def test_the_error_names_the_problem_and_the_rule(rollout_id: object, problem: str) -> None:
+    with pytest.raises(RolloutIdError) as e:
+        check_rollout_id(rollout_id)
+    assert e.value.problem == problem
+    assert str(e.value) == f"{problem}; a rollout id is 1..128 ASCII letters, digits, '.', '_' or '-', starting " \
+                           "with a letter or digit"
+
+
+def test_limits_are_bounded_by_the_ceiling() -> None:
+    assert check_rollout_id("r" * MAX_ROLLOUT_ID_CHARS, MAX_ROLLOUT_ID_CHARS)
+    for bad in (0, MAX_ROLLOUT_ID_CHARS + 1, 1.5):
+        with pytest.raises(ValueError, match="a rollout-id limit is an int"):
+            check_rollout_id("r", bad)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(min_size=0, max_size=40))
+def test_every_id_the_rule_accepts_gym_accepts(rollout_id: str) -> None:
+    try:
+        check_rollout_id(rollout_id)
+    except RolloutIdError:
+        return
+    assert validate_rollout_id(rollout_id) == rollout_id
+
+
+_TEXT = st.text(max_size=12)
+_TOOL_CALL = st.fixed_dictionaries({
+    "id": st.sampled_from(["call_1", "call_2"]), "type": st.just("function"),
+    "function": st.fixed_dictionaries({"name": st.just("calculator"),
+                                       "arguments": st.sampled_from(['{"expression": "1 + 2"}', "{}", "not json"])}),
+})
+_MESSAGE = st.one_of(
+    st.fixed_dictionaries({"role": st.sampled_from(["system", "developer", "user"]), "content": _TEXT}),
+    st.fixed_dictionaries({"role": st.just("tool"), "tool_call_id": st.just("call_1"), "content": _TEXT}),
+    st.fixed_dictionaries({"role": st.just("assistant"), "content": st.one_of(st.none(), _TEXT)},
+                          optional={"tool_calls": st.lists(_TOOL_CALL, max_size=2)}),
+    st.fixed_dictionaries({"type": st.just("function_call"), "call_id": st.just("call_1"), "name": st.just("calculator"),
+                           "arguments": st.just("{}")}),
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(messages=st.lists(_MESSAGE, max_size=6))
+def test_the_workers_rule_is_gyms_rule_for_assistant_output(messages):
+    assert has_assistant_turn(messages) == bool(assistant_fingerprint(messages))
+
+
+def test_an_empty_assistant_turn_is_still_a_turn():
+    history = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None}]
+    assert has_assistant_turn(history) is True and bool(assistant_fingerprint(history)) is True
+    assert has_assistant_turn([{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]) is False
+
+
+def test_only_a_text_admission_can_be_an_unresolved_continuation():
+    root = ServedCall("r", "c2", None, "text", 3, True, unresolved_continuation=True)
+    assert ServedCall.from_wire(root.to_wire()) == root
+    with pytest.raises(ServedCallError, match="True only for a text admission"):
+        ServedCall("r", "c2", "c1", "token_in", 3, True, unresolved_continuation=True)
+    with pytest.raises(ServedCallError, match="unresolved_continuation is a bool"):
+        ServedCall("r", "c2", None, "text", 3, True, unresolved_continuation=1)
+
+
+def test_the_rules_load_without_torch():
+    # The gate and Gym's servers import the rules; only the row codec may pay torch's import
+    # (test_staging.py round-trips Gym's golden record through it).
+    probe = (
+        "import sys\n"
+        "from nemo_rl.data import calls\n"
+        "calls.check_chat_request({'messages': [{'role': 'user', 'content': 'hi'}]}, max_model_len=8)\n"
+        "calls.check_rollout_id(calls.rollout_id_for('run', 0, 0, 0, 0))\n"
+        "print('torch' in sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "False", "importing nemo_rl.data.calls and running its rules loaded torch"

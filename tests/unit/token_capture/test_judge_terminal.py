@@ -1,4 +1,4 @@
-"""choose_terminal (declared > witnesses > heuristic > mask) over real staged forests, and reward_of.
+"""The judge's choose_terminal (declared > witnesses > heuristic > mask) over real staged forests, and reward_of.
 
 (`assemble_receipt` and `poison_reason` are gone: poisoning, empty manifests and foreign or duplicate
 manifests are the judge's verdicts now, tested in test_judge.py.)
@@ -11,8 +11,8 @@ from nemo_gym.token_id_capture import delivery
 from nemo_gym.token_id_capture.fingerprint import FINGERPRINT_VERSION, assistant_fingerprint
 
 from nemo_rl.data.rows import PlaceholderReason
-from nemo_rl.token_capture import receipt as receipt_module
-from nemo_rl.token_capture.receipt import (
+from nemo_rl.token_capture import judge as judge_module
+from nemo_rl.token_capture.judge import (
     TERMINAL_CALL_KEY,
     TERMINAL_OUTPUT_FINGERPRINT_KEY,
     TERMINAL_OUTPUT_TEXT_KEY,
@@ -160,7 +160,7 @@ def test_an_unknown_attribution_method_is_a_version_error(chains, monkeypatch):
     class Attribution:
         attributed, method, model_call_id, reason = True, "telepathy", "call1", ""
 
-    monkeypatch.setattr(receipt_module, "resolve_terminal", lambda *args, **kwargs: Attribution())
+    monkeypatch.setattr(judge_module, "resolve_terminal", lambda *args, **kwargs: Attribution())
     with pytest.raises(UnknownAttributionMethodError, match="unknown method 'telepathy'"):
         choose_terminal(chain.records, chains.run_result(1.0, None))
 
