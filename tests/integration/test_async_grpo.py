@@ -1,8 +1,9 @@
 """The async GRPO loop on the real stack: the tiny async recipe with two steps' groups in flight.
 
-One run of `examples/configs/grpo_async_tiny_cpu.yaml` for 5 steps with `max_in_flight_groups`
+One run of `examples/configs/grpo_async_tiny_cpu.yaml` for 3 steps with `max_in_flight_groups`
 = 2 steps (so groups dispatched while step s trains are two updates old at step s+2 and dropped at
-age 1), 8 rollouts per group, and each generation call admitted after a random 0.5..2 s
+age 1: step 3 is the first step that can drop, so 3 steps exercise it), 8 rollouts per group, and
+each generation call admitted after a random 0.5..2 s and held 4..8 s inside the engine
 (`slow_calls_hook`, an `NRL_INSTRUMENTATION` hook: the tiny model answers in a few tokens, so
 without it the rollouts finish before the trainer refits). Everything asserted is read from the
 run's own records: `metrics.jsonl` (ages from the rows, engine idle and refit drains from the worker's counters, waits from the
@@ -25,7 +26,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPE = "examples/configs/grpo_async_tiny_cpu.yaml"
-STEPS, P, N, MAX_AGE, CAP = 5, 2, 8, 1, 4  # P and MAX_AGE are the recipe's
+# 3 steps: step 1 fresh, step 2 trains age-1 rows (overlap), step 3 drops the groups dispatched during step 1
+STEPS, P, N, MAX_AGE, CAP = 3, 2, 8, 1, 4  # P and MAX_AGE are the recipe's
 OVERRIDES = (f"grpo.max_num_steps={STEPS}", f"grpo.num_generations_per_prompt={N}",
              f"grpo.async_rollouts.max_in_flight_groups={CAP}", f"policy.train_micro_batch_size={P * N}")
 AGE = "async/trajectory_age_steps"
