@@ -60,7 +60,11 @@ def test_every_step_accounts_always_n_and_trains_fresh_groups_only(async_run):
     for m in lines:
         assert m["rollouts/dispatched"] == m["finalize/kept_rollouts"] + m["finalize/placeholders"] == P * N
         assert m["finalize/capture_poisoned_rollouts"] == 0
-        assert m["token_mult_prob_error"] < 1.01
+        if m["weight_version/min"] == m["async/trainer_version"]:
+            # Exact capture: rows sampled by the trainer's own weights score ~1.0. A step that trains older
+            # rows also measures the updates since they were sampled (seen up to 1.013 for one update), so
+            # the bound holds only for fresh-only steps (that drift is what docs/guides/off-policy-correction.md is for).
+            assert m["token_mult_prob_error"] < 1.01
         if m["finalize/kept_rollouts"]:
             assert m[f"{AGE}_min"] <= m[f"{AGE}_mean"] <= m[f"{AGE}_max"] <= MAX_AGE
             assert sum(m[f"{AGE}/hist/{a}"] for a in range(MAX_AGE + 1)) == m["finalize/kept_rollouts"]
@@ -78,6 +82,7 @@ def test_every_step_accounts_always_n_and_trains_fresh_groups_only(async_run):
         # a dropped group has kept rows (else it would be fresh), whose keys this step cleared
         assert (m["retention/train_keys_dropped_stale"] > 0) == (m["async/dropped_stale_groups"] > 0)
     assert [m["async/trainer_version"] for m in lines] == list(range(STEPS))  # no step was masked
+    assert lines[0]["weight_version/min"] == lines[0]["async/trainer_version"] == 0  # step 1 is fresh-only
     assert lines[-1]["retention/train_keys_in_flight"] == 0  # nothing left behind at the end
 
 
