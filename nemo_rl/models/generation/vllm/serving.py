@@ -386,17 +386,6 @@ class ChatService:
         return self._stats + self.custody.stats if self.custody is not None else Counter(self._stats)
 
     @property
-    def capture(self) -> Any:
-        """The custody core's capture (Gym's `RolloutTokenCapture`, possibly wrapped); None when off."""
-        return self.custody.capture if self.custody is not None else None
-
-    def install_token_capture(self, capture: Any) -> None:
-        """Swap the custody core's capture (`instrumentation.time_capture_calls` wraps it)."""
-        if self.custody is None:
-            raise RuntimeError("install_token_capture on a ChatService without custody (token capture is off)")
-        self.custody.install_token_capture(capture)
-
-    @property
     def weight_version(self) -> int:
         return self._engine.weight_version
 

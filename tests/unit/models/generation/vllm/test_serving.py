@@ -373,8 +373,8 @@ async def test_one_admission_check_and_the_generations_weight_version_is_staged(
     svc, _, staging = _service(tokenizer, [])
     engine = RefitDuringGeneration([gen1, gen2])
     svc._engine = engine
-    counting = CountingCapture(svc.capture)
-    svc.install_token_capture(counting)
+    counting = CountingCapture(svc.custody.capture)
+    svc.custody.install_token_capture(counting)
     r1, r2 = await _root_then_token_in(svc, engine)
     # One begin_call per admitted call, at the version current at admission (3, then 4) ...
     assert counting.begin_calls == [3, 4]
@@ -955,13 +955,13 @@ async def test_worker_take_served_returns_wire_dicts_and_counts_calls(tokenizer)
 
 def _record_commit_threads(svc) -> list[int]:
     threads: list[int] = []
-    inner = svc.capture.complete_call_from_response
+    inner = svc.custody.capture.complete_call_from_response
 
     def recording(*args, **kwargs):
         threads.append(threading.get_ident())
         return inner(*args, **kwargs)
 
-    svc.capture.complete_call_from_response = recording
+    svc.custody.capture.complete_call_from_response = recording
     return threads
 
 
