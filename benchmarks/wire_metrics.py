@@ -327,9 +327,9 @@ class TimedCapture:
 
 def time_capture_calls(service: Any) -> None:
     """When on, re-install the service's capture core wrapped in `TimedCapture`; nothing when off."""
-    if process_metrics("worker") is None or service.capture is None:
+    if process_metrics("worker") is None or service.custody is None:  # custody None: token capture off
         return
-    service.install_token_capture(TimedCapture(service.capture))
+    service.custody.install_token_capture(TimedCapture(service.custody.capture))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -199,10 +199,10 @@ def test_the_checker_names_an_upward_import_its_line_and_the_fix() -> None:
 
 
 def test_a_sibling_import_and_a_vanished_known_entry_fail() -> None:
-    imports = {"nemo_rl.models.policy.worker": [(9, "nemo_rl.models.generation.vllm.chat")]}
+    imports = {"nemo_rl.models.policy.worker": [(9, "nemo_rl.models.generation.vllm.serving")]}
     sibling, stale = check_layers(imports, LAYERS, known_upward=[("nemo_rl.distributed.stack", "environments")])
     assert sibling.startswith(
-        "nemo_rl.models.policy.worker:9 imports nemo_rl.models.generation.vllm.chat: 'models.generation' (layer 5) "
+        "nemo_rl.models.policy.worker:9 imports nemo_rl.models.generation.vllm.serving: 'models.generation' (layer 5) "
         "is not below 'models.policy' (layer 5). Fix:"
     )
     assert stale == (

@@ -174,7 +174,7 @@ def test_timed_capture_reports_into_the_current_scope_and_delegates() -> None:
     assert timed.extra == "delegated"
 
 
-class _Service:
+class _Custody:
     def __init__(self) -> None:
         self.capture = _FakeCapture()
 
@@ -182,30 +182,35 @@ class _Service:
         self.capture = capture
 
 
+class _Service:
+    def __init__(self) -> None:
+        self.custody: _Custody | None = _Custody()
+
+
 def test_time_capture_calls_wraps_only_when_on(fresh: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     service = _Service()
-    original = service.capture
+    original = service.custody.capture
     wm.time_capture_calls(service)
     costs: dict[str, float] = {}
 
     def one_call() -> None:
         wm._call_costs.set(costs)
-        assert service.capture.begin_call("a") == "call"
+        assert service.custody.capture.begin_call("a") == "call"
 
     contextvars.copy_context().run(one_call)
     # The installed core is the service's own, timed: the call reached it and its cost was recorded.
-    assert service.capture is not original and original.calls == ["begin:a"]
+    assert service.custody.capture is not original and original.calls == ["begin:a"]
     assert list(costs) == ["begin_call_s"] and costs["begin_call_s"] >= 0.0
     no_capture = _Service()
-    no_capture.capture = None
+    no_capture.custody = None
     wm.time_capture_calls(no_capture)
-    assert no_capture.capture is None  # capture off in the worker: nothing to wrap
+    assert no_capture.custody is None  # capture off in the worker: nothing to wrap
     monkeypatch.delenv(wm.ENV_DIR)
     monkeypatch.setattr(wm, "_process", None)
     plain = _Service()
-    untouched = plain.capture
+    untouched = plain.custody.capture
     wm.time_capture_calls(plain)
-    assert plain.capture is untouched  # metrics off: the very same object, not a wrapper
+    assert plain.custody.capture is untouched  # metrics off: the very same object, not a wrapper
 
 
 async def test_aiohttp_middleware_counts_bodies_and_samples_chat_calls(fresh: Path) -> None:

@@ -13,7 +13,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from nemo_rl.distributed.placement import Placement
 from nemo_rl.distributed.topology import Bind
-from nemo_rl.models.generation.vllm.chat import ToolCallParserName
+
+# vLLM's names of the tool-call parsers `tool_parsers.TOOL_CALL_PARSERS` holds.
+ToolCallParserName = Literal["hermes", "llama3_json"]
 
 
 class VllmConfig(BaseModel):

@@ -43,13 +43,14 @@ from nemo_rl.data.calls import (
 )
 from nemo_rl.data_plane.errors import DataPlaneError
 from nemo_rl.data_plane.client import ParentRows
-from nemo_rl.models.generation.vllm.chat import SamplingRequest, TailRenderError
+from nemo_rl.models.generation.vllm.engine import SamplingRequest
 from nemo_rl.models.generation.vllm.custody_state import (
     AdmittedCalls,
     PrefixCache,
     PrefixError,
     PrefixMismatchError,
     ServedRegistry,
+    TailRenderError,
     request_digest,
 )
 from nemo_rl.utils import instrumentation  # opt-in per-call cost (benchmarks/capture_ab.py)

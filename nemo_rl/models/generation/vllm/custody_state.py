@@ -30,6 +30,10 @@ from nemo_rl.data.errors import RecoverableError
 from nemo_rl.utils.lru import BoundedLRU
 
 
+class TailRenderError(RecoverableError, ValueError):
+    """The conversation cannot be split into exact parent prefix + newly rendered tail."""
+
+
 class PrefixError(RecoverableError, RuntimeError):
     """The parent prefix could not be resolved."""
 

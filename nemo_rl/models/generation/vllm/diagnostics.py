@@ -80,15 +80,16 @@ async def prompt_logprobs(engine: VllmEngine, token_ids: list[int], worker_index
 
 def capture_stats(service: ChatService, engine: VllmEngine | None, custody: Any, worker_index: int) -> dict:
     """The worker's call, prefix-cache and stage-writer counters (`custody`: a `lifecycle.TQCustody` or None)."""
-    cache = service.prefix_cache
+    core = service.custody  # None: token capture off
+    cache = core.prefix_cache if core is not None else None
     return {
         "worker_index": worker_index,
         "served_calls": service.stats["served_calls"],
         # None only for a service without an engine (a test's stand-in): `serve` needs one
         "engine_timing": dataclasses.asdict(engine.timing()) if engine is not None else None,
-        "served_rollouts_pending": service.served_rollouts_pending(),
+        "served_rollouts_pending": core.served_rollouts_pending() if core is not None else 0,
         "calls": dict(service.stats),
-        "capture_failures": list(service.capture_failures),
+        "capture_failures": list(core.capture_failures) if core is not None else [],
         "prefix_cache_fetched_keys": cache.fetched_keys if cache else 0,
         "prefix_cache_fetched_tokens": cache.fetched_tokens if cache else 0,
         "prefix_cache_seeded_keys": cache.seeded_keys if cache else 0,

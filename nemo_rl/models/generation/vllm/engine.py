@@ -22,9 +22,25 @@ from dataclasses import dataclass
 from typing import Any
 
 from nemo_rl.data.errors import FatalError, RecoverableError
-from nemo_rl.models.generation.vllm.chat import InvalidChatRequest, SamplingRequest
 from nemo_rl.models.generation.vllm.config import VllmConfig
 from nemo_rl.utils.lru import BoundedLRU
+
+
+class InvalidChatRequest(RecoverableError, ValueError):
+    """The request body is not a chat-completions request this worker can serve (HTTP 400)."""
+
+
+@dataclass(frozen=True)
+class SamplingRequest:
+    temperature: float
+    top_p: float
+    max_tokens: int
+    seed: int | None
+    logprobs: bool
+    return_token_ids: bool
+    max_tokens_explicit: bool = False  # the caller set max_tokens (else the server default, clipped to fit)
+    # vLLM's `return_tokens_as_token_ids`: logprob entries name tokens `token_id:N` (else their text).
+    return_tokens_as_token_ids: bool = False
 
 
 class EngineError(FatalError, RuntimeError):

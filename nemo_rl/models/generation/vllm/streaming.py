@@ -27,10 +27,15 @@ from typing import Any
 from aiohttp import web
 
 from nemo_rl.data.errors import ApiError, FatalError
-from nemo_rl.models.generation.vllm.chat import SamplingRequest, generated_text, new_request_id, parses_tool_calls
 from nemo_rl.models.generation.vllm.custody import CallOpening, CallServing, CustodyCore
-from nemo_rl.models.generation.vllm.engine import GenerationResult, GenerationTimeoutError, VllmEngine
-from nemo_rl.models.generation.vllm.serving import ChatService, record_generation
+from nemo_rl.models.generation.vllm.engine import GenerationResult, GenerationTimeoutError, SamplingRequest, VllmEngine
+from nemo_rl.models.generation.vllm.serving import (
+    ChatService,
+    generated_text,
+    new_request_id,
+    parses_tool_calls,
+    record_generation,
+)
 from nemo_rl.utils import instrumentation  # opt-in per-call cost (benchmarks/capture_ab.py)
 
 LOGGER = logging.getLogger(__name__)

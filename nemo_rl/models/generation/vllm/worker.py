@@ -48,6 +48,7 @@ from nemo_rl.models.generation.vllm.lifecycle import (
 )
 from nemo_rl.models.generation.vllm.engine import VllmEngine
 from nemo_rl.models.generation.vllm.serving import ChatService
+from nemo_rl.models.generation.vllm.tokenize_route import tokenize as tokenize_body
 from nemo_rl.models.generation.vllm.streaming import open_chat_stream, stream_sse
 from nemo_rl.token_capture.config import TokenCaptureConfig
 from nemo_rl.utils import instrumentation  # opt-in body/latency counters (benchmarks/capture_ab.py)
@@ -160,7 +161,7 @@ def build_app(
         return web.json_response(await service().chat_completions(body))
 
     async def tokenize(request: web.Request) -> web.Response:
-        out = service().tokenize(await _json_body(request, max_request_bytes))
+        out = tokenize_body(service(), await _json_body(request, max_request_bytes), max_model_len=max_model_len)
         return web.json_response({**out, "max_model_len": max_model_len})
 
     async def models(_: web.Request) -> web.Response:

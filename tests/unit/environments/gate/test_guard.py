@@ -47,6 +47,7 @@ from nemo_rl.environments.gate.setup import GateGuardConfig
 from nemo_rl.environments.nemo_gym_config import NemoGymConfig
 from nemo_rl.models.generation.vllm.lifecycle import build_custody
 from nemo_rl.models.generation.vllm.serving import ChatService
+from nemo_rl.models.generation.vllm.lifecycle import derive_turn_end
 from nemo_rl.models.generation.vllm.streaming import StreamStep
 from nemo_rl.models.generation.vllm.worker import Endpoint, build_app
 from responses_api_models.vllm_model.app import VLLMModelConfig
@@ -266,7 +267,7 @@ async def _stack(tokenizer, tmp_path: Path, *, serving: bool = True):
     custody = build_custody(staging, staging, weight_version_fn=lambda: 0, prefix_cache_max_tokens=1000,
                             vocab_size=len(tokenizer), max_admitted_calls=1000)
     svc = ChatService(engine, tokenizer, model_name="tiny", default_max_tokens=8, max_model_len=MAX_MODEL_LEN,
-                      tool_call_parser="hermes", custody=custody)
+                      turn_end=derive_turn_end(tokenizer), custody=custody)
     endpoint = Endpoint()
     endpoint.service = svc if serving else None
     worker = TestServer(build_app(endpoint, model_name="tiny", max_model_len=MAX_MODEL_LEN, max_request_bytes=1 << 22,

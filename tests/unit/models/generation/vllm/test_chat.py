@@ -9,6 +9,7 @@ max_tokens.
 from __future__ import annotations
 
 import json
+from typing import get_args
 
 import pytest
 
@@ -16,18 +17,15 @@ from examples.arith import task as arith_task
 from examples.arith.tiny_model.chat_template import CHATML, FAMILIES, LLAMA3, TemplateFamily
 from examples.arith.tiny_model.corpus import TASK_TOOLS, task_conversation
 from examples.arith.tiny_model.tokenizer import train_tokenizer
-from nemo_rl.models.generation.vllm.chat import (
-    TOOL_CALL_PARSERS,
-    TailRenderError,
+from nemo_rl.models.generation.vllm.custody_state import TailRenderError
+from nemo_rl.models.generation.vllm.lifecycle import derive_turn_end
+from nemo_rl.models.generation.vllm.serving import (
+    HERMES,
     TemplateProbeError,
-    UnknownToolCallParser,
     assistant_reply,
-    derive_turn_end,
     generated_text,
-    get_tool_call_parser,
     normalize_messages,
     parse_hermes,
-    parse_llama3_json,
     parses_tool_calls,
     render_root_prompt,
     render_text,
@@ -35,7 +33,13 @@ from nemo_rl.models.generation.vllm.chat import (
     sampled_turn_close,
     tail_boundary,
 )
-from nemo_rl.models.generation.vllm.config import GenerationConfig
+from nemo_rl.models.generation.vllm.tool_parsers import (
+    TOOL_CALL_PARSERS,
+    UnknownToolCallParser,
+    get_tool_call_parser,
+    parse_llama3_json,
+)
+from nemo_rl.models.generation.vllm.config import GenerationConfig, ToolCallParserName
 
 PROBLEM = arith_task.Problem("12 + 5", 17)
 
@@ -136,7 +140,7 @@ def test_generated_text_drops_stop_tokens_and_keeps_tool_markup(family_tokenizer
     ids = _ids(tokenizer, call) + [tokenizer.eos_token_id]
     text = generated_text(tokenizer, ids)
     assert text == call
-    parsed = get_tool_call_parser(family.tool_call_parser)(text)
+    parsed = get_tool_call_parser(family.tool_call_parser).parse(text)
     assert [c["function"]["name"] for c in parsed.tool_calls] == ["calculator"]
     assert json.loads(parsed.tool_calls[0]["function"]["arguments"]) == {"expression": "1 + 2"}
 
@@ -201,16 +205,16 @@ def test_assistant_reply_decodes_like_vllms_parser_asks(family_tokenizer):
     }[family.name]
     bos = tokenizer.convert_tokens_to_ids(family.special_tokens[0])  # a special token inside the reply
     ids = [bos] + _ids(tokenizer, call) + [tokenizer.eos_token_id]
-    without_tools = assistant_reply(tokenizer, ids, parser=family.tool_call_parser, parse_tools=False)
+    without_tools = assistant_reply(tokenizer, ids, parser=get_tool_call_parser(family.tool_call_parser), parse_tools=False)
     assert without_tools.tool_calls == [] and without_tools.content == call  # special tokens dropped, nothing parsed
-    parsed = assistant_reply(tokenizer, ids, parser=family.tool_call_parser, parse_tools=True)
+    parsed = assistant_reply(tokenizer, ids, parser=get_tool_call_parser(family.tool_call_parser), parse_tools=True)
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in parsed.tool_calls] == [
         ("calculator", {"expression": "2 * 3"})
     ]
     if family.tool_call_parser == "hermes":
         # hermes keeps special tokens (vLLM turns skip_special_tokens off), but never the stop token.
         assert parsed.content == family.special_tokens[0]
-        cut = assistant_reply(tokenizer, ids[:-1], parser="hermes", parse_tools=True)  # cut by max_tokens: no stop token
+        cut = assistant_reply(tokenizer, ids[:-1], parser=HERMES, parse_tools=True)  # cut by max_tokens: no stop token
         assert cut.content == family.special_tokens[0] and len(cut.tool_calls) == 1
     else:
         assert parsed.content is None
@@ -258,7 +262,7 @@ def test_llama3_json_follows_vllm():
 
 
 def test_parser_registry_matches_the_config_and_the_families():
-    assert set(TOOL_CALL_PARSERS) == {"hermes", "llama3_json"}
+    assert set(TOOL_CALL_PARSERS) == {"hermes", "llama3_json"} == set(get_args(ToolCallParserName))
     assert GenerationConfig().tool_call_parser == "hermes"
     assert GenerationConfig(tool_call_parser="llama3_json").tool_call_parser == "llama3_json"
     assert {f.tool_call_parser for f in FAMILIES.values()} <= set(TOOL_CALL_PARSERS)

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 
-from nemo_rl.models.generation.vllm.chat import InvalidChatRequest, SamplingRequest
 from nemo_rl.models.generation.vllm.config import VllmConfig
 from nemo_rl.models.generation.vllm.diagnostics import engine_prompt_logprobs
 from nemo_rl.models.generation.vllm.engine import (
@@ -21,9 +20,11 @@ from nemo_rl.models.generation.vllm.engine import (
     EngineFailedError,
     EngineState,
     GenerationTimeoutError,
+    InvalidChatRequest,
     RefitAbortedError,
     RefitFailedError,
     RefitGateTimeoutError,
+    SamplingRequest,
     VllmEngine,
 )
 from nemo_rl.models.generation.vllm.refit import reload_weights

@@ -31,11 +31,11 @@ from nemo_rl.data.calls import ServedCall
 from nemo_rl.data_plane import MissingKeysError
 from nemo_rl.data_plane.errors import DataPlaneTimeoutError
 from nemo_rl.data_plane.partitions import StagedKeysMissingError
-from nemo_rl.models.generation.vllm.chat import normalize_messages, render_root_prompt
 from nemo_rl.data.errors import ApiError
 from nemo_rl.models.generation.vllm.custody_state import PrefixCache, ServedRegistry
-from nemo_rl.models.generation.vllm.lifecycle import build_custody, build_tq_custody
-from nemo_rl.models.generation.vllm.serving import ChatService, context_overflow_message
+from nemo_rl.models.generation.vllm.lifecycle import build_custody, build_tq_custody, derive_turn_end
+from nemo_rl.models.generation.vllm.serving import ChatService, context_overflow_message, normalize_messages, render_root_prompt
+from nemo_rl.models.generation.vllm.tool_parsers import get_tool_call_parser
 from nemo_rl.token_capture.config import TokenCaptureConfig
 
 
@@ -122,7 +122,8 @@ def _service(
         model_name="tiny",
         default_max_tokens=16,
         max_model_len=max_model_len,
-        tool_call_parser=tool_call_parser,
+        turn_end=derive_turn_end(tokenizer),
+        tool_call_parser=get_tool_call_parser(tool_call_parser),
         custody=custody,
     )
     return svc, engine, staging
@@ -287,7 +288,7 @@ async def test_a_same_worker_continuation_fetches_nothing(tokenizer):
     await _three_turns(svc)
     # Each staged delta was seeded into the cache by the call that staged it: turns 2 and 3 fetched nothing.
     assert staging.fetches == []
-    assert (svc.prefix_cache.fetched_keys, svc.prefix_cache.seeded_keys, svc.prefix_cache.seed_rejected) == (0, 3, 0)
+    assert (svc.custody.prefix_cache.fetched_keys, svc.custody.prefix_cache.seeded_keys, svc.custody.prefix_cache.seed_rejected) == (0, 3, 0)
     assert engine.prompts[2][: len(engine.prompts[1])] == engine.prompts[1]
 
 
@@ -300,19 +301,19 @@ async def test_a_seeded_entry_is_exactly_what_a_fetch_returns(tokenizer):
     fresh = PrefixCache(staging, max_tokens=100_000)
     prefix = fresh.resolve(chain, last.cum_len, last.chain_hash)
     assert staging.fetches == [chain] and fresh.fetched_keys == 3
-    assert [fresh.entry(k) for k in chain] == [svc.prefix_cache.entry(k) for k in chain]
+    assert [fresh.entry(k) for k in chain] == [svc.custody.prefix_cache.entry(k) for k in chain]
     assert prefix == [t for k in chain for t in staging.records[k].token_ids_delta]
-    assert svc.prefix_cache.resolve(chain, last.cum_len, last.chain_hash) == prefix  # from the seeded entries
+    assert svc.custody.prefix_cache.resolve(chain, last.cum_len, last.chain_hash) == prefix  # from the seeded entries
 
 
 async def test_prefix_cache_fetches_each_parent_once(tokenizer):
     gens = [_gen(tokenizer, CALL_TEXT), _gen(tokenizer, CALL_TEXT), _gen(tokenizer, "The answer is 17.")]
     svc, _, staging = _service(tokenizer, gens)
-    svc.prefix_cache.seed = lambda key, **entry: True  # a worker that never seeds: every parent comes from the store
+    svc.custody.prefix_cache.seed = lambda key, **entry: True  # a worker that never seeds: every parent comes from the store
     await _three_turns(svc)
     # Turn 3 needed keys c1 and c2 but fetched only c2: c1 was cached when turn 2 resolved it.
     assert staging.fetches == [["r1/c1"], ["r1/c2"]]
-    assert svc.prefix_cache.fetched_keys == 2
+    assert svc.custody.prefix_cache.fetched_keys == 2
 
 
 async def test_admitted_replies_carry_no_token_echo(tokenizer):
@@ -372,8 +373,8 @@ async def test_one_admission_check_and_the_generations_weight_version_is_staged(
     svc, _, staging = _service(tokenizer, [])
     engine = RefitDuringGeneration([gen1, gen2])
     svc._engine = engine
-    counting = CountingCapture(svc.capture)
-    svc.install_token_capture(counting)
+    counting = CountingCapture(svc.custody.capture)
+    svc.custody.install_token_capture(counting)
     r1, r2 = await _root_then_token_in(svc, engine)
     # One begin_call per admitted call, at the version current at admission (3, then 4) ...
     assert counting.begin_calls == [3, 4]
@@ -504,8 +505,8 @@ async def test_tail_render_failure_is_capture_failed_not_silent(tokenizer):
     assert r2["ng_commit_coords"]["disposition"] == "capture_failed"
     assert r2["ng_commit_coords"]["staging_key"] is None
     assert svc.stats["capture_failed"] == 1
-    assert svc.capture_failures[-1]["model_call_id"] == "c2"
-    assert "tail_render_failed" in svc.capture_failures[-1]["reason"]
+    assert svc.custody.capture_failures[-1]["model_call_id"] == "c2"
+    assert "tail_render_failed" in svc.custody.capture_failures[-1]["reason"]
     assert "r1/c2" not in staging.records
 
 
@@ -683,7 +684,7 @@ async def test_a_row_lost_behind_the_reply_turns_its_call_unstaged_in_the_served
     assert (root.staged, root.failure) == (True, None)
     assert (child.staged, child.failure) == (False, why)
     assert svc.stats["capture_failed"] == 1
-    assert list(svc.capture_failures) == [{"rollout_id": "r1", "model_call_id": "c2", "reason": why}]
+    assert list(svc.custody.capture_failures) == [{"rollout_id": "r1", "model_call_id": "c2", "reason": why}]
 
 
 async def test_a_parent_enters_the_prefix_cache_only_once_its_row_is_written(tokenizer):
@@ -692,10 +693,10 @@ async def test_a_parent_enters_the_prefix_cache_only_once_its_row_is_written(tok
     plane.gate.clear()  # a slow write
     r1 = await _root(svc)
     assert r1["ng_commit_coords"]["disposition"] == "staged"
-    assert svc.prefix_cache.entry("r1/c1") is None  # queued, not durable: not a parent yet
+    assert svc.custody.prefix_cache.entry("r1/c1") is None  # queued, not durable: not a parent yet
     plane.gate.set()
     assert writer.flush(["r1"], 5.0) == {}
-    assert svc.prefix_cache.entry("r1/c1") is not None and svc.prefix_cache.seeded_keys == 1
+    assert svc.custody.prefix_cache.entry("r1/c1") is not None and svc.custody.prefix_cache.seeded_keys == 1
     r2 = await svc.chat_completions(_child(r1))
     assert r2["ng_commit_coords"]["disposition"] == "staged"
     assert plane.gets == []  # the same-worker child read nothing: its parent was seeded once durable
@@ -752,7 +753,7 @@ async def test_a_lost_parent_stays_refused_after_the_served_report_took_its_fail
         await svc.chat_completions(_child(r1, inline=engine.prompts[0] + gen1 if inline else None))
     assert (e.value.status, e.value.err_type) == (503, "staging_unavailable")
     assert "r1/c1: staging write failed" in e.value.message
-    assert len(engine.prompts) == 1 and svc.prefix_cache.entry("r1/c1") is None
+    assert len(engine.prompts) == 1 and svc.custody.prefix_cache.entry("r1/c1") is None
 
 
 async def test_a_row_the_report_deadline_abandoned_is_never_a_parent_even_if_it_lands(tokenizer):
@@ -769,7 +770,7 @@ async def test_a_row_the_report_deadline_abandoned_is_never_a_parent_even_if_it_
     with pytest.raises(ApiError) as e:
         await svc.chat_completions(_child(r1))
     assert (e.value.status, e.value.err_type) == (503, "staging_unavailable")
-    assert len(engine.prompts) == 1 and svc.prefix_cache.entry("r1/c1") is None
+    assert len(engine.prompts) == 1 and svc.custody.prefix_cache.entry("r1/c1") is None
 
 
 async def test_an_inline_parent_staged_by_another_worker_is_read_before_the_child_is_generated(tokenizer):
@@ -815,7 +816,7 @@ async def test_tail_render_failure_is_served_with_its_reason(tokenizer):
 async def test_plain_calls_record_nothing(tokenizer):
     svc, _, _ = _service(tokenizer, [_gen(tokenizer, "The answer is 17.")])
     await svc.chat_completions({"messages": MESSAGES})
-    assert svc.served_rollouts_pending() == 0
+    assert svc.custody.served_rollouts_pending() == 0
     assert svc.take_served(["r1"]) == []
     assert (svc.stats["plain_calls"], svc.stats["served_calls"]) == (1, 1)
 
@@ -827,7 +828,7 @@ async def test_take_served_pops_exactly_the_asked_rollouts(tokenizer):
     assert [c.rollout_id for c in svc.take_served(["rc", "unknown", "ra"])] == ["rc", "ra"]
     assert svc.take_served(["ra", "rc"]) == []
     assert [c.rollout_id for c in svc.take_served(["rb"])] == ["rb"]
-    assert svc.served_rollouts_pending() == 0
+    assert svc.custody.served_rollouts_pending() == 0
 
 
 async def test_served_registry_is_bounded_and_counts_evictions(tokenizer):
@@ -954,13 +955,13 @@ async def test_worker_take_served_returns_wire_dicts_and_counts_calls(tokenizer)
 
 def _record_commit_threads(svc) -> list[int]:
     threads: list[int] = []
-    inner = svc.capture.complete_call_from_response
+    inner = svc.custody.capture.complete_call_from_response
 
     def recording(*args, **kwargs):
         threads.append(threading.get_ident())
         return inner(*args, **kwargs)
 
-    svc.capture.complete_call_from_response = recording
+    svc.custody.capture.complete_call_from_response = recording
     return threads
 
 

@@ -22,6 +22,7 @@ from nemo_rl.data.errors import ApiError
 from nemo_rl.data.calls import RequestFieldError, check_chat_request
 from nemo_rl.models.generation.vllm.lifecycle import build_custody
 from nemo_rl.models.generation.vllm.serving import ChatService
+from nemo_rl.models.generation.vllm.lifecycle import derive_turn_end
 from nemo_rl.models.generation.vllm.streaming import (
     CLIENT_DISCONNECTED,
     SSE_DONE,
@@ -203,7 +204,7 @@ def _service(tokenizer, script):
     custody = build_custody(sink, sink, weight_version_fn=lambda: 2, prefix_cache_max_tokens=10_000,
                             vocab_size=len(tokenizer), max_admitted_calls=100)
     svc = ChatService(engine, tokenizer, model_name="tiny", default_max_tokens=64, max_model_len=2048,
-                      tool_call_parser="hermes", custody=custody)
+                      turn_end=derive_turn_end(tokenizer), custody=custody)
     return svc, engine, sink
 
 

@@ -37,6 +37,7 @@ from nemo_rl.data.errors import ApiError
 from nemo_rl.models.generation.vllm.lifecycle import build_custody
 from nemo_rl.models.generation.vllm.custody_state import AdmittedCalls, request_digest
 from nemo_rl.models.generation.vllm.serving import ChatService
+from nemo_rl.models.generation.vllm.lifecycle import derive_turn_end
 from nemo_rl.models.generation.vllm.streaming import StreamStep
 from nemo_rl.models.generation.vllm.worker import (
     Endpoint,
@@ -131,7 +132,7 @@ def _service(tokenizer, engine=None, staging=None, **kw) -> tuple[ChatService, E
                             prefix_cache_max_tokens=100_000, vocab_size=len(tokenizer), max_admitted_calls=1000, **kw)
     svc = ChatService(
         engine, tokenizer, model_name="tiny", default_max_tokens=16, max_model_len=MAX_MODEL_LEN,
-        tool_call_parser="hermes", custody=custody,
+        turn_end=derive_turn_end(tokenizer), custody=custody,
     )
     return svc, engine, staging
 
@@ -591,7 +592,7 @@ async def test_bind_listens_on_and_advertises_the_chosen_address(monkeypatch, bi
 
 
 def _sampling():
-    from nemo_rl.models.generation.vllm.chat import SamplingRequest
+    from nemo_rl.models.generation.vllm.engine import SamplingRequest
 
     return SamplingRequest(temperature=1.0, top_p=1.0, max_tokens=4, seed=None, logprobs=False, return_token_ids=False)
 
