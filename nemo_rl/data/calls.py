@@ -17,7 +17,7 @@ from __future__ import annotations
 import hmac
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, Union
 
@@ -58,6 +58,19 @@ def show(value: Any) -> str:
     except (TypeError, ValueError, RecursionError):  # not JSON data (only from Python callers)
         text = repr(value)
     return text if len(text) <= _MAX_VALUE_CHARS else text[:_MAX_VALUE_CHARS] + f"...<{len(text)} chars>"
+
+
+def rewrite_json_body(raw: bytes, rewrite: Callable[[Any], Any]) -> bytes:
+    """`raw` with its JSON passed through `rewrite`; `raw` itself when `rewrite` returns its argument or `raw`
+    is not JSON (the guard or Gym answers such bytes as they would without the rewrite)."""
+    try:
+        body = json.loads(raw)
+    except ValueError:  # JSONDecodeError and UnicodeDecodeError are both ValueErrors
+        return raw
+    rewritten = rewrite(body)
+    if rewritten is body:
+        return raw
+    return json.dumps(rewritten, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
 
 
 def _type_name(value: Any) -> str:

@@ -275,14 +275,7 @@ def normalize_chat_request(body: Any) -> Any:
 
 def normalize_chat_body(raw: bytes) -> bytes:
     """The raw bytes after `normalize_chat_request`; `raw` itself when nothing changed or it is not JSON."""
-    try:
-        body = json.loads(raw)
-    except ValueError:  # JSONDecodeError and UnicodeDecodeError are both ValueErrors
-        return raw
-    normalized = normalize_chat_request(body)
-    if normalized is body:
-        return raw
-    return json.dumps(normalized, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+    return calls.rewrite_json_body(raw, normalize_chat_request)
 
 
 def normalize_chat_post(raw: bytes) -> bytes:

@@ -13,10 +13,9 @@ it. Pure functions; the guard and the normaliser (`app`) call them.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
-from nemo_rl.data.calls import RequestFieldError, show
+from nemo_rl.data.calls import RequestFieldError, rewrite_json_body, show
 
 FIELD = "required_prefix_token_ids"
 
@@ -57,11 +56,4 @@ def drop_empty_required_prefix_bytes(raw: bytes) -> bytes:
     """The raw request after `drop_empty_required_prefix`; `raw` itself when nothing changes or it is not JSON."""
     if FIELD.encode("ascii") not in raw:
         return raw
-    try:
-        body = json.loads(raw)
-    except ValueError:  # JSONDecodeError and UnicodeDecodeError: Gym answers such bytes as it would
-        return raw
-    dropped = drop_empty_required_prefix(body)
-    if dropped is body:
-        return raw
-    return json.dumps(dropped, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+    return rewrite_json_body(raw, drop_empty_required_prefix)

@@ -13,12 +13,11 @@ client sent. The table: docs/guides/token-capture.md, "Responses API fields".
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from nemo_rl.data.calls import RequestFieldError, show
+from nemo_rl.data.calls import RequestFieldError, rewrite_json_body, show
 from nemo_rl.environments.gate.required_prefix import drop_empty_required_prefix_bytes
 
 # `include` values the path honours without changing the tokens: there is nothing to encrypt (the
@@ -155,14 +154,7 @@ def normalize_responses_body(raw: bytes) -> bytes:
     Bytes that are not a JSON object are returned unchanged (the guard refuses them first).
     Raises `RequestFieldError` for a refused field.
     """
-    try:
-        body = json.loads(raw)
-    except ValueError:
-        return raw
-    normalized = normalize_responses_request(body)
-    if normalized is body:
-        return raw
-    return json.dumps(normalized, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+    return rewrite_json_body(raw, normalize_responses_request)
 
 
 def normalize_responses_post(raw: bytes) -> bytes:

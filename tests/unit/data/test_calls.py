@@ -32,6 +32,7 @@ from nemo_rl.data.calls import (
     check_rollout_id,
     has_assistant_turn,
     parse_json_body,
+    rewrite_json_body,
     rollout_id_for,
 )
 
@@ -284,3 +285,24 @@ def test_the_rules_load_without_torch():
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "False", "importing nemo_rl.data.calls and running its rules loaded torch"
+
+
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3),
+    max_leaves=8,
+)
+
+
+@settings(max_examples=100)
+@given(body=st.dictionaries(st.text(max_size=4), _JSON, max_size=4))
+def test_rewrite_json_body_returns_the_same_bytes_unless_the_rewrite_changes_the_body(body):
+    raw = json.dumps(body).encode()
+    assert rewrite_json_body(raw, lambda b: b) is raw
+    added = rewrite_json_body(raw, lambda b: {**b, "added": "é"})
+    assert added == json.dumps({**body, "added": "é"}, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+
+
+def test_rewrite_json_body_leaves_bytes_that_are_not_json():
+    for raw in (b"{not json", b"\xff\xfe", b""):
+        assert rewrite_json_body(raw, lambda b: {"changed": True}) is raw
