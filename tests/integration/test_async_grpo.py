@@ -10,7 +10,8 @@ run's own records: `metrics.jsonl` (ages from the rows, engine idle and refit dr
 trainer's timer) and `dispatched_prompts.jsonl` (one line per dispatch): always-N per step,
 overlap (rows trained with a version older than the trainer's), exact relations among the
 async/* metrics, dropped groups counted, re-dispatched and trained by their step, and a refit
-that drained calls in flight.
+that drained calls in flight. No actor logs Ray's warning that it blocked its event loop while
+rollouts overlap training (`log_checks.py`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+
+from tests.integration.log_checks import actor_lines, blocking_get_warnings
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPE = "examples/configs/grpo_async_tiny_cpu.yaml"
@@ -41,7 +44,7 @@ def _jsonl(path: Path) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def async_run(tmp_path_factory) -> tuple[list[dict], list[dict]]:
+def async_run(tmp_path_factory) -> tuple[list[dict], list[dict], str]:
     log_dir = tmp_path_factory.mktemp("async") / "logs"
     proc = subprocess.run(
         [sys.executable, "examples/run_grpo_single_controller.py", "--config", RECIPE, *OVERRIDES,
@@ -50,12 +53,12 @@ def async_run(tmp_path_factory) -> tuple[list[dict], list[dict]]:
                                                              "NRL_TEST_ENGINE_HOLD_S": ENGINE_HOLD_S},
     )
     assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-6000:]}"
-    return _jsonl(log_dir / "metrics.jsonl"), _jsonl(log_dir / "dispatched_prompts.jsonl")
+    return _jsonl(log_dir / "metrics.jsonl"), _jsonl(log_dir / "dispatched_prompts.jsonl"), proc.stdout + proc.stderr
 
 
 @pytest.mark.integration
 def test_every_step_accounts_always_n_and_trains_fresh_groups_only(async_run):
-    lines, _ = async_run
+    lines, _, _ = async_run
     assert [m["step"] for m in lines] == list(range(1, STEPS + 1))
     for m in lines:
         assert m["rollouts/dispatched"] == m["finalize/kept_rollouts"] + m["finalize/placeholders"] == P * N
@@ -88,7 +91,7 @@ def test_every_step_accounts_always_n_and_trains_fresh_groups_only(async_run):
 
 @pytest.mark.integration
 def test_rollouts_overlapped_training_and_a_refit_drained_calls_in_flight(async_run):
-    lines, _ = async_run
+    lines, _, _ = async_run
     # Rows trained with weights older than the trainer's: generated while an earlier step trained.
     assert any(m["weight_version/min"] < m["async/trainer_version"] for m in lines), lines
     assert max(m[f"{AGE}_max"] for m in lines) >= 1
@@ -101,7 +104,7 @@ def test_rollouts_overlapped_training_and_a_refit_drained_calls_in_flight(async_
 
 @pytest.mark.integration
 def test_dropped_groups_are_counted_re_dispatched_and_trained_by_their_step(async_run):
-    lines, dispatches = async_run
+    lines, dispatches, _ = async_run
     dropped = sum(m["async/dropped_stale_groups"] for m in lines)
     assert dropped >= 1  # a group dispatched while step s trained is two updates old at step s+2
     assert sum(m["async/dropped_stale_rollouts"] for m in lines) == dropped * N
@@ -117,3 +120,10 @@ def test_dropped_groups_are_counted_re_dispatched_and_trained_by_their_step(asyn
     # each position's generations are 0..k-1 in order: a re-dispatch always follows its drop
     for position, count in per_position.items():
         assert [d["generation"] for d in dispatches if d["position"] == position] == list(range(count))
+
+
+@pytest.mark.integration
+def test_no_actor_blocks_its_event_loop_while_rollouts_overlap_training(async_run):
+    _, _, output = async_run
+    assert actor_lines(output, "VllmGenerationWorker"), "no VllmGenerationWorker line in the run's output"
+    assert blocking_get_warnings(output) == []

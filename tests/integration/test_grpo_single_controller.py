@@ -5,7 +5,8 @@ compacting agent's proof runs on the checkpoint-resume test's run (`metrics_cont
 
 Asserts the metrics contract (keys, always-N on every line), that capture is engaged and exact
 (token-in rate, no poisoned rollouts, token_mult_prob_error ~ 1), and that refit works: the
-engine's logprobs of a fixed probe change after each step and match the trainer's.
+engine's logprobs of a fixed probe change after each step and match the trainer's. No actor of
+either leg logs Ray's warning that it blocked its event loop (`log_checks.py`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.integration.conftest import L1_PROMPTS_PER_STEP
+from tests.integration.log_checks import actor_lines, blocking_get_warnings
 from tests.integration.metrics_contract import check_step_lines
 
 
@@ -66,3 +68,14 @@ def test_grpo_capture_off_runs_the_legacy_path(l1_legs):
         assert m["finalize/rows"] >= 1
         assert m["weight_version/min"] == m["weight_version/max"] == -1.0  # the token echo carries no version
         assert "retention/train_keys_remaining" not in m  # legacy rows reach the policy as a TrainBatch argument
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("leg", ["capture", "legacy"])
+def test_no_actor_blocks_its_event_loop(l1_legs, leg):
+    log = l1_legs.out_dir / f"{leg}.log"
+    assert log.is_file(), l1_legs.describe()
+    text = log.read_text(errors="replace")
+    # The workers' own lines reach this log (Ray forwards actor output), so an empty answer below is a finding.
+    assert actor_lines(text, "VllmGenerationWorker"), f"no VllmGenerationWorker line in {log}"
+    assert blocking_get_warnings(text) == [], f"an actor blocked its event loop in the {leg} leg"
