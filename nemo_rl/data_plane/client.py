@@ -5,11 +5,11 @@ call is bounded (`DataPlaneTimeoutError`); methods are thread-safe; `get` return
 per key in request order or raises `MissingKeysError` (TQ drops missing keys silently); a write is
 readable by every client once `put` / `put_many` returns; `close()` detaches this client only.
 Weather vs bugs: only a transport failure in the explicit cause chain is a `DataPlaneError`; an
-undecodable answer is `DataPlaneDecodeError`; anything else propagates with a note naming the call.
+undecodable answer is a `decode` `DataPlaneBugError`; anything else propagates with a note naming the call.
 `StageWriter` writes a worker's queued rows in batches off the reply path; each queued key is
 pending, written or lost. Barriers: `when_written`, `wait_keys` (parents) and `flush` (the served
 report: never returns with a row pending; at its deadline rows are withdrawn or abandoned, lost).
-A `DataPlaneError` fails only its batch; a bug stops the writer (`StageWriterFailedError`).
+A `DataPlaneError` fails only its batch; a bug stops the writer (`DataPlaneBugError`, kind `stage_writer`).
 See docs/design-docs/distributed.md ("The data-plane client"), vllm-worker-capture.md ("The stage writer").
 """
 
@@ -30,14 +30,7 @@ import torch
 from nemo_rl.data.calls import Row
 from nemo_rl.data_plane import tq_backend
 from nemo_rl.data_plane.config import DataPlaneConfig
-from nemo_rl.data_plane.errors import (
-    DataPlaneDecodeError,
-    DataPlaneError,
-    DataPlaneTimeoutError,
-    DataPlaneUsageError,
-    MissingKeysError,
-    StageWriterFailedError,
-)
+from nemo_rl.data_plane.errors import DataPlaneBugError, DataPlaneError, DataPlaneTimeoutError, MissingKeysError
 from nemo_rl.data_plane.fields import Schema, batch_schema, check_fields, check_keys, unique_in_order
 from nemo_rl.utils import instrumentation  # opt-in counters (benchmarks/capture_ab.py)
 from nemo_rl.utils.lru import BoundedLRU
@@ -93,8 +86,8 @@ def _column(data: Any, name: str, count: int) -> list[Any]:
     else:
         items = list(value)
     if len(items) != count:
-        raise DataPlaneDecodeError(f"TransferQueue returned {len(items)} values for field {name!r}, expected {count} "
-                                   "(one per key): the answer does not decode as one row per key")
+        raise DataPlaneBugError(f"TransferQueue returned {len(items)} values for field {name!r}, expected {count} "
+                                "(one per key): the answer does not decode as one row per key", kind="decode")
     return items
 
 
@@ -102,8 +95,8 @@ async def put_rows(client: Any, partition: str, keys: list[str], rows: list[Row]
     """Write rows under keys (overwriting existing keys); returns once the controller has ACKed."""
     meta = await client.async_kv_retrieve_meta(keys=keys, partition_id=partition, create=True)
     if meta.size != len(keys):
-        raise DataPlaneDecodeError(f"put on partition {partition!r}: the controller registered {meta.size} of "
-                                   f"{len(keys)} keys asked with create=True")
+        raise DataPlaneBugError(f"put on partition {partition!r}: the controller registered {meta.size} of "
+                                f"{len(keys)} keys asked with create=True", kind="decode")
     await client.async_put(rows_to_tensordict(rows, schema), meta)
 
 
@@ -235,8 +228,9 @@ class DataPlaneClient:
         if self._closed:
             raise DataPlaneError(f"data plane {operation} on partition {partition!r}: this client is closed", kind="closed")
         if not isinstance(partition, str) or not partition:
-            raise DataPlaneUsageError(
-                f"data plane {operation}: partition must be a non-empty str, got {partition!r} (fix the caller)")
+            raise DataPlaneBugError(
+                f"data plane {operation}: partition must be a non-empty str, got {partition!r} (fix the caller)",
+                kind="usage")
         deadline = self.cfg.call_timeout_s if timeout_s is None else timeout_s
         try:
             return self._loop.run(make_coro, deadline)
@@ -379,12 +373,14 @@ class StageWriter:
         """Queue one row; it is written by the background thread (see the module contract)."""
         with self._cv:
             if self._fatal is not None:
-                raise StageWriterFailedError(
+                raise DataPlaneBugError(
                     f"the stage writer for partition {self._partition!r} stopped on "
-                    f"{type(self._fatal).__name__}: {self._fatal}; staging key {key!r} was not queued"
+                    f"{type(self._fatal).__name__}: {self._fatal}; staging key {key!r} was not queued",
+                    kind="stage_writer",
                 ) from self._fatal
             if self._closed:
-                raise StageWriterFailedError(f"the stage writer for {self._partition!r} is closed; {key!r} not queued")
+                raise DataPlaneBugError(f"the stage writer for {self._partition!r} is closed; {key!r} not queued",
+                                        kind="stage_writer")
             self._queue.append(_Queued(rollout_id, key, row))
             self._pending.setdefault(rollout_id, set()).add(key)
             self._pending_keys.add(key)

@@ -4,10 +4,11 @@
 transport failure, a dead or absent component, an unreadable key (`MissingKeysError`), a closed
 client, and at attach time a config the process cannot honour; its `kind` (`DataPlaneKind`) says
 which. Callers may turn them into placeholders or retry (`RecoverableError`). A bug is never a
-`DataPlaneError`: bad caller input is a `DataPlaneUsageError` (a `ValueError`), an undecodable TQ
-answer a `DataPlaneDecodeError` (both `FatalError`), and anything else raised inside a TQ call
-propagates unchanged (`client`). Each error names the
-operation, the partition and what to do; TQ exceptions are chained.
+`DataPlaneError`: it is a `DataPlaneBugError` (`FatalError`, a `ValueError`) whose `kind`
+(`DataPlaneBugKind`) says which (bad caller input, an undecodable TQ answer, a stopped stage
+writer; a bad row or key is its `FieldEncodingError`), and anything else raised inside a TQ call
+propagates unchanged (`client`). Each error names the operation, the partition and what to do;
+TQ exceptions are chained.
 """
 
 from __future__ import annotations
@@ -52,20 +53,30 @@ class DataPlaneError(Kinded, RecoverableError, RuntimeError):
         super().__init__(message, kind=kind)
 
 
-class DataPlaneUsageError(FatalError, ValueError):
-    """The caller passed an argument or row the data plane does not accept: a bug in the caller."""
+DataPlaneBugKind = Literal["usage", "decode", "stage_writer", "field_encoding"]
+"""Which bug: the caller passed an argument the data plane does not accept (e.g. an empty
+partition); TQ answered with data that breaks this package's decode contract (a bug here or in
+TQ); the write-behind thread stopped on a bug or was closed, so nothing more can be staged by this
+worker; and, with its own class, a row, key or field value the data plane does not store
+(`field_encoding`, `FieldEncodingError`, see `fields`)."""
 
 
-class DataPlaneDecodeError(FatalError, RuntimeError):
-    """TQ answered with data that breaks this package's decode contract: a bug here or in TQ."""
+class DataPlaneBugError(Kinded, FatalError, ValueError):
+    """Base class of every data-plane bug (never weather): no caller turns it into a placeholder."""
+
+    KINDS = typing.get_args(DataPlaneBugKind)
+    OWN_CLASS = MappingProxyType({"field_encoding": "FieldEncodingError"})
+    kind: DataPlaneBugKind
+
+    def __init__(self, message: str, *, kind: DataPlaneBugKind) -> None:
+        super().__init__(message, kind=kind)
 
 
-class StageWriterFailedError(FatalError, RuntimeError):
-    """The write-behind thread stopped on a bug; nothing more can be staged by this worker."""
-
-
-class FieldEncodingError(DataPlaneUsageError):
+class FieldEncodingError(DataPlaneBugError):
     """A row has a field value the data plane does not store (see the package docstring)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, kind="field_encoding")
 
 
 class DataPlaneTimeoutError(DataPlaneError):

@@ -18,6 +18,7 @@ import pytest
 
 from nemo_rl.data.errors import FatalError, Kinded, RecoverableError
 from nemo_rl.data_plane.errors import DataPlaneError, DataPlaneKind, DataPlaneTimeoutError, MissingKeysError
+from nemo_rl.data_plane.errors import DataPlaneBugError, DataPlaneBugKind, FieldEncodingError
 from nemo_rl.environments.nemo_gym_config import (
     GymDatasetError,
     GymRequirementsError,
@@ -34,6 +35,7 @@ FAMILIES: list[tuple[type[Kinded], object, type]] = [
     (CheckpointError, CheckpointKind, FatalError),
     (DataPlaneError, DataPlaneKind, RecoverableError),
     (NemoGymError, NemoGymKind, FatalError),
+    (DataPlaneBugError, DataPlaneBugKind, FatalError),
 ]
 
 
@@ -93,6 +95,7 @@ OWN_CLASS_ERRORS = [
     GymRequirementsError("arith", Path("/tmp/requirements.txt"), ["sympy"]),
     GymDatasetError("data.jsonl:3: not valid JSON"),
     InvalidRolloutIdError("rollout id 'a/b' has a slash"),
+    FieldEncodingError("key 'k' field 'ids': list is not stored"),
 ]
 
 

@@ -12,10 +12,9 @@ import zmq
 
 from nemo_rl.data_plane import (
     DataPlaneClient,
+    DataPlaneBugError,
     DataPlaneConfig,
-    DataPlaneDecodeError,
     DataPlaneError,
-    DataPlaneUsageError,
     FieldEncodingError,
     MissingKeysError,
     attach_client,
@@ -95,20 +94,22 @@ def test_list_and_clear(client: DataPlaneClient) -> None:
 def test_invalid_rows_fail_before_any_call(client: DataPlaneClient) -> None:
     with pytest.raises(FieldEncodingError, match="key 'bad' field 'ids': tensor dtype torch.int32"):
         client.put("p", "bad", {"ids": torch.tensor([1], dtype=torch.int32)})
-    with pytest.raises(DataPlaneUsageError, match="partition must be a non-empty str, got '' \\(fix the caller\\)"):
+    with pytest.raises(DataPlaneBugError, match="partition must be a non-empty str, got '' \\(fix the caller\\)") as bad:
         client.put("", "k", {"tag": "x"})
+    assert bad.value.kind == "usage"
 
 
 def test_a_bad_argument_is_a_caller_bug_not_weather(client: DataPlaneClient) -> None:
     # A caller that turns DataPlaneError into a placeholder must not swallow its own encoding bug.
-    for call in (lambda: client.put("p", "bad", {"ids": [1, 2]}), lambda: client.get("p", [3], ["tag"]),
-                 lambda: client.clear(None, ["k"])):  # type: ignore[arg-type]
-        with pytest.raises(DataPlaneUsageError) as info:
+    for call, kind in ((lambda: client.put("p", "bad", {"ids": [1, 2]}), "field_encoding"),
+                       (lambda: client.get("p", [3], ["tag"]), "field_encoding"),
+                       (lambda: client.clear(None, ["k"]), "usage")):  # type: ignore[arg-type]
+        with pytest.raises(DataPlaneBugError) as info:
             try:
                 call()
             except DataPlaneError as e:
                 pytest.fail(f"a caller bug was raised as data-plane weather: {e!r}")
-        assert isinstance(info.value, ValueError)
+        assert isinstance(info.value, ValueError) and info.value.kind == kind
 
 
 class _AnswerEditingTQ:
@@ -153,9 +154,9 @@ def test_a_decode_bug_on_a_real_answer_surfaces_as_itself(client: DataPlaneClien
         return (await real.async_get_data(meta))[:1]
 
     monkeypatch.setattr(client, "_tq", _AnswerEditingTQ(client._tq._real, first_row_only))
-    with pytest.raises(DataPlaneDecodeError) as short:
+    with pytest.raises(DataPlaneBugError) as short:
         client.get("decode", ["d/1", "d/2"], ["ids", "tag"])
-    assert not isinstance(short.value, DataPlaneError)
+    assert not isinstance(short.value, DataPlaneError) and short.value.kind == "decode"
     assert str(short.value) == ("TransferQueue returned 1 values for field 'ids', expected 2 (one per key): the "
                                 "answer does not decode as one row per key")
 

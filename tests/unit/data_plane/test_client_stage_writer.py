@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from nemo_rl.data_plane import DataPlaneTimeoutError
-from nemo_rl.data_plane.client import ParentRows, StageWriter, StageWriterFailedError
+from nemo_rl.data_plane import DataPlaneBugError, DataPlaneTimeoutError
+from nemo_rl.data_plane.client import ParentRows, StageWriter
 
 
 class GatedStore:
@@ -169,8 +169,9 @@ def test_a_bug_in_a_when_written_callback_stops_the_writer() -> None:
     assert writer.when_written("r1/b", broken)
     store.gate.set()
     writer.flush(["r1"], 5.0)
-    with pytest.raises(StageWriterFailedError, match=r"stopped on KeyError: 'seed'"):
+    with pytest.raises(DataPlaneBugError, match=r"stopped on KeyError: 'seed'") as stopped:
         writer.submit("r1", "r1/c", {})
+    assert stopped.value.kind == "stage_writer"
     writer.close(5.0)
 
 
@@ -186,8 +187,9 @@ def test_a_bug_in_the_write_fails_queued_rows_and_stops_the_writer() -> None:
     store.gate.set()
     failures = writer.flush(["r1"], 5.0)
     assert failures == {"r1/a": "stage writer crashed: KeyError: 'schema'", "r1/b": "stage writer crashed: KeyError: 'schema'"}
-    with pytest.raises(StageWriterFailedError, match=r"stopped on KeyError: 'schema'; staging key 'r1/c' was not queued"):
+    with pytest.raises(DataPlaneBugError, match=r"stopped on KeyError: 'schema'; staging key 'r1/c' was not queued") as stopped:
         writer.submit("r1", "r1/c", {})
+    assert stopped.value.kind == "stage_writer"
     writer.close(5.0)  # joins the stopped thread, so its traceback is reported under this test
 
 
@@ -217,8 +219,9 @@ def test_close_writes_what_is_queued_then_refuses() -> None:
     threading.Timer(0.1, store.gate.set).start()
     writer.close(5.0)
     assert store.batches == [["r/a"], ["r/b"]]
-    with pytest.raises(StageWriterFailedError, match="is closed; 'r/c' not queued"):
+    with pytest.raises(DataPlaneBugError, match="is closed; 'r/c' not queued") as closed:
         writer.submit("r", "r/c", {})
+    assert closed.value.kind == "stage_writer"
 
 
 def test_bad_arguments_are_named() -> None:
