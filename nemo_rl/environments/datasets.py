@@ -2,10 +2,10 @@
 
 `make_prompt_source` builds what the `env:` section names, once before the first step: a
 `TaskPromptSource` or a `task_pool` of a `GymTask`, or a `PromptDataset` read from a Gym JSONL
-(`load_jsonl`). Refuses a bad dataset line (`GymDatasetError` naming file and line); a row whose
-prompt plus `max_output_tokens` exceeds `max_model_len` is dropped and counted, never dispatched
-to fail, and all rows dropped is an error naming the fix. What runs each step (`batch`) is
-`gym_client`'s. See docs/design-docs/gym-environment.md, "Prompt sources".
+(`load_jsonl`). Refuses a bad dataset line (a `NemoGymError` of kind `dataset` naming file and
+line); a row whose prompt plus `max_output_tokens` exceeds `max_model_len` is dropped and counted,
+never dispatched to fail, and all rows dropped is an error naming the fix. What runs each step
+(`batch`) is `gym_client`'s. See docs/design-docs/gym-environment.md, "Prompt sources".
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from nemo_rl.environments.gym_client import (
     TaskPromptSource,
 )
 from nemo_rl.environments.gym_servers import dataset_path, package_dir
-from nemo_rl.environments.nemo_gym_config import GymDatasetError, NemoGymConfig
+from nemo_rl.environments.nemo_gym_config import NemoGymConfig, NemoGymError
 from nemo_rl.environments.task import GymTask, RowSampling, load_task
 
 
@@ -32,17 +32,18 @@ def parse_row(line: str, where: str) -> dict[str, Any]:
     try:
         row = json.loads(line)
     except json.JSONDecodeError as e:
-        raise GymDatasetError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from e
+        raise NemoGymError(f"{where}: not valid JSON ({e.msg} at column {e.colno})", kind="dataset") from e
     if not isinstance(row, dict):
-        raise GymDatasetError(f"{where}: a row must be a JSON object, got {type(row).__name__}")
+        raise NemoGymError(f"{where}: a row must be a JSON object, got {type(row).__name__}", kind="dataset")
     params = row.get(PARAMS_FIELD)
     if not isinstance(params, dict):
-        raise GymDatasetError(
+        raise NemoGymError(
             f"{where}: the row has no `{PARAMS_FIELD}` object (keys: {sorted(row)}); Gym rows carry the "
-            f"model request there, e.g. {{\"{PARAMS_FIELD}\": {{\"input\": [...]}}, ...verifier fields}}"
+            f"model request there, e.g. {{\"{PARAMS_FIELD}\": {{\"input\": [...]}}, ...verifier fields}}",
+            kind="dataset",
         )
     if "input" not in params:
-        raise GymDatasetError(f"{where}: `{PARAMS_FIELD}` has no `input` (keys: {sorted(params)})")
+        raise NemoGymError(f"{where}: `{PARAMS_FIELD}` has no `input` (keys: {sorted(params)})", kind="dataset")
     return row
 
 
@@ -113,10 +114,11 @@ def drop_overlong(
         else:
             dropped.append(length)
     if not kept:
-        raise GymDatasetError(
+        raise NemoGymError(
             f"{dataset.source}: every row's prompt ({min(dropped)}..{max(dropped)} tokens) plus "
             f"max_output_tokens={max_output_tokens} exceeds generation.vllm.max_model_len={max_model_len}; "
-            "raise generation.vllm.max_model_len (and model.tiny.max_position_embeddings for the tiny model)"
+            "raise generation.vllm.max_model_len (and model.tiny.max_position_embeddings for the tiny model)",
+            kind="dataset",
         )
     return dataset.with_rows(kept), dropped
 

@@ -30,14 +30,9 @@ from nemo_rl.data import calls
 from nemo_rl.environments import nemo_gym_launch as launch
 from nemo_rl.environments.gym_lifecycle import GymServers
 from nemo_rl.environments.nemo_gym_config import (
-    GymDatasetError,
     GymRunError,
     GymRunTimeoutError,
-    InvalidRolloutIdError,
-    ManifestAuthError,
-    ManifestRequestError,
-    ManifestServerError,
-    ManifestTimeoutError,
+    ManifestError,
     NemoGymConfig,
     NemoGymError,
 )
@@ -85,10 +80,11 @@ def check_rollout_id(rollout_id: str) -> str:
     try:
         return calls.check_rollout_id(rollout_id, calls.MAX_ROLLOUT_ID_CHARS)
     except calls.RolloutIdError as e:
-        raise InvalidRolloutIdError(
+        raise NemoGymError(
             f"rollout_id={rollout_id!r} is not usable by Gym's capture paths and ledger files ({e.problem}); "
             "use only ASCII letters, digits, '.', '_' and '-', starting with a letter or digit, at most "
-            f"{calls.MAX_ROLLOUT_ID_CHARS} characters"
+            f"{calls.MAX_ROLLOUT_ID_CHARS} characters",
+            kind="invalid_rollout_id",
         ) from e
 
 
@@ -144,7 +140,7 @@ class PromptDataset:
 
     def __init__(self, rows: Sequence[Mapping[str, Any]], seed: int, sampling: RowSampling, source: str = "<rows>") -> None:
         if not rows:
-            raise GymDatasetError(f"{source}: the dataset has no rows")
+            raise NemoGymError(f"{source}: the dataset has no rows", kind="dataset")
         self._rows = tuple(copy.deepcopy(dict(r)) for r in rows)
         self._seed = seed
         self._sampling = sampling
@@ -253,14 +249,16 @@ class NemoGymEnvironment:
     async def run(self, rollout_id: str | None, row: Mapping[str, Any]) -> dict[str, Any]:
         """One rollout through the agent's /run; returns Gym's verify result."""
         if ROLLOUT_ID_FIELD in row:
-            raise InvalidRolloutIdError(
-                f"row already carries {ROLLOUT_ID_FIELD}={row[ROLLOUT_ID_FIELD]!r}; pass the id as run(rollout_id, row)"
+            raise NemoGymError(
+                f"row already carries {ROLLOUT_ID_FIELD}={row[ROLLOUT_ID_FIELD]!r}; pass the id as run(rollout_id, row)",
+                kind="invalid_rollout_id",
             )
         body = dict(row)
         if self.capture:
             if rollout_id is None:
-                raise InvalidRolloutIdError(
-                    "token capture is on: run() needs a fresh rollout_id per attempt (Gym appends to a reused ledger)"
+                raise NemoGymError(
+                    "token capture is on: run() needs a fresh rollout_id per attempt (Gym appends to a reused ledger)",
+                    kind="invalid_rollout_id",
                 )
             body[ROLLOUT_ID_FIELD] = check_rollout_id(rollout_id)
         agent, agent_url = self.servers.resources_server.agent_name, self.servers.agent_url
@@ -304,24 +302,29 @@ class NemoGymEnvironment:
             "GET",
             url,
             timeout_s,
-            on_timeout=lambda: ManifestTimeoutError(
+            on_timeout=lambda: ManifestError(
                 f"rollout {rollout_id!r}: manifest not answered within token_capture.manifest_timeout_s={timeout_s}; "
-                f"{self.servers.state(launch.GATE)}"
+                f"{self.servers.state(launch.GATE)}",
+                kind="timeout",
             ),
-            on_client_error=lambda e: ManifestServerError(
-                f"rollout {rollout_id!r}: manifest GET {url} failed: {e!r}; {self.servers.state(launch.GATE)}"
+            on_client_error=lambda e: ManifestError(
+                f"rollout {rollout_id!r}: manifest GET {url} failed: {e!r}; {self.servers.state(launch.GATE)}",
+                kind="server",
             ),
             headers={"Authorization": f"Bearer {self.servers.bearer}"},
         )
         if status in (401, 403):
-            raise ManifestAuthError(
+            raise ManifestError(
                 f"rollout {rollout_id!r}: the gate rejected the control bearer (HTTP 401: {_quote(text)}); the gate "
-                f"reads it from ${self._capture_cfg.control_token_env}, set per run by this environment"
+                f"reads it from ${self._capture_cfg.control_token_env}, set per run by this environment",
+                kind="auth",
             )
         if status == 400:
-            raise ManifestRequestError(f"rollout {rollout_id!r}: the gate rejected the request (HTTP 400: {_quote(text)})")
+            raise ManifestError(
+                f"rollout {rollout_id!r}: the gate rejected the request (HTTP 400: {_quote(text)})", kind="request"
+            )
         if status != 200:
-            raise ManifestServerError(f"rollout {rollout_id!r}: manifest answered HTTP {status}: {_quote(text)}")
+            raise ManifestError(f"rollout {rollout_id!r}: manifest answered HTTP {status}: {_quote(text)}", kind="server")
         return _parse_manifest(rollout_id, text)
 
     def ledger_file_count(self) -> int:
@@ -452,8 +455,9 @@ def _parse_manifest(rollout_id: str, text: str) -> RolloutManifest:
     try:
         manifest = RolloutManifest.model_validate_json(text)
     except ValidationError as e:
-        raise ManifestServerError(
-            f"rollout {rollout_id!r}: the gate's manifest is not a valid RolloutManifest ({e}); body: {_quote(text)}"
+        raise ManifestError(
+            f"rollout {rollout_id!r}: the gate's manifest is not a valid RolloutManifest ({e}); body: {_quote(text)}",
+            kind="server",
         ) from e
     # A manifest naming another rollout is returned as is: the judge alone decides its verdict.
     return manifest

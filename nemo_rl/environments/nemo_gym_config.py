@@ -218,6 +218,7 @@ NemoGymKind = Literal[
     "requirements",
     "dataset",
     "invalid_rollout_id",
+    "platform",
 ]
 """What is wrong: `env.gym` names a package, config YAML, block or dataset that does not exist;
 `env.task` names no usable task (see `nemo_rl.environments.task.load_task`); the environment was
@@ -225,9 +226,11 @@ used before `start()` or after `stop()` (or names a server that was not started)
 or `restart()` of a live server; a request
 through the environment's HTTP client after `aclose()` / `stop()` closed it; that client was used
 from an event loop other than the one it was made in; a call needs the other capture mode (e.g. a
-manifest with capture off); and, each with its own class: a Gym server that did not start
-(`GymServerStartError`), packages a server needs (`GymRequirementsError`), an unusable dataset
-(`GymDatasetError`), a rollout id Gym cannot carry (`InvalidRolloutIdError`)."""
+manifest with capture off); a prompt dataset file or row is unusable (the message names the file
+and line); a rollout id Gym's capture paths and ledger file names cannot carry, or a `run()` that
+passes none with capture on; a host that cannot tie a server's life to its launcher's
+(`parent_watch`: no Linux `PR_SET_PDEATHSIG`); and, each with its own class (fields): a Gym
+server that did not start (`GymServerStartError`), packages a server needs (`GymRequirementsError`)."""
 
 
 class NemoGymError(Kinded, FatalError, RuntimeError):
@@ -235,14 +238,7 @@ class NemoGymError(Kinded, FatalError, RuntimeError):
     order): the run stops. A failed call for one rollout is a `GymCallError` instead."""
 
     KINDS = typing.get_args(NemoGymKind)
-    OWN_CLASS = MappingProxyType(
-        {
-            "server_start": "GymServerStartError",
-            "requirements": "GymRequirementsError",
-            "dataset": "GymDatasetError",
-            "invalid_rollout_id": "InvalidRolloutIdError",
-        }
-    )
+    OWN_CLASS = MappingProxyType({"server_start": "GymServerStartError", "requirements": "GymRequirementsError"})
     kind: NemoGymKind
 
     def __init__(self, message: str, *, kind: NemoGymKind) -> None:
@@ -279,20 +275,6 @@ class GymRequirementsError(NemoGymError):
         )
 
 
-class GymDatasetError(NemoGymError, ValueError):
-    """A prompt dataset file or row is unusable (the message names the file and line)."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(message, kind="dataset")
-
-
-class InvalidRolloutIdError(NemoGymError, ValueError):
-    """A rollout id that Gym's capture paths and ledger file names cannot carry."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(message, kind="invalid_rollout_id")
-
-
 class GymCallError(RecoverableError, RuntimeError):
     """One call to a Gym server for one rollout failed (its /run, or its manifest from the gate):
     the rollout manager records a placeholder for that rollout and the run goes on."""
@@ -306,21 +288,19 @@ class GymRunTimeoutError(GymCallError):
     """The agent's /run did not answer within `run_timeout_s`."""
 
 
-class ManifestError(GymCallError):
-    """Fetching a rollout manifest from the gate failed."""
+ManifestKind = Literal["auth", "request", "server", "timeout"]
+"""Why the gate's manifest for one rollout could not be had: it rejected the control bearer
+(HTTP 401/403), it rejected the request itself (HTTP 400, e.g. an invalid rollout id), it answered
+another status or a body that is not a valid manifest (or the connection failed), or it did not
+answer within `token_capture.manifest_timeout_s`."""
 
 
-class ManifestAuthError(ManifestError):
-    """The gate rejected the control bearer (HTTP 401)."""
+class ManifestError(Kinded, GymCallError):
+    """Fetching a rollout manifest from the gate failed (`kind` says how): the judge fails that
+    rollout closed (a placeholder)."""
 
+    KINDS = typing.get_args(ManifestKind)
+    kind: ManifestKind
 
-class ManifestRequestError(ManifestError):
-    """The gate rejected the request itself (HTTP 400, e.g. an invalid rollout id)."""
-
-
-class ManifestServerError(ManifestError):
-    """The gate answered with an unexpected status (5xx or other) or an invalid manifest."""
-
-
-class ManifestTimeoutError(ManifestError):
-    """The gate did not answer the manifest request within the deadline."""
+    def __init__(self, message: str, *, kind: ManifestKind) -> None:
+        super().__init__(message, kind=kind)

@@ -6,7 +6,7 @@ Asks Linux for SIGTERM when the parent dies (`PR_SET_PDEATHSIG`), checks the par
 the launcher (else exits 1 at once), then runs `module` as `__main__`. Why: our Gym servers run
 in their own sessions, and a SIGKILLed driver runs no `atexit`. The signal follows the THREAD
 that forked the child: start servers from a long-lived thread. Refuses non-Linux hosts
-(`ParentWatchUnsupported`) rather than run a server that outlives its driver.
+(a `NemoGymError` of kind `platform`) rather than run a server that outlives its driver.
 See docs/design-docs/gym-environment.md, "Servers die with their launcher".
 """
 
@@ -18,18 +18,15 @@ import runpy
 import signal
 import sys
 
-from nemo_rl.data.errors import FatalError
-
 PR_SET_PDEATHSIG = 1
-
-
-class ParentWatchUnsupported(FatalError, RuntimeError):
-    """This OS cannot tie a child's life to its parent's (no prctl PR_SET_PDEATHSIG)."""
 
 
 def die_with_parent(sig: int = signal.SIGTERM) -> None:
     if not sys.platform.startswith("linux"):
-        raise ParentWatchUnsupported(f"parent_watch needs Linux prctl(PR_SET_PDEATHSIG); this is {sys.platform}")
+        # Imported here: this wrapper starts every Gym server, and only a refusal needs the config module.
+        from nemo_rl.environments.nemo_gym_config import NemoGymError
+
+        raise NemoGymError(f"parent_watch needs Linux prctl(PR_SET_PDEATHSIG); this is {sys.platform}", kind="platform")
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
         err = ctypes.get_errno()

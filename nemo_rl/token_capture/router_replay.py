@@ -15,9 +15,11 @@ See docs/design-docs/token-capture-receipts.md, "Router replay (R3)", "Routes be
 from __future__ import annotations
 
 import dataclasses
+import typing
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from types import MappingProxyType
+from typing import Any, Literal
 
 import numpy as np
 from nemo_gym.token_id_capture.adapters.vllm import ROUTED_EXPERTS_FIELD
@@ -31,7 +33,7 @@ from nemo_gym.token_id_capture.staging import (
     routed_experts_token_count,
 )
 
-from nemo_rl.data.errors import FatalError, RecoverableError
+from nemo_rl.data.errors import FatalError, Kinded, RecoverableError
 from nemo_rl.data.rows import GroupEntry, KeptRollout, Placeholder, PlaceholderReason, TrainRow
 from nemo_rl.data.calls import StagingFetchError
 from nemo_rl.token_capture.judge import RolloutEvidence, all_served_lost, fetch_error_reason
@@ -41,9 +43,31 @@ SENTINEL = MISSING_ROUTE_SENTINEL
 MAX_EXPERT_ID = int(np.iinfo(np.int16).max)
 
 
-class RouterReplayError(RecoverableError, ValueError):
+RouterReplayKind = Literal["decode", "shape_mismatch", "value", "shape_unknown"]
+"""What is wrong with the route data: a call's `routed_experts` is not a Gym routed-experts
+fragment; fragments disagree on the number of MoE layers (L) or the top-k width (K), or with the
+L and K the caller named; an expert id is negative or does not fit int16; and, with its own class
+(`attach_router_replay` catches it to fall back to the fragments' shape): no row carries a
+usable route and the caller did not name L and K (`RouteShapeUnknownError`)."""
+
+
+class RouterReplayError(Kinded, RecoverableError, ValueError):
     """Routed-expert extras cannot be shaped into a router-replay array: the engine's route data
     is at fault, so the rollout becomes a placeholder (`attach_router_replay`)."""
+
+    KINDS = typing.get_args(RouterReplayKind)
+    OWN_CLASS = MappingProxyType({"shape_unknown": "RouteShapeUnknownError"})
+    kind: RouterReplayKind
+
+    def __init__(self, message: str, *, kind: RouterReplayKind) -> None:
+        super().__init__(message, kind=kind)
+
+
+class RouteShapeUnknownError(RouterReplayError):
+    """No row carries a usable route and the caller did not name L and K."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, kind="shape_unknown")
 
 
 class RouteSpanError(FatalError, ValueError):
@@ -51,24 +75,8 @@ class RouteSpanError(FatalError, ValueError):
     own bug, never the route data's, so not a `RouterReplayError`."""
 
 
-class RoutedExpertsDecodeError(RouterReplayError):
-    """A call's `routed_experts` value is not a Gym routed-experts fragment."""
-
-    def __init__(self, model_call_id: str, reason: str) -> None:
-        self.model_call_id = model_call_id
-        super().__init__(f"call {model_call_id!r}: routed_experts is not a valid fragment: {reason}")
-
-
-class RouteShapeMismatchError(RouterReplayError):
-    """Fragments disagree on the number of MoE layers (L) or the top-k width (K)."""
-
-
-class RouteShapeUnknownError(RouterReplayError):
-    """No row carries a usable route and the caller did not name L and K."""
-
-
-class RouteValueError(RouterReplayError):
-    """An expert id is negative or does not fit int16."""
+def _decode_error(model_call_id: str, reason: str) -> RouterReplayError:
+    return RouterReplayError(f"call {model_call_id!r}: routed_experts is not a valid fragment: {reason}", kind="decode")
 
 
 @dataclass(frozen=True)
@@ -142,15 +150,16 @@ def decode_call_routes(model_call_id: str, payload: Any) -> np.ndarray:
     try:
         fragment = decode_routed_experts(payload)
     except ValueError as e:
-        raise RoutedExpertsDecodeError(model_call_id, str(e)) from e
+        raise _decode_error(model_call_id, str(e)) from e
     try:
         values = np.asarray(fragment.values, dtype=np.int64)
     except OverflowError as e:
-        raise RouteValueError(f"call {model_call_id!r}: an expert id does not fit int64") from e
+        raise RouterReplayError(f"call {model_call_id!r}: an expert id does not fit int64", kind="value") from e
     if values.size and (values.min() < 0 or values.max() > MAX_EXPERT_ID):
-        raise RouteValueError(
+        raise RouterReplayError(
             f"call {model_call_id!r}: expert ids must be in [0, {MAX_EXPERT_ID}], got "
-            f"[{int(values.min())}, {int(values.max())}]"
+            f"[{int(values.min())}, {int(values.max())}]",
+            kind="value",
         )
     return values.astype(np.int16)
 
@@ -172,7 +181,7 @@ def _placement(call: CallRoutes) -> tuple[str, _Placement | None]:
     try:
         token_count = routed_experts_token_count(call.routed_experts)
     except ValueError as e:
-        raise RoutedExpertsDecodeError(call.model_call_id, str(e)) from e
+        raise _decode_error(call.model_call_id, str(e)) from e
     mode = classify_route_span(carry_len=call.carry_len, generation_len=call.gen_len, staged_route_len=token_count)
     if mode == "sentinel":
         return mode, None
@@ -216,12 +225,14 @@ def _shape(placed: Sequence[_Placement], num_layers: int | None, topk: int | Non
     if num_layers is not None and topk is not None:
         shapes = sorted(set(shapes) | {(num_layers, topk)})
     if len(shapes) > 1:
-        raise RouteShapeMismatchError(f"fragments disagree on (layers, topk): {shapes}")
+        raise RouterReplayError(f"fragments disagree on (layers, topk): {shapes}", kind="shape_mismatch")
     if not shapes:
         raise RouteShapeUnknownError("no row carries a usable route; pass num_layers and topk to shape the batch")
     layers, width = shapes[0]
     if (num_layers is not None and layers != num_layers) or (topk is not None and width != topk):
-        raise RouteShapeMismatchError(f"fragments have (layers, topk) {shapes[0]}, expected ({num_layers}, {topk})")
+        raise RouterReplayError(
+            f"fragments have (layers, topk) {shapes[0]}, expected ({num_layers}, {topk})", kind="shape_mismatch"
+        )
     return int(layers), int(width)
 
 
@@ -296,8 +307,6 @@ def router_replay_metrics(coverage: RouterReplayCoverage) -> dict[str, float]:
 
 # --- routes beside the rows: fetch a kept rollout's extras, shape them, or mask the rollout ---
 
-# Route-payload faults that make a rollout's verdict (a RouteSpanError would be our own bug).
-_ROUTE_DATA_ERRORS = (RoutedExpertsDecodeError, RouteShapeMismatchError, RouteValueError)
 ROUTER_REPLAY_DETAIL_PREFIX = "router_replay_extras"
 
 
@@ -331,7 +340,7 @@ def attach_router_replay(
         rows = tuple(_row_with_routes(row, records, snapshots, extras) for row in kept.rows)
     except StagingFetchError as error:
         return _extras_placeholder(evidence, kept, fetch_error_reason(error), f"{type(error).__name__}: {error}")
-    except _ROUTE_DATA_ERRORS as error:
+    except RouterReplayError as error:  # the route data's fault, the rollout's verdict (a RouteSpanError is our bug)
         return _extras_placeholder(evidence, kept, PlaceholderReason.VERIFICATION_FAILED, f"{type(error).__name__}: {error}")
     return dataclasses.replace(kept, rows=rows)
 
@@ -359,8 +368,10 @@ def _row_with_routes(
         # Every fragment is too short to use: the row is all sentinel, shaped like its fragments.
         shapes = {decode_call_routes(call_id, payload).shape[1:] for call_id, payload in payloads}
         if len(shapes) != 1:
-            raise RouteShapeMismatchError(f"row {row.rollout_id}#{row.chain_index}: fragments disagree on "
-                                          f"(layers, topk): {sorted(shapes)}") from None
+            raise RouterReplayError(
+                f"row {row.rollout_id}#{row.chain_index}: fragments disagree on (layers, topk): {sorted(shapes)}",
+                kind="shape_mismatch",
+            ) from None
         ((layers, topk),) = shapes
         batch = build_router_replay([shaped], num_layers=int(layers), topk=int(topk))
     return dataclasses.replace(row, routed_experts=batch.routes[0])

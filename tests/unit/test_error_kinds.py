@@ -20,13 +20,13 @@ from nemo_rl.data.errors import FatalError, Kinded, RecoverableError
 from nemo_rl.data_plane.errors import DataPlaneError, DataPlaneKind, DataPlaneTimeoutError, MissingKeysError
 from nemo_rl.data_plane.errors import DataPlaneBugError, DataPlaneBugKind, FieldEncodingError
 from nemo_rl.environments.nemo_gym_config import (
-    GymDatasetError,
     GymRequirementsError,
     GymServerStartError,
-    InvalidRolloutIdError,
     NemoGymError,
     NemoGymKind,
 )
+from nemo_rl.environments.nemo_gym_config import ManifestError, ManifestKind
+from nemo_rl.token_capture.router_replay import RouterReplayError, RouterReplayKind, RouteShapeUnknownError
 from nemo_rl.utils.checkpoint import CheckpointError, CheckpointKind
 from nemo_rl.utils.config import ConfigError, ConfigKind
 
@@ -36,6 +36,8 @@ FAMILIES: list[tuple[type[Kinded], object, type]] = [
     (DataPlaneError, DataPlaneKind, RecoverableError),
     (NemoGymError, NemoGymKind, FatalError),
     (DataPlaneBugError, DataPlaneBugKind, FatalError),
+    (ManifestError, ManifestKind, RecoverableError),
+    (RouterReplayError, RouterReplayKind, RecoverableError),
 ]
 
 
@@ -93,9 +95,8 @@ OWN_CLASS_ERRORS = [
     MissingKeysError("staging", ["r1/a", "r1/b"], ["tokens"], operation="get"),
     GymServerStartError("policy_model", "the process exited with code 1", Path("/tmp/policy_model.log"), "tail"),
     GymRequirementsError("arith", Path("/tmp/requirements.txt"), ["sympy"]),
-    GymDatasetError("data.jsonl:3: not valid JSON"),
-    InvalidRolloutIdError("rollout id 'a/b' has a slash"),
     FieldEncodingError("key 'k' field 'ids': list is not stored"),
+    RouteShapeUnknownError("no row carries a usable route; pass num_layers and topk to shape the batch"),
 ]
 
 

@@ -20,7 +20,7 @@ from nemo_rl.environments.datasets import (
 )
 from nemo_rl.environments.gym_client import PromptDataset, TaskPromptSource
 from nemo_rl.environments.gym_servers import dataset_path, package_dir
-from nemo_rl.environments.nemo_gym_config import GymDatasetError, GymEnvironmentConfig, NemoGymConfig
+from nemo_rl.environments.nemo_gym_config import GymEnvironmentConfig, NemoGymConfig, NemoGymError
 from nemo_rl.environments.task import RowSampling
 
 SAMPLING = RowSampling(temperature=0.7, top_p=0.9, max_output_tokens=32)
@@ -40,17 +40,21 @@ def _ids(rows: list[dict]) -> list[int]:
 def test_load_jsonl_names_the_file_and_line_of_a_bad_row(tmp_path: Path) -> None:
     path = tmp_path / "rows.jsonl"
     path.write_text(json.dumps(_rows(1)[0]) + "\n\n" + json.dumps({"prompt": "no params"}) + "\n")
-    with pytest.raises(GymDatasetError, match=rf"{path}:3: the row has no `responses_create_params`"):
+    with pytest.raises(NemoGymError, match=rf"{path}:3: the row has no `responses_create_params`") as raised:
         load_jsonl(path, 0, SAMPLING)
+    assert raised.value.kind == "dataset"
     path.write_text("{not json\n")
-    with pytest.raises(GymDatasetError, match=rf"{path}:1: not valid JSON"):
+    with pytest.raises(NemoGymError, match=rf"{path}:1: not valid JSON") as raised:
         load_jsonl(path, 0, SAMPLING)
+    assert raised.value.kind == "dataset"
     path.write_text(json.dumps({"responses_create_params": {"tools": []}}) + "\n")
-    with pytest.raises(GymDatasetError, match=rf"{path}:1: `responses_create_params` has no `input`"):
+    with pytest.raises(NemoGymError, match=rf"{path}:1: `responses_create_params` has no `input`") as raised:
         load_jsonl(path, 0, SAMPLING)
+    assert raised.value.kind == "dataset"
     path.write_text("\n")
-    with pytest.raises(GymDatasetError, match="no rows"):
+    with pytest.raises(NemoGymError, match="no rows") as raised:
         load_jsonl(path, 0, SAMPLING)
+    assert raised.value.kind == "dataset"
 
 
 def test_arith_source_is_todays_rows() -> None:
@@ -65,8 +69,9 @@ def test_drop_overlong_counts_skips_and_fails_when_nothing_fits() -> None:
     ds = PromptDataset(_rows(4), 0, SAMPLING)
     kept, dropped = drop_overlong(ds, lambda row: 100 * (row["id"] + 1), max_output_tokens=32, max_model_len=250)
     assert _ids(list(kept.rows)) == [0, 1] and dropped == [300, 400]
-    with pytest.raises(GymDatasetError, match=r"\(100\.\.400 tokens\).*raise generation\.vllm\.max_model_len"):
+    with pytest.raises(NemoGymError, match=r"\(100\.\.400 tokens\).*raise generation\.vllm\.max_model_len") as raised:
         drop_overlong(ds, lambda row: 100 * (row["id"] + 1), max_output_tokens=32, max_model_len=100)
+    assert raised.value.kind == "dataset"
 
 
 def test_shipped_example_rows_parse_and_render_as_chat() -> None:

@@ -26,11 +26,7 @@ from nemo_rl.environments.nemo_gym_config import (
     GymServerStartError,
     GymRunError,
     GymRunTimeoutError,
-    InvalidRolloutIdError,
-    ManifestAuthError,
-    ManifestRequestError,
-    ManifestServerError,
-    ManifestTimeoutError,
+    ManifestError,
     NemoGymConfig,
     NemoGymError,
 )
@@ -202,8 +198,9 @@ def test_row_sampling_is_strict() -> None:
 def test_rollout_ids_follow_gyms_rule() -> None:
     assert check_rollout_id("run1.step-0_g2") == "run1.step-0_g2"
     for bad in ("", "bad id", "a/b", "é"):
-        with pytest.raises(InvalidRolloutIdError, match="use only ASCII letters"):
+        with pytest.raises(NemoGymError, match="use only ASCII letters") as raised:
             check_rollout_id(bad)
+        assert raised.value.kind == "invalid_rollout_id"
 
 
 def test_manifest_path_is_gyms_control_route() -> None:
@@ -217,8 +214,9 @@ def test_parse_manifest_checks_the_schema_and_leaves_the_rollout_verdict_to_the_
     assert empty == RolloutManifest(rollout_id="r1")
     # A manifest of another rollout is returned as is; judge_rollout makes it capture_poisoned.
     assert _parse_manifest("r1", '{"rollout_id": "r2"}') == RolloutManifest(rollout_id="r2")
-    with pytest.raises(ManifestServerError, match="not a valid RolloutManifest"):
+    with pytest.raises(ManifestError, match="not a valid RolloutManifest") as raised:
         _parse_manifest("r1", '{"records": []}')
+    assert raised.value.kind == "server"
 
 
 def test_retire_removes_only_the_named_rollouts_files(tmp_path: Path) -> None:
@@ -235,8 +233,9 @@ def test_retire_removes_only_the_named_rollouts_files(tmp_path: Path) -> None:
         "b2.tokens.lock",
     ]
     assert ledger_files(tmp_path, "a1")[0] == tmp_path / "a1.lineage.jsonl"
-    with pytest.raises(InvalidRolloutIdError):
+    with pytest.raises(NemoGymError) as raised:
         env.retire(["../escape"])
+    assert raised.value.kind == "invalid_rollout_id"
 
 
 async def test_capture_only_calls_fail_loudly_in_legacy_mode(tmp_path: Path) -> None:
@@ -252,10 +251,12 @@ async def test_capture_only_calls_fail_loudly_in_legacy_mode(tmp_path: Path) -> 
 async def test_run_checks_its_arguments_before_and_without_servers(tmp_path: Path) -> None:
     row = build_row(Problem("1 + 1", 2), SAMPLING)
     capture_env = _env(tmp_path, capture=True)
-    with pytest.raises(InvalidRolloutIdError, match="needs a fresh rollout_id"):
+    with pytest.raises(NemoGymError, match="needs a fresh rollout_id") as raised:
         await capture_env.run(None, row)
-    with pytest.raises(InvalidRolloutIdError, match="already carries _ng_rollout_id"):
+    assert raised.value.kind == "invalid_rollout_id"
+    with pytest.raises(NemoGymError, match="already carries _ng_rollout_id") as raised:
         await capture_env.run("r1", {**row, "_ng_rollout_id": "r0"})
+    assert raised.value.kind == "invalid_rollout_id"
     with pytest.raises(NemoGymError, match="await start") as raised:
         await capture_env.run("r1", row)
     assert raised.value.kind == "not_started"
@@ -306,15 +307,15 @@ def _attach(env: NemoGymEnvironment, *, gate: int = 1, agent: int = 2) -> None:
 
 
 @pytest.mark.parametrize(
-    ("status", "error", "match"),
+    ("status", "kind", "match"),
     [
-        (401, ManifestAuthError, "rejected the control bearer"),
-        (400, ManifestRequestError, "HTTP 400: Invalid rollout id"),
-        (503, ManifestServerError, "HTTP 503"),
-        (200, ManifestServerError, "not a valid RolloutManifest"),
+        (401, "auth", "rejected the control bearer"),
+        (400, "request", "HTTP 400: Invalid rollout id"),
+        (503, "server", "HTTP 503"),
+        (200, "server", "not a valid RolloutManifest"),
     ],
 )
-async def test_manifest_status_maps_to_named_errors(tmp_path: Path, status: int, error: type, match: str) -> None:
+async def test_manifest_status_maps_to_named_errors(tmp_path: Path, status: int, kind: str, match: str) -> None:
     seen: list[str] = []
 
     async def handler(request: web.Request) -> web.Response:
@@ -325,8 +326,9 @@ async def test_manifest_status_maps_to_named_errors(tmp_path: Path, status: int,
     env = _env(tmp_path, capture=True)
     _attach(env, gate=port)
     try:
-        with pytest.raises(error, match=match):
+        with pytest.raises(ManifestError, match=match) as raised:
             await env.manifest("r1")
+        assert raised.value.kind == kind
     finally:
         await env.aclose()
         await runner.cleanup()
@@ -349,8 +351,9 @@ async def test_manifest_and_run_deadlines_raise_named_errors(tmp_path: Path) -> 
     )
     _attach(env, gate=port)
     try:
-        with pytest.raises(ManifestTimeoutError, match="manifest_timeout_s=0.2"):
+        with pytest.raises(ManifestError, match="manifest_timeout_s=0.2") as raised:
             await env.manifest("r1")
+        assert raised.value.kind == "timeout"
         _attach(env, agent=port)
         with pytest.raises(GymRunTimeoutError, match="run_timeout_s=0.2"):
             await env.run("r1", build_row(Problem("1 + 1", 2), SAMPLING))

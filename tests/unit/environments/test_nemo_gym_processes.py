@@ -39,7 +39,7 @@ from nemo_gym.token_id_capture.staging.records import (
 )
 from nemo_rl.environments import nemo_gym_launch as launch
 from nemo_rl.environments.gym_client import NemoGymEnvironment
-from nemo_rl.environments.nemo_gym_config import GymServerStartError, ManifestAuthError, NemoGymConfig
+from nemo_rl.environments.nemo_gym_config import GymServerStartError, ManifestError, NemoGymConfig
 from nemo_rl.environments.task import RowSampling
 from nemo_rl.token_capture.config import TokenCaptureConfig
 
@@ -242,8 +242,9 @@ async def test_capture_run_stages_both_turns_and_serves_the_manifest(tmp_path: P
         manifest = await env.manifest("r1-step0-g0-i0-a0")
         unknown = await env.manifest("never-ran")
         env.servers._bearer = "wrong-bearer"
-        with pytest.raises(ManifestAuthError, match="HTTP 401"):
+        with pytest.raises(ManifestError, match="HTTP 401") as raised:
             await env.manifest("r1-step0-g0-i0-a0")
+        assert raised.value.kind == "auth"
     finally:
         await env.aclose()
         await runner.cleanup()

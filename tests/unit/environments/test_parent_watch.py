@@ -9,7 +9,11 @@ import sys
 import textwrap
 import time
 
+import pytest
+
 from nemo_rl.environments import nemo_gym_launch as launch
+from nemo_rl.environments import parent_watch
+from nemo_rl.environments.nemo_gym_config import NemoGymError
 
 _LAUNCHER = textwrap.dedent(
     """
@@ -67,3 +71,10 @@ def test_the_server_command_runs_the_module_under_parent_watch() -> None:
     assert launch.server_command("py", spec, 4242) == [
         "py", "-m", "nemo_rl.environments.parent_watch", "4242", "responses_api_models.vllm_model.app"]
     assert launch.server_command("py", spec) == ["py", "-m", "responses_api_models.vllm_model.app"]
+
+
+def test_a_host_without_pdeathsig_is_refused_by_name(monkeypatch) -> None:
+    monkeypatch.setattr(parent_watch.sys, "platform", "darwin")
+    with pytest.raises(NemoGymError, match=r"^parent_watch needs Linux prctl\(PR_SET_PDEATHSIG\); this is darwin$") as info:
+        parent_watch.die_with_parent()
+    assert info.value.kind == "platform"

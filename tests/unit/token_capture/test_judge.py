@@ -330,8 +330,8 @@ def test_run_failures(trees, reason):
 
 def test_manifest_unavailable(trees):
     tree = _plain(trees)
-    ev = _ev(tree, trees.run_result(1.0), manifest=None, problem="ManifestServerError: HTTP 500")
-    assert _judge(ev, tree) == Placeholder(RID, 2, 3, R.MANIFEST_UNAVAILABLE, "ManifestServerError: HTTP 500", 1.0,
+    ev = _ev(tree, trees.run_result(1.0), manifest=None, problem="ManifestError: HTTP 500")
+    assert _judge(ev, tree) == Placeholder(RID, 2, 3, R.MANIFEST_UNAVAILABLE, "ManifestError: HTTP 500", 1.0,
                                            None, RolloutYield(5, 0, (("manifest_unavailable", 5),), 0, False))
 
 

@@ -24,12 +24,9 @@ from nemo_rl.data_plane import DataPlaneClient, DataPlaneConfig
 from nemo_rl.data_plane.partitions import TQTokenSink, TQTokenSource
 from nemo_rl.token_capture.router_replay import (
     CallRoutes,
-    RoutedExpertsDecodeError,
-    RouteShapeMismatchError,
     RouteShapeUnknownError,
     RouteSpanError,
     RouterReplayError,
-    RouteValueError,
     RowRoutes,
     build_router_replay,
     router_replay_metrics,
@@ -116,34 +113,40 @@ def test_all_placeholder_batch_is_all_sentinel_when_the_shape_is_given() -> None
     np.testing.assert_array_equal(batch.routes, np.full((2, 3, 2, 2), S, dtype=np.int16))
     assert batch.coverage.coverage == 0.0
     assert batch.coverage.padding_tokens == 6
-    with pytest.raises(RouteShapeUnknownError, match="pass num_layers and topk"):
+    with pytest.raises(RouteShapeUnknownError, match="pass num_layers and topk") as info:
         build_router_replay([None, RowRoutes((CallRoutes("c", 1, 1, None),), mask(1, 1))])
+    assert info.value.kind == "shape_unknown" and isinstance(info.value, RouterReplayError)
 
 
 def test_mismatched_layers_or_topk_raise_named_errors() -> None:
     two_by_two = CallRoutes("a", 0, 2, routes(0, 2))
     three_layers = CallRoutes("b", 0, 2, routes(0, 2, layers=3))
     one_wide = CallRoutes("c", 0, 2, routes(0, 2, topk=1))
-    with pytest.raises(RouteShapeMismatchError, match=r"\(2, 2\), \(3, 2\)"):
+    with pytest.raises(RouterReplayError, match=r"\(2, 2\), \(3, 2\)") as info:
         build_router_replay([RowRoutes((two_by_two,), mask(0, 2)), RowRoutes((three_layers,), mask(0, 2))])
-    with pytest.raises(RouteShapeMismatchError):
+    assert info.value.kind == "shape_mismatch"
+    with pytest.raises(RouterReplayError) as info:
         build_router_replay([RowRoutes((two_by_two, one_wide), mask(0, 2) + mask(0, 2))])
-    with pytest.raises(RouteShapeMismatchError):
+    assert info.value.kind == "shape_mismatch"
+    with pytest.raises(RouterReplayError) as info:
         build_router_replay([RowRoutes((two_by_two,), mask(0, 2))], num_layers=4, topk=2)
-    assert issubclass(RouteShapeMismatchError, RouterReplayError)
+    assert info.value.kind == "shape_mismatch"
 
 
 def test_expert_ids_must_fit_int16_and_be_non_negative_and_payloads_must_decode() -> None:
     for bad in (-3, 2**15, 2**70):
         payload = [[[0, bad], [1, 2]]]
-        with pytest.raises(RouteValueError, match="'c'"):
+        with pytest.raises(RouterReplayError, match="'c'") as info:
             build_router_replay([RowRoutes((CallRoutes("c", 0, 1, payload),), mask(0, 1))])
-    with pytest.raises(RouteValueError):
+        assert info.value.kind == "value"
+    with pytest.raises(RouterReplayError) as info:
         encoded = encode_routed_experts([[[0, -1], [1, 2]]])
         build_router_replay([RowRoutes((CallRoutes("c", 0, 1, encoded),), mask(0, 1))])
+    assert info.value.kind == "value"
     for junk in ("nrlre1:int64:1x2x2:AAAA", "not-an-envelope", [[[1, 2], [3]]], {"values": []}, [[[True, 1]]]):
-        with pytest.raises(RoutedExpertsDecodeError, match="'c'"):
+        with pytest.raises(RouterReplayError, match="'c'") as info:
             build_router_replay([RowRoutes((CallRoutes("c", 0, 1, junk),), mask(0, 1))])
+        assert info.value.kind == "decode"
 
 
 def test_spans_must_describe_the_row() -> None:
