@@ -28,12 +28,21 @@ from nemo_rl.environments.nemo_gym_config import (
 )
 from nemo_rl.utils.checkpoint import CheckpointError, CheckpointKind
 from nemo_rl.utils.config import ConfigError, ConfigKind
+from nemo_rl.experience.errors import AccountingError, AccountingKind
+from nemo_rl.experience.finalizer_pool import FinalizerPoolError, FinalizerPoolKind
+from nemo_rl.experience.prompt_queue import SnapshotMismatchError
+from nemo_rl.algorithms.errors import GRPOError, GRPOKind, MaskedStepsError
+from nemo_rl.algorithms.failed_rollouts import AllRolloutsFailedError
+from nemo_rl.algorithms.grpo_async import AsyncLoopError
 
 FAMILIES: list[tuple[type[Kinded], object, type]] = [
     (ConfigError, ConfigKind, FatalError),
     (CheckpointError, CheckpointKind, FatalError),
     (DataPlaneError, DataPlaneKind, RecoverableError),
     (NemoGymError, NemoGymKind, FatalError),
+    (AccountingError, AccountingKind, FatalError),
+    (FinalizerPoolError, FinalizerPoolKind, FatalError),
+    (GRPOError, GRPOKind, FatalError),
 ]
 
 
@@ -93,6 +102,10 @@ OWN_CLASS_ERRORS = [
     GymRequirementsError("arith", Path("/tmp/requirements.txt"), ["sympy"]),
     GymDatasetError("data.jsonl:3: not valid JSON"),
     InvalidRolloutIdError("rollout id 'a/b' has a slash"),
+    SnapshotMismatchError("the snapshot was taken with grpo.num_prompts_per_step=2, this run has 3"),
+    MaskedStepsError("step 7: 3 consecutive steps had no trainable rollout"),
+    AllRolloutsFailedError(7, {"run_failed": 2}, ["run_failed: HTTP 400"]),
+    AsyncLoopError("the producer was closed"),
 ]
 
 
