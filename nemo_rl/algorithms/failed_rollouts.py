@@ -39,7 +39,8 @@ class AllRolloutsFailedError(GRPOError):
             f"step {step}: every rollout failed in the agent harness ({named}); no model output reached "
             f"the trainer, so the run stops. First distinct errors:{shown}\nFix: read the agent's log "
             "under the log dir; an agent whose requests the gate refuses, whose packages are missing, or "
-            "whose model calls do not carry the rollout prefix (empty_manifest) fails every rollout the same way"
+            "whose model calls do not carry the rollout prefix (empty_manifest) fails every rollout the same way",
+            kind="all_rollouts_failed",
         )
 
 

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from nemo_rl.algorithms.async_config import in_flight_limit
-from nemo_rl.algorithms.errors import GRPOError, MaskedStepsError
+from nemo_rl.algorithms.errors import GRPOError, MaskedStepsError, error_name
 from nemo_rl.algorithms.failed_rollouts import AllRolloutsFailedError
 from nemo_rl.algorithms.grpo_checkpoint import DISPATCHED_PROMPTS_FILE, batch_digest, ledger_to_resume
 from nemo_rl.algorithms.grpo_config import MasterConfig
@@ -53,6 +53,9 @@ from nemo_rl.utils.logger import FIRST_CALL_PROMPTS_FILE, METRICS_FILE, Timer, a
 
 class AsyncLoopError(GRPOError):
     """The async loop cannot go on (a group task failed, or nothing is in flight for an incomplete step)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, kind="async_loop")
 
 
 # -- pure pieces ---------------------------------------------------------------------------------
@@ -128,7 +131,7 @@ class RolloutProducer:
         """The next step's tickets and groups, once every one of them is finished."""
         while True:
             if self._error is not None:
-                raise AsyncLoopError(f"a rollout group failed: {type(self._error).__name__}: {self._error}") from self._error
+                raise AsyncLoopError(f"a rollout group failed: {error_name(self._error)}: {self._error}") from self._error
             self.fill()
             head = self.ledger.head()
             if head is not None:
@@ -262,7 +265,7 @@ async def _name_deaths(run: GRPORun, step: int, metrics: dict[str, float], what:
     named = "; ".join(f"{name} died: {detail}" for name, detail in sorted(deaths.items()))
     trained = "the step was trained" if "train/num_samples" in metrics else "nothing of the step was trained"
     raise ComponentFailedError(
-        f"step {step}: {what} failed ({type(error).__name__}: {str(error)[:200]}) and {named}; {trained}. "
+        f"step {step}: {what} failed ({error_name(error)}: {str(error)[:200]}) and {named}; {trained}. "
         "token_capture.on_component_failure=abort stops the run (resume from the last checkpoint)"
     ) from error
 
@@ -302,7 +305,7 @@ async def async_step(run: GRPORun, producer: RolloutProducer, step: int, trainer
     metrics.update(finalize_metrics(groups, counters.queue_waits_ms))
     metrics.update(counters.metrics(retention=run.cleaner is not None))
     if metrics["rollouts/dispatched"] != metrics["finalize/kept_rollouts"] + metrics["finalize/placeholders"]:
-        raise GRPOError(f"step {step}: always-N accounting broke: {metrics}")
+        raise GRPOError(f"step {step}: always-N accounting broke: {metrics}", kind="accounting")
     await _check_deaths(run, step, metrics)
     if cfg.logger.dump_first_call_prompt_ids:
         append_jsonl(Path(cfg.logger.log_dir) / FIRST_CALL_PROMPTS_FILE, first_call_prompt_records(step, groups))

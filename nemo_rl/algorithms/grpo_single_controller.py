@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from nemo_rl.algorithms.errors import GRPOError, MaskedStepsError, StaleWeightsError
+from nemo_rl.algorithms.errors import GRPOError, MaskedStepsError
 from nemo_rl.algorithms.grpo import ClippedPGLossFn, compute_group_advantages
 from nemo_rl.algorithms.grpo_checkpoint import (
     DISPATCHED_PROMPTS_FILE,
@@ -105,9 +105,9 @@ def build_train_batch(groups: Sequence[GroupResult], normalize: bool, train_part
                 routes.append(row.routed_experts)
     if refs and ids:
         raise GRPOError(f"a step holds {len(ids)} TrainRows and {len(refs)} RowRefs; the finalizers disagree on "
-                        "token_capture.train_partition")
+                        "token_capture.train_partition", kind="batch")
     if refs and train_partition is None:
-        raise GRPOError(f"{len(refs)} rows are RowRefs but no train partition was given to read them from")
+        raise GRPOError(f"{len(refs)} rows are RowRefs but no train partition was given to read them from", kind="batch")
     batch = TrainBatch(token_ids=ids, token_mask=masks, generation_logprobs=lps, advantages=advs,
                        routed_experts=batch_routes(routes, [len(i) for i in ids])) if ids else None
     plan = TrainPlan.of(train_partition, refs, ref_advs) if refs else None
@@ -127,7 +127,7 @@ async def _reported(run, step: int, total: int, progress) -> GroupResult:
 def worker_call_metrics(before: Sequence[int], after: Sequence[int]) -> dict[str, float]:
     """`generation/worker_<i>/calls`: completions worker i produced during the step (its own counter)."""
     if len(before) != len(after):
-        raise GRPOError(f"worker count changed during the step: {len(before)} -> {len(after)}")
+        raise GRPOError(f"worker count changed during the step: {len(before)} -> {len(after)}", kind="worker_metrics")
     return {f"generation/worker_{i}/calls": float(b - a) for i, (a, b) in enumerate(zip(before, after))}
 
 
@@ -150,9 +150,10 @@ def check_row_versions(groups: Sequence[GroupResult], served_version: int, step:
         if version is not None and version != served_version
     })
     if stale:
-        raise StaleWeightsError(
+        raise GRPOError(
             f"step {step}: rows carry weight versions {stale} but every worker was refit to version "
-            f"{served_version}; a worker served stale (or future) weights"
+            f"{served_version}; a worker served stale (or future) weights",
+            kind="stale_weights",
         )
 
 
@@ -235,7 +236,7 @@ async def rollout_step(run: GRPORun, step: int) -> tuple[list[GroupResult], dict
             metrics["retention/staged_keys_remaining"] = float(await asyncio.to_thread(run.cleaner.remaining))
         metrics["retention/ledger_files_remaining"] = float(run.stack.env.ledger_file_count())
     if metrics["rollouts/dispatched"] != metrics["finalize/kept_rollouts"] + metrics["finalize/placeholders"]:
-        raise GRPOError(f"step {step}: always-N accounting broke: {metrics}")
+        raise GRPOError(f"step {step}: always-N accounting broke: {metrics}", kind="accounting")
     check_row_versions(groups, run.served_version, step)
     if cfg.logger.dump_first_call_prompt_ids:
         append_jsonl(Path(cfg.logger.log_dir) / FIRST_CALL_PROMPTS_FILE, first_call_prompt_records(step, groups))
@@ -392,13 +393,15 @@ def engine_step_metrics(before: Sequence[Mapping[str, Any]], after: Sequence[Map
     refit closed the gate). Across workers: the mean idle fraction, the max pause, the summed calls
     and `refit/aborted_workers` (refits aborted by a drain past its deadline)."""
     if len(before) != len(after) or not after:
-        raise GRPOError(f"engine timings of {len(before)} then {len(after)} workers: need the same, non-zero count")
+        raise GRPOError(f"engine timings of {len(before)} then {len(after)} workers: need the same, non-zero count",
+                        kind="worker_metrics")
     metrics: dict[str, float] = {}
     idle, pause, calls, aborted = [], [], 0, 0
     for i, (a, b) in enumerate(zip(before, after)):
         elapsed = b["clock_s"] - a["clock_s"]
         if elapsed <= 0:
-            raise GRPOError(f"worker {i}'s engine clock did not advance ({a['clock_s']} -> {b['clock_s']})")
+            raise GRPOError(f"worker {i}'s engine clock did not advance ({a['clock_s']} -> {b['clock_s']})",
+                            kind="worker_metrics")
         idle.append((b["idle_s"] - a["idle_s"]) / elapsed)
         pause.append(b["refit_pause_s"] - a["refit_pause_s"])
         drained = b["refit_drained_calls"] - a["refit_drained_calls"]

@@ -4,8 +4,8 @@ Contract of `refit_to(policy, workers, weights_dir, version, probe, context=...)
 loop's step (version = the step) and resume (version = the checkpoint's) both run:
 - the policy exports its weights to `weights_dir` (a folder every worker reads: `grpo.refit_dir`),
   every worker loads them as `version` and reports the version it now serves;
-- any other reported version raises `StaleWeightsError` ("<context> but the workers report
-  versions [...]"), before anything is probed;
+- any other reported version raises a `GRPOError` of kind `stale_weights` ("<context> but the
+  workers report versions [...]"), before anything is probed;
 - the probe sequence is then scored by the first engine and by the trainer: the returned `Refit`
   holds both, so callers prove the engine serves the new weights (their own metrics).
 Blocking (bounded Ray calls): call it off the event loop. Folder cleanup is the caller's.
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from nemo_rl.algorithms.errors import StaleWeightsError
+from nemo_rl.algorithms.errors import GRPOError
 
 
 class RefitPolicy(Protocol):
@@ -70,7 +70,7 @@ def refit_to(
     out_dir = policy.export_weights(weights_dir)
     versions = workers.update_weights(out_dir, version)
     if set(versions) != {version}:
-        raise StaleWeightsError(f"{context} but the workers report versions {versions}")
+        raise GRPOError(f"{context} but the workers report versions {versions}", kind="stale_weights")
     engine_probe = workers.prompt_logprobs(probe)[0]
     trainer_probe = policy.get_logprobs([probe])[0]
     return Refit(version, tuple(engine_probe), tuple(trainer_probe))

@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from nemo_rl.algorithms.errors import GRPOError, StaleWeightsError
+from nemo_rl.algorithms.errors import GRPOError
 from nemo_rl.algorithms.grpo_checkpoint import (
     POLICY_SUBDIR,
     ResumePoint,
@@ -289,7 +289,8 @@ def placement_record(stack: Stack, policy: RayPolicyClient, pool: FinalizerPool 
     try:
         measured_others = actor_node_ids(list(others.values()), timeout_s, actor=", ".join(sorted(others)))
     except (ActorCallTimeoutError, ActorDiedError) as e:
-        raise GRPOError(f"asking {sorted(others)} which node they run on failed within {timeout_s:g}s: {e.cause}") from e
+        raise GRPOError(f"asking {sorted(others)} which node they run on failed within {timeout_s:g}s: {e.cause}",
+                        kind="placement") from e
     actors = {"policy": policy.node_id(), **dict(zip(others, measured_others))}
     return {
         "nodes": stack.nodes,
@@ -404,7 +405,8 @@ def read_run_start(stack: Stack, policy: RayPolicyClient, pool: FinalizerPool | 
                       "components": component_pids(stack, pool, cfg.generation.vllm.call_timeout_s)}
     initial_versions = set(stack.workers.weight_versions())
     if len(initial_versions) != 1:
-        raise StaleWeightsError(f"the generation workers start from different weight versions {sorted(initial_versions)}")
+        raise GRPOError(f"the generation workers start from different weight versions {sorted(initial_versions)}",
+                        kind="stale_weights")
     return RunStart(probe=tuple(probe), run_info=run_info, served_version=initial_versions.pop(),
                     engine_probe=tuple(stack.workers.prompt_logprobs(probe)[0]),
                     worker_calls=tuple(stack.workers.served_calls()))

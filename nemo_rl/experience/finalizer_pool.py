@@ -6,7 +6,7 @@ and writes kept rows to the train partition, returning `RowRef`s. `FinalizerPool
 answers exactly one `FinalizeOutcome` per item, in order, with one bounded actor call per
 healthy worker; a timeout or dead actor is `finalize_timeout` / `finalizer_unavailable` for its
 items, and the actor is replaced. Data faults are verdicts, never exceptions; an exception in an
-actor is a bug (`FinalizerBugError`) and stops the run. `probes()`, `mark_dead` and
+actor is a bug (a `FinalizerPoolError` of kind `bug`) and stops the run. `probes()`, `mark_dead` and
 `take_deaths()` serve the component watch; `shutdown()` kills only this pool's actors.
 `fetch_snapshots(source, keys)` never raises for a per-key fault: missing, invalid or unavailable
 keys become typed `FetchProblem`s, so the judge drops exactly the chains that need them.
@@ -19,14 +19,15 @@ import asyncio
 import functools
 import logging
 import time
+import typing
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Literal, Protocol
 
 import ray
 from nemo_gym.token_id_capture.staging import StagedCallBaseSnapshot
 
-from nemo_rl.data.errors import FatalError
+from nemo_rl.data.errors import FatalError, Kinded
 from nemo_rl.data.rows import GroupEntry, KeptRollout, Placeholder, PlaceholderReason
 from nemo_rl.data.calls import StagedRecordInvalidError, StagingFetchError
 from nemo_rl.data_plane import DataPlaneClient, DataPlaneConfig, DataPlaneError, FieldEncodingError, attach_client
@@ -143,12 +144,20 @@ def split_evenly(items: list[RolloutEvidence], parts: int) -> list[list[RolloutE
     return [chunk for chunk in chunks if chunk]
 
 
-class FinalizerPoolError(FatalError, RuntimeError):
-    """The pool cannot serve: misconfigured, not ready within its deadline, or shut down."""
+FinalizerPoolKind = Literal["config", "start", "closed", "bug"]
+"""Why the pool stops the run: it is misconfigured; its workers were not ready within the deadline
+or died while starting; it was shut down; or a worker raised while judging (or answered another
+number of verdicts than items): a bug in our code, never a data verdict."""
 
 
-class FinalizerBugError(FatalError, RuntimeError):
-    """The judge raised inside a finalizer actor: a bug in our code, never a data verdict."""
+class FinalizerPoolError(Kinded, FatalError, RuntimeError):
+    """The pool cannot serve, or a finalizer actor hit a bug; `kind` says which (`FinalizerPoolKind`)."""
+
+    KINDS = typing.get_args(FinalizerPoolKind)
+    kind: FinalizerPoolKind
+
+    def __init__(self, message: str, *, kind: FinalizerPoolKind) -> None:
+        super().__init__(message, kind=kind)
 
 
 @dataclass(frozen=True)
@@ -268,10 +277,11 @@ class FinalizerPool:
     ) -> None:
         if num_workers < 1:
             raise FinalizerPoolError(
-                f"num_workers must be >= 1, got {num_workers}; set token_capture.num_finalizer_workers >= 1"
+                f"num_workers must be >= 1, got {num_workers}; set token_capture.num_finalizer_workers >= 1",
+                kind="config",
             )
         if not call_timeout_s > 0:
-            raise FinalizerPoolError(f"call_timeout_s must be > 0, got {call_timeout_s}")
+            raise FinalizerPoolError(f"call_timeout_s must be > 0, got {call_timeout_s}", kind="config")
         self._source_factory = source_factory
         self._rows_factory = rows_factory
         self._cfg = cfg
@@ -301,12 +311,12 @@ class FinalizerPool:
             future.cancel()
         if late:
             raise FinalizerPoolError(
-                f"finalizer workers {sorted(pending[f] for f in late)} not ready within {timeout_s}s"
+                f"finalizer workers {sorted(pending[f] for f in late)} not ready within {timeout_s}s", kind="start"
             )
         dead = {pending[future]: future.exception() for future in done if future.exception() is not None}
         if dead:
             causes = "; ".join(f"{index}: {error}" for index, error in sorted(dead.items()))
-            raise FinalizerPoolError(f"finalizer workers died while starting ({causes})")
+            raise FinalizerPoolError(f"finalizer workers died while starting ({causes})", kind="start")
 
     def _pick(self) -> _WorkerSlot:
         healthy = [slot for slot in self._workers if not slot.suspect] or self._workers
@@ -359,8 +369,9 @@ class FinalizerPool:
             replies: list[WorkerReply] = await await_with_deadline(
                 ref, actor=slot.name, op="finalize_many", timeout_s=self._call_timeout_s)
         except ActorRaisedError as error:
-            raise FinalizerBugError(
-                f"finalizer worker {slot.index} raised while judging {what} (a bug, not a data fault):\n{error.cause}"
+            raise FinalizerPoolError(
+                f"finalizer worker {slot.index} raised while judging {what} (a bug, not a data fault):\n{error.cause}",
+                kind="bug",
             ) from error.cause
         except ActorCallTimeoutError:
             slot.suspect = True
@@ -376,7 +387,8 @@ class FinalizerPool:
         finally:
             self._release(slot)
         if len(replies) != len(items):
-            raise FinalizerBugError(f"finalizer worker {slot.index} answered {len(replies)} verdicts for {what}")
+            raise FinalizerPoolError(f"finalizer worker {slot.index} answered {len(replies)} verdicts for {what}",
+                                     kind="bug")
         return [FinalizeOutcome(result=reply.result, queue_wait_ms=max(0.0, (reply.started_at_s - submitted_at_s) * 1000.0))
                 for reply in replies]
 
@@ -387,7 +399,7 @@ class FinalizerPool:
     async def finalize_group(self, items: Sequence[RolloutEvidence]) -> list[FinalizeOutcome]:
         """One outcome per item, in item order (see the module docstring)."""
         if self._closed:
-            raise FinalizerPoolError("finalize_group called after shutdown(); build a new FinalizerPool")
+            raise FinalizerPoolError("finalize_group called after shutdown(); build a new FinalizerPool", kind="closed")
         chunks = split_evenly(list(items), sum(1 for slot in self._workers if not slot.suspect) or 1)
         answers = await asyncio.gather(*(self._finalize_chunk(chunk) for chunk in chunks))
         return [outcome for answer in answers for outcome in answer]

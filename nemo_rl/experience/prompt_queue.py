@@ -10,7 +10,7 @@ so each step trains the synchronous loop's prompts whatever finished first or wa
 `snapshot()` records the consumed cursor and every drawn, unconsumed prompt with its generation
 counter; `restore` queues them all again, so those in flight are re-dispatched under a generation
 (and rollout ids) never issued before. Every transition re-checks the invariants: nothing drawn is
-lost, none consumed twice, no unknown or superseded ticket (`PromptLedgerError` subclasses).
+lost, none consumed twice, no unknown or superseded ticket (an `AccountingError`; its `kind` says which).
 See docs/design-docs/async-grpo.md, "The prompt ledger".
 """
 
@@ -24,38 +24,17 @@ from enum import Enum
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from nemo_rl.data.calls import rollout_id_for
-from nemo_rl.experience.rollout_manager import AccountingError
+from nemo_rl.experience.errors import AccountingError
 
 IN_FLIGHT_METRIC = "async/in_flight_groups"
 DROPPED_STALE_METRIC = "async/dropped_stale_groups"
 
 
-class PromptLedgerError(AccountingError):
-    """The prompt ledger refused a transition (the message names the prompt, its state and the call)."""
-
-
-class UnknownGroupError(PromptLedgerError):
-    """A ticket the ledger never issued, or one a later dispatch of the same prompt superseded."""
-
-
-class GroupStateError(PromptLedgerError):
-    """A transition that the prompt's state does not allow (finish twice, commit an unfinished group...)."""
-
-
-class PromptTrainedTwiceError(PromptLedgerError):
-    """A step tried to consume a prompt an earlier step already consumed."""
-
-
-class PromptLostError(PromptLedgerError):
-    """A drawn, unconsumed prompt is neither queued nor dispatched (or is both, or twice)."""
-
-
-class InFlightLimitError(PromptLedgerError):
-    """A dispatch beyond max_in_flight_groups."""
-
-
-class SnapshotMismatchError(PromptLedgerError):
+class SnapshotMismatchError(AccountingError):
     """A snapshot restored under another grpo.num_prompts_per_step (positions would name other prompts)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, kind="snapshot_mismatch")
 
 
 def _check_int(name: str, value: object, low: int) -> int:
@@ -302,9 +281,10 @@ class PromptLedger:
     def dispatch(self) -> GroupTicket:
         """The next prompt to run: the lowest re-queued position, else a new draw."""
         if not self.can_dispatch():
-            raise InFlightLimitError(
+            raise AccountingError(
                 f"dispatch with {len(self._live)} groups in flight = max_in_flight {self._cap}; wait for the trainer to "
-                "consume or drop one (can_dispatch)"
+                "consume or drop one (can_dispatch)",
+                kind="in_flight_limit",
             )
         if self._queue:
             position = heapq.heappop(self._queue)
@@ -321,7 +301,8 @@ class PromptLedger:
         """The group of `ticket` came back (accounted: always-N); it waits for the trainer."""
         live = self._live_of(ticket, "finish")
         if live.state is not PendingState.IN_FLIGHT:
-            raise GroupStateError(f"finish {ticket.key}: the group already finished (it waits for the trainer)")
+            raise AccountingError(f"finish {ticket.key}: the group already finished (it waits for the trainer)",
+                                  kind="group_state")
         live.state = PendingState.FINISHED
         self.check()
 
@@ -329,9 +310,10 @@ class PromptLedger:
         """Drop a finished group whose tokens are too old; its prompt is re-queued at the front."""
         live = self._live_of(ticket, "drop_stale")
         if live.state is not PendingState.FINISHED:
-            raise GroupStateError(
+            raise AccountingError(
                 f"drop_stale {ticket.key}: the group is still running; staleness is read from its rows, so only a "
-                "finished group can be dropped"
+                "finished group can be dropped",
+                kind="group_state",
             )
         del self._live[ticket.position]
         heapq.heappush(self._queue, ticket.position)
@@ -346,30 +328,34 @@ class PromptLedger:
 
         `failed` (a subset) are groups with every rollout a placeholder: consumed all the same."""
         if step != self._step + 1:
-            raise GroupStateError(f"commit_step({step}): the last committed step is {self._step}; steps commit in order")
+            raise AccountingError(f"commit_step({step}): the last committed step is {self._step}; steps commit in order",
+                                  kind="group_state")
         for ticket in tickets:
             if ticket.groups_per_step != self._p:
-                raise UnknownGroupError(f"commit_step({step}): {ticket.key} was issued for groups_per_step="
-                                        f"{ticket.groups_per_step}, this ledger has {self._p}")
+                raise AccountingError(f"commit_step({step}): {ticket.key} was issued for groups_per_step="
+                                      f"{ticket.groups_per_step}, this ledger has {self._p}", kind="unknown_group")
             if ticket.position < self.consumed:
-                raise PromptTrainedTwiceError(
+                raise AccountingError(
                     f"commit_step({step}): prompt {ticket.position} (sync step {ticket.sync_step}, group "
-                    f"{ticket.group_index}) was consumed by step {ticket.sync_step} already"
+                    f"{ticket.group_index}) was consumed by step {ticket.sync_step} already",
+                    kind="trained_twice",
                 )
         positions = sorted(t.position for t in tickets)
         expected = list(range(self.consumed, self.consumed + self._p))
         if positions != expected:
-            raise GroupStateError(
+            raise AccountingError(
                 f"commit_step({step}): got positions {positions}; step {step} consumes exactly {expected} (position "
-                "order keeps each step's prompts the synchronous loop's)"
+                "order keeps each step's prompts the synchronous loop's)",
+                kind="group_state",
             )
         for ticket in tickets:
             if self._live_of(ticket, f"commit_step({step})").state is not PendingState.FINISHED:
-                raise GroupStateError(f"commit_step({step}): {ticket.key} is still running")
+                raise AccountingError(f"commit_step({step}): {ticket.key} is still running", kind="group_state")
         failed_keys = {t.key for t in failed}
         unknown = failed_keys - {t.key for t in tickets}
         if unknown:
-            raise UnknownGroupError(f"commit_step({step}): failed groups {sorted(unknown)} are not among the step's tickets")
+            raise AccountingError(f"commit_step({step}): failed groups {sorted(unknown)} are not among the step's tickets",
+                                  kind="unknown_group")
         records = tuple(
             ConsumedPrompt(step, t, Outcome.FAILED if t.key in failed_keys else Outcome.TRAINED)
             for t in sorted(tickets, key=lambda t: t.position)
@@ -383,17 +369,20 @@ class PromptLedger:
 
     def _live_of(self, ticket: GroupTicket, action: str) -> _Live:
         if not isinstance(ticket, GroupTicket) or ticket.groups_per_step != self._p:
-            raise UnknownGroupError(f"{action}: {ticket!r} is not a ticket of this ledger (groups_per_step={self._p})")
+            raise AccountingError(f"{action}: {ticket!r} is not a ticket of this ledger (groups_per_step={self._p})",
+                                  kind="unknown_group")
         position = ticket.position
         if position < self.consumed:
-            raise PromptTrainedTwiceError(
-                f"{action} {ticket.key}: prompt {position} was consumed by step {ticket.sync_step} already"
+            raise AccountingError(
+                f"{action} {ticket.key}: prompt {position} was consumed by step {ticket.sync_step} already",
+                kind="trained_twice",
             )
         live = self._live.get(position)
         if live is None or live.generation != ticket.generation:
             now = (f"live dispatch is {GroupTicket(position, live.generation, self._p).key}" if live is not None
                    else "it is queued" if self.consumed <= position < self._next_draw else "it was never drawn")
-            raise UnknownGroupError(f"{action} {ticket.key}: not a live dispatch of prompt {position} ({now})")
+            raise AccountingError(f"{action} {ticket.key}: not a live dispatch of prompt {position} ({now})",
+                                  kind="unknown_group")
         return live
 
     # -- invariants and checkpoints ------------------------------------------------------------
@@ -404,18 +393,22 @@ class PromptLedger:
         held = list(self._queue) + list(self._live)
         if len(held) != len(set(held)):
             twice = sorted({p for p in held if held.count(p) > 1})
-            raise PromptLostError(f"prompts {twice} are held twice (queued and dispatched): they would run twice")
+            raise AccountingError(f"prompts {twice} are held twice (queued and dispatched): they would run twice",
+                                  kind="prompt_lost")
         missing = sorted(set(drawn) - set(held))
         if missing:
-            raise PromptLostError(f"prompts {missing} were drawn but are neither queued nor in flight: they are lost")
+            raise AccountingError(f"prompts {missing} were drawn but are neither queued nor in flight: they are lost",
+                                  kind="prompt_lost")
         stray = sorted(set(held) - set(drawn))
         if stray:
-            raise PromptLostError(f"prompts {stray} are held but outside the drawn, unconsumed range "
-                                  f"{self.consumed}..{self._next_draw - 1}")
+            raise AccountingError(f"prompts {stray} are held but outside the drawn, unconsumed range "
+                                  f"{self.consumed}..{self._next_draw - 1}", kind="prompt_lost")
         if set(self._generations) - set(drawn):
-            raise PromptLostError(f"generation counters kept for positions outside {self.consumed}..{self._next_draw - 1}")
+            raise AccountingError(f"generation counters kept for positions outside {self.consumed}..{self._next_draw - 1}",
+                                  kind="prompt_lost")
         if len(self._live) > self._cap:
-            raise InFlightLimitError(f"{len(self._live)} groups in flight > max_in_flight {self._cap}")
+            raise AccountingError(f"{len(self._live)} groups in flight > max_in_flight {self._cap}",
+                                  kind="in_flight_limit")
 
     def snapshot(self) -> LedgerSnapshot:
         """Everything a resume needs (JSON via `model_dump_json`); positions ascending."""

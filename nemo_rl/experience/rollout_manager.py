@@ -30,6 +30,7 @@ from nemo_rl.data.rows import GroupEntry, GroupResult, KeptRollout, Placeholder,
 from nemo_rl.data_plane.partitions import reported_staged_keys
 from nemo_rl.distributed.component_watch import ComponentKind, any_down
 from nemo_rl.environments.nemo_gym_config import GymRunError, GymRunTimeoutError, ManifestError
+from nemo_rl.experience.errors import AccountingError
 from nemo_rl.experience.legacy_rows import legacy_row_from_result
 from nemo_rl.experience.finalizer_pool import FinalizeOutcome
 from nemo_rl.models.generation.vllm.worker import WorkerError, WorkerFailedError
@@ -146,10 +147,6 @@ class StepCounters:
         return metrics
 
 
-class AccountingError(FatalError, RuntimeError):
-    """An outcome does not belong to the slot it was filed under (a bug, never data)."""
-
-
 class RetentionError(FatalError, RuntimeError):
     """Ledger retirement or staged-key clearing failed; `group` is the accounted result."""
 
@@ -178,7 +175,8 @@ def account_group(group_index: int, rollout_ids: Sequence[str], outcomes: Mappin
     """Exactly one entry per reserved id; unfilled slots become `run_failed`/"aborted" placeholders."""
     stray = set(outcomes) - set(range(len(rollout_ids)))
     if stray:
-        raise AccountingError(f"group {group_index}: outcomes filed under unknown sample indexes {sorted(stray)}")
+        raise AccountingError(f"group {group_index}: outcomes filed under unknown sample indexes {sorted(stray)}",
+                              kind="outcome")
     entries: list[GroupEntry] = []
     for index, rollout_id in enumerate(rollout_ids):
         entry = outcomes.get(index)
@@ -186,7 +184,8 @@ def account_group(group_index: int, rollout_ids: Sequence[str], outcomes: Mappin
             entry = Placeholder(rollout_id, group_index, index, PlaceholderReason.RUN_FAILED, ABORTED_DETAIL)
         elif entry.rollout_id != rollout_id:
             raise AccountingError(
-                f"group {group_index} slot {index}: outcome for {entry.rollout_id}, reserved {rollout_id}"
+                f"group {group_index} slot {index}: outcome for {entry.rollout_id}, reserved {rollout_id}",
+                kind="outcome",
             )
         entries.append(entry)
     return GroupResult(group_index=group_index, entries=tuple(entries))
@@ -447,7 +446,8 @@ class RolloutManager:
             state.reported_keys = reported_staged_keys(call for calls in served.values() for call in calls)
         outcomes = await self._finalizer.finalize_group(evidence)
         if len(outcomes) != len(evidence):
-            raise AccountingError(f"finalizer answered {len(outcomes)} outcomes for {len(evidence)} items")
+            raise AccountingError(f"finalizer answered {len(outcomes)} outcomes for {len(evidence)} items",
+                                  kind="outcome")
         for item, outcome in zip(evidence, outcomes):
             state.outcomes[item.sample_index] = outcome.result
             if outcome.queue_wait_ms is not None:

@@ -19,21 +19,9 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 
 from nemo_rl.data.rows import GroupResult, KeptRollout, RowRef, TrainRow
-from nemo_rl.experience.rollout_manager import AccountingError
+from nemo_rl.experience.errors import AccountingError
 
 AGE_METRIC_PREFIX = "async/trajectory_age_steps"
-
-
-class StalenessError(AccountingError):
-    """A group's rows do not tell how old its tokens are (the message names rollout and version)."""
-
-
-class UnversionedRowError(StalenessError):
-    """A kept row has a call without a weight version (legacy rows: Gym's echo carries none)."""
-
-
-class FutureWeightVersionError(StalenessError):
-    """A row carries a version newer than the trainer's: an engine served weights nobody trained yet."""
 
 
 def _check_version(name: str, value: object) -> int:
@@ -46,10 +34,11 @@ def row_min_version(row: TrainRow | RowRef) -> int:
     """The oldest weight version among the row's calls (= among its tokens: every span is non-empty)."""
     versions = row.weight_versions
     if any(v is None for v in versions):
-        raise UnversionedRowError(
+        raise AccountingError(
             f"rollout {row.rollout_id} row {row.chain_index} ({row.origin.value}) has calls without a weight "
             "version; only captured rows carry one per call, so its age cannot be read from it "
-            "(fix: grpo.async_rollouts needs token_capture.enabled=true)"
+            "(fix: grpo.async_rollouts needs token_capture.enabled=true)",
+            kind="unversioned_row",
         )
     return min(versions)  # a row has >= 1 call (RowInvariantError otherwise)
 
@@ -81,9 +70,10 @@ def group_min_version(group: GroupResult) -> int | None:
 def _age(version: int, trainer_version: int, where: str) -> int:
     age = trainer_version - version
     if age < 0:
-        raise FutureWeightVersionError(
+        raise AccountingError(
             f"{where} carries weight version {version} but the trainer holds version {trainer_version}: an engine "
-            "served weights that were never trained (a refit bookkeeping bug)"
+            "served weights that were never trained (a refit bookkeeping bug)",
+            kind="future_version",
         )
     return age
 

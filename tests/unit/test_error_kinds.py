@@ -29,6 +29,12 @@ from nemo_rl.environments.nemo_gym_config import ManifestError, ManifestKind
 from nemo_rl.token_capture.router_replay import RouterReplayError, RouterReplayKind, RouteShapeUnknownError
 from nemo_rl.utils.checkpoint import CheckpointError, CheckpointKind
 from nemo_rl.utils.config import ConfigError, ConfigKind
+from nemo_rl.experience.errors import AccountingError, AccountingKind
+from nemo_rl.experience.finalizer_pool import FinalizerPoolError, FinalizerPoolKind
+from nemo_rl.experience.prompt_queue import SnapshotMismatchError
+from nemo_rl.algorithms.errors import GRPOError, GRPOKind, MaskedStepsError
+from nemo_rl.algorithms.failed_rollouts import AllRolloutsFailedError
+from nemo_rl.algorithms.grpo_async import AsyncLoopError
 
 FAMILIES: list[tuple[type[Kinded], object, type]] = [
     (ConfigError, ConfigKind, FatalError),
@@ -38,6 +44,9 @@ FAMILIES: list[tuple[type[Kinded], object, type]] = [
     (DataPlaneBugError, DataPlaneBugKind, FatalError),
     (ManifestError, ManifestKind, RecoverableError),
     (RouterReplayError, RouterReplayKind, RecoverableError),
+    (AccountingError, AccountingKind, FatalError),
+    (FinalizerPoolError, FinalizerPoolKind, FatalError),
+    (GRPOError, GRPOKind, FatalError),
 ]
 
 
@@ -97,6 +106,10 @@ OWN_CLASS_ERRORS = [
     GymRequirementsError("arith", Path("/tmp/requirements.txt"), ["sympy"]),
     FieldEncodingError("key 'k' field 'ids': list is not stored"),
     RouteShapeUnknownError("no row carries a usable route; pass num_layers and topk to shape the batch"),
+    SnapshotMismatchError("the snapshot was taken with grpo.num_prompts_per_step=2, this run has 3"),
+    MaskedStepsError("step 7: 3 consecutive steps had no trainable rollout"),
+    AllRolloutsFailedError(7, {"run_failed": 2}, ["run_failed: HTTP 400"]),
+    AsyncLoopError("the producer was closed"),
 ]
 
 

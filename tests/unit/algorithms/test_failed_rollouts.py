@@ -71,7 +71,7 @@ def test_the_error_is_fatal_and_names_step_reasons_counts_and_distinct_details()
     with pytest.raises(AllRolloutsFailedError) as info:
         check_harness_failures(_all_run_failed(), 7)
     error = info.value
-    assert isinstance(error, FatalError) and isinstance(error, GRPOError)
+    assert isinstance(error, FatalError) and isinstance(error, GRPOError) and error.kind == "all_rollouts_failed"
     assert error.step == 7 and error.counts == {"run_failed": 3, "run_timeout": 1}
     assert error.details == [f"run_failed: {SCHEMA_400}", "run_timeout: no answer in 600 s"]
     text = str(error)

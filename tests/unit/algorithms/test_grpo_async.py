@@ -29,7 +29,8 @@ from nemo_rl.algorithms.grpo_async import (
 )
 from nemo_rl.data.rows import GroupResult, Placeholder, PlaceholderReason
 from nemo_rl.experience.prompt_queue import GroupTicket, PromptLedger
-from nemo_rl.experience.staleness import FutureWeightVersionError
+from nemo_rl.experience.errors import AccountingError
+from nemo_rl.experience.finalizer_pool import FinalizerPoolError
 from nemo_rl.models.generation.vllm.worker import RefitAbortedWorkerError
 from tests.unit.experience.test_staleness import group_of
 
@@ -59,10 +60,12 @@ def test_engine_step_metrics_are_deltas_of_the_workers_own_counters():
 
 
 def test_engine_step_metrics_refuse_a_clock_that_did_not_move_or_a_changed_worker_count():
-    with pytest.raises(GRPOError, match="engine clock did not advance"):
+    with pytest.raises(GRPOError, match="engine clock did not advance") as excinfo:
         engine_step_metrics([_timing(1.0, 0.0)], [_timing(1.0, 0.0)])
-    with pytest.raises(GRPOError, match="same, non-zero count"):
+    assert excinfo.value.kind == "worker_metrics"
+    with pytest.raises(GRPOError, match="same, non-zero count") as excinfo:
         engine_step_metrics([_timing(1.0, 0.0)], [])
+    assert excinfo.value.kind == "worker_metrics"
 
 
 class FakeCleaner:
@@ -168,13 +171,29 @@ async def test_a_failing_group_reaches_the_trainer_and_teardown_reports_what_ran
     producer.fill()
     script.release(1)
     script.release(2)
-    with pytest.raises(AsyncLoopError, match="a rollout group failed: RuntimeError: group 1 broke"):
+    with pytest.raises(AsyncLoopError, match="a rollout group failed: RuntimeError: group 1 broke") as excinfo:
         await producer.wait_head()
+    assert excinfo.value.kind == "async_loop"
     assert producer.fill() == 0  # no dispatch after a failure
     running, unconsumed, stuck = await producer.aclose(deadline_s=5.0)
     assert sorted(t.position for t in running) == [0, 3]
     assert [t.position for t in unconsumed] == [2]
     assert stuck == ()
+
+
+async def test_a_group_failure_names_the_kind_of_a_kinded_error():
+    async def run_group(ticket: GroupTicket) -> GroupResult:
+        raise FinalizerPoolError("finalizer worker 0 raised while judging rollout r-0 (a bug, not a data fault)",
+                                 kind="bug")
+
+    producer = RolloutProducer(PromptLedger(1, 1), run_group, end=1)
+    producer.fill()
+    with pytest.raises(AsyncLoopError) as excinfo:
+        await producer.wait_head()
+    assert str(excinfo.value) == ("a rollout group failed: FinalizerPoolError[bug]: finalizer worker 0 raised while "
+                                  "judging rollout r-0 (a bug, not a data fault)")
+    assert type(excinfo.value.__cause__) is FinalizerPoolError and excinfo.value.__cause__.kind == "bug"
+    await producer.aclose(deadline_s=5.0)
 
 
 async def test_a_step_that_can_never_complete_is_named_not_awaited_forever():
@@ -183,8 +202,9 @@ async def test_a_step_that_can_never_complete_is_named_not_awaited_forever():
     producer.fill()
     await producer.aclose(deadline_s=5.0)
     producer2 = RolloutProducer(PromptLedger(2, 2), Scripted(), end=0)
-    with pytest.raises(AsyncLoopError, match=r"step 1 waits for positions \[0, 1\] but no group is running"):
+    with pytest.raises(AsyncLoopError, match=r"step 1 waits for positions \[0, 1\] but no group is running") as excinfo:
         await producer2.wait_head()
+    assert excinfo.value.kind == "async_loop"
 
 
 def test_the_integration_tests_call_spreading_hook_is_a_complete_hook_module():
@@ -237,8 +257,9 @@ async def test_gather_refuses_rows_newer_than_the_trainer():
         return group_of(ticket.group_index, [[(4,)]])
 
     producer = RolloutProducer(PromptLedger(1, 1), run_group, end=1)
-    with pytest.raises(FutureWeightVersionError, match="carries weight version 4 but the trainer holds version 3"):
+    with pytest.raises(AccountingError, match="carries weight version 4 but the trainer holds version 3") as excinfo:
         await gather_step(_run(p=1), producer, 1, TrainerClock(3), {})
+    assert excinfo.value.kind == "future_version"
 
 
 def test_an_aborted_refit_keeps_the_versions_the_workers_report(monkeypatch):

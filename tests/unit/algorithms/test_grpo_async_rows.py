@@ -41,8 +41,9 @@ def test_step_rows_builds_each_step_once_and_forgets_consumed_steps():
 
 def test_step_rows_refuse_a_ticket_of_a_consumed_step():
     rows = StepRows(lambda step: [{"prompt": step}])
-    with pytest.raises(AsyncLoopError, match="ticket p1.g0 is of step 2, already consumed \\(step 2\\)"):
+    with pytest.raises(AsyncLoopError, match="ticket p1.g0 is of step 2, already consumed \\(step 2\\)") as excinfo:
         rows.row(GroupTicket(1, 0, 1), 2)
+    assert excinfo.value.kind == "async_loop"
 
 
 class FakeManager:

@@ -117,22 +117,25 @@ def test_masked_steps_are_counted_and_stop_the_run_at_the_limit():
     assert next_masked_streak(0, trainable=False, limit=3, step=1) == 1
     assert next_masked_streak(1, trainable=False, limit=3, step=2) == 2
     assert next_masked_streak(2, trainable=True, limit=3, step=3) == 0  # a trainable step resets the count
-    with pytest.raises(MaskedStepsError, match=r"step 7: 3 consecutive steps .*max_consecutive_masked_steps=3"):
+    with pytest.raises(MaskedStepsError, match=r"step 7: 3 consecutive steps .*max_consecutive_masked_steps=3") as excinfo:
         next_masked_streak(2, trainable=False, limit=3, step=7)
+    assert excinfo.value.kind == "masked_steps"
 
 
 def test_rows_must_carry_the_version_the_workers_were_refit_to():
-    from nemo_rl.algorithms.grpo_single_controller import StaleWeightsError, check_row_versions
+    from nemo_rl.algorithms.grpo_single_controller import GRPOError, check_row_versions
 
     groups = [GroupResult(0, (_row(0, 0, 1.0), _row(0, 1, 0.0)))]  # rows carry version 0
     check_row_versions(groups, served_version=0, step=1)
-    with pytest.raises(StaleWeightsError, match=r"step 2: rows carry weight versions \[0\] but every worker was refit to version 1"):
+    with pytest.raises(GRPOError, match=r"step 2: rows carry weight versions \[0\] but every worker was refit to version 1") as excinfo:
         check_row_versions(groups, served_version=1, step=2)
+    assert excinfo.value.kind == "stale_weights"
 
 
 def test_worker_call_metrics_are_per_step_deltas_of_each_workers_counter():
     from nemo_rl.algorithms.grpo_single_controller import GRPOError, worker_call_metrics
 
     assert worker_call_metrics([3, 10], [7, 12]) == {"generation/worker_0/calls": 4.0, "generation/worker_1/calls": 2.0}
-    with pytest.raises(GRPOError, match="worker count changed during the step: 2 -> 1"):
+    with pytest.raises(GRPOError, match="worker count changed during the step: 2 -> 1") as excinfo:
         worker_call_metrics([3, 10], [7])
+    assert excinfo.value.kind == "worker_metrics"

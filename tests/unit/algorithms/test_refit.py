@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from nemo_rl.algorithms.errors import StaleWeightsError
+from nemo_rl.algorithms.errors import GRPOError
 from nemo_rl.algorithms.refit import Refit, RefitWorkers, max_abs_diff, refit_to
 
 
@@ -47,9 +47,10 @@ def test_refit_to_loads_the_version_everywhere_and_scores_the_probe(tmp_path: Pa
 
 def test_a_worker_on_another_version_is_stale_and_nothing_is_probed(tmp_path: Path) -> None:
     workers: RefitWorkers = FakeWorkers(reported=[5, 4])
-    with pytest.raises(StaleWeightsError) as caught:
+    with pytest.raises(GRPOError) as caught:
         refit_to(FakePolicy(), workers, tmp_path / "step_2", 5, [1, 2],
                  context="resume from step 2: refit to the saved weight version 5")
+    assert caught.value.kind == "stale_weights"
     assert str(caught.value) == (
         "resume from step 2: refit to the saved weight version 5 but the workers report versions [5, 4]")
     assert isinstance(workers, FakeWorkers) and workers.probed == 0

@@ -164,11 +164,13 @@ def test_a_tampered_row_is_refused_by_name():
 def test_build_train_batch_refuses_mixed_rows_and_refs_without_a_partition():
     plane = MemoryPlane()
     whole, slim = _stored_groups(plane)
-    with pytest.raises(GRPOError, match="no train partition"):
+    with pytest.raises(GRPOError, match="no train partition") as excinfo:
         build_train_batch(slim, normalize=True)
+    assert excinfo.value.kind == "batch"
     mixed = [GroupResult(0, (slim[0].entries[0], whole[0].entries[1]))]
-    with pytest.raises(GRPOError, match="1 TrainRows and 2 RowRefs"):
+    with pytest.raises(GRPOError, match="1 TrainRows and 2 RowRefs") as excinfo:
         build_train_batch(mixed, normalize=True, train_partition="train")
+    assert excinfo.value.kind == "batch"
 
 
 def test_first_call_prompts_come_from_refs_only_when_carried():

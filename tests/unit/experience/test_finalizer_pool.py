@@ -22,7 +22,6 @@ from nemo_rl.data_plane.partitions import (
     TQTokenSource,
 )
 from nemo_rl.experience.finalizer_pool import (
-    FinalizerBugError,
     FinalizerPool,
     FinalizerPoolError,
     FinalizerWorker,
@@ -323,13 +322,15 @@ async def test_a_judge_exception_is_a_finalizer_bug_not_a_placeholder(shared_ray
     pool = FinalizerPool(1, factory, call_timeout_s=60.0, cfg=CFG)
     try:
         await pool.wait_ready(READY_TIMEOUT_S)
-        with pytest.raises(FinalizerBugError, match="finalizer worker 0 raised while judging rollout r-r"):
+        with pytest.raises(FinalizerPoolError, match="finalizer worker 0 raised while judging rollout r-r") as excinfo:
             await pool.finalize_group([runtime_item])
+        assert excinfo.value.kind == "bug"
         began = time.monotonic()
-        with pytest.raises(FinalizerBugError, match="finalizer worker 0 raised while judging rollout r-t"):
+        with pytest.raises(FinalizerPoolError, match="finalizer worker 0 raised while judging rollout r-t") as excinfo:
             outcomes = await pool.finalize_group([timeout_item])
             pytest.fail(f"a TimeoutError raised by the judge became a verdict after {time.monotonic() - began:.1f}s "
                         f"of a 60 s deadline: {outcomes[0].result}")
+        assert excinfo.value.kind == "bug"
     finally:
         pool.shutdown()
 
@@ -337,8 +338,9 @@ async def test_a_judge_exception_is_a_finalizer_bug_not_a_placeholder(shared_ray
 async def test_a_worker_that_cannot_build_its_source_fails_loudly_by_index(shared_ray):
     pool = FinalizerPool(1, failing_factory, call_timeout_s=60.0, cfg=CFG)
     try:
-        with pytest.raises(FinalizerPoolError, match="finalizer workers died while starting \\(0: "):
+        with pytest.raises(FinalizerPoolError, match="finalizer workers died while starting \\(0: ") as excinfo:
             await pool.wait_ready(READY_TIMEOUT_S)
+        assert excinfo.value.kind == "start"
     finally:
         pool.shutdown()
 
@@ -351,8 +353,9 @@ async def test_shutdown_kills_only_this_pools_actors(shared_ray, chains):
     try:
         await asyncio.gather(keep.wait_ready(READY_TIMEOUT_S), drop.wait_ready(READY_TIMEOUT_S))
         drop.shutdown()
-        with pytest.raises(FinalizerPoolError, match="after shutdown"):
+        with pytest.raises(FinalizerPoolError, match="after shutdown") as excinfo:
             await drop.finalize_group([item])
+        assert excinfo.value.kind == "closed"
         await _until_dead(drop._workers[0].handle, 60.0)
         (kept,) = await keep.finalize_group([item])
         assert [row.token_ids for row in kept.result.rows] == [chain.full_sequence]
@@ -388,7 +391,9 @@ async def test_pool_reads_records_staged_in_the_real_data_plane(shared_plane, ch
 
 
 def test_pool_rejects_bad_sizes():
-    with pytest.raises(FinalizerPoolError, match="num_workers must be >= 1"):
+    with pytest.raises(FinalizerPoolError, match="num_workers must be >= 1") as excinfo:
         FinalizerPool(0, failing_factory, 1.0, CFG)
-    with pytest.raises(FinalizerPoolError, match="call_timeout_s must be > 0"):
+    assert excinfo.value.kind == "config"
+    with pytest.raises(FinalizerPoolError, match="call_timeout_s must be > 0") as excinfo:
         FinalizerPool(1, failing_factory, 0.0, CFG)
+    assert excinfo.value.kind == "config"

@@ -13,22 +13,16 @@ from nemo_rl.environments.gym_client import PromptDataset
 from nemo_rl.environments.task import RowSampling
 from nemo_rl.experience.prompt_queue import (
     ConsumedPrompt,
-    GroupStateError,
     GroupTicket,
-    InFlightLimitError,
     LedgerSnapshot,
     Outcome,
     PendingState,
     PromptLedger,
-    PromptLedgerError,
-    PromptLostError,
-    PromptTrainedTwiceError,
     SnapshotMismatchError,
-    UnknownGroupError,
     position_of,
     slot_of,
 )
-from nemo_rl.experience.rollout_manager import AccountingError
+from nemo_rl.experience.errors import AccountingError
 
 
 def run_step(ledger: PromptLedger) -> tuple[ConsumedPrompt, ...]:
@@ -71,8 +65,9 @@ def test_the_in_flight_cap_is_at_least_a_step_and_bounds_dispatch():
     assert ledger.max_in_flight == 2
     assert [ledger.dispatch().position for _ in range(2)] == [0, 1]
     assert not ledger.can_dispatch()
-    with pytest.raises(InFlightLimitError, match="2 groups in flight = max_in_flight 2"):
+    with pytest.raises(AccountingError, match="2 groups in flight = max_in_flight 2") as excinfo:
         ledger.dispatch()
+    assert excinfo.value.kind == "in_flight_limit"
 
 
 def test_a_step_commits_exactly_its_prompts_once_all_finished():
@@ -83,47 +78,58 @@ def test_a_step_commits_exactly_its_prompts_once_all_finished():
     assert ledger.head() is None and ledger.waiting_for() == (0,)
     ledger.finish(tickets[0])
     assert ledger.head() == (tickets[0], tickets[1])
-    with pytest.raises(GroupStateError, match=r"commit_step\(2\): the last committed step is 0"):
+    with pytest.raises(AccountingError, match=r"commit_step\(2\): the last committed step is 0") as excinfo:
         ledger.commit_step(2, [tickets[0], tickets[1]])
-    with pytest.raises(GroupStateError, match=r"got positions \[1, 3\]; step 1 consumes exactly \[0, 1\]"):
+    assert excinfo.value.kind == "group_state"
+    with pytest.raises(AccountingError, match=r"got positions \[1, 3\]; step 1 consumes exactly \[0, 1\]") as excinfo:
         ledger.commit_step(1, [tickets[1], tickets[3]])
-    with pytest.raises(GroupStateError, match=r"got positions \[0, 0, 1\]"):
+    assert excinfo.value.kind == "group_state"
+    with pytest.raises(AccountingError, match=r"got positions \[0, 0, 1\]") as excinfo:
         ledger.commit_step(1, [tickets[0], tickets[0], tickets[1]])
-    with pytest.raises(UnknownGroupError, match=r"failed groups \['p3.g0'\] are not among the step's tickets"):
+    assert excinfo.value.kind == "group_state"
+    with pytest.raises(AccountingError, match=r"failed groups \['p3.g0'\] are not among the step's tickets") as excinfo:
         ledger.commit_step(1, [tickets[0], tickets[1]], failed=[tickets[3]])
+    assert excinfo.value.kind == "unknown_group"
     records = ledger.commit_step(1, [tickets[1], tickets[0]], failed=[tickets[1]])
     assert records == (ConsumedPrompt(1, tickets[0], Outcome.TRAINED), ConsumedPrompt(1, tickets[1], Outcome.FAILED))
     assert (ledger.step, ledger.consumed, ledger.in_flight) == (1, 2, 2)
-    with pytest.raises(PromptTrainedTwiceError, match=r"prompt 0 \(sync step 1, group 0\) was consumed by step 1 already"):
+    with pytest.raises(AccountingError, match=r"prompt 0 \(sync step 1, group 0\) was consumed by step 1 already") as excinfo:
         ledger.commit_step(2, [tickets[0], tickets[1]])
-    with pytest.raises(PromptTrainedTwiceError, match="prompt 1 was consumed by step 1 already"):
+    assert excinfo.value.kind == "trained_twice"
+    with pytest.raises(AccountingError, match="prompt 1 was consumed by step 1 already") as excinfo:
         ledger.finish(tickets[1])
-    with pytest.raises(GroupStateError, match=r"commit_step\(2\): p2.g0 is still running"):
+    assert excinfo.value.kind == "trained_twice"
+    with pytest.raises(AccountingError, match=r"commit_step\(2\): p2.g0 is still running") as excinfo:
         ledger.commit_step(2, [tickets[2], tickets[3]])
+    assert excinfo.value.kind == "group_state"
 
 
 def test_unknown_superseded_and_repeated_transitions_are_refused():
     ledger = PromptLedger(2, 3)
     first = ledger.dispatch()
-    with pytest.raises(UnknownGroupError, match=r"finish p7.g0: not a live dispatch of prompt 7 \(it was never drawn\)"):
+    with pytest.raises(AccountingError, match=r"finish p7.g0: not a live dispatch of prompt 7 \(it was never drawn\)") as excinfo:
         ledger.finish(GroupTicket(7, 0, 2))
-    with pytest.raises(UnknownGroupError, match="not a ticket of this ledger"):
+    assert excinfo.value.kind == "unknown_group"
+    with pytest.raises(AccountingError, match="not a ticket of this ledger") as excinfo:
         ledger.finish(GroupTicket(0, 0, 3))
-    with pytest.raises(GroupStateError, match="drop_stale p0.g0: the group is still running"):
+    assert excinfo.value.kind == "unknown_group"
+    with pytest.raises(AccountingError, match="drop_stale p0.g0: the group is still running") as excinfo:
         ledger.drop_stale(first)
+    assert excinfo.value.kind == "group_state"
     ledger.finish(first)
-    with pytest.raises(GroupStateError, match="finish p0.g0: the group already finished"):
+    with pytest.raises(AccountingError, match="finish p0.g0: the group already finished") as excinfo:
         ledger.finish(first)
+    assert excinfo.value.kind == "group_state"
     ledger.drop_stale(first)
-    with pytest.raises(UnknownGroupError, match=r"finish p0.g0: not a live dispatch of prompt 0 \(it is queued\)"):
+    with pytest.raises(AccountingError, match=r"finish p0.g0: not a live dispatch of prompt 0 \(it is queued\)") as excinfo:
         ledger.finish(first)
+    assert excinfo.value.kind == "unknown_group"
     again = ledger.dispatch()
     assert again == GroupTicket(0, 1, 2)
-    with pytest.raises(UnknownGroupError, match=r"drop_stale p0.g0: not a live dispatch of prompt 0 \(live dispatch is p0.g1\)"):
+    with pytest.raises(AccountingError, match=r"drop_stale p0.g0: not a live dispatch of prompt 0 \(live dispatch is p0.g1\)") as excinfo:
         ledger.drop_stale(first)
-    assert all(issubclass(e, PromptLedgerError) and issubclass(e, AccountingError)
-               for e in (UnknownGroupError, GroupStateError, PromptTrainedTwiceError, PromptLostError,
-                         InFlightLimitError, SnapshotMismatchError))
+    assert excinfo.value.kind == "unknown_group"
+    assert issubclass(SnapshotMismatchError, AccountingError) and type(excinfo.value) is AccountingError
 
 
 def test_a_dropped_prompt_goes_back_to_the_front_lowest_position_first():
@@ -162,8 +168,9 @@ def test_a_snapshot_records_in_flight_groups_and_restore_redispatches_them_under
     redispatched = [restored.dispatch() for _ in range(4)]
     assert [(t.position, t.generation) for t in redispatched] == [(4, 1), (5, 1), (6, 1), (7, 0)]
     assert running.generation == finished.generation == 0
-    with pytest.raises(SnapshotMismatchError, match=r"grpo\.num_prompts_per_step=2, this run has 3.*fix"):
+    with pytest.raises(SnapshotMismatchError, match=r"grpo\.num_prompts_per_step=2, this run has 3.*fix") as excinfo:
         PromptLedger.restore(snapshot, 3)
+    assert excinfo.value.kind == "snapshot_mismatch"
 
 
 def test_a_snapshot_that_loses_a_prompt_is_refused():
@@ -184,13 +191,15 @@ def test_check_names_a_lost_or_duplicated_prompt():
     ledger = PromptLedger(2, 2)
     ticket = ledger.dispatch()
     ledger._live.clear()  # noqa: SLF001: corrupt the ledger as a bug would
-    with pytest.raises(PromptLostError, match=r"prompts \[0\] were drawn but are neither queued nor in flight"):
+    with pytest.raises(AccountingError, match=r"prompts \[0\] were drawn but are neither queued nor in flight") as excinfo:
         ledger.check()
+    assert excinfo.value.kind == "prompt_lost"
     ledger = PromptLedger(2, 2)
     ticket = ledger.dispatch()
     ledger._queue.append(ticket.position)  # noqa: SLF001
-    with pytest.raises(PromptLostError, match=r"prompts \[0\] are held twice"):
+    with pytest.raises(AccountingError, match=r"prompts \[0\] are held twice") as excinfo:
         ledger.check()
+    assert excinfo.value.kind == "prompt_lost"
 
 
 def test_the_ledger_order_draws_the_prompt_sources_synchronous_batches():

@@ -37,9 +37,9 @@ from nemo_rl.data.rows import (
 from nemo_rl.data.calls import ServedCall
 from nemo_rl.data_plane.partitions import StagedKeysMissingError
 from nemo_rl.environments.nemo_gym_config import GymRunError, GymRunTimeoutError, ManifestError
+from nemo_rl.experience.errors import AccountingError
 from nemo_rl.experience.finalizer_pool import FinalizeOutcome, judge_from_source
 from nemo_rl.experience.rollout_manager import (
-    AccountingError,
     RetentionError,
     RolloutManager,
     RolloutManagerConfig,
@@ -414,10 +414,12 @@ async def test_group_size_must_be_positive():
 
 def test_account_group_rejects_misfiled_outcomes():
     stray = Placeholder("x-i0", 0, 0, R.RUN_FAILED, "boom")
-    with pytest.raises(AccountingError, match="unknown sample indexes \\[5\\]"):
+    with pytest.raises(AccountingError, match="unknown sample indexes \\[5\\]") as excinfo:
         account_group(0, ["x-i0"], {5: stray})
-    with pytest.raises(AccountingError, match="outcome for x-i0, reserved y-i0"):
+    assert excinfo.value.kind == "outcome"
+    with pytest.raises(AccountingError, match="outcome for x-i0, reserved y-i0") as excinfo:
         account_group(0, ["y-i0"], {0: stray})
+    assert excinfo.value.kind == "outcome"
     filled = account_group(0, ["x-i0", "x-i1"], {0: stray})
     assert filled.entries[1] == Placeholder("x-i1", 0, 1, R.RUN_FAILED, "aborted")
 
@@ -429,8 +431,9 @@ async def test_a_finalizer_that_loses_items_is_an_accounting_error():
 
     env, cleaner = ScriptedEnv(["success", "success"]), RecordingCleaner()
     manager = RolloutManager(_config(), env, LosingFinalizer(env.script), cleaner, ScriptedServed(env.script))
-    with pytest.raises(AccountingError, match="1 outcomes for 2 items"):
+    with pytest.raises(AccountingError, match="1 outcomes for 2 items") as excinfo:
         await manager.run_group(0, 0, {}, 2)
+    assert excinfo.value.kind == "outcome"
     assert env.retired == [["run7-s0-g0-i0-a0", "run7-s0-g0-i1-a0"]]  # retention still ran
 
 
