@@ -51,7 +51,7 @@ def row_min_version(row: TrainRow | RowRef) -> int:
             "version; only captured rows carry one per call, so its age cannot be read from it "
             "(fix: grpo.async_rollouts needs token_capture.enabled=true)"
         )
-    return min(versions)  # a row has >= 1 call (RowInvariantError otherwise)
+    return min(versions)  # a row has >= 1 call (RecordInvariantError otherwise)
 
 
 def rollout_min_version(rollout: KeptRollout) -> int:

@@ -28,12 +28,20 @@ from nemo_rl.environments.nemo_gym_config import (
 )
 from nemo_rl.utils.checkpoint import CheckpointError, CheckpointKind
 from nemo_rl.utils.config import ConfigError, ConfigKind
+from nemo_rl.data.errors import RecordInvariantError, RecordKind
+from nemo_rl.models.policy.errors import PolicyLoadError, PolicyLoadKind, PolicyStepError, PolicyStepKind
+from nemo_rl.models.policy.errors import PolicyStateError, PolicyStateKind, PolicyWorkerCallError, PolicyWorkerCallKind
 
 FAMILIES: list[tuple[type[Kinded], object, type]] = [
     (ConfigError, ConfigKind, FatalError),
     (CheckpointError, CheckpointKind, FatalError),
     (DataPlaneError, DataPlaneKind, RecoverableError),
     (NemoGymError, NemoGymKind, FatalError),
+    (RecordInvariantError, RecordKind, FatalError),
+    (PolicyLoadError, PolicyLoadKind, FatalError),
+    (PolicyStepError, PolicyStepKind, FatalError),
+    (PolicyStateError, PolicyStateKind, FatalError),
+    (PolicyWorkerCallError, PolicyWorkerCallKind, FatalError),
 ]
 
 
