@@ -1,7 +1,6 @@
 """The GRPO driver's named failures (set-up, refit and the loop raise them; each message names the
 step or the phase and the cause): one fatal family, `GRPOError`, whose `kind` says which. Three
-members the loop catches by name, or that carry fields, keep their class (`OWN_CLASS`).
-`error_name(e)` is how a message names a wrapped error: its class, and a kinded error's kind."""
+members the loop catches by name, or that carry fields, keep their class (`OWN_CLASS`)."""
 
 from __future__ import annotations
 
@@ -42,8 +41,3 @@ class MaskedStepsError(GRPOError):
     def __init__(self, message: str) -> None:
         super().__init__(message, kind="masked_steps")
 
-
-def error_name(error: BaseException) -> str:
-    """`type(error).__name__`, with the kind of a kinded error: `AccountingError[group_state]`."""
-    name = type(error).__name__
-    return f"{name}[{error.kind}]" if isinstance(error, Kinded) else name

@@ -8,8 +8,8 @@ statistics; a group without signal is all 0.0; the loss is a token-level mean ov
 batch's masked tokens (pass `normalizer` per micro-batch); the ratio is pi_theta / pi_prox
 (the trainer's recomputed prev); the behaviour logprobs enter only through the detached weight
 w = min(exp(prev - behaviour), is_truncation), and w = 1 exactly when mode is "recomputed"; a
-masked token without a finite behaviour logprob is a `LossInputError`, never w = 1; positions
-outside the mask never influence a result; an all-zero mask is `EmptyMaskError`.
+masked token without a finite behaviour logprob is a `PolicyStepError` (`loss_input`), never w = 1;
+positions outside the mask never influence a result; an all-zero mask is its `empty_mask` kind.
 Formulas: docs/design-docs/policy.md, "GRPO math"; docs/guides/off-policy-correction.md.
 """
 
@@ -22,7 +22,7 @@ from typing import get_args
 import torch
 
 from nemo_rl.models.policy.config import BehaviourLogprobs, LossConfig
-from nemo_rl.models.policy.errors import EmptyMaskError, LossInputError
+from nemo_rl.models.policy.errors import PolicyStepError
 from nemo_rl.models.policy.worker import (
     as_bool_mask,
     check_same_shape,
@@ -35,12 +35,11 @@ from nemo_rl.models.policy.worker import (
 ADVANTAGE_EPS = 1e-6
 
 # The inputs of a GRPO function are inconsistent (shape, length, range).
-GRPOInputError = LossInputError
+GRPOInputError = PolicyStepError
 
 __all__ = [
     "ADVANTAGE_EPS",
     "ClippedPGLossFn",
-    "EmptyMaskError",
     "GRPOInputError",
     "compute_group_advantages",
     "gen_kl_error",
@@ -66,15 +65,15 @@ def compute_group_advantages(
 ) -> list[float]:
     """Per-sample advantages, group by group (see the module docstring for the rules)."""
     if group_size < 1:
-        raise GRPOInputError(f"group_size={group_size} must be >= 1")
+        raise GRPOInputError(f"group_size={group_size} must be >= 1", kind="loss_input")
     if len(rewards) != len(valid):
         raise GRPOInputError(
-            f"len(rewards)={len(rewards)} != len(valid)={len(valid)}; pass one flag per sample"
+            f"len(rewards)={len(rewards)} != len(valid)={len(valid)}; pass one flag per sample", kind="loss_input"
         )
     if len(rewards) % group_size != 0:
         raise GRPOInputError(
             f"len(rewards)={len(rewards)} is not a multiple of group_size={group_size}; "
-            "every group must keep all its samples (use placeholders with valid=False)"
+            "every group must keep all its samples (use placeholders with valid=False)", kind="loss_input"
         )
     advantages = [0.0] * len(rewards)
     for start in range(0, len(rewards), group_size):
@@ -84,7 +83,7 @@ def compute_group_advantages(
             if not math.isfinite(v):
                 raise GRPOInputError(
                     f"rewards[{i}]={v} is not finite for a valid sample; "
-                    "mark the sample invalid or fix the reward function"
+                    "mark the sample invalid or fix the reward function", kind="loss_input"
                 )
         if not vals or min(vals) == max(vals):
             continue
@@ -119,12 +118,12 @@ def grpo_clipped_loss(
     "num_tokens" is this mask's count.
     """
     if not 0.0 <= ratio_clip_min < 1.0:
-        raise GRPOInputError(f"ratio_clip_min={ratio_clip_min} must be in [0, 1)")
+        raise GRPOInputError(f"ratio_clip_min={ratio_clip_min} must be in [0, 1)", kind="loss_input")
     if ratio_clip_max < 0.0:
-        raise GRPOInputError(f"ratio_clip_max={ratio_clip_max} must be >= 0")
+        raise GRPOInputError(f"ratio_clip_max={ratio_clip_max} must be >= 0", kind="loss_input")
     if curr_logprobs.dim() != 2:
         raise GRPOInputError(
-            f"curr_logprobs must be [B, T], got shape {tuple(curr_logprobs.shape)}"
+            f"curr_logprobs must be [B, T], got shape {tuple(curr_logprobs.shape)}", kind="loss_input"
         )
     check_same_shape(curr_logprobs, prev_logprobs=prev_logprobs)
     if gen_logprobs is not None:
@@ -140,7 +139,7 @@ def grpo_clipped_loss(
     if not denom >= num_tokens:
         raise GRPOInputError(
             f"normalizer={normalizer} is smaller than the mask's token count {num_tokens}; "
-            "pass the whole batch's masked-token count"
+            "pass the whole batch's masked-token count", kind="loss_input"
         )
 
     adv = advantages.detach().to(curr_logprobs.dtype)
@@ -186,10 +185,10 @@ def truncated_is_weights(
     is_truncation; off the mask w = 1.0 and truncated = False. Each token is weighed against
     its own behaviour logprob (the version that sampled it), never a row or batch summary. A
     masked token whose behaviour logprob is not finite or is > 0 has no usable record of its
-    sampler: `LossInputError` naming its position (never a silent w = 1).
+    sampler: a `loss_input` `PolicyStepError` naming its position (never a silent w = 1).
     """
     if not is_truncation > 1.0 or not math.isfinite(is_truncation):
-        raise GRPOInputError(f"is_truncation={is_truncation} must be a finite number > 1")
+        raise GRPOInputError(f"is_truncation={is_truncation} must be a finite number > 1", kind="loss_input")
     check_same_shape(prev_logprobs, behaviour_logprobs=behaviour_logprobs)
     m = as_bool_mask(mask, prev_logprobs, "prev_logprobs")
     with torch.no_grad():
@@ -200,7 +199,7 @@ def truncated_is_weights(
                 f"behaviour logprob [{b}, {t}]={float(behaviour_logprobs[b, t])} on a masked token "
                 f"({int(bad.sum())} such token(s)): every trained token needs the finite logprob (<= 0) "
                 "of the engine that sampled it (fix: drop the row, or set loss_fn.behaviour_logprobs="
-                "recomputed to train without the off-policy correction)"
+                "recomputed to train without the off-policy correction)", kind="loss_input"
             )
         # Zero the log-weight off the mask so exp() sees no garbage (w is 1.0 there).
         log_w = torch.where(m, prev_logprobs.detach() - behaviour_logprobs, torch.zeros_like(prev_logprobs))
@@ -246,19 +245,19 @@ class ClippedPGLossFn:
     def __post_init__(self) -> None:
         if not 0.0 <= self.ratio_clip_min < 1.0:
             raise GRPOInputError(
-                f"loss_fn.ratio_clip_min={self.ratio_clip_min} must be in [0, 1)"
+                f"loss_fn.ratio_clip_min={self.ratio_clip_min} must be in [0, 1)", kind="loss_input"
             )
         if self.ratio_clip_max < 0.0:
-            raise GRPOInputError(f"loss_fn.ratio_clip_max={self.ratio_clip_max} must be >= 0")
+            raise GRPOInputError(f"loss_fn.ratio_clip_max={self.ratio_clip_max} must be >= 0", kind="loss_input")
         if self.behaviour_logprobs not in _BEHAVIOUR_MODES:
             raise GRPOInputError(
                 f"loss_fn.behaviour_logprobs={self.behaviour_logprobs!r} must be one of "
-                f"{list(_BEHAVIOUR_MODES)} (fix: set it to one of those)"
+                f"{list(_BEHAVIOUR_MODES)} (fix: set it to one of those)", kind="loss_input"
             )
         if not (self.is_truncation > 1.0 and math.isfinite(self.is_truncation)):
             raise GRPOInputError(
                 f"loss_fn.is_truncation={self.is_truncation} must be a finite number > 1 "
-                "(fix: set loss_fn.is_truncation to a finite value greater than 1)"
+                "(fix: set loss_fn.is_truncation to a finite value greater than 1)", kind="loss_input"
             )
 
     @classmethod

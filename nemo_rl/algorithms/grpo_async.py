@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from nemo_rl.algorithms.async_config import in_flight_limit
-from nemo_rl.algorithms.errors import GRPOError, MaskedStepsError, error_name
+from nemo_rl.algorithms.errors import GRPOError, MaskedStepsError
 from nemo_rl.algorithms.failed_rollouts import AllRolloutsFailedError
 from nemo_rl.algorithms.grpo_checkpoint import DISPATCHED_PROMPTS_FILE, batch_digest, ledger_to_resume
 from nemo_rl.algorithms.grpo_config import MasterConfig
@@ -40,6 +40,7 @@ from nemo_rl.algorithms.grpo_single_controller import (
     train_groups,
     worker_call_metrics,
 )
+from nemo_rl.data.errors import error_name
 from nemo_rl.data.rows import GroupResult, RowRef
 from nemo_rl.data.train import KEY_SEPARATOR
 from nemo_rl.data_plane.partitions import TrainRowCleaner

@@ -30,7 +30,7 @@ from nemo_gym.token_id_capture.staging import (
 )
 from pydantic import ValidationError
 
-from nemo_rl.data.errors import FatalError, RecoverableError
+from nemo_rl.data.errors import RecordInvariantError, RecoverableError
 
 if TYPE_CHECKING:
     import torch
@@ -490,10 +490,6 @@ def row_to_record(key: str, row: Row) -> StagedCallSnapshot:
     return _validated(key, StagedCallSnapshot, payload)
 
 
-class ServedCallError(FatalError, ValueError):
-    """A served-call record violates its invariants (a worker bug or a version mismatch)."""
-
-
 def has_assistant_turn(messages: Sequence[Any]) -> bool:
     """Whether a request's history holds model-authored output: an assistant turn or a function call (Gym's rule)."""
     return any(
@@ -524,18 +520,18 @@ class ServedCall:
     def __post_init__(self) -> None:
         where = f"ServedCall {self.rollout_id}/{self.model_call_id}"
         if not self.rollout_id or not self.model_call_id:
-            raise ServedCallError(f"{where}: rollout_id and model_call_id must be non-empty")
+            raise RecordInvariantError(f"{where}: rollout_id and model_call_id must be non-empty", kind="served_call")
         if self.mode not in ("text", "token_in"):
-            raise ServedCallError(f"{where}: mode must be 'text' or 'token_in', got {self.mode!r}")
+            raise RecordInvariantError(f"{where}: mode must be 'text' or 'token_in', got {self.mode!r}", kind="served_call")
         if (self.mode == "text") != (self.parent_call_id is None):
-            raise ServedCallError(f"{where}: a text root has no parent and a token_in call has one")
+            raise RecordInvariantError(f"{where}: a text root has no parent and a token_in call has one", kind="served_call")
         if type(self.generated_tokens) is not int or self.generated_tokens < 0:
-            raise ServedCallError(f"{where}: generated_tokens must be a non-negative int")
+            raise RecordInvariantError(f"{where}: generated_tokens must be a non-negative int", kind="served_call")
         if self.staged != (self.failure is None):
-            raise ServedCallError(f"{where}: a staged call has no failure and an unstaged call names one")
+            raise RecordInvariantError(f"{where}: a staged call has no failure and an unstaged call names one", kind="served_call")
         if type(self.unresolved_continuation) is not bool or (self.unresolved_continuation and self.mode != "text"):
-            raise ServedCallError(f"{where}: unresolved_continuation is a bool, True only for a text admission "
-                                  f"(got {self.unresolved_continuation!r} on a {self.mode} call)")
+            raise RecordInvariantError(f"{where}: unresolved_continuation is a bool, True only for a text admission "
+                                       f"(got {self.unresolved_continuation!r} on a {self.mode} call)", kind="served_call")
 
     def to_wire(self) -> dict[str, Any]:
         return asdict(self)
@@ -545,4 +541,4 @@ class ServedCall:
         try:
             return cls(**data)
         except TypeError as e:
-            raise ServedCallError(f"served-call record has unexpected fields: {sorted(data)}") from e
+            raise RecordInvariantError(f"served-call record has unexpected fields: {sorted(data)}", kind="served_call") from e

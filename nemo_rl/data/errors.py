@@ -8,16 +8,18 @@ Contract:
   its message is unchanged and it pickles (Ray) with its kind.
 - An `ApiError`'s HTTP status follows from its type (`STATUS_OF`); only the transports
   (`models.generation.vllm.worker`, `environments.gate.app`) turn it into a response.
-- `PolicyError` (fatal) is the base of every policy failure; `TrainBatchError` and
-  `PolicyWorkerError` carry strings only, so they cross Ray intact.
+- A record that breaks its module's invariants is a `RecordInvariantError` (fatal, a kind per
+  record). `PolicyError` (fatal) is the base of every policy failure; `PolicyWorkerError`
+  carries strings only, so it crosses Ray intact.
 """
 
 from __future__ import annotations
 
 import json
+import typing
 from collections.abc import Mapping
 from types import MappingProxyType
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 STATUS_OF: Mapping[str, int] = MappingProxyType(
     {
@@ -107,6 +109,11 @@ class Kinded:
         return (_rebuild, (type(self), self.args), self.__dict__)  # type: ignore[attr-defined]
 
 
+def error_name(error: BaseException) -> str:
+    """What a detail or a log line calls `error`: its class, and its kind if it has one (`PolicyStepError[empty_mask]`)."""
+    return f"{type(error).__name__}[{error.kind}]" if isinstance(error, Kinded) else type(error).__name__
+
+
 class ApiError(RecoverableError):
     """An answer for the caller: named type (its status follows from it), message, field at fault."""
 
@@ -127,15 +134,26 @@ class ApiError(RecoverableError):
         return json.dumps(self.body()).encode()
 
 
+RecordKind = Literal["row", "served_call", "train_plan", "train_batch"]
+"""Which record: a training row, placeholder, kept rollout or group (`data.rows`); a served-call
+witness (`data.calls.ServedCall`); a `TrainPlan` or a `TrainBatch` (`data.train`)."""
+
+
+class RecordInvariantError(Kinded, FatalError, ValueError):
+    """A record of `nemo_rl.data` violates an invariant its module lists (a bug or a version mismatch)."""
+
+    KINDS = typing.get_args(RecordKind)
+    kind: RecordKind
+
+    def __init__(self, message: str, *, kind: RecordKind) -> None:
+        super().__init__(message, kind=kind)
+
+
 # --- the policy failures that cross a process boundary (records below the policy, its actor) ---
 
 
 class PolicyError(FatalError):
     """Base class of every policy failure."""
-
-
-class TrainBatchError(PolicyError, ValueError):
-    """A TrainBatch violates one of its invariants."""
 
 
 class PolicyWorkerError(PolicyError):

@@ -4,9 +4,9 @@ Every dispatched rollout ends as exactly one `KeptRollout` (one `TrainRow` or `R
 verified chain, sharing the rollout's reward and advantage) or one `Placeholder` (typed
 `PlaceholderReason` and a detail); a `GroupResult` holds exactly N entries, entry i with
 `sample_index == i`, so kept + placeholders == dispatched by construction.
-Invariants, checked at construction (`RowInvariantError`): within a kept rollout a generated
-token is in the loss at most once; a row's tokens, mask and logprobs align, the prompt is
-masked and logprobs are 0.0 where the mask is; per-call spans cover the row exactly.
+Invariants, checked at construction (`RecordInvariantError`, kind `row`): within a kept rollout
+a generated token is in the loss at most once; a row's tokens, mask and logprobs align, the
+prompt is masked and logprobs are 0.0 where the mask is; per-call spans cover the row exactly.
 Every field's invariant: docs/design-docs/token-capture-receipts.md, "Row types and their
 invariants".
 """
@@ -21,12 +21,7 @@ from typing import Any, Union
 
 import numpy as np
 
-from nemo_rl.data.errors import FatalError
-
-
-class RowInvariantError(FatalError, ValueError):
-    """A row, placeholder or group violates one of the invariants listed in this module."""
-
+from nemo_rl.data.errors import RecordInvariantError
 
 class RowOrigin(str, Enum):
     """Where a row's tokens came from."""
@@ -67,10 +62,10 @@ class PlaceholderReason(str, Enum):
 
 def _check_slot(rollout_id: str, group_index: int, sample_index: int) -> None:
     if not isinstance(rollout_id, str) or not rollout_id:
-        raise RowInvariantError(f"rollout_id must be a non-empty str, got {rollout_id!r}")
+        raise RecordInvariantError(f"rollout_id must be a non-empty str, got {rollout_id!r}", kind="row")
     for name, value in (("group_index", group_index), ("sample_index", sample_index)):
         if type(value) is not int or value < 0:
-            raise RowInvariantError(f"{rollout_id}: {name} must be a non-negative int, got {value!r}")
+            raise RecordInvariantError(f"{rollout_id}: {name} must be a non-negative int, got {value!r}", kind="row")
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,8 +82,8 @@ class RouteCoverage:
         if any(type(v) is not int or v < 0 for v in values) or not (
             self.covered_loss_tokens <= self.loss_tokens <= self.tokens and self.sentinel_tokens <= self.tokens
         ):
-            raise RowInvariantError(f"RouteCoverage: need ints >= 0, covered <= loss <= tokens, sentinel <= tokens; "
-                                    f"got {values}")
+            raise RecordInvariantError(f"RouteCoverage: need ints >= 0, covered <= loss <= tokens, sentinel <= tokens; "
+                                       f"got {values}", kind="row")
 
     @classmethod
     def of(cls, token_mask: Sequence[float], routed_experts: Any) -> "RouteCoverage":
@@ -133,31 +128,31 @@ class TrainRow:
         where = f"TrainRow {self.rollout_id}#{self.chain_index}"
         n = len(self.token_ids)
         if n == 0 or len(self.token_mask) != n or len(self.generation_logprobs) != n:
-            raise RowInvariantError(
+            raise RecordInvariantError(
                 f"{where}: token_ids/token_mask/generation_logprobs lengths must be equal and "
-                f"non-zero, got {n}/{len(self.token_mask)}/{len(self.generation_logprobs)}"
+                f"non-zero, got {n}/{len(self.token_mask)}/{len(self.generation_logprobs)}", kind="row"
             )
         if any(type(t) is not int or t < 0 for t in self.token_ids):
-            raise RowInvariantError(f"{where}: token_ids must be non-negative ints")
+            raise RecordInvariantError(f"{where}: token_ids must be non-negative ints", kind="row")
         if any(m != 0.0 and m != 1.0 for m in self.token_mask):
-            raise RowInvariantError(f"{where}: token_mask values must be 0.0 or 1.0")
+            raise RecordInvariantError(f"{where}: token_mask values must be 0.0 or 1.0", kind="row")
         if 1.0 not in self.token_mask:
-            raise RowInvariantError(f"{where}: token_mask has no masked-in (generated) token")
+            raise RecordInvariantError(f"{where}: token_mask has no masked-in (generated) token", kind="row")
         for mask, logprob in zip(self.token_mask, self.generation_logprobs):
             if not isinstance(logprob, float) or not math.isfinite(logprob):
-                raise RowInvariantError(f"{where}: generation_logprobs must be finite floats, got {logprob!r}")
+                raise RecordInvariantError(f"{where}: generation_logprobs must be finite floats, got {logprob!r}", kind="row")
             if mask == 0.0 and logprob != 0.0:
-                raise RowInvariantError(f"{where}: masked-out tokens must carry logprob 0.0, got {logprob!r}")
+                raise RecordInvariantError(f"{where}: masked-out tokens must carry logprob 0.0, got {logprob!r}", kind="row")
         if type(self.prompt_len) is not int or not 0 <= self.prompt_len < n:
-            raise RowInvariantError(f"{where}: prompt_len must be in [0, {n}), got {self.prompt_len!r}")
+            raise RecordInvariantError(f"{where}: prompt_len must be in [0, {n}), got {self.prompt_len!r}", kind="row")
         if any(m != 0.0 for m in self.token_mask[: self.prompt_len]):
-            raise RowInvariantError(f"{where}: the first prompt_len={self.prompt_len} tokens must be masked out")
+            raise RecordInvariantError(f"{where}: the first prompt_len={self.prompt_len} tokens must be masked out", kind="row")
         if not isinstance(self.reward, float) or not math.isfinite(self.reward):
-            raise RowInvariantError(f"{where}: reward must be a finite float, got {self.reward!r}")
+            raise RecordInvariantError(f"{where}: reward must be a finite float, got {self.reward!r}", kind="row")
         if not self.model_call_ids or len(self.weight_versions) != len(self.model_call_ids):
-            raise RowInvariantError(
+            raise RecordInvariantError(
                 f"{where}: need >= 1 model_call_ids and one weight version per call, got "
-                f"{len(self.model_call_ids)} ids and {len(self.weight_versions)} versions"
+                f"{len(self.model_call_ids)} ids and {len(self.weight_versions)} versions", kind="row"
             )
         self._check_spans(where, n)
         self._check_origin(where)
@@ -170,15 +165,15 @@ class TrainRow:
         if not isinstance(routes, np.ndarray) or routes.dtype != np.int16 or routes.ndim != 3:
             described = f"{routes.dtype} ndarray of ndim {routes.ndim}" if isinstance(routes, np.ndarray) \
                 else type(routes).__name__
-            raise RowInvariantError(f"{where}: routed_experts must be None or an int16 ndarray [tokens, L, K], "
-                                    f"got {described}")
+            raise RecordInvariantError(f"{where}: routed_experts must be None or an int16 ndarray [tokens, L, K], "
+                                       f"got {described}", kind="row")
         if routes.shape[0] != n or routes.shape[1] < 1 or routes.shape[2] < 1:
-            raise RowInvariantError(
-                f"{where}: routed_experts shape {routes.shape} must be ({n}, L >= 1, K >= 1)"
+            raise RecordInvariantError(
+                f"{where}: routed_experts shape {routes.shape} must be ({n}, L >= 1, K >= 1)", kind="row"
             )
         if routes.size and int(routes.min()) < -1:
-            raise RowInvariantError(
-                f"{where}: routed_experts holds {int(routes.min())}; ids are >= 0, -1 is the sentinel"
+            raise RecordInvariantError(
+                f"{where}: routed_experts holds {int(routes.min())}; ids are >= 0, -1 is the sentinel", kind="row"
             )
         if routes.flags.writeable:
             view = routes.view()
@@ -187,10 +182,10 @@ class TrainRow:
 
     def _check_spans(self, where: str, n: int) -> None:
         if type(self.chain_index) is not int or self.chain_index < 0:
-            raise RowInvariantError(f"{where}: chain_index must be a non-negative int")
+            raise RecordInvariantError(f"{where}: chain_index must be a non-negative int", kind="row")
         if not self.call_spans:
             if self.origin is RowOrigin.CAPTURE:
-                raise RowInvariantError(f"{where}: capture rows need one call span per call")
+                raise RecordInvariantError(f"{where}: capture rows need one call span per call", kind="row")
             return
         _check_call_spans(where, self.call_spans, len(self.model_call_ids), n)
 
@@ -227,21 +222,21 @@ class TrainRow:
             if self.token_in_calls < 0 or self.text_root_calls < 0 or (
                 self.token_in_calls + self.text_root_calls != len(self.model_call_ids)
             ):
-                raise RowInvariantError(
+                raise RecordInvariantError(
                     f"{where}: token_in_calls={self.token_in_calls} + text_root_calls={self.text_root_calls} "
-                    f"must equal the {len(self.model_call_ids)} chain calls"
+                    f"must equal the {len(self.model_call_ids)} chain calls", kind="row"
                 )
             if any(type(v) is not int or v < 0 for v in self.weight_versions):
-                raise RowInvariantError(f"{where}: capture rows need a non-negative int weight version per call")
+                raise RecordInvariantError(f"{where}: capture rows need a non-negative int weight version per call", kind="row")
             if self.terminal_selection is None:
-                raise RowInvariantError(f"{where}: capture rows must name their terminal_selection method")
+                raise RecordInvariantError(f"{where}: capture rows must name their terminal_selection method", kind="row")
         elif self.origin is RowOrigin.LEGACY:
             if self.token_in_calls or self.text_root_calls or self.terminal_selection is not None:
-                raise RowInvariantError(f"{where}: legacy rows carry no call modes and no terminal selection")
+                raise RecordInvariantError(f"{where}: legacy rows carry no call modes and no terminal selection", kind="row")
             if any(v is not None for v in self.weight_versions):
-                raise RowInvariantError(f"{where}: legacy rows carry no weight versions (the echo has none)")
+                raise RecordInvariantError(f"{where}: legacy rows carry no weight versions (the echo has none)", kind="row")
         else:
-            raise RowInvariantError(f"{where}: origin must be a RowOrigin, got {self.origin!r}")
+            raise RecordInvariantError(f"{where}: origin must be a RowOrigin, got {self.origin!r}", kind="row")
 
     @property
     def num_generated_tokens(self) -> int:
@@ -250,14 +245,14 @@ class TrainRow:
 
 def _check_call_spans(where: str, spans: Sequence[tuple[int, int]], calls: int, n: int) -> None:
     if len(spans) != calls:
-        raise RowInvariantError(f"{where}: {len(spans)} call spans for {calls} calls")
+        raise RecordInvariantError(f"{where}: {len(spans)} call spans for {calls} calls", kind="row")
     cursor = 0
     for start, end in spans:
         if start != cursor or end <= start:
-            raise RowInvariantError(f"{where}: call spans must be contiguous, non-empty and start at 0")
+            raise RecordInvariantError(f"{where}: call spans must be contiguous, non-empty and start at 0", kind="row")
         cursor = end
     if cursor != n:
-        raise RowInvariantError(f"{where}: call spans cover {cursor} tokens of {n}")
+        raise RecordInvariantError(f"{where}: call spans cover {cursor} tokens of {n}", kind="row")
 
 
 @dataclass(frozen=True, slots=True)
@@ -291,43 +286,43 @@ class RowRef:
         where = f"RowRef {self.rollout_id}#{self.chain_index}"
         n = self.num_tokens
         if type(self.chain_index) is not int or self.chain_index < 0:
-            raise RowInvariantError(f"{where}: chain_index must be a non-negative int")
+            raise RecordInvariantError(f"{where}: chain_index must be a non-negative int", kind="row")
         if not isinstance(self.key, str) or not self.key:
-            raise RowInvariantError(f"{where}: key must be a non-empty str")
+            raise RecordInvariantError(f"{where}: key must be a non-empty str", kind="row")
         if not isinstance(self.digest, str) or len(self.digest) != 64 or any(c not in "0123456789abcdef" for c in self.digest):
-            raise RowInvariantError(f"{where}: digest must be a sha256 hex digest, got {self.digest!r}")
+            raise RecordInvariantError(f"{where}: digest must be a sha256 hex digest, got {self.digest!r}", kind="row")
         if type(n) is not int or n < 1 or type(self.prompt_len) is not int or not 0 <= self.prompt_len < n:
-            raise RowInvariantError(f"{where}: need num_tokens >= 1 and prompt_len in [0, num_tokens), got "
-                                    f"{n!r}/{self.prompt_len!r}")
+            raise RecordInvariantError(f"{where}: need num_tokens >= 1 and prompt_len in [0, num_tokens), got "
+                                       f"{n!r}/{self.prompt_len!r}", kind="row")
         if type(self.num_generated_tokens) is not int or not 1 <= self.num_generated_tokens <= n - self.prompt_len:
-            raise RowInvariantError(f"{where}: num_generated_tokens must be in [1, {n - self.prompt_len}], got "
-                                    f"{self.num_generated_tokens!r}")
+            raise RecordInvariantError(f"{where}: num_generated_tokens must be in [1, {n - self.prompt_len}], got "
+                                       f"{self.num_generated_tokens!r}", kind="row")
         if not isinstance(self.reward, float) or not math.isfinite(self.reward):
-            raise RowInvariantError(f"{where}: reward must be a finite float, got {self.reward!r}")
+            raise RecordInvariantError(f"{where}: reward must be a finite float, got {self.reward!r}", kind="row")
         calls = len(self.model_call_ids)
         if not calls or len(self.weight_versions) != calls or any(type(v) is not int or v < 0 for v in self.weight_versions):
-            raise RowInvariantError(f"{where}: need >= 1 calls and a non-negative int weight version per call")
+            raise RecordInvariantError(f"{where}: need >= 1 calls and a non-negative int weight version per call", kind="row")
         if self.token_in_calls < 0 or self.text_root_calls < 0 or self.token_in_calls + self.text_root_calls != calls:
-            raise RowInvariantError(f"{where}: token_in_calls + text_root_calls must equal the {calls} chain calls")
+            raise RecordInvariantError(f"{where}: token_in_calls + text_root_calls must equal the {calls} chain calls", kind="row")
         if not isinstance(self.terminal_selection, str):
-            raise RowInvariantError(f"{where}: capture rows must name their terminal_selection method")
+            raise RecordInvariantError(f"{where}: capture rows must name their terminal_selection method", kind="row")
         _check_call_spans(where, self.call_spans, calls, n)
         if not self.loss_calls or not self.loss_calls <= set(self.model_call_ids):
-            raise RowInvariantError(f"{where}: loss_calls must be a non-empty subset of model_call_ids")
+            raise RecordInvariantError(f"{where}: loss_calls must be a non-empty subset of model_call_ids", kind="row")
         cov = self.route_coverage
         if not isinstance(cov, RouteCoverage) or (cov.tokens, cov.loss_tokens) != (n, self.num_generated_tokens):
-            raise RowInvariantError(f"{where}: route_coverage must count the row's {n} tokens and "
-                                    f"{self.num_generated_tokens} loss tokens, got {cov!r}")
+            raise RecordInvariantError(f"{where}: route_coverage must count the row's {n} tokens and "
+                                       f"{self.num_generated_tokens} loss tokens, got {cov!r}", kind="row")
         if self.prompt_ids is not None and (
             len(self.prompt_ids) != self.prompt_len or any(type(t) is not int or t < 0 for t in self.prompt_ids)
         ):
-            raise RowInvariantError(f"{where}: prompt_ids must be None or {self.prompt_len} non-negative ints")
+            raise RecordInvariantError(f"{where}: prompt_ids must be None or {self.prompt_len} non-negative ints", kind="row")
 
     @classmethod
     def of(cls, row: TrainRow, key: str, digest: str, carry_prompt_ids: bool) -> "RowRef":
         """The reference the driver keeps for `row` once its payload is stored under `key`."""
         if row.origin is not RowOrigin.CAPTURE:
-            raise RowInvariantError(f"TrainRow {row.rollout_id}#{row.chain_index}: only capture rows have a RowRef")
+            raise RecordInvariantError(f"TrainRow {row.rollout_id}#{row.chain_index}: only capture rows have a RowRef", kind="row")
         return cls(
             row.rollout_id, row.group_index, row.sample_index, row.chain_index, key, digest, len(row.token_ids),
             row.prompt_len, row.num_generated_tokens, row.reward, row.model_call_ids, row.weight_versions,
@@ -360,16 +355,16 @@ class Placeholder:
     def __post_init__(self) -> None:
         _check_slot(self.rollout_id, self.group_index, self.sample_index)
         if self.yield_ is not None and self.yield_.kept_generated_tokens:
-            raise RowInvariantError(f"Placeholder {self.rollout_id}: a placeholder keeps no generated token")
+            raise RecordInvariantError(f"Placeholder {self.rollout_id}: a placeholder keeps no generated token", kind="row")
         if not isinstance(self.reason, PlaceholderReason):
-            raise RowInvariantError(
-                f"Placeholder {self.rollout_id}: reason must be a PlaceholderReason, got {self.reason!r}"
+            raise RecordInvariantError(
+                f"Placeholder {self.rollout_id}: reason must be a PlaceholderReason, got {self.reason!r}", kind="row"
             )
         if not isinstance(self.detail, str):
-            raise RowInvariantError(f"Placeholder {self.rollout_id}: detail must be a str, got {self.detail!r}")
+            raise RecordInvariantError(f"Placeholder {self.rollout_id}: detail must be a str, got {self.detail!r}", kind="row")
         if self.reward is not None and (not isinstance(self.reward, float) or not math.isfinite(self.reward)):
-            raise RowInvariantError(
-                f"Placeholder {self.rollout_id}: reward must be a finite float or None, got {self.reward!r}"
+            raise RecordInvariantError(
+                f"Placeholder {self.rollout_id}: reward must be a finite float or None, got {self.reward!r}", kind="row"
             )
 
 
@@ -377,7 +372,7 @@ def _check_counts(where: str, obj: Any, names: Sequence[str]) -> None:
     for name in names:
         value = getattr(obj, name)
         if type(value) is not int or value < 0:
-            raise RowInvariantError(f"{where}: {name} must be a non-negative int, got {value!r}")
+            raise RecordInvariantError(f"{where}: {name} must be a non-negative int, got {value!r}", kind="row")
 
 
 @dataclass(frozen=True, slots=True)
@@ -435,14 +430,14 @@ class RolloutYield:
         if self.served_generated_tokens is not None and (
             type(self.served_generated_tokens) is not int or self.served_generated_tokens < 0
         ):
-            raise RowInvariantError("RolloutYield: served_generated_tokens must be a non-negative int or None")
+            raise RecordInvariantError("RolloutYield: served_generated_tokens must be a non-negative int or None", kind="row")
         if any(type(tokens) is not int or tokens < 0 for _, tokens in self.unverifiable):
-            raise RowInvariantError("RolloutYield: unverifiable token counts must be non-negative ints")
+            raise RecordInvariantError("RolloutYield: unverifiable token counts must be non-negative ints", kind="row")
         if self.served_generated_tokens is None and self.abandoned_retry_tokens:
-            raise RowInvariantError("RolloutYield: abandoned_retry_tokens come from the served report; without "
-                                    "one they are 0")
+            raise RecordInvariantError("RolloutYield: abandoned_retry_tokens come from the served report; without "
+                                       "one they are 0", kind="row")
         if self.lineage is not None and not isinstance(self.lineage, CallLineage):
-            raise RowInvariantError(f"RolloutYield: lineage must be a CallLineage or None, got {self.lineage!r}")
+            raise RecordInvariantError(f"RolloutYield: lineage must be a CallLineage or None, got {self.lineage!r}", kind="row")
 
 
 @dataclass(frozen=True, slots=True)
@@ -461,26 +456,26 @@ class KeptRollout:
         _check_slot(self.rollout_id, self.group_index, self.sample_index)
         where = f"KeptRollout {self.rollout_id}"
         if not self.rows:
-            raise RowInvariantError(f"{where}: a kept rollout needs at least one row")
+            raise RecordInvariantError(f"{where}: a kept rollout needs at least one row", kind="row")
         owned: set[str] = set()
         for position, row in enumerate(self.rows):
             if not isinstance(row, (TrainRow, RowRef)) or type(row) is not type(self.rows[0]):
-                raise RowInvariantError(f"{where}: row {position} is {type(row).__name__}; rows are all "
-                                        f"TrainRow or all RowRef")
+                raise RecordInvariantError(f"{where}: row {position} is {type(row).__name__}; rows are all "
+                                           f"TrainRow or all RowRef", kind="row")
             if (row.rollout_id, row.group_index, row.sample_index) != (
                 self.rollout_id, self.group_index, self.sample_index
             ):
-                raise RowInvariantError(f"{where}: row {position} belongs to {row.rollout_id} slot "
-                                        f"{row.group_index}/{row.sample_index}")
+                raise RecordInvariantError(f"{where}: row {position} belongs to {row.rollout_id} slot "
+                                           f"{row.group_index}/{row.sample_index}", kind="row")
             if row.chain_index != position or row.reward != self.reward:
-                raise RowInvariantError(f"{where}: row {position} must have chain_index {position} and the rollout's reward")
+                raise RecordInvariantError(f"{where}: row {position} must have chain_index {position} and the rollout's reward", kind="row")
             shared = owned & row.loss_call_ids()
             if shared:
-                raise RowInvariantError(f"{where}: calls {sorted(shared)} are in the loss of two rows")
+                raise RecordInvariantError(f"{where}: calls {sorted(shared)} are in the loss of two rows", kind="row")
             owned |= row.loss_call_ids()
         if self.yield_ is not None and self.yield_.kept_generated_tokens != self.num_generated_tokens:
-            raise RowInvariantError(
-                f"{where}: yield counts {self.yield_.kept_generated_tokens} kept tokens, rows hold {self.num_generated_tokens}"
+            raise RecordInvariantError(
+                f"{where}: yield counts {self.yield_.kept_generated_tokens} kept tokens, rows hold {self.num_generated_tokens}", kind="row"
             )
 
     @property
@@ -500,20 +495,20 @@ class GroupResult:
 
     def __post_init__(self) -> None:
         if type(self.group_index) is not int or self.group_index < 0:
-            raise RowInvariantError(f"GroupResult: group_index must be a non-negative int, got {self.group_index!r}")
+            raise RecordInvariantError(f"GroupResult: group_index must be a non-negative int, got {self.group_index!r}", kind="row")
         if not self.entries:
-            raise RowInvariantError(f"GroupResult {self.group_index}: a group needs at least one entry")
+            raise RecordInvariantError(f"GroupResult {self.group_index}: a group needs at least one entry", kind="row")
         seen: set[str] = set()
         for position, entry in enumerate(self.entries):
             if not isinstance(entry, (KeptRollout, Placeholder)):
-                raise RowInvariantError(f"GroupResult {self.group_index}: entry {position} is {type(entry).__name__}")
+                raise RecordInvariantError(f"GroupResult {self.group_index}: entry {position} is {type(entry).__name__}", kind="row")
             if entry.sample_index != position or entry.group_index != self.group_index:
-                raise RowInvariantError(
+                raise RecordInvariantError(
                     f"GroupResult {self.group_index}: entry {position} is group {entry.group_index} "
-                    f"sample {entry.sample_index}; entries must be samples 0..N-1 of this group in order"
+                    f"sample {entry.sample_index}; entries must be samples 0..N-1 of this group in order", kind="row"
                 )
             if entry.rollout_id in seen:
-                raise RowInvariantError(f"GroupResult {self.group_index}: rollout id {entry.rollout_id} appears twice")
+                raise RecordInvariantError(f"GroupResult {self.group_index}: rollout id {entry.rollout_id} appears twice", kind="row")
             seen.add(entry.rollout_id)
 
     @property

@@ -3,9 +3,10 @@
 `TrainBatch` holds one optimizer step's samples: per sample, `token_ids` (L >= 2), a 0/1
 `token_mask` (position 0 never trained), the sampler's `generation_logprobs` (read where masked:
 finite, <= 0) and one finite advantage; a masked placeholder is an all-0 mask. Checked at
-construction (`TrainBatchError`), stored as tuples. With `token_capture.train_partition` set a
-kept row goes finalizer -> data plane -> policy worker past the driver, which keeps a `RowRef`
-and sends a `TrainPlan` (partition, unique keys, digests, one finite advantage per key). Pure;
+construction (a `RecordInvariantError`, kind `train_batch`; `train_plan` for a plan), stored as
+tuples. With `token_capture.train_partition` set a kept row goes finalizer -> data plane ->
+policy worker past the driver, which keeps a `RowRef` and sends a `TrainPlan` (partition, unique
+keys, digests, one finite advantage per key). Pure;
 the I/O is `nemo_rl.data_plane.partitions`. Invariants: `train_key` is unique per row; float
 payloads are float64, so the batch read is bit for bit the driver-built one; `payload_digest`
 covers `meta`, which names the key, so a row read under another key fails.
@@ -24,7 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from nemo_rl.data.errors import FatalError, TrainBatchError
+from nemo_rl.data.errors import RecordInvariantError
 from nemo_rl.data.rows import RowRef, TrainRow
 from nemo_rl.data.calls import Row
 
@@ -36,10 +37,6 @@ META = "meta"
 FIELDS = (TOKEN_IDS, TOKEN_MASK, LOGPROBS, ROUTES, META)
 KEY_SEPARATOR = "#"
 ROUTE_SENTINEL = -1  # no replayed route for this token (prompt, placeholder, dense model, padding)
-
-
-class TrainPlanError(FatalError, ValueError):
-    """A `TrainPlan` violates its invariants."""
 
 
 def train_key(rollout_id: str, chain_index: int) -> str:
@@ -74,15 +71,15 @@ def batch_routes(per_row: Sequence[np.ndarray | None], lengths: Sequence[int]) -
     if not shapes:
         return None
     if len(shapes) > 1:
-        raise TrainBatchError(
+        raise RecordInvariantError(
             f"routed_experts: rows disagree on (layers, top-k) {shapes}; every row of a step comes from one "
-            "model (fix: do not mix rows of different engines in one step)"
+            "model (fix: do not mix rows of different engines in one step)", kind="train_batch"
         )
     out = np.full((len(per_row), max(lengths), *shapes[0]), ROUTE_SENTINEL, dtype=np.int16)
     for i, (routes, n) in enumerate(zip(per_row, lengths, strict=True)):
         if routes is not None:
             if routes.shape[0] != n:
-                raise TrainBatchError(f"routed_experts[{i}] covers {routes.shape[0]} tokens, the row has {n}")
+                raise RecordInvariantError(f"routed_experts[{i}] covers {routes.shape[0]} tokens, the row has {n}", kind="train_batch")
             out[i, :n] = routes
     return out
 
@@ -118,18 +115,18 @@ class TrainPlan:
 
     def __post_init__(self) -> None:
         if not isinstance(self.partition, str) or not self.partition:
-            raise TrainPlanError(f"partition must be a non-empty str, got {self.partition!r}")
+            raise RecordInvariantError(f"partition must be a non-empty str, got {self.partition!r}", kind="train_plan")
         n = len(self.keys)
         if n == 0 or len(self.digests) != n or len(self.advantages) != n:
-            raise TrainPlanError(f"need >= 1 key and one digest and advantage per key, got "
-                                 f"{n}/{len(self.digests)}/{len(self.advantages)}")
+            raise RecordInvariantError(f"need >= 1 key and one digest and advantage per key, got "
+                                       f"{n}/{len(self.digests)}/{len(self.advantages)}", kind="train_plan")
         if len(set(self.keys)) != n or any(not isinstance(k, str) or not k for k in self.keys):
-            raise TrainPlanError("keys must be distinct non-empty str")
+            raise RecordInvariantError("keys must be distinct non-empty str", kind="train_plan")
         if any(not isinstance(d, str) or len(d) != 64 or any(c not in "0123456789abcdef" for c in d)
                for d in self.digests):
-            raise TrainPlanError("digests must be sha256 hex digests")
+            raise RecordInvariantError("digests must be sha256 hex digests", kind="train_plan")
         if any(not isinstance(a, float) or not math.isfinite(a) for a in self.advantages):
-            raise TrainPlanError(f"advantages must be finite floats, got {self.advantages!r}")
+            raise RecordInvariantError(f"advantages must be finite floats, got {self.advantages!r}", kind="train_plan")
 
     @classmethod
     def of(cls, partition: str, refs: Sequence[RowRef], advantages: Sequence[float]) -> "TrainPlan":
@@ -146,7 +143,7 @@ class TrainPlan:
 
 def _freeze(name: str, rows: Sequence[Sequence]) -> tuple[tuple, ...]:
     if isinstance(rows, (str, bytes)):
-        raise TrainBatchError(f"{name} must be a sequence of per-sample sequences, got a string")
+        raise RecordInvariantError(f"{name} must be a sequence of per-sample sequences, got a string", kind="train_batch")
     return tuple(tuple(row) for row in rows)
 
 
@@ -185,12 +182,12 @@ class TrainBatch:
         object.__setattr__(self, "advantages", tuple(float(a) for a in self.advantages))
         n = len(self.token_ids)
         if n == 0:
-            raise TrainBatchError("token_ids is empty; a TrainBatch needs at least one sample")
+            raise RecordInvariantError("token_ids is empty; a TrainBatch needs at least one sample", kind="train_batch")
         for name in ("token_mask", "generation_logprobs", "advantages"):
             if len(getattr(self, name)) != n:
-                raise TrainBatchError(
+                raise RecordInvariantError(
                     f"len({name})={len(getattr(self, name))} != len(token_ids)={n}; "
-                    "pass one entry per sample"
+                    "pass one entry per sample", kind="train_batch"
                 )
         for i in range(n):
             self._check_sample(i)
@@ -205,22 +202,22 @@ class TrainBatch:
             return
         lengths = [len(ids) for ids in self.token_ids]
         if not isinstance(routes, np.ndarray) or routes.dtype != np.int16 or routes.ndim != 4:
-            raise TrainBatchError(
+            raise RecordInvariantError(
                 f"routed_experts must be None or an int16 ndarray [n, max_len, L, K], got "
                 f"{getattr(routes, 'dtype', type(routes).__name__)} of shape {getattr(routes, 'shape', None)} "
-                "(fix: build it with nemo_rl.data.train.batch_routes)"
+                "(fix: build it with nemo_rl.data.train.batch_routes)", kind="train_batch"
             )
         n, max_len, layers, topk = routes.shape
         if (n, max_len) != (len(lengths), max(lengths)) or layers < 1 or topk < 1:
-            raise TrainBatchError(
+            raise RecordInvariantError(
                 f"routed_experts shape {routes.shape} does not fit the batch: need ({len(lengths)}, "
-                f"{max(lengths)}, L >= 1, K >= 1) (fix: build it with nemo_rl.data.train.batch_routes)"
+                f"{max(lengths)}, L >= 1, K >= 1) (fix: build it with nemo_rl.data.train.batch_routes)", kind="train_batch"
             )
         if int(routes.min()) < ROUTE_SENTINEL:
-            raise TrainBatchError(f"routed_experts holds {int(routes.min())}; ids are >= 0, {ROUTE_SENTINEL} is the sentinel")
+            raise RecordInvariantError(f"routed_experts holds {int(routes.min())}; ids are >= 0, {ROUTE_SENTINEL} is the sentinel", kind="train_batch")
         for i, length in enumerate(lengths):
             if (routes[i, length:] != ROUTE_SENTINEL).any():
-                raise TrainBatchError(f"routed_experts[{i}] has routes past the row's end ({length} tokens)")
+                raise RecordInvariantError(f"routed_experts[{i}] has routes past the row's end ({length} tokens)", kind="train_batch")
         frozen = routes.copy()
         frozen.flags.writeable = False
         object.__setattr__(self, "routed_experts", frozen)
@@ -233,32 +230,32 @@ class TrainBatch:
             self.advantages[i],
         )
         if len(ids) < 2:
-            raise TrainBatchError(
-                f"token_ids[{i}] has {len(ids)} tokens; a trainable sequence needs at least 2"
+            raise RecordInvariantError(
+                f"token_ids[{i}] has {len(ids)} tokens; a trainable sequence needs at least 2", kind="train_batch"
             )
         if any(not isinstance(t, numbers.Integral) or isinstance(t, bool) or t < 0 for t in ids):
-            raise TrainBatchError(f"token_ids[{i}] must hold non-negative ints")
+            raise RecordInvariantError(f"token_ids[{i}] must hold non-negative ints", kind="train_batch")
         for name, row in (("token_mask", mask), ("generation_logprobs", lps)):
             if len(row) != len(ids):
-                raise TrainBatchError(
+                raise RecordInvariantError(
                     f"len({name}[{i}])={len(row)} != len(token_ids[{i}])={len(ids)}; "
-                    "per-token fields align with token_ids"
+                    "per-token fields align with token_ids", kind="train_batch"
                 )
         bad = [m for m in mask if m not in (0, 1)]
         if bad:
-            raise TrainBatchError(f"token_mask[{i}] holds {bad[0]!r}; the mask is 0/1 only")
+            raise RecordInvariantError(f"token_mask[{i}] holds {bad[0]!r}; the mask is 0/1 only", kind="train_batch")
         if mask[0] != 0:
-            raise TrainBatchError(
-                f"token_mask[{i}][0]=1; position 0 has no prefix and cannot be trained"
+            raise RecordInvariantError(
+                f"token_mask[{i}][0]=1; position 0 has no prefix and cannot be trained", kind="train_batch"
             )
         for t, (m, lp) in enumerate(zip(mask, lps)):
             if m and not (math.isfinite(lp) and lp <= 0.0):
-                raise TrainBatchError(
+                raise RecordInvariantError(
                     f"generation_logprobs[{i}][{t}]={lp} on a masked token; "
-                    "a logprob is finite and <= 0"
+                    "a logprob is finite and <= 0", kind="train_batch"
                 )
         if not math.isfinite(adv):
-            raise TrainBatchError(f"advantages[{i}]={adv} is not finite")
+            raise RecordInvariantError(f"advantages[{i}]={adv} is not finite", kind="train_batch")
 
     @property
     def num_samples(self) -> int:

@@ -40,7 +40,7 @@ def row_min_version(row: TrainRow | RowRef) -> int:
             "(fix: grpo.async_rollouts needs token_capture.enabled=true)",
             kind="unversioned_row",
         )
-    return min(versions)  # a row has >= 1 call (RowInvariantError otherwise)
+    return min(versions)  # a row has >= 1 call (RecordInvariantError otherwise)
 
 
 def rollout_min_version(rollout: KeptRollout) -> int:

@@ -16,7 +16,11 @@ from pathlib import Path
 
 import pytest
 
+from nemo_rl.algorithms.errors import GRPOError, GRPOKind, MaskedStepsError
+from nemo_rl.algorithms.failed_rollouts import AllRolloutsFailedError
+from nemo_rl.algorithms.grpo_async import AsyncLoopError
 from nemo_rl.data.errors import FatalError, Kinded, RecoverableError
+from nemo_rl.data.errors import RecordInvariantError, RecordKind
 from nemo_rl.data_plane.errors import DataPlaneError, DataPlaneKind, DataPlaneTimeoutError, MissingKeysError
 from nemo_rl.data_plane.errors import DataPlaneBugError, DataPlaneBugKind, FieldEncodingError
 from nemo_rl.environments.nemo_gym_config import (
@@ -26,15 +30,14 @@ from nemo_rl.environments.nemo_gym_config import (
     NemoGymKind,
 )
 from nemo_rl.environments.nemo_gym_config import ManifestError, ManifestKind
-from nemo_rl.token_capture.router_replay import RouterReplayError, RouterReplayKind, RouteShapeUnknownError
-from nemo_rl.utils.checkpoint import CheckpointError, CheckpointKind
-from nemo_rl.utils.config import ConfigError, ConfigKind
 from nemo_rl.experience.errors import AccountingError, AccountingKind
 from nemo_rl.experience.finalizer_pool import FinalizerPoolError, FinalizerPoolKind
 from nemo_rl.experience.prompt_queue import SnapshotMismatchError
-from nemo_rl.algorithms.errors import GRPOError, GRPOKind, MaskedStepsError
-from nemo_rl.algorithms.failed_rollouts import AllRolloutsFailedError
-from nemo_rl.algorithms.grpo_async import AsyncLoopError
+from nemo_rl.models.policy.errors import PolicyLoadError, PolicyLoadKind, PolicyStepError, PolicyStepKind
+from nemo_rl.models.policy.errors import PolicyStateError, PolicyStateKind, PolicyWorkerCallError, PolicyWorkerCallKind
+from nemo_rl.token_capture.router_replay import RouterReplayError, RouterReplayKind, RouteShapeUnknownError
+from nemo_rl.utils.checkpoint import CheckpointError, CheckpointKind
+from nemo_rl.utils.config import ConfigError, ConfigKind
 
 FAMILIES: list[tuple[type[Kinded], object, type]] = [
     (ConfigError, ConfigKind, FatalError),
@@ -47,6 +50,11 @@ FAMILIES: list[tuple[type[Kinded], object, type]] = [
     (AccountingError, AccountingKind, FatalError),
     (FinalizerPoolError, FinalizerPoolKind, FatalError),
     (GRPOError, GRPOKind, FatalError),
+    (RecordInvariantError, RecordKind, FatalError),
+    (PolicyLoadError, PolicyLoadKind, FatalError),
+    (PolicyStepError, PolicyStepKind, FatalError),
+    (PolicyStateError, PolicyStateKind, FatalError),
+    (PolicyWorkerCallError, PolicyWorkerCallKind, FatalError),
 ]
 
 

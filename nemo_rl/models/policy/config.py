@@ -42,7 +42,7 @@ class PolicyConfig(BaseModel):
     # sampler's logprobs at the sampler's precision.
     dtype: Literal["float32", "bfloat16"] = "float32"
     # Where the model lives: cuda takes one GPU of the Ray cluster for the policy actor (the vLLM
-    # workers take others); cuda on a host without a visible GPU is a PolicyDeviceError at load.
+    # workers take others); cuda on a host without a visible GPU is a PolicyLoadError (device) at load.
     device: Literal["cpu", "cuda"] = "cpu"
     # Router replay (R3): "replay" makes each MoE router of the policy follow the batch's
     # routed_experts where a token has them (docs/design-docs/policy.md, "Router replay (R3)");

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from nemo_rl.data.train import ROUTE_SENTINEL
-from nemo_rl.models.policy.errors import PolicyError, PolicyLoadError
+from nemo_rl.models.policy.errors import PolicyLoadError, PolicyStepError
 
 # Router classes whose forward returns (logits, top-k weights, top-k indices) from softmax + top-k,
 # and whether each renormalises its top-k weights (name -> rule).
@@ -32,14 +32,6 @@ _RENORMALISES = {
     "Qwen3MoeTopKRouter": lambda router: bool(router.norm_topk_prob),
     "MixtralTopKRouter": lambda router: True,
 }
-
-
-class RouterReplayConfigError(PolicyLoadError):
-    """`policy.router_replay` asks for something the model cannot do (a dense model, an unknown router)."""
-
-
-class RouteFitError(PolicyError, ValueError):
-    """A batch's `routed_experts` do not fit the policy's model (layers, top-k, expert ids)."""
 
 
 @dataclass
@@ -65,35 +57,35 @@ def moe_routers(model: nn.Module) -> list[nn.Module]:
         if kind in _RENORMALISES:
             routers.append(module)
         elif kind.endswith("Router"):
-            raise RouterReplayConfigError(
+            raise PolicyLoadError(
                 f"policy.router_replay='replay': module {name!r} is a {kind}, a router this policy cannot replay "
-                f"(supported: {sorted(_RENORMALISES)}) (fix: set policy.router_replay=off)"
+                f"(supported: {sorted(_RENORMALISES)}) (fix: set policy.router_replay=off)", kind="router_replay"
             )
     return routers
 
 
 def check_routes_fit(routes: np.ndarray, routers: list[nn.Module], model_path: str) -> None:
-    """Raise `RouteFitError` unless `routes` [n, T, L, K] fit: L routers of top-k K, ids distinct and < E."""
+    """Raise `PolicyStepError` (`route_fit`) unless `routes` [n, T, L, K] fit: L routers of top-k K, ids distinct and < E."""
     layers, topk = routes.shape[2], routes.shape[3]
     want = (len(routers), int(routers[0].top_k))
     if (layers, topk) != want:
-        raise RouteFitError(
+        raise PolicyStepError(
             f"TrainBatch.routed_experts has (layers, top-k)=({layers}, {topk}) but policy.model_path={model_path!r} "
-            f"has {want[0]} MoE layers of top-{want[1]} (fix: train the model the engine served)"
+            f"has {want[0]} MoE layers of top-{want[1]} (fix: train the model the engine served)", kind="route_fit"
         )
     num_experts = int(routers[0].num_experts)
     if routes.size and int(routes.max()) >= num_experts:
-        raise RouteFitError(
+        raise PolicyStepError(
             f"TrainBatch.routed_experts holds expert id {int(routes.max())} but policy.model_path={model_path!r} "
-            f"has {num_experts} experts per layer (fix: train the model the engine served)"
+            f"has {num_experts} experts per layer (fix: train the model the engine served)", kind="route_fit"
         )
     ordered = np.sort(routes, axis=-1)
     repeated = (ordered[..., 1:] == ordered[..., :-1]) & (ordered[..., 1:] != ROUTE_SENTINEL)
     if repeated.any():
         where = tuple(int(i) for i in np.argwhere(repeated)[0][:3])
-        raise RouteFitError(
+        raise PolicyStepError(
             f"TrainBatch.routed_experts[{where[0]}, {where[1]}, {where[2]}] = {routes[where].tolist()} repeats an "
-            "expert; a token's top-k experts are distinct (fix: the engine's route capture is corrupt)"
+            "expert; a token's top-k experts are distinct (fix: the engine's route capture is corrupt)", kind="route_fit"
         )
 
 
@@ -129,8 +121,8 @@ def _hook(layer: int, routes: torch.Tensor, real: torch.Tensor, stats: ReplaySta
         logits, scores, _ = output
         replayed = routes[:, :, layer, :].reshape(-1, routes.shape[-1])
         if replayed.shape[0] != logits.shape[0]:
-            raise RouteFitError(
-                f"layer {layer}: the router saw {logits.shape[0]} tokens, the routes cover {replayed.shape[0]}"
+            raise PolicyStepError(
+                f"layer {layer}: the router saw {logits.shape[0]} tokens, the routes cover {replayed.shape[0]}", kind="route_fit"
             )
         if renormalise is None:
             renormalise = _RENORMALISES[type(router).__name__](router)

@@ -1,9 +1,9 @@
 """The policy's set-up: the parts a `PolicyCore` is built from, made once per worker, never per step.
 
-`build_parts(cfg)` seeds torch and sets its thread count, picks the device (`PolicyDeviceError`
-for cuda without a visible GPU), loads the local Hugging Face causal LM in `policy.dtype` and in
-eval mode (`PolicyLoadError` naming `policy.model_path`), lists its MoE routers when
-`router_replay: replay` (`RouterReplayConfigError` for a dense model) and builds its AdamW.
+`build_parts(cfg)` seeds torch and sets its thread count, picks the device (a `PolicyLoadError` of
+kind `device` for cuda without a visible GPU), loads the local Hugging Face causal LM in
+`policy.dtype` and in eval mode (`model`, naming `policy.model_path`), lists its MoE routers when
+`router_replay: replay` (`router_replay` for a dense model) and builds its AdamW.
 See docs/design-docs/policy.md, "`PolicyCore`".
 """
 
@@ -18,8 +18,8 @@ import torch
 from torch import nn
 
 from nemo_rl.models.policy.config import PolicyConfig
-from nemo_rl.models.policy.errors import PolicyDeviceError, PolicyLoadError
-from nemo_rl.models.policy.router_replay import RouterReplayConfigError, moe_routers
+from nemo_rl.models.policy.errors import PolicyLoadError
+from nemo_rl.models.policy.router_replay import moe_routers
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -39,11 +39,11 @@ class CoreParts:
 
 def choose_device(name: str) -> torch.device:
     if name == "cuda" and not torch.cuda.is_available():
-        raise PolicyDeviceError(
+        raise PolicyLoadError(
             "policy.device='cuda' but this process sees no CUDA device (torch.cuda.is_available() "
             "is False; CUDA_VISIBLE_DEVICES="
             f"{os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')!r}) (fix: run on a GPU node, or "
-            "set policy.device=cpu)"
+            "set policy.device=cpu)", kind="device"
         )
     return torch.device(name)
 
@@ -52,7 +52,7 @@ def load_model(model_dir: Path, dtype: str, device: torch.device) -> PreTrainedM
     if not (model_dir / CONFIG_FILE).is_file():
         raise PolicyLoadError(
             f"policy.model_path={str(model_dir)!r} has no {CONFIG_FILE}; "
-            "point it at a local Hugging Face model folder"
+            "point it at a local Hugging Face model folder", kind="model"
         )
     from transformers import AutoModelForCausalLM  # only the worker pays for transformers
 
@@ -62,7 +62,7 @@ def load_model(model_dir: Path, dtype: str, device: torch.device) -> PreTrainedM
         )
     except (OSError, ValueError) as e:
         raise PolicyLoadError(
-            f"policy.model_path={str(model_dir)!r} could not be loaded as a causal LM: {e}"
+            f"policy.model_path={str(model_dir)!r} could not be loaded as a causal LM: {e}", kind="model"
         ) from e
     model.eval()
     return model.to(device)
@@ -75,9 +75,9 @@ def build_parts(cfg: PolicyConfig) -> CoreParts:
     model = load_model(Path(cfg.model_path), cfg.dtype, device)
     routers = moe_routers(model) if cfg.router_replay == "replay" else []
     if cfg.router_replay == "replay" and not routers:
-        raise RouterReplayConfigError(
+        raise PolicyLoadError(
             f"policy.router_replay='replay' but policy.model_path={cfg.model_path!r} has no MoE router (a "
-            "dense model has no routes to replay) (fix: set policy.router_replay=off)"
+            "dense model has no routes to replay) (fix: set policy.router_replay=off)", kind="router_replay"
         )
     optimizer = torch.optim.AdamW(
         model.parameters(),

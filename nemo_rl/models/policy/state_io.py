@@ -7,9 +7,9 @@ trainer's side of the refit probe; `save_state` / `load_state` write and restore
 training state (weights, AdamW state, step count, RNG states); `state_fingerprint` /
 `optimizer_fingerprint` are sha256 digests of the weights and the optimizer. Promises: a restored
 state is checked bit for bit against its recorded fingerprints, and a checkpoint that does not
-fit is refused before any state changes (`PolicyCheckpointError`); tied embeddings are refused on
-export for the CPU engine and a folder holding other weight files is never exported into
-(`WeightExportError`). See docs/design-docs/policy.md, "Checkpoints and the refit export".
+fit is refused before any state changes (`PolicyStateError`, `checkpoint`); tied embeddings are
+refused on export for the CPU engine and a folder holding other weight files is never exported
+into (`PolicyStateError`, `export`). See docs/design-docs/policy.md, "Checkpoints and the refit export".
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from nemo_rl.models.policy.errors import PolicyError, WeightExportError
+from nemo_rl.models.policy.errors import PolicyStateError
 from nemo_rl.models.policy.setup import CONFIG_FILE
 
 if TYPE_CHECKING:  # the worker module imports this one
@@ -37,10 +37,6 @@ WEIGHTS_FILE = "model.safetensors"
 OPTIMIZER_FILE = "optimizer.pt"
 POLICY_STATE_FILE = "policy_state.json"
 POLICY_STATE_FORMAT = 1
-
-
-class PolicyCheckpointError(PolicyError):
-    """A policy checkpoint cannot be written, or does not fit this policy (the message names why)."""
 
 
 @dataclass(frozen=True)
@@ -73,10 +69,10 @@ def export_weights(core: PolicyCore, out_dir: str | Path) -> Path:
     emb_out = model.get_output_embeddings().weight
     tied = model.config.tie_word_embeddings or emb_in.data_ptr() == emb_out.data_ptr()
     if tied and cfg.engine_flavor == "cpu":
-        raise WeightExportError(
+        raise PolicyStateError(
             f"policy.model_path={cfg.model_path!r} ties input and output embeddings; "
             "vLLM's reload_weights would keep a stale lm_head on the CPU engine (generation.vllm.flavor=cpu). "
-            "Use an untied model (tie_word_embeddings=false), or the GPU engine"
+            "Use an untied model (tie_word_embeddings=false), or the GPU engine", kind="export"
         )
     out.mkdir(parents=True, exist_ok=True)
     stale = sorted(
@@ -86,9 +82,9 @@ def export_weights(core: PolicyCore, out_dir: str | Path) -> Path:
         and (f.name.endswith(".safetensors") or f.name.endswith(".safetensors.index.json"))
     )
     if stale:
-        raise WeightExportError(
+        raise PolicyStateError(
             f"export dir {str(out)!r} already holds other weight files {stale}; a reload "
-            "would read them too. Export into an empty folder"
+            "would read them too. Export into an empty folder", kind="export"
         )
     partial = out / (WEIGHTS_FILE + ".partial")
     save_file(_cpu_tensors(core), str(partial), metadata={"format": "pt"})
@@ -148,9 +144,9 @@ def save_state(core: PolicyCore, out_dir: str | Path) -> PolicyStateInfo:
     out.mkdir(parents=True, exist_ok=True)
     present = sorted(p.name for p in out.iterdir())
     if present:
-        raise PolicyCheckpointError(
+        raise PolicyStateError(
             f"save_state into {str(out)!r}: the folder already holds {present}; a checkpoint is written "
-            "into an empty folder (fix: pass a new folder)"
+            "into an empty folder (fix: pass a new folder)", kind="checkpoint"
         )
     info = _state_info(core)
     save_file(_cpu_tensors(core), str(out / WEIGHTS_FILE), metadata={"format": "pt"})
@@ -176,13 +172,13 @@ def _read_state_record(folder: Path) -> dict:
     try:
         record = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError as e:
-        raise PolicyCheckpointError(f"load_state: {str(folder)!r} has no {POLICY_STATE_FILE}; not a policy checkpoint") from e
+        raise PolicyStateError(f"load_state: {str(folder)!r} has no {POLICY_STATE_FILE}; not a policy checkpoint", kind="checkpoint") from e
     except json.JSONDecodeError as e:
-        raise PolicyCheckpointError(f"load_state: {path} is not valid JSON ({e.msg})") from e
+        raise PolicyStateError(f"load_state: {path} is not valid JSON ({e.msg})", kind="checkpoint") from e
     if not isinstance(record, dict) or record.get("format") != POLICY_STATE_FORMAT:
-        raise PolicyCheckpointError(
+        raise PolicyStateError(
             f"load_state: {path} has format {record.get('format') if isinstance(record, dict) else record!r}; "
-            f"this code reads format {POLICY_STATE_FORMAT}"
+            f"this code reads format {POLICY_STATE_FORMAT}", kind="checkpoint"
         )
     return record
 
@@ -195,10 +191,10 @@ def _check_hyperparameters(core: PolicyCore, groups: list[dict], folder: Path) -
         for key, value in want.items():
             saved = tuple(group[key]) if key == "betas" else group[key]
             if saved != value:
-                raise PolicyCheckpointError(
+                raise PolicyStateError(
                     f"load_state: the optimizer in {str(folder)!r} was saved with {key}={saved} (param group "
                     f"{i}) but {fields[key]} gives {value}; the restored optimizer would keep the saved value "
-                    f"(fix: set {fields[key]} back to {saved}, or start a new run without resuming)"
+                    f"(fix: set {fields[key]} back to {saved}, or start a new run without resuming)", kind="checkpoint"
                 )
 
 
@@ -206,22 +202,22 @@ def _check_fits(core: PolicyCore, weights: dict[str, torch.Tensor], optimizer_st
     """Everything that could refuse the checkpoint, checked before any state is touched."""
     own, model_path = core.model.state_dict(), core.cfg.model_path
     if set(weights) != set(own):
-        raise PolicyCheckpointError(
+        raise PolicyStateError(
             f"load_state: the weights in {str(folder)!r} do not fit policy.model_path={model_path!r}: "
-            f"missing {sorted(set(own) - set(weights))[:5]}, unexpected {sorted(set(weights) - set(own))[:5]}"
+            f"missing {sorted(set(own) - set(weights))[:5]}, unexpected {sorted(set(weights) - set(own))[:5]}", kind="checkpoint"
         )
     for name, tensor in sorted(weights.items()):
         if tensor.shape != own[name].shape or tensor.dtype != own[name].dtype:
-            raise PolicyCheckpointError(
+            raise PolicyStateError(
                 f"load_state: the weights in {str(folder)!r} do not fit policy.model_path={model_path!r}: "
-                f"{name} is {tuple(tensor.shape)} {tensor.dtype} there, {tuple(own[name].shape)} {own[name].dtype} here"
+                f"{name} is {tuple(tensor.shape)} {tensor.dtype} there, {tuple(own[name].shape)} {own[name].dtype} here", kind="checkpoint"
             )
     groups = optimizer_state["param_groups"]
     sizes, own_sizes = [len(g["params"]) for g in groups], [len(g["params"]) for g in core.optimizer.param_groups]
     if sizes != own_sizes:
-        raise PolicyCheckpointError(
+        raise PolicyStateError(
             f"load_state: the optimizer state in {str(folder)!r} covers parameter groups of sizes {sizes}, this "
-            f"model's optimizer has {own_sizes}; it belongs to another model"
+            f"model's optimizer has {own_sizes}; it belongs to another model", kind="checkpoint"
         )
     _check_hyperparameters(core, groups, folder)
 
@@ -234,7 +230,7 @@ def load_state(core: PolicyCore, in_dir: str | Path) -> PolicyStateInfo:
         weights = load_file(str(folder / WEIGHTS_FILE), device=str(core.device))
         optimizer_state = torch.load(folder / OPTIMIZER_FILE, map_location=core.device, weights_only=True)
     except (OSError, SafetensorError, RuntimeError, EOFError, pickle.UnpicklingError) as e:
-        raise PolicyCheckpointError(f"load_state: cannot read the checkpoint in {str(folder)!r}: {type(e).__name__}: {e}") from e
+        raise PolicyStateError(f"load_state: cannot read the checkpoint in {str(folder)!r}: {type(e).__name__}: {e}", kind="checkpoint") from e
     _check_fits(core, weights, optimizer_state, folder)
     core.restore(weights, optimizer_state, int(record["steps_taken"]))
     torch.set_rng_state(_bytes_tensor(record["torch_rng"]))
@@ -243,9 +239,9 @@ def load_state(core: PolicyCore, in_dir: str | Path) -> PolicyStateInfo:
     info = _state_info(core)
     saved = PolicyStateInfo(record["steps_taken"], record["policy_fingerprint"], record["optimizer_fingerprint"])
     if info != saved:
-        raise PolicyCheckpointError(
+        raise PolicyStateError(
             f"load_state: the state restored from {str(folder)!r} is not the state that was saved "
-            f"(restored {info}, recorded {saved}); the checkpoint is damaged"
+            f"(restored {info}, recorded {saved}); the checkpoint is damaged", kind="checkpoint"
         )
     return info
 

@@ -6,8 +6,8 @@ WHOLE batch's masked tokens); it returns `(loss, metrics)` of micro-batch shares
 (`_max`/`_min` names combine by max/min; `CORE_METRICS` are reserved) and must be picklable. The
 model stays in eval mode, so "prev" and trained logprobs come from one deterministic function;
 every step reports `token_mult_prob_error` and `gen_kl_error`; masked-out positions never influence
-a result. Refused by name: no masked token (`EmptyMaskError`), a bad mask (`LossInputError`), a
-non-finite grad norm (`NonFiniteGradientError`, no step). `PolicyWorker` wraps every failure in a
+a result. Refused as a `PolicyStepError` of a named kind: no masked token (`empty_mask`), a bad mask
+(`loss_input`), a non-finite grad norm (`non_finite_grad`, no step). `PolicyWorker` wraps every failure in a
 `PolicyWorkerError` naming the method; `train_planned` reads a `TrainPlan`'s rows itself and checks
 their digests (nothing is trained on a mismatch). `RayPolicyClient` bounds every call by
 `call_timeout_s` and checks `loss_fn` before pickling it. Set-up: `setup`; refit, checkpoints,
@@ -27,7 +27,7 @@ import ray
 import torch
 from ray.actor import ActorHandle
 
-from nemo_rl.data.errors import PolicyWorkerError
+from nemo_rl.data.errors import PolicyWorkerError, error_name
 from nemo_rl.data.train import TrainBatch, TrainPlan
 from nemo_rl.data_plane import DataPlaneClient, DataPlaneConfig, attach_client
 from nemo_rl.data_plane.partitions import read_train_batch
@@ -40,15 +40,7 @@ from nemo_rl.distributed.actor_call import (
 from nemo_rl.distributed.shared_fs import SharedDirProbe, check_probe
 from nemo_rl.models.policy import state_io
 from nemo_rl.models.policy.config import LossConfig, PolicyConfig
-from nemo_rl.models.policy.errors import (
-    EmptyMaskError,
-    LossFnError,
-    LossInputError,
-    NonFiniteGradientError,
-    PolicyWorkerDiedError,
-    PolicyWorkerTimeoutError,
-    TokenIdOutOfRangeError,
-)
+from nemo_rl.models.policy.errors import PolicyStepError, PolicyWorkerCallError
 from nemo_rl.models.policy.router_replay import ReplayStats, check_routes_fit, replaying
 from nemo_rl.models.policy.setup import build_parts
 
@@ -95,17 +87,17 @@ class LossFn(Protocol):
 
 
 def check_loss_fn(loss_fn: object) -> LossFn:
-    """`loss_fn` if it is callable; a named `LossFnError` with the fix otherwise."""
+    """`loss_fn` if it is callable; a `PolicyStepError` (`loss_fn`) with the fix otherwise."""
     if isinstance(loss_fn, LossConfig):
-        raise LossFnError(
+        raise PolicyStepError(
             "train_step got a LossConfig (the loss_fn: section), not a loss function; the policy "
             "no longer builds the GRPO loss itself (fix: pass "
-            "nemo_rl.algorithms.grpo.ClippedPGLossFn.from_config(cfg.loss_fn))"
+            "nemo_rl.algorithms.grpo.ClippedPGLossFn.from_config(cfg.loss_fn))", kind="loss_fn"
         )
     if not callable(loss_fn):
-        raise LossFnError(
+        raise PolicyStepError(
             f"train_step got loss_fn={loss_fn!r} ({type(loss_fn).__name__}), which is not callable "
-            "(fix: pass a LossFn, e.g. nemo_rl.algorithms.grpo.ClippedPGLossFn.from_config(cfg.loss_fn))"
+            "(fix: pass a LossFn, e.g. nemo_rl.algorithms.grpo.ClippedPGLossFn.from_config(cfg.loss_fn))", kind="loss_fn"
         )
     return loss_fn  # type: ignore[return-value]
 
@@ -114,17 +106,17 @@ def check_loss_output(out: object, loss_fn: object) -> tuple[torch.Tensor, dict[
     """The `(loss, metrics)` a LossFn returned, checked against the contract."""
     name = getattr(loss_fn, "__qualname__", type(loss_fn).__qualname__)
     if not (isinstance(out, tuple) and len(out) == 2):
-        raise LossFnError(f"loss_fn {name} returned {type(out).__name__}; a LossFn returns (loss, metrics)")
+        raise PolicyStepError(f"loss_fn {name} returned {type(out).__name__}; a LossFn returns (loss, metrics)", kind="loss_fn")
     loss, metrics = out
     if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-        raise LossFnError(f"loss_fn {name} returned a loss that is not a 0-dim tensor: {loss!r}")
+        raise PolicyStepError(f"loss_fn {name} returned a loss that is not a 0-dim tensor: {loss!r}", kind="loss_fn")
     if not isinstance(metrics, dict):
-        raise LossFnError(f"loss_fn {name} returned metrics of type {type(metrics).__name__}; expected a dict")
+        raise PolicyStepError(f"loss_fn {name} returned metrics of type {type(metrics).__name__}; expected a dict", kind="loss_fn")
     reserved = sorted(CORE_METRICS & set(metrics))
     if reserved:
-        raise LossFnError(
+        raise PolicyStepError(
             f"loss_fn {name} returned metric(s) {reserved} that the policy reports itself "
-            "(fix: rename them in the loss)"
+            "(fix: rename them in the loss)", kind="loss_fn"
         )
     return loss, metrics
 
@@ -173,13 +165,13 @@ def gather_token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor) -> torc
 def as_bool_mask(mask: torch.Tensor, like: torch.Tensor, name: str) -> torch.Tensor:
     """`mask` as a bool tensor shaped like `like` (named `name` in errors); never empty."""
     if mask.shape != like.shape:
-        raise LossInputError(f"mask shape {tuple(mask.shape)} != {name} shape {tuple(like.shape)}")
+        raise PolicyStepError(f"mask shape {tuple(mask.shape)} != {name} shape {tuple(like.shape)}", kind="loss_input")
     if mask.dtype != torch.bool:
         if not bool(((mask == 0) | (mask == 1)).all()):
-            raise LossInputError("mask must hold only 0 and 1")
+            raise PolicyStepError("mask must hold only 0 and 1", kind="loss_input")
         mask = mask != 0
     if not bool(mask.any()):
-        raise EmptyMaskError("mask selects no token; a masked mean over zero tokens is undefined")
+        raise PolicyStepError("mask selects no token; a masked mean over zero tokens is undefined", kind="empty_mask")
     return mask
 
 
@@ -187,7 +179,7 @@ def check_same_shape(ref: torch.Tensor, **tensors: torch.Tensor) -> None:
     """Every keyword tensor has `ref`'s shape (the keyword names the offender)."""
     for name, t in tensors.items():
         if t.shape != ref.shape:
-            raise LossInputError(f"{name} shape {tuple(t.shape)} != expected {tuple(ref.shape)}")
+            raise PolicyStepError(f"{name} shape {tuple(t.shape)} != expected {tuple(ref.shape)}", kind="loss_input")
 
 
 def masked_sum(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -297,16 +289,16 @@ class PolicyCore:
 
     def check_token_ids(self, token_ids: list[list[int]] | tuple[tuple[int, ...], ...]) -> None:
         if not token_ids:
-            raise TokenIdOutOfRangeError("token_ids is empty; pass at least one sequence")
+            raise PolicyStepError("token_ids is empty; pass at least one sequence", kind="token_ids")
         for i, seq in enumerate(token_ids):
             if not seq:
-                raise TokenIdOutOfRangeError(f"token_ids[{i}] is empty")
+                raise PolicyStepError(f"token_ids[{i}] is empty", kind="token_ids")
             for t, tok in enumerate(seq):
                 if not 0 <= tok < self._vocab_size:
-                    raise TokenIdOutOfRangeError(
+                    raise PolicyStepError(
                         f"token_ids[{i}][{t}]={tok} is outside the vocabulary [0, "
                         f"{self._vocab_size}) of policy.model_path={self._cfg.model_path!r}; "
-                        "the tokens must come from this model's tokenizer"
+                        "the tokens must come from this model's tokenizer", kind="token_ids"
                     )
 
     def forward_logprobs(
@@ -323,9 +315,9 @@ class PolicyCore:
         self.check_token_ids(batch.token_ids)
         num_tokens = batch.num_masked_tokens
         if num_tokens == 0:
-            raise EmptyMaskError(
+            raise PolicyStepError(
                 f"TrainBatch of {batch.num_samples} samples has no masked token (all "
-                "placeholders?); skip the step instead of training on nothing"
+                "placeholders?); skip the step instead of training on nothing", kind="empty_mask"
             )
         replay = bool(self._routers)
         if replay and batch.routed_experts is not None:
@@ -366,9 +358,9 @@ class PolicyCore:
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self._cfg.max_grad_norm))
         if not math.isfinite(grad_norm):
             self._optimizer.zero_grad(set_to_none=True)
-            raise NonFiniteGradientError(
+            raise PolicyStepError(
                 f"grad norm is {grad_norm} on a batch of {batch.num_samples} samples / "
-                f"{num_tokens} tokens; the step was not taken (check advantages and logprobs)"
+                f"{num_tokens} tokens; the step was not taken (check advantages and logprobs)", kind="non_finite_grad"
             )
         self._steps_taken += 1
         lr = warmup_lr(self._cfg.learning_rate, self._cfg.lr_warmup_steps, self._steps_taken)
@@ -402,7 +394,7 @@ def _guard(method: str, fn: Callable[..., T], *args: Any) -> T:
     except PolicyWorkerError:
         raise
     except Exception as e:  # re-raised by name: the one class callers catch across Ray
-        raise PolicyWorkerError(f"PolicyWorker.{method} failed: {type(e).__name__}: {e}") from e
+        raise PolicyWorkerError(f"PolicyWorker.{method} failed: {error_name(e)}: {e}") from e
 
 
 @ray.remote(num_cpus=1)
@@ -480,12 +472,12 @@ class RayPolicyClient:
             assert e.cause is not None
             raise e.cause from None  # the worker's own PolicyWorkerError, naming the method
         except ActorCallTimeoutError as e:
-            raise PolicyWorkerTimeoutError(
+            raise PolicyWorkerCallError(
                 f"{self._name}.{method} missed its deadline of {self._timeout}s "
-                "(policy.call_timeout_s); the worker is stuck or overloaded"
+                "(policy.call_timeout_s); the worker is stuck or overloaded", kind="timeout"
             ) from e
         except ActorCallError as e:
-            raise PolicyWorkerDiedError(f"{self._name}.{method}: the actor died: {e.cause}") from e
+            raise PolicyWorkerCallError(f"{self._name}.{method}: the actor died: {e.cause}", kind="died") from e
 
     def get_logprobs(self, token_ids: list[list[int]]) -> list[list[float]]:
         return self._get("get_logprobs", self._actor.get_logprobs.remote(token_ids))

@@ -12,13 +12,13 @@ from hypothesis import strategies as st
 from nemo_rl.algorithms.grpo import (
     ADVANTAGE_EPS,
     ClippedPGLossFn,
-    EmptyMaskError,
     GRPOInputError,
     compute_group_advantages,
     gen_kl_error,
     grpo_clipped_loss,
     token_mult_prob_error,
 )
+from nemo_rl.models.policy.errors import PolicyStepError
 
 # ---------------------------------------------------------------- advantages
 
@@ -73,8 +73,9 @@ def test_group_with_one_valid_sample_has_zero_advantage() -> None:
     ],
 )
 def test_advantage_input_errors(rewards, group_size, valid, match) -> None:
-    with pytest.raises(GRPOInputError, match=match):
+    with pytest.raises(GRPOInputError, match=match) as excinfo:
         compute_group_advantages(rewards, group_size, True, valid)
+    assert excinfo.value.kind == "loss_input"
 
 
 @st.composite
@@ -158,20 +159,25 @@ def test_loss_per_sample_advantages_and_normalizer() -> None:
     assert metrics["num_tokens"] == 3.0
     assert metrics["token_mult_prob_error"] == pytest.approx(0.5)  # 3 ones / 6
     assert metrics["gen_kl_error"] == 0.0
-    with pytest.raises(GRPOInputError, match="normalizer=2"):
+    with pytest.raises(GRPOInputError, match="normalizer=2") as excinfo:
         grpo_clipped_loss(prev, prev, None, _t([1.0, 1.0]), mask, 0.2, 0.2, normalizer=2)
+    assert excinfo.value.kind == "loss_input"
 
 
 def test_loss_input_errors() -> None:
     x = _t([[-1.0, -1.0]])
-    with pytest.raises(EmptyMaskError):
+    with pytest.raises(PolicyStepError) as excinfo:
         grpo_clipped_loss(x, x, None, _t([1.0]), _t([[0, 0]]), 0.2, 0.2)
-    with pytest.raises(GRPOInputError, match="mask must hold only 0 and 1"):
+    assert excinfo.value.kind == "empty_mask"
+    with pytest.raises(GRPOInputError, match="mask must hold only 0 and 1") as excinfo:
         grpo_clipped_loss(x, x, None, _t([1.0]), _t([[0, 2]]), 0.2, 0.2)
-    with pytest.raises(GRPOInputError, match="prev_logprobs shape"):
+    assert excinfo.value.kind == "loss_input"
+    with pytest.raises(GRPOInputError, match="prev_logprobs shape") as excinfo:
         grpo_clipped_loss(x, _t([[-1.0]]), None, _t([1.0]), _t([[0, 1]]), 0.2, 0.2)
-    with pytest.raises(GRPOInputError, match="ratio_clip_min=1.0"):
+    assert excinfo.value.kind == "loss_input"
+    with pytest.raises(GRPOInputError, match="ratio_clip_min=1.0") as excinfo:
         grpo_clipped_loss(x, x, None, _t([1.0]), _t([[0, 1]]), 1.0, 0.2)
+    assert excinfo.value.kind == "loss_input"
 
 
 def test_clipped_pg_loss_fn_is_grpo_clipped_loss() -> None:
@@ -187,10 +193,12 @@ def test_clipped_pg_loss_fn_is_grpo_clipped_loss() -> None:
     assert metrics == {"loss": ref["loss"], "clip_fraction": ref["clip_fraction"],
                        "is_weight_mean": 4 / 6, "is_weight_max": 1.0, "is_weight_min": 1.0,
                        "is_truncated_fraction": 0.0}
-    with pytest.raises(GRPOInputError, match=r"loss_fn.ratio_clip_min=1.0"):
+    with pytest.raises(GRPOInputError, match=r"loss_fn.ratio_clip_min=1.0") as excinfo:
         ClippedPGLossFn(ratio_clip_min=1.0, ratio_clip_max=0.2, behaviour_logprobs="captured", is_truncation=2.0)
-    with pytest.raises(GRPOInputError, match=r"loss_fn.ratio_clip_max=-0.1"):
+    assert excinfo.value.kind == "loss_input"
+    with pytest.raises(GRPOInputError, match=r"loss_fn.ratio_clip_max=-0.1") as excinfo:
         ClippedPGLossFn(ratio_clip_min=0.2, ratio_clip_max=-0.1, behaviour_logprobs="captured", is_truncation=2.0)
+    assert excinfo.value.kind == "loss_input"
 
 
 @st.composite
@@ -240,7 +248,9 @@ def test_mismatch_metrics_exact_when_equal_and_empty_mask_error() -> None:
     mask = _t([[0, 1, 1]])
     assert token_mult_prob_error(x, x.clone(), mask) == 1.0
     assert gen_kl_error(x, x.clone(), mask) == 0.0
-    with pytest.raises(EmptyMaskError):
+    with pytest.raises(PolicyStepError) as excinfo:
         token_mult_prob_error(x, x, _t([[0, 0, 0]]))
-    with pytest.raises(EmptyMaskError):
+    assert excinfo.value.kind == "empty_mask"
+    with pytest.raises(PolicyStepError) as excinfo:
         gen_kl_error(x, x, torch.zeros(1, 3, dtype=torch.bool))
+    assert excinfo.value.kind == "empty_mask"

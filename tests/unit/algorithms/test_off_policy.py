@@ -25,7 +25,7 @@ from nemo_rl.algorithms.grpo import (
 )
 from nemo_rl.algorithms.grpo_config import load_master_config
 from nemo_rl.algorithms.grpo_single_controller import build_train_batch
-from nemo_rl.data.errors import TrainBatchError
+from nemo_rl.data.errors import RecordInvariantError
 from nemo_rl.data.rows import GroupResult, KeptRollout, RowOrigin, TrainRow
 from nemo_rl.data.train import TrainBatch
 from nemo_rl.models.policy import LossConfig
@@ -223,18 +223,21 @@ def test_a_token_the_trainer_now_finds_unlikely_shows_in_the_min_not_the_mean_or
 def test_a_masked_token_without_a_behaviour_logprob_fails_loudly() -> None:
     prev, mask = _t([[0.0, -1.0, -1.0]]), _t([[0, 1, 1]]).bool()
     for bad in (float("nan"), float("inf"), float("-inf"), 0.5):
-        with pytest.raises(GRPOInputError, match=rf"behaviour logprob \[0, 2\]={bad}.*engine that sampled it"):
+        with pytest.raises(GRPOInputError, match=rf"behaviour logprob \[0, 2\]={bad}.*engine that sampled it") as excinfo:
             truncated_is_weights(prev, _t([[0.0, -1.0, bad]]), mask, C)
-        with pytest.raises(GRPOInputError, match="behaviour logprob"):
+        assert excinfo.value.kind == "loss_input"
+        with pytest.raises(GRPOInputError, match="behaviour logprob") as excinfo:
             _loss_fn()(curr_logprobs=prev.clone(), prev_logprobs=prev, generation_logprobs=_t([[0.0, -1.0, bad]]),
                        advantages=_t([1.0]), mask=mask, normalizer=2)
+        assert excinfo.value.kind == "loss_input"
     # Off the mask anything goes (a prompt token has no sampler).
     w, _ = truncated_is_weights(prev, _t([[float("nan"), -1.0, -1.0]]), mask, C)
     assert w.tolist() == [[1.0, 1.0, 1.0]]
     # Upstream, a batch cannot even carry such a token: TrainBatch refuses it by name.
-    with pytest.raises(TrainBatchError, match=r"generation_logprobs\[0\]\[2\]=nan on a masked token"):
+    with pytest.raises(RecordInvariantError, match=r"generation_logprobs\[0\]\[2\]=nan on a masked token") as excinfo:
         TrainBatch(token_ids=[[1, 2, 3]], token_mask=[[0, 1, 1]], generation_logprobs=[[0.0, -1.0, float("nan")]],
                    advantages=[1.0])
+    assert excinfo.value.kind == "train_batch"
 
 
 def test_the_weight_carries_no_gradient() -> None:
@@ -267,11 +270,13 @@ def test_loss_config_defaults_and_errors_name_field_value_and_fix() -> None:
 
 
 def test_loss_fn_refuses_what_the_config_refuses() -> None:
-    with pytest.raises(GRPOInputError, match=r"loss_fn\.behaviour_logprobs='engine'.*\['captured', 'recomputed'\]"):
+    with pytest.raises(GRPOInputError, match=r"loss_fn\.behaviour_logprobs='engine'.*\['captured', 'recomputed'\]") as excinfo:
         _loss_fn("engine")
+    assert excinfo.value.kind == "loss_input"
     for cap in (1.0, float("inf"), float("nan")):
-        with pytest.raises(GRPOInputError, match=rf"loss_fn\.is_truncation={cap}.*fix: "):
+        with pytest.raises(GRPOInputError, match=rf"loss_fn\.is_truncation={cap}.*fix: ") as excinfo:
             _loss_fn("captured", cap)
+        assert excinfo.value.kind == "loss_input"
 
 
 def test_both_capture_and_legacy_recipes_default_to_the_captured_mode() -> None:
@@ -335,5 +340,6 @@ def test_clipped_loss_without_weights_is_unchanged_by_the_new_argument() -> None
     loss, _ = grpo_clipped_loss(c, prev, None, adv, mask, 0.2, 0.28, normalizer=6, is_weights=weights)
     loss.backward()
     assert torch.equal(loss, plain) and bool(torch.isfinite(c.grad).all()) and c.grad[:, 2].tolist() == [0.0, 0.0]
-    with pytest.raises(GRPOInputError, match="is_weights shape"):
+    with pytest.raises(GRPOInputError, match="is_weights shape") as excinfo:
         grpo_clipped_loss(curr, prev, None, adv, mask, 0.2, 0.28, is_weights=torch.ones(2, 2))
+    assert excinfo.value.kind == "loss_input"

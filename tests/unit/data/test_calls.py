@@ -26,7 +26,6 @@ from nemo_rl.data.calls import (
     RequestFieldError,
     RolloutIdError,
     ServedCall,
-    ServedCallError,
     bearer_status,
     check_chat_request,
     check_rollout_id,
@@ -35,6 +34,7 @@ from nemo_rl.data.calls import (
     rewrite_json_body,
     rollout_id_for,
 )
+from nemo_rl.data.errors import RecordInvariantError
 
 L = 2048
 USER = {"role": "user", "content": "What is 2 + 2?"}
@@ -266,10 +266,12 @@ def test_an_empty_assistant_turn_is_still_a_turn():
 def test_only_a_text_admission_can_be_an_unresolved_continuation():
     root = ServedCall("r", "c2", None, "text", 3, True, unresolved_continuation=True)
     assert ServedCall.from_wire(root.to_wire()) == root
-    with pytest.raises(ServedCallError, match="True only for a text admission"):
+    with pytest.raises(RecordInvariantError, match="True only for a text admission") as excinfo:
         ServedCall("r", "c2", "c1", "token_in", 3, True, unresolved_continuation=True)
-    with pytest.raises(ServedCallError, match="unresolved_continuation is a bool"):
+    assert excinfo.value.kind == "served_call"
+    with pytest.raises(RecordInvariantError, match="unresolved_continuation is a bool") as excinfo:
         ServedCall("r", "c2", None, "text", 3, True, unresolved_continuation=1)
+    assert excinfo.value.kind == "served_call"
 
 
 def test_the_rules_load_without_torch():

@@ -1,4 +1,7 @@
-"""`ApiError`: the status follows from the type, and the body is the OpenAI error body both transports send."""
+"""`ApiError`: the status follows from the type, and the body is the OpenAI error body both transports send.
+
+`error_name`: what a detail or a log line calls an error, its kind included.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +9,7 @@ import json
 
 import pytest
 
-from nemo_rl.data.errors import STATUS_OF, ApiError
+from nemo_rl.data.errors import STATUS_OF, ApiError, RecordInvariantError, error_name
 
 
 def test_the_status_follows_from_the_type_and_the_body_is_openai_shaped() -> None:
@@ -25,3 +28,11 @@ def test_every_type_has_one_status_and_an_unknown_type_is_the_raisers_bug() -> N
     assert {ApiError(t, "m").status for t in STATUS_OF} <= {400, 401, 403, 409, 413, 500, 502, 503}
     with pytest.raises(ValueError, match="unknown API error type 'no_such_error'"):
         ApiError("no_such_error", "m")
+
+
+def test_an_error_is_named_by_its_class_and_its_kind_if_it_has_one() -> None:
+    assert error_name(RecordInvariantError("TrainRow r#0: token_ids must be non-negative ints", kind="row")) == (
+        "RecordInvariantError[row]"
+    )
+    assert error_name(ApiError("worker_starting", "starting")) == "ApiError"
+    assert error_name(KeyError("x")) == "KeyError"

@@ -8,6 +8,7 @@ import re
 
 import pytest
 
+from nemo_rl.data.errors import RecordInvariantError
 from nemo_rl.data.rows import (
     CallLineage,
     GroupResult,
@@ -15,7 +16,6 @@ from nemo_rl.data.rows import (
     Placeholder,
     PlaceholderReason,
     RolloutYield,
-    RowInvariantError,
     RowOrigin,
     TrainRow,
 )
@@ -70,8 +70,9 @@ def test_a_valid_row_is_frozen():
     ],
 )
 def test_row_invariants(changes, message):
-    with pytest.raises(RowInvariantError, match=re.escape(message)):
+    with pytest.raises(RecordInvariantError, match=re.escape(message)) as excinfo:
         _row(**changes)
+    assert excinfo.value.kind == "row"
 
 
 def test_legacy_row_has_no_modes_versions_or_selection():
@@ -79,16 +80,19 @@ def test_legacy_row_has_no_modes_versions_or_selection():
                call_spans=())
     assert row.origin is RowOrigin.LEGACY
     assert (row.token_weight_versions, row.loss_call_ids()) == ((None,) * 4, frozenset({"c0"}))
-    with pytest.raises(RowInvariantError, match="no weight versions"):
+    with pytest.raises(RecordInvariantError, match="no weight versions") as excinfo:
         _row(origin=RowOrigin.LEGACY, text_root_calls=0, terminal_selection=None)
+    assert excinfo.value.kind == "row"
 
 
 def test_placeholder_needs_a_typed_reason_and_finite_reward():
     Placeholder("r-0", 0, 0, PlaceholderReason.RUN_FAILED, "boom", None)
-    with pytest.raises(RowInvariantError, match="reason must be a PlaceholderReason"):
+    with pytest.raises(RecordInvariantError, match="reason must be a PlaceholderReason") as excinfo:
         Placeholder("r-0", 0, 0, "run_failed", "boom")
-    with pytest.raises(RowInvariantError, match="finite float or None"):
+    assert excinfo.value.kind == "row"
+    with pytest.raises(RecordInvariantError, match="finite float or None") as excinfo:
         Placeholder("r-0", 0, 0, PlaceholderReason.RUN_FAILED, "boom", math.inf)
+    assert excinfo.value.kind == "row"
 
 
 def _two_call_row(**changes) -> TrainRow:
@@ -125,59 +129,76 @@ def test_kept_rollout_rows_are_chains_that_never_share_a_loss_call():
     kept = _kept([first, second], yield_=RolloutYield(6, 6, (), 2))
     assert kept.num_generated_tokens == 6
 
-    with pytest.raises(RowInvariantError, match=re.escape("calls ['c0'] are in the loss of two rows")):
+    with pytest.raises(RecordInvariantError, match=re.escape("calls ['c0'] are in the loss of two rows")) as excinfo:
         _kept([first, dataclasses.replace(second, token_mask=first.token_mask,
                                           generation_logprobs=first.generation_logprobs)])
-    with pytest.raises(RowInvariantError, match="at least one row"):
+    assert excinfo.value.kind == "row"
+    with pytest.raises(RecordInvariantError, match="at least one row") as excinfo:
         _kept([])
-    with pytest.raises(RowInvariantError, match="row 1 must have chain_index 1"):
+    assert excinfo.value.kind == "row"
+    with pytest.raises(RecordInvariantError, match="row 1 must have chain_index 1") as excinfo:
         _kept([first, dataclasses.replace(second, chain_index=0)])
-    with pytest.raises(RowInvariantError, match="row 0 must have chain_index 0 and the rollout's reward"):
+    assert excinfo.value.kind == "row"
+    with pytest.raises(RecordInvariantError, match="row 0 must have chain_index 0 and the rollout's reward") as excinfo:
         _kept([first], reward=0.5)
-    with pytest.raises(RowInvariantError, match="row 0 belongs to r-9 slot 0/0"):
+    assert excinfo.value.kind == "row"
+    with pytest.raises(RecordInvariantError, match="row 0 belongs to r-9 slot 0/0") as excinfo:
         _kept([dataclasses.replace(first, rollout_id="r-9")])
-    with pytest.raises(RowInvariantError, match="row 0 is Placeholder"):
+    assert excinfo.value.kind == "row"
+    with pytest.raises(RecordInvariantError, match="row 0 is Placeholder") as excinfo:
         _kept([Placeholder("r-0", 0, 0, PlaceholderReason.RUN_FAILED, "boom")])
-    with pytest.raises(RowInvariantError, match="yield counts 5 kept tokens, rows hold 6"):
+    assert excinfo.value.kind == "row"
+    with pytest.raises(RecordInvariantError, match="yield counts 5 kept tokens, rows hold 6") as excinfo:
         _kept([first, second], yield_=RolloutYield(6, 5, (), 2))
+    assert excinfo.value.kind == "row"
 
 
 def test_rollout_yield_counts_are_non_negative_ints():
     RolloutYield(None, 0)
-    with pytest.raises(RowInvariantError, match="kept_generated_tokens must be a non-negative int"):
+    with pytest.raises(RecordInvariantError, match="kept_generated_tokens must be a non-negative int") as excinfo:
         RolloutYield(3, -1)
-    with pytest.raises(RowInvariantError, match="chains must be a non-negative int"):
+    assert excinfo.value.kind == "row"
+    with pytest.raises(RecordInvariantError, match="chains must be a non-negative int") as excinfo:
         RolloutYield(3, 1, (), 1.0)
-    with pytest.raises(RowInvariantError, match="served_generated_tokens must be a non-negative int or None"):
+    assert excinfo.value.kind == "row"
+    with pytest.raises(RecordInvariantError, match="served_generated_tokens must be a non-negative int or None") as excinfo:
         RolloutYield(-3, 1)
-    with pytest.raises(RowInvariantError, match="unverifiable token counts must be non-negative ints"):
+    assert excinfo.value.kind == "row"
+    with pytest.raises(RecordInvariantError, match="unverifiable token counts must be non-negative ints") as excinfo:
         RolloutYield(3, 1, (("served_not_staged", -2),))
+    assert excinfo.value.kind == "row"
 
 
 def test_abandoned_retries_and_lineage_are_checked():
     assert RolloutYield(9, 7, (), 2, False, 1, 2, CallLineage(3, 0, 0)).abandoned_retry_tokens == 2
     assert RolloutYield(None, 7, (), 2, False, 1).abandoned_retry_calls == 1  # calls known from the manifest alone
-    with pytest.raises(RowInvariantError, match="abandoned_retry_calls must be a non-negative int"):
+    with pytest.raises(RecordInvariantError, match="abandoned_retry_calls must be a non-negative int") as excinfo:
         RolloutYield(9, 7, (), 2, False, -1)
-    with pytest.raises(RowInvariantError, match="abandoned_retry_tokens come from the served report"):
+    assert excinfo.value.kind == "row"
+    with pytest.raises(RecordInvariantError, match="abandoned_retry_tokens come from the served report") as excinfo:
         RolloutYield(None, 7, (), 2, False, 1, 2)
-    with pytest.raises(RowInvariantError, match="lineage must be a CallLineage or None"):
+    assert excinfo.value.kind == "row"
+    with pytest.raises(RecordInvariantError, match="lineage must be a CallLineage or None") as excinfo:
         RolloutYield(9, 7, lineage=(3, 0, 0))
+    assert excinfo.value.kind == "row"
 
 
 def test_call_lineage_counts_continuations_as_token_in_plus_unresolved():
     lineage = CallLineage(token_in_calls=3, unresolved_continuations=1, branches=2)
     assert lineage.continuation_calls == 4
-    with pytest.raises(RowInvariantError, match="unresolved_continuations must be a non-negative int"):
+    with pytest.raises(RecordInvariantError, match="unresolved_continuations must be a non-negative int") as excinfo:
         CallLineage(3, -1, 0)
-    with pytest.raises(RowInvariantError, match="branches must be a non-negative int"):
+    assert excinfo.value.kind == "row"
+    with pytest.raises(RecordInvariantError, match="branches must be a non-negative int") as excinfo:
         CallLineage(3, 0, 1.0)
+    assert excinfo.value.kind == "row"
 
 
 def test_a_placeholder_keeps_no_generated_token():
     Placeholder("r-0", 0, 0, PlaceholderReason.RUN_FAILED, "boom", None, None, RolloutYield(4, 0, (("run_failed", 4),)))
-    with pytest.raises(RowInvariantError, match="a placeholder keeps no generated token"):
+    with pytest.raises(RecordInvariantError, match="a placeholder keeps no generated token") as excinfo:
         Placeholder("r-0", 0, 0, PlaceholderReason.RUN_FAILED, "boom", None, None, RolloutYield(4, 1))
+    assert excinfo.value.kind == "row"
 
 
 def test_group_result_holds_samples_zero_to_n_minus_one_in_order():
@@ -189,13 +210,18 @@ def test_group_result_holds_samples_zero_to_n_minus_one_in_order():
     group = GroupResult(0, (kept, hole))
 
     assert (group.n, group.kept, group.rows, group.placeholders) == (2, (kept,), (first, second), (hole,))
-    with pytest.raises(RowInvariantError, match="entry 0 is group 0 sample 1"):
+    with pytest.raises(RecordInvariantError, match="entry 0 is group 0 sample 1") as excinfo:
         GroupResult(0, (hole, kept))
-    with pytest.raises(RowInvariantError, match="appears twice"):
+    assert excinfo.value.kind == "row"
+    with pytest.raises(RecordInvariantError, match="appears twice") as excinfo:
         GroupResult(0, (kept, Placeholder("r-0", 0, 1, PlaceholderReason.RUN_TIMEOUT, "slow")))
-    with pytest.raises(RowInvariantError, match="entry 1 is group 5"):
+    assert excinfo.value.kind == "row"
+    with pytest.raises(RecordInvariantError, match="entry 1 is group 5") as excinfo:
         GroupResult(0, (kept, Placeholder("r-1", 5, 1, PlaceholderReason.RUN_TIMEOUT, "slow")))
-    with pytest.raises(RowInvariantError, match="entry 0 is TrainRow"):
+    assert excinfo.value.kind == "row"
+    with pytest.raises(RecordInvariantError, match="entry 0 is TrainRow") as excinfo:
         GroupResult(0, (first,))
-    with pytest.raises(RowInvariantError, match="at least one entry"):
+    assert excinfo.value.kind == "row"
+    with pytest.raises(RecordInvariantError, match="at least one entry") as excinfo:
         GroupResult(0, ())
+    assert excinfo.value.kind == "row"

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from nemo_rl.data.errors import TrainBatchError
+from nemo_rl.data.errors import RecordInvariantError
 from nemo_rl.data.train import TrainBatch
 
 
@@ -51,8 +51,9 @@ def test_valid_batch_is_frozen_tuples() -> None:
     ],
 )
 def test_batch_invariants(overrides, match) -> None:
-    with pytest.raises(TrainBatchError, match=match):
+    with pytest.raises(RecordInvariantError, match=match) as excinfo:
         _batch(**overrides)
+    assert excinfo.value.kind == "train_batch"
 
 
 def test_unmasked_generation_logprobs_are_not_checked() -> None:
@@ -84,8 +85,9 @@ def test_batch_routes_stacks_rows_with_the_sentinel_where_a_row_has_none_and_pas
 def test_batch_routes_refuses_rows_of_different_models() -> None:
     from nemo_rl.data.train import batch_routes
 
-    with pytest.raises(TrainBatchError, match=r"rows disagree on \(layers, top-k\) \[\(2, 2\), \(3, 2\)\]"):
+    with pytest.raises(RecordInvariantError, match=r"rows disagree on \(layers, top-k\) \[\(2, 2\), \(3, 2\)\]") as excinfo:
         batch_routes([np.zeros((3, 2, 2), np.int16), np.zeros((2, 3, 2), np.int16)], [3, 2])
+    assert excinfo.value.kind == "train_batch"
 
 
 @pytest.mark.parametrize(
@@ -99,5 +101,6 @@ def test_batch_routes_refuses_rows_of_different_models() -> None:
     ],
 )
 def test_bad_routes_are_refused_by_name(routes, match) -> None:
-    with pytest.raises(TrainBatchError, match=match):
+    with pytest.raises(RecordInvariantError, match=match) as excinfo:
         _batch(routed_experts=routes)
+    assert excinfo.value.kind == "train_batch"

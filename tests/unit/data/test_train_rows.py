@@ -10,8 +10,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nemo_rl.data.rows import KeptRollout, RouteCoverage, RowInvariantError, RowOrigin, RowRef, TrainRow
-from nemo_rl.data.train import FIELDS, TrainPlan, TrainPlanError, payload_digest, row_payload
+from nemo_rl.data.errors import RecordInvariantError
+from nemo_rl.data.rows import KeptRollout, RouteCoverage, RowOrigin, RowRef, TrainRow
+from nemo_rl.data.train import FIELDS, TrainPlan, payload_digest, row_payload
 
 
 def _row(rid="r-0", sample=0, *, chain=0, reward=1.0, call="c0", routes=None, ids=(5, 6, 7, 8),
@@ -43,18 +44,24 @@ def test_rowref_keeps_what_the_driver_reads_and_no_tokens():
 
 def test_rowref_invariants():
     ref = RowRef.of(_row(), "r-0#0", "a" * 64, carry_prompt_ids=False)
-    with pytest.raises(RowInvariantError, match="digest must be a sha256 hex digest"):
+    with pytest.raises(RecordInvariantError, match="digest must be a sha256 hex digest") as excinfo:
         dataclasses.replace(ref, digest="xyz")
-    with pytest.raises(RowInvariantError, match=r"num_generated_tokens must be in \[1, 2\]"):
+    assert excinfo.value.kind == "row"
+    with pytest.raises(RecordInvariantError, match=r"num_generated_tokens must be in \[1, 2\]") as excinfo:
         dataclasses.replace(ref, num_generated_tokens=3)
-    with pytest.raises(RowInvariantError, match="route_coverage must count"):
+    assert excinfo.value.kind == "row"
+    with pytest.raises(RecordInvariantError, match="route_coverage must count") as excinfo:
         dataclasses.replace(ref, num_generated_tokens=1)
-    with pytest.raises(RowInvariantError, match="prompt_ids must be None or 2"):
+    assert excinfo.value.kind == "row"
+    with pytest.raises(RecordInvariantError, match="prompt_ids must be None or 2") as excinfo:
         dataclasses.replace(ref, prompt_ids=(5,))
-    with pytest.raises(RowInvariantError, match="loss_calls must be a non-empty subset"):
+    assert excinfo.value.kind == "row"
+    with pytest.raises(RecordInvariantError, match="loss_calls must be a non-empty subset") as excinfo:
         dataclasses.replace(ref, loss_calls=frozenset({"other"}))
-    with pytest.raises(RowInvariantError, match="rows are all TrainRow or all RowRef"):
+    assert excinfo.value.kind == "row"
+    with pytest.raises(RecordInvariantError, match="rows are all TrainRow or all RowRef") as excinfo:
         KeptRollout("r-0", 0, 0, (ref, dataclasses.replace(_row(chain=1, call="c1"))), 1.0, "response_id")
+    assert excinfo.value.kind == "row"
 
 
 _ids = st.lists(st.integers(0, 2**40), min_size=2, max_size=6)
@@ -123,11 +130,15 @@ def test_digest_is_stable_through_a_copy_and_moves_with_any_change(tail, lps, wi
 
 
 def test_train_plan_invariants():
-    with pytest.raises(TrainPlanError, match="one digest and advantage per key"):
+    with pytest.raises(RecordInvariantError, match="one digest and advantage per key") as excinfo:
         TrainPlan("p", ("a",), ("0" * 64,), ())
-    with pytest.raises(TrainPlanError, match="distinct"):
+    assert excinfo.value.kind == "train_plan"
+    with pytest.raises(RecordInvariantError, match="distinct") as excinfo:
         TrainPlan("p", ("a", "a"), ("0" * 64,) * 2, (0.0, 0.0))
-    with pytest.raises(TrainPlanError, match="finite"):
+    assert excinfo.value.kind == "train_plan"
+    with pytest.raises(RecordInvariantError, match="finite") as excinfo:
         TrainPlan("p", ("a",), ("0" * 64,), (float("nan"),))
-    with pytest.raises(TrainPlanError, match="sha256"):
+    assert excinfo.value.kind == "train_plan"
+    with pytest.raises(RecordInvariantError, match="sha256") as excinfo:
         TrainPlan("p", ("a",), ("g" * 64,), (0.0,))
+    assert excinfo.value.kind == "train_plan"

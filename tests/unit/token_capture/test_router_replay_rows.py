@@ -26,12 +26,12 @@ from nemo_gym.token_id_capture.staging import (
 )
 from nemo_gym.token_id_capture.staging.records import RolloutManifest
 
+from nemo_rl.data.errors import RecordInvariantError
 from nemo_rl.data.rows import (
     GroupResult,
     KeptRollout,
     Placeholder,
     PlaceholderReason,
-    RowInvariantError,
     RowOrigin,
     TrainRow,
 )
@@ -444,8 +444,9 @@ def test_train_row_routes_validation_and_equality() -> None:
         (np.zeros((3, 0, 2), dtype=np.int16), "must be"),
         (np.full((3, 2, 2), -2, dtype=np.int16), "-1 is the sentinel"),
     ]:
-        with pytest.raises(RowInvariantError, match=match):
+        with pytest.raises(RecordInvariantError, match=match) as excinfo:
             _row(routed_experts=bad)
+        assert excinfo.value.kind == "row"
 
 
 def test_staged_routes_reach_the_policy_and_its_routers_replay_them(clients, tmp_path) -> None:

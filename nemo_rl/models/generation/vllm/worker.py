@@ -448,7 +448,7 @@ def merge_served(parts: list[list[dict]]) -> list[ServedCall]:
     """Every worker's `take_served` answer (wire dicts), in worker order, as `ServedCall`s.
 
     Nothing is dropped or deduplicated: each record is one completion a worker produced.
-    A malformed record raises `ServedCallError` (a worker/driver version mismatch).
+    A malformed record raises `RecordInvariantError` (`served_call`: a worker/driver version mismatch).
     """
     return [ServedCall.from_wire(record) for part in parts for record in part]
 

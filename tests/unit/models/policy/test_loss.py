@@ -14,7 +14,7 @@ from nemo_rl.algorithms.grpo import ClippedPGLossFn
 from nemo_rl.data.train import TrainBatch
 from nemo_rl.models.policy import LossConfig, PolicyConfig
 from nemo_rl.models.policy.config import dtype_mismatch
-from nemo_rl.models.policy.errors import LossFnError
+from nemo_rl.models.policy.errors import PolicyStepError
 from nemo_rl.models.policy.state_io import get_logprobs
 from nemo_rl.models.policy.worker import CORE_METRICS, LossFn, PolicyCore, check_loss_fn, check_loss_output
 
@@ -57,22 +57,27 @@ def test_grpo_loss_is_a_picklable_loss_fn() -> None:
 
 
 def test_a_loss_config_or_a_non_callable_is_refused_with_the_fix() -> None:
-    with pytest.raises(LossFnError, match=r"LossConfig.*ClippedPGLossFn\.from_config\(cfg\.loss_fn\)"):
+    with pytest.raises(PolicyStepError, match=r"LossConfig.*ClippedPGLossFn\.from_config\(cfg\.loss_fn\)") as excinfo:
         check_loss_fn(LossConfig())
-    with pytest.raises(LossFnError, match="loss_fn=0.2 .* not callable"):
+    assert excinfo.value.kind == "loss_fn"
+    with pytest.raises(PolicyStepError, match="loss_fn=0.2 .* not callable") as excinfo:
         check_loss_fn(0.2)
+    assert excinfo.value.kind == "loss_fn"
 
 
 def test_loss_output_contract() -> None:
     good = (torch.tensor(1.0), {"nll": 1.0})
     assert check_loss_output(good, mean_nll_loss) is not None
-    with pytest.raises(LossFnError, match=r"returns \(loss, metrics\)"):
+    with pytest.raises(PolicyStepError, match=r"returns \(loss, metrics\)") as excinfo:
         check_loss_output(torch.tensor(1.0), mean_nll_loss)
-    with pytest.raises(LossFnError, match="0-dim tensor"):
+    assert excinfo.value.kind == "loss_fn"
+    with pytest.raises(PolicyStepError, match="0-dim tensor") as excinfo:
         check_loss_output((torch.ones(2), {}), mean_nll_loss)
+    assert excinfo.value.kind == "loss_fn"
     for name in sorted(CORE_METRICS):
-        with pytest.raises(LossFnError, match=f"'{name}'.*rename"):
+        with pytest.raises(PolicyStepError, match=f"'{name}'.*rename") as excinfo:
             check_loss_output((torch.tensor(1.0), {name: 1.0}), mean_nll_loss)
+        assert excinfo.value.kind == "loss_fn"
 
 
 def test_core_trains_with_any_loss_fn_and_sums_its_shares(tiny_model_dir: Path) -> None:
@@ -84,8 +89,9 @@ def test_core_trains_with_any_loss_fn_and_sums_its_shares(tiny_model_dir: Path) 
     assert metrics["nll"] == pytest.approx(-sum(lp for lp, m in zip(before, MASK) if m) / 4, rel=1e-5)
     assert metrics["num_tokens"] == 12.0 and metrics["grad_norm"] > 0.0
     assert sum(get_logprobs(core, [SEQ])[0]) > sum(before)  # NLL went down
-    with pytest.raises(LossFnError, match="LossConfig"):
+    with pytest.raises(PolicyStepError, match="LossConfig") as excinfo:
         core.train_step(_batch(), LossConfig())
+    assert excinfo.value.kind == "loss_fn"
 
 
 def test_dtype_mismatch_names_both_keys() -> None:

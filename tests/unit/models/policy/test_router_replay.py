@@ -16,10 +16,9 @@ import torch
 from nemo_rl.algorithms.grpo import ClippedPGLossFn
 from nemo_rl.data.train import TrainBatch
 from nemo_rl.models.policy import LossConfig, PolicyConfig
+from nemo_rl.models.policy.errors import PolicyLoadError, PolicyStepError
 from nemo_rl.models.policy.router_replay import (
     ReplayStats,
-    RouteFitError,
-    RouterReplayConfigError,
     moe_routers,
     replaying,
 )
@@ -170,13 +169,15 @@ def test_routes_that_do_not_fit_the_model_are_refused_by_name(moe_dir: Path) -> 
         (np.where(np.arange(8)[None, :, None, None] == 5, 1, routes).astype(np.int16),
          r"routed_experts\[0, 5, 0\] = \[1, 1\] repeats an expert"),
     ):
-        with pytest.raises(RouteFitError, match=match):
+        with pytest.raises(PolicyStepError, match=match) as excinfo:
             core.train_step(TrainBatch(**batch, routed_experts=bad), LOSS)
+        assert excinfo.value.kind == "route_fit"
 
 
 def test_replay_on_a_dense_model_is_refused(tiny_model_dir: Path) -> None:
-    with pytest.raises(RouterReplayConfigError, match=r"router_replay='replay' but .* has no MoE router.*"
-                                                      r"set policy.router_replay=off"):
+    with pytest.raises(PolicyLoadError, match=r"router_replay='replay' but .* has no MoE router.*"
+                                              r"set policy.router_replay=off") as excinfo:
         _core(tiny_model_dir)
+    assert excinfo.value.kind == "router_replay"
     with pytest.raises(ValueError, match="router_replay"):
         PolicyConfig(model_path="x", router_replay="on")

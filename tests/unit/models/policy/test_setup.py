@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from nemo_rl.models.policy import PolicyConfig
-from nemo_rl.models.policy.errors import PolicyDeviceError
+from nemo_rl.models.policy.errors import PolicyLoadError
 from nemo_rl.models.policy.state_io import get_logprobs
 from nemo_rl.models.policy.worker import PolicyCore
 
@@ -21,5 +21,6 @@ def test_policy_dtype_and_device_knobs(tiny_model_dir: Path) -> None:
     lps = get_logprobs(core, [SEQ])[0]
     assert lps[0] == 0.0 and all(lp <= 0.0 for lp in lps)
     if not torch.cuda.is_available():
-        with pytest.raises(PolicyDeviceError, match=r"policy.device='cuda'.*fix: .*policy.device=cpu"):
+        with pytest.raises(PolicyLoadError, match=r"policy.device='cuda'.*fix: .*policy.device=cpu") as excinfo:
             PolicyCore(PolicyConfig(model_path=str(tiny_model_dir), device="cuda"))
+        assert excinfo.value.kind == "device"

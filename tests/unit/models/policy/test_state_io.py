@@ -16,12 +16,11 @@ from transformers import AutoConfig, Qwen2ForCausalLM
 from nemo_rl.algorithms.grpo import ClippedPGLossFn
 from nemo_rl.data.train import TrainBatch
 from nemo_rl.models.policy import LossConfig, PolicyConfig, PolicyWorkerHandle, state_io
-from nemo_rl.models.policy.errors import WeightExportError
+from nemo_rl.models.policy.errors import PolicyStateError
 from nemo_rl.models.policy.state_io import (
     OPTIMIZER_FILE,
     POLICY_STATE_FILE,
     WEIGHTS_FILE,
-    PolicyCheckpointError,
     PolicyStateInfo,
     export_weights,
     load_state,
@@ -83,14 +82,16 @@ def test_export_round_trips_to_identical_logits(tiny_model_dir: Path, tmp_path: 
     # Re-export into the same folder overwrites; a foreign shard there is refused.
     export_weights(core, out)
     (out / "model-00001-of-00002.safetensors").write_bytes(b"")
-    with pytest.raises(WeightExportError, match="model-00001-of-00002.safetensors"):
+    with pytest.raises(PolicyStateError, match="model-00001-of-00002.safetensors") as excinfo:
         export_weights(core, out)
+    assert excinfo.value.kind == "export"
 
 
 def test_tied_model_export_is_refused_for_the_cpu_engine(tmp_path: Path, make_tiny_model: Callable[..., Path]) -> None:
     core = _plain_core(make_tiny_model(tmp_path / "tied", tie_word_embeddings=True))  # engine_flavor defaults to cpu
-    with pytest.raises(WeightExportError, match=r"stale lm_head on the CPU engine .*tie_word_embeddings=false"):
+    with pytest.raises(PolicyStateError, match=r"stale lm_head on the CPU engine .*tie_word_embeddings=false") as excinfo:
         export_weights(core, tmp_path / "export")
+    assert excinfo.value.kind == "export"
     assert not (tmp_path / "export").exists()
 
 
@@ -158,16 +159,19 @@ def test_optimizer_fingerprint_sees_the_step_counter(tiny_model_dir: Path, tmp_p
 def test_save_state_needs_an_empty_folder(tiny_model_dir: Path, tmp_path: Path) -> None:
     (tmp_path / "x").mkdir()
     (tmp_path / "x" / "old.bin").write_bytes(b"")
-    with pytest.raises(PolicyCheckpointError, match=r"already holds \['old.bin'\]"):
+    with pytest.raises(PolicyStateError, match=r"already holds \['old.bin'\]") as excinfo:
         save_state(_core(tiny_model_dir), tmp_path / "x")
+    assert excinfo.value.kind == "checkpoint"
 
 
 def test_load_state_refuses_changed_optimizer_hyperparameters(tiny_model_dir: Path, tmp_path: Path) -> None:
     save_state(_core(tiny_model_dir), tmp_path / "c")
-    with pytest.raises(PolicyCheckpointError, match=r"betas=\(0.9, 0.999\).*policy.adam_beta1/adam_beta2 gives \(0.5, 0.999\)"):
+    with pytest.raises(PolicyStateError, match=r"betas=\(0.9, 0.999\).*policy.adam_beta1/adam_beta2 gives \(0.5, 0.999\)") as excinfo:
         load_state(_core(tiny_model_dir, adam_beta1=0.5), tmp_path / "c")
-    with pytest.raises(PolicyCheckpointError, match=r"weight_decay=0.0 .*policy.weight_decay gives 0.1"):
+    assert excinfo.value.kind == "checkpoint"
+    with pytest.raises(PolicyStateError, match=r"weight_decay=0.0 .*policy.weight_decay gives 0.1") as excinfo:
         load_state(_core(tiny_model_dir, weight_decay=0.1), tmp_path / "c")
+    assert excinfo.value.kind == "checkpoint"
 
 
 def test_load_state_refuses_another_model_before_touching_anything(
@@ -177,21 +181,25 @@ def test_load_state_refuses_another_model_before_touching_anything(
     tied = _core(make_tiny_model(tmp_path / "tied", tie_word_embeddings=True))
     before = (state_fingerprint(tied), optimizer_fingerprint(tied))
     save_state(tied, tmp_path / "t")  # tied embeddings save fine (export refuses them, a checkpoint need not)
-    with pytest.raises(PolicyCheckpointError, match=r"parameter groups of sizes \[\d+\], this model's optimizer has"):
+    with pytest.raises(PolicyStateError, match=r"parameter groups of sizes \[\d+\], this model's optimizer has") as excinfo:
         load_state(tied, tmp_path / "c")
+    assert excinfo.value.kind == "checkpoint"
     assert (state_fingerprint(tied), optimizer_fingerprint(tied)) == before
     weights = load_file(str(tmp_path / "c" / WEIGHTS_FILE))
     name = sorted(weights)[0]
     save_file({**weights, name: weights[name][:1].clone()}, str(tmp_path / "c" / WEIGHTS_FILE))
-    with pytest.raises(PolicyCheckpointError, match=rf"{name} is \(1, \d+\) torch.float32 there"):
+    with pytest.raises(PolicyStateError, match=rf"{name} is \(1, \d+\) torch.float32 there") as excinfo:
         load_state(_core(tiny_model_dir), tmp_path / "c")
+    assert excinfo.value.kind == "checkpoint"
     del weights[name]
     save_file(weights, str(tmp_path / "c" / WEIGHTS_FILE))
-    with pytest.raises(PolicyCheckpointError, match=rf"missing \['{name}'\], unexpected \[\]"):
+    with pytest.raises(PolicyStateError, match=rf"missing \['{name}'\], unexpected \[\]") as excinfo:
         load_state(_core(tiny_model_dir), tmp_path / "c")
+    assert excinfo.value.kind == "checkpoint"
     (tmp_path / "c" / OPTIMIZER_FILE).write_bytes(b"not a torch file")
-    with pytest.raises(PolicyCheckpointError, match="cannot read the checkpoint"):
+    with pytest.raises(PolicyStateError, match="cannot read the checkpoint") as excinfo:
         load_state(_core(tiny_model_dir), tmp_path / "c")
+    assert excinfo.value.kind == "checkpoint"
 
 
 def test_load_state_detects_a_damaged_checkpoint(tiny_model_dir: Path, tmp_path: Path) -> None:
@@ -200,8 +208,10 @@ def test_load_state_detects_a_damaged_checkpoint(tiny_model_dir: Path, tmp_path:
     save_state(core, tmp_path / "c")
     record = json.loads((tmp_path / "c" / POLICY_STATE_FILE).read_text())
     (tmp_path / "c" / POLICY_STATE_FILE).write_text(json.dumps({**record, "steps_taken": 5}))
-    with pytest.raises(PolicyCheckpointError, match="is not the state that was saved"):
+    with pytest.raises(PolicyStateError, match="is not the state that was saved") as excinfo:
         load_state(_core(tiny_model_dir), tmp_path / "c")
+    assert excinfo.value.kind == "checkpoint"
     (tmp_path / "c" / POLICY_STATE_FILE).unlink()
-    with pytest.raises(PolicyCheckpointError, match=f"has no {POLICY_STATE_FILE}"):
+    with pytest.raises(PolicyStateError, match=f"has no {POLICY_STATE_FILE}") as excinfo:
         load_state(_core(tiny_model_dir), tmp_path / "c")
+    assert excinfo.value.kind == "checkpoint"

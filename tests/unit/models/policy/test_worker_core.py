@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from nemo_rl.algorithms.grpo import ClippedPGLossFn, EmptyMaskError
+from nemo_rl.algorithms.grpo import ClippedPGLossFn
 from nemo_rl.data.train import TrainBatch
 from nemo_rl.models.policy import LossConfig, PolicyConfig
-from nemo_rl.models.policy.errors import PolicyLoadError, TokenIdOutOfRangeError
+from nemo_rl.models.policy.errors import PolicyLoadError, PolicyStepError
 from nemo_rl.models.policy.state_io import get_logprobs, state_fingerprint
 from nemo_rl.models.policy.worker import PolicyCore, warmup_lr
 
@@ -140,13 +140,16 @@ def test_captured_mode_weights_tokens_and_reports_batch_metrics(tiny_model_dir: 
 
 
 def test_named_errors(tiny_model_dir: Path, tmp_path: Path) -> None:
-    with pytest.raises(PolicyLoadError, match="no config.json"):
+    with pytest.raises(PolicyLoadError, match="no config.json") as excinfo:
         _core(tmp_path / "missing")
+    assert excinfo.value.kind == "model"
     core = _core(tiny_model_dir)
-    with pytest.raises(TokenIdOutOfRangeError, match=r"token_ids\[0\]\[1\]=128"):
+    with pytest.raises(PolicyStepError, match=r"token_ids\[0\]\[1\]=128") as excinfo:
         get_logprobs(core, [[1, 128]])
-    with pytest.raises(EmptyMaskError, match="no masked token"):
+    assert excinfo.value.kind == "token_ids"
+    with pytest.raises(PolicyStepError, match="no masked token") as excinfo:
         core.train_step(_batch([SEQ], [[0] * len(SEQ)], [1.0]), LOSS)
+    assert excinfo.value.kind == "empty_mask"
 
 
 @pytest.mark.parametrize(

@@ -9,7 +9,8 @@ import asyncio
 import pytest
 import ray
 
-from nemo_rl.data.calls import ServedCall, ServedCallError
+from nemo_rl.data.calls import ServedCall
+from nemo_rl.data.errors import RecordInvariantError
 from nemo_rl.models.generation.vllm.launcher import WorkerGroup
 from nemo_rl.models.generation.vllm.worker import ServedReporter, WorkerError, merge_served
 
@@ -54,8 +55,9 @@ def test_merge_served_keeps_worker_then_call_order():
 
 
 def test_merge_served_rejects_a_malformed_record():
-    with pytest.raises(ServedCallError, match="unexpected fields"):
+    with pytest.raises(RecordInvariantError, match="unexpected fields") as excinfo:
         merge_served([[{**ROOT_W0.to_wire(), "surprise": 1}]])
+    assert excinfo.value.kind == "served_call"
 
 
 async def test_take_served_async_fans_out_and_merges():
