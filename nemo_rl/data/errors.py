@@ -110,8 +110,12 @@ class Kinded:
 
 
 def error_name(error: BaseException) -> str:
-    """What a detail or a log line calls `error`: its class, and its kind if it has one (`PolicyStepError[empty_mask]`)."""
-    return f"{type(error).__name__}[{error.kind}]" if isinstance(error, Kinded) else type(error).__name__
+    """What a detail or a log line calls `error`: its class, and its kind where the class does not say it
+    (`PolicyStepError[empty_mask]`, but `DataPlaneTimeoutError`: a class of its own already names its kind)."""
+    name = type(error).__name__
+    if isinstance(error, Kinded) and error.OWN_CLASS.get(error.kind) != name:
+        return f"{name}[{error.kind}]"
+    return name
 
 
 class ApiError(RecoverableError):

@@ -28,6 +28,7 @@ from typing import Any, Protocol, TypeVar
 import torch
 
 from nemo_rl.data.calls import Row
+from nemo_rl.data.errors import error_name
 from nemo_rl.data_plane import tq_backend
 from nemo_rl.data_plane.config import DataPlaneConfig
 from nemo_rl.data_plane.errors import DataPlaneBugError, DataPlaneError, DataPlaneTimeoutError, MissingKeysError
@@ -248,7 +249,7 @@ class DataPlaneClient:
                            "transport failure, so it is not data-plane weather (a bug, or a component's refusal)")
                 raise
             raise DataPlaneError(f"data plane {operation} on partition {partition!r} failed in TransferQueue's "
-                                 f"transport: {type(cause).__name__}: {cause}", kind="transport") from e
+                                 f"transport: {error_name(cause)}: {cause}", kind="transport") from e
 
     def put(self, partition: str, key: str, fields: Mapping[str, Any], *, timeout_s: float | None = None) -> None:
         """Write one row under key (overwrites an existing key)."""
@@ -487,10 +488,10 @@ class StageWriter:
                 self._store.put_many(self._partition, [q.key for q in batch], [q.row for q in batch],
                                      timeout_s=self._timeout_s)
             except DataPlaneError as e:  # recoverable: this batch fails, the next one is tried
-                error = f"staging write failed: {type(e).__name__}: {e}"
+                error = f"staging write failed: {error_name(e)}: {e}"
             except BaseException as e:  # a bug: fail this batch and every queued row (finally), stop, surface
                 self._fatal = e
-                error = f"stage writer crashed: {type(e).__name__}: {e}"
+                error = f"stage writer crashed: {error_name(e)}: {e}"
                 with self._cv:
                     batch = batch + list(self._queue)
                     self._queue.clear()

@@ -22,6 +22,7 @@ from typing import Any
 
 import ray
 
+from nemo_rl.data.errors import error_name
 from nemo_rl.data_plane.bind import loopback_actor
 from nemo_rl.data_plane.config import DataPlaneConfig
 from nemo_rl.data_plane.errors import DataPlaneError, DataPlaneTimeoutError
@@ -178,7 +179,7 @@ def start_actors(cfg: DataPlaneConfig) -> StartedActors:
         raise DataPlaneTimeoutError("start", None, cfg.startup_timeout_s, "controller/storage actors not up") from e
     except (ray.exceptions.RayError, ValueError, RuntimeError) as e:
         _kill_created(created)
-        raise DataPlaneError(f"TransferQueue actors failed to start: {type(e).__name__}: {e}", kind="start") from e
+        raise DataPlaneError(f"TransferQueue actors failed to start: {error_name(e)}: {e}", kind="start") from e
     return StartedActors(controller=controller, storage_units=units)
 
 

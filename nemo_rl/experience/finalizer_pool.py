@@ -27,7 +27,7 @@ from typing import Literal, Protocol
 import ray
 from nemo_gym.token_id_capture.staging import StagedCallBaseSnapshot
 
-from nemo_rl.data.errors import FatalError, Kinded
+from nemo_rl.data.errors import FatalError, Kinded, error_name
 from nemo_rl.data.rows import GroupEntry, KeptRollout, Placeholder, PlaceholderReason
 from nemo_rl.data.calls import StagedRecordInvalidError, StagingFetchError
 from nemo_rl.data_plane import DataPlaneClient, DataPlaneConfig, DataPlaneError, FieldEncodingError, attach_client
@@ -74,7 +74,7 @@ def fetch_snapshots(
             continue
         except StagingFetchError as error:
             for key in pending:
-                problems[key] = FetchProblem(fetch_error_reason(error), f"{type(error).__name__}: {error}")
+                problems[key] = FetchProblem(fetch_error_reason(error), f"{error_name(error)}: {error}")
             return {}, problems
         by_key = {}
         for key, snapshot in zip(pending, snapshots):
@@ -207,7 +207,7 @@ def judge_group_from_source(
     except FieldEncodingError:
         raise  # our encoding of a row is wrong: a bug, never a data verdict
     except DataPlaneError as error:
-        detail = f"{TRAIN_PARTITION_DETAIL_PREFIX}: {type(error).__name__}: {error}"
+        detail = f"{TRAIN_PARTITION_DETAIL_PREFIX}: {error_name(error)}: {error}"
         stored = [_store_failed(items[i], verdicts[i], detail) for i in kept]
     for i, verdict in zip(kept, stored, strict=True):
         verdicts[i] = verdict

@@ -24,7 +24,7 @@ from typing import Any, Protocol
 from nemo_gym.token_id_capture.staging.records import RolloutManifest
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from nemo_rl.data.errors import FatalError
+from nemo_rl.data.errors import FatalError, error_name
 from nemo_rl.data.calls import ServedCall, check_rollout_id, rollout_id_for
 from nemo_rl.data.rows import GroupEntry, GroupResult, KeptRollout, Placeholder, PlaceholderReason
 from nemo_rl.data_plane.partitions import reported_staged_keys
@@ -203,7 +203,7 @@ class _GroupState:
 
 
 def _describe(error: BaseException) -> str:
-    return f"{type(error).__name__}: {error}"
+    return f"{error_name(error)}: {error}"
 
 
 def _report_unavailable(ev: RolloutEvidence, why: str) -> Placeholder:

@@ -33,7 +33,7 @@ from nemo_gym.token_id_capture.staging import (
     routed_experts_token_count,
 )
 
-from nemo_rl.data.errors import FatalError, Kinded, RecoverableError
+from nemo_rl.data.errors import FatalError, Kinded, RecoverableError, error_name
 from nemo_rl.data.rows import GroupEntry, KeptRollout, Placeholder, PlaceholderReason, TrainRow
 from nemo_rl.data.calls import StagingFetchError
 from nemo_rl.token_capture.judge import RolloutEvidence, all_served_lost, fetch_error_reason
@@ -339,9 +339,9 @@ def attach_router_replay(
         extras = dict(zip(keys, fetched, strict=True))
         rows = tuple(_row_with_routes(row, records, snapshots, extras) for row in kept.rows)
     except StagingFetchError as error:
-        return _extras_placeholder(evidence, kept, fetch_error_reason(error), f"{type(error).__name__}: {error}")
+        return _extras_placeholder(evidence, kept, fetch_error_reason(error), f"{error_name(error)}: {error}")
     except RouterReplayError as error:  # the route data's fault, the rollout's verdict (a RouteSpanError is our bug)
-        return _extras_placeholder(evidence, kept, PlaceholderReason.VERIFICATION_FAILED, f"{type(error).__name__}: {error}")
+        return _extras_placeholder(evidence, kept, PlaceholderReason.VERIFICATION_FAILED, f"{error_name(error)}: {error}")
     return dataclasses.replace(kept, rows=rows)
 
 

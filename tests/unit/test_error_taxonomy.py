@@ -97,7 +97,7 @@ class FatalError(NemoRLError): ...
 def test_every_exception_class_in_nemo_rl_is_on_exactly_one_side() -> None:
     problems, checked = taxonomy_problems(package_sources())
     assert problems == []
-    assert checked > 90  # the walk found the package's classes (104 after the `kind` families)
+    assert checked > 60  # the walk found the package's classes (errors.md gives the count)
 
 
 def test_the_checker_fails_on_an_unrooted_class() -> None:

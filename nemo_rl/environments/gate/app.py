@@ -37,7 +37,7 @@ from nemo_gym.chat_streaming import sanitize_streaming_chat_body
 from nemo_gym.global_config import get_global_config_dict
 from nemo_gym.openai_utils import NeMoGymChatCompletionCreateParamsNonStreaming
 from nemo_rl.data import calls
-from nemo_rl.data.errors import ApiError
+from nemo_rl.data.errors import ApiError, error_name
 from nemo_rl.data.calls import (
     RequestFieldError,
     RolloutIdError,
@@ -428,7 +428,7 @@ class GateGuardMiddleware:
             raise validation_error(e, f"the {kind} request does not match Gym's request model") from e
         except (ValueError, TypeError, KeyError, NotImplementedError) as e:  # how Gym's converters refuse input
             raise ApiError("invalid_request", f"the {kind} request cannot be converted to a chat request: "
-                           f"{type(e).__name__}: {e}", "body") from e
+                           f"{error_name(e)}: {e}", "body") from e
         if chat is None:
             return
         try:

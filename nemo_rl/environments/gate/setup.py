@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from nemo_gym.token_id_capture.config import token_id_capture_config
 from nemo_gym.token_id_capture.protocols import install_lineage_store
-from nemo_rl.data.errors import ApiError, FatalError
+from nemo_rl.data.errors import ApiError, FatalError, error_name
 from nemo_rl.data.calls import DEFAULT_MAX_ROLLOUT_ID_CHARS, MAX_ROLLOUT_ID_CHARS, show
 from nemo_rl.environments.gate.ledger import BranchingCaptureLedger
 
@@ -137,7 +137,7 @@ class WorkerContextLimit:
                             continue
                         payload = await resp.json()
                 except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError) as e:
-                    reasons.append(f"{url}/models: {type(e).__name__}: {e}")
+                    reasons.append(f"{url}/models: {error_name(e)}: {e}")
                     continue
                 value = (payload.get("data") or [{}])[0].get("max_model_len") if isinstance(payload, dict) else None
                 if not isinstance(value, int) or isinstance(value, bool) or value < 2:

@@ -27,7 +27,7 @@ from nemo_gym.base_responses_api_model import _request_messages, _validate_chat_
 from nemo_gym.chat_streaming import sanitize_streaming_chat_body
 from nemo_gym.openai_utils import NeMoGymChatCompletion
 from nemo_gym.token_id_capture.sink import current_capture_context, register_call_intent, resolve_parent
-from nemo_rl.data.errors import RecoverableError
+from nemo_rl.data.errors import RecoverableError, error_name
 from responses_api_models.vllm_model.app import VLLMModel
 
 DONE = "[DONE]"
@@ -197,7 +197,7 @@ class WorkerStream:
                 return JSONResponse(content=payload, status_code=status)
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             await session.close()
-            message = f"the vLLM worker at {client.base_url} did not start the stream: {type(e).__name__}: {e}"
+            message = f"the vLLM worker at {client.base_url} did not start the stream: {error_name(e)}: {e}"
             return JSONResponse(content={"error": {"message": message, "type": "upstream_unavailable", "param": None,
                                                    "code": 502}}, status_code=502)
 
@@ -206,7 +206,7 @@ class WorkerStream:
                 async for event in relay(upstream.content.iter_any()):
                     yield event
             except (StreamRelayError, aiohttp.ClientError, asyncio.TimeoutError) as e:
-                yield broke_off(f"the vLLM worker's stream broke off: {type(e).__name__}: {e}; not committed")
+                yield broke_off(f"the vLLM worker's stream broke off: {error_name(e)}: {e}; not committed")
             finally:
                 upstream.release()
                 await session.close()

@@ -27,6 +27,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from nemo_rl.data.errors import error_name
 from nemo_rl.models.policy.errors import PolicyStateError
 from nemo_rl.models.policy.setup import CONFIG_FILE
 
@@ -230,7 +231,7 @@ def load_state(core: PolicyCore, in_dir: str | Path) -> PolicyStateInfo:
         weights = load_file(str(folder / WEIGHTS_FILE), device=str(core.device))
         optimizer_state = torch.load(folder / OPTIMIZER_FILE, map_location=core.device, weights_only=True)
     except (OSError, SafetensorError, RuntimeError, EOFError, pickle.UnpicklingError) as e:
-        raise PolicyStateError(f"load_state: cannot read the checkpoint in {str(folder)!r}: {type(e).__name__}: {e}", kind="checkpoint") from e
+        raise PolicyStateError(f"load_state: cannot read the checkpoint in {str(folder)!r}: {error_name(e)}: {e}", kind="checkpoint") from e
     _check_fits(core, weights, optimizer_state, folder)
     core.restore(weights, optimizer_state, int(record["steps_taken"]))
     torch.set_rng_state(_bytes_tensor(record["torch_rng"]))

@@ -10,6 +10,7 @@ import json
 import pytest
 
 from nemo_rl.data.errors import STATUS_OF, ApiError, RecordInvariantError, error_name
+from nemo_rl.data_plane.errors import DataPlaneError, MissingKeysError
 
 
 def test_the_status_follows_from_the_type_and_the_body_is_openai_shaped() -> None:
@@ -31,6 +32,9 @@ def test_every_type_has_one_status_and_an_unknown_type_is_the_raisers_bug() -> N
 
 
 def test_an_error_is_named_by_its_class_and_its_kind_if_it_has_one() -> None:
+    # A member class of its own already names its kind; its family base names the kind.
+    assert error_name(MissingKeysError("staging", ["r1/a"], ["tokens"], operation="get")) == "MissingKeysError"
+    assert error_name(DataPlaneError("the controller is gone", kind="unavailable")) == "DataPlaneError[unavailable]"
     assert error_name(RecordInvariantError("TrainRow r#0: token_ids must be non-negative ints", kind="row")) == (
         "RecordInvariantError[row]"
     )

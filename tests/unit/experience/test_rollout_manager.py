@@ -282,7 +282,7 @@ async def test_placeholders_carry_reason_detail_and_reward():
         (R.RUN_TIMEOUT,
          "GymRunTimeoutError: rollout 'run7-s0-g0-i1-a0': agent /run did not answer within run_timeout_s=1", None),
         (R.RUN_TIMEOUT, "no /run result within 0.05s", None),
-        (R.MANIFEST_UNAVAILABLE, "ManifestError: rollout 'run7-s0-g0-i3-a0': manifest answered HTTP 500", 1.0),
+        (R.MANIFEST_UNAVAILABLE, "ManifestError[server]: rollout 'run7-s0-g0-i3-a0': manifest answered HTTP 500", 1.0),
         # c1 was served without custody and the workers' report does not name it: fail closed.
         (R.CAPTURE_POISONED, "served_not_staged_unlocated: calls ['c1'] (['worker_capture_failed'])", 1.0),
         (R.EMPTY_MANIFEST, "no committed call and no failure row", 1.0),

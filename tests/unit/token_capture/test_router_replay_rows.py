@@ -356,7 +356,7 @@ def test_malformed_routes_and_vanished_extras_are_typed_verdicts(clients) -> Non
     verdict = judge_from_source(tq, evidence(rollout, records, "c1"), CAPTURE)
     assert isinstance(verdict, Placeholder), verdict
     assert verdict.reason is PlaceholderReason.VERIFICATION_FAILED
-    assert verdict.detail.startswith("router_replay_extras: RouterReplayError: call 'c1': routed_experts is not a valid fragment: ")
+    assert verdict.detail.startswith("router_replay_extras: RouterReplayError[decode]: call 'c1': routed_experts is not a valid fragment: ")
     tq.clear([r.staging_key for r in records])
 
     # The staged rows vanish between the base fetch and the extras fetch (e.g. cleared early).
