@@ -18,6 +18,7 @@ import pytest
 
 from nemo_rl.data.errors import FatalError, Kinded, RecoverableError
 from nemo_rl.data_plane.errors import DataPlaneError, DataPlaneKind, DataPlaneTimeoutError, MissingKeysError
+from nemo_rl.distributed.errors import RayClusterError, RayClusterKind
 from nemo_rl.environments.nemo_gym_config import (
     GymDatasetError,
     GymRequirementsError,
@@ -34,6 +35,7 @@ FAMILIES: list[tuple[type[Kinded], object, type]] = [
     (CheckpointError, CheckpointKind, FatalError),
     (DataPlaneError, DataPlaneKind, RecoverableError),
     (NemoGymError, NemoGymKind, FatalError),
+    (RayClusterError, RayClusterKind, FatalError),
 ]
 
 
