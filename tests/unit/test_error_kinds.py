@@ -19,6 +19,7 @@ import pytest
 from nemo_rl.data.errors import FatalError, Kinded, RecoverableError
 from nemo_rl.data_plane.errors import DataPlaneError, DataPlaneKind, DataPlaneTimeoutError, MissingKeysError
 from nemo_rl.distributed.errors import RayClusterError, RayClusterKind
+from nemo_rl.models.generation.vllm.config import GenerationSetupError, GenerationSetupKind
 from nemo_rl.environments.nemo_gym_config import (
     GymDatasetError,
     GymRequirementsError,
@@ -36,6 +37,7 @@ FAMILIES: list[tuple[type[Kinded], object, type]] = [
     (DataPlaneError, DataPlaneKind, RecoverableError),
     (NemoGymError, NemoGymKind, FatalError),
     (RayClusterError, RayClusterKind, FatalError),
+    (GenerationSetupError, GenerationSetupKind, FatalError),
 ]
 
 
