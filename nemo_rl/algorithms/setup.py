@@ -113,7 +113,7 @@ def start_ray_for_stack(
     """Start or join Ray (see `start_or_join_ray`) and accept its node count for these binds.
 
     Returns the handle and the alive node count. A cluster of several nodes with a loopback bind
-    raises `MultiNodeBindError` after disconnecting (`check_cluster_binds`).
+    raises `RayClusterError` (kind `bind`) after disconnecting (`check_cluster_binds`).
     """
     handle = start_or_join_ray(num_cpus, ray_address)
     try:

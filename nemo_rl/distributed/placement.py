@@ -2,7 +2,8 @@
 
 `plan_worker_placement` is pure: `spread` puts worker i on the i-th node with room, round-robin
 over nodes in a fixed order (the driver's node first), so a cluster gets the same plan every
-run; `ray` leaves scheduling to Ray. Not enough room is a `PlacementError` naming the knobs.
+run; `ray` leaves scheduling to Ray. Not enough room is a `RayClusterError` (kind `placement`)
+naming the knobs.
 `node_affinity` pins an actor hard (an actor whose node dies is never silently moved);
 `alive_nodes` and `actor_node_ids` read the cluster and measure where actors run (bounded).
 What runs where: docs/guides/launching.md ("Multi-node"); the contract in full:
@@ -15,13 +16,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from nemo_rl.data.errors import FatalError
+from nemo_rl.distributed.errors import RayClusterError
 
 Placement = Literal["spread", "ray"]
-
-
-class PlacementError(FatalError, RuntimeError):
-    """The cluster cannot host the requested generation workers under the placement knob."""
 
 
 @dataclass(frozen=True)
@@ -54,7 +51,7 @@ def plan_worker_placement(
     if placement != "spread":
         raise ValueError(f"placement={placement!r} is not one of ('spread', 'ray')")
     if not nodes:
-        raise PlacementError("the Ray cluster reports no alive node to place the vLLM workers on")
+        raise RayClusterError("the Ray cluster reports no alive node to place the vLLM workers on", kind="placement")
     room = {n.node_id: _capacity(n, gpus_per_worker) for n in nodes}
     plan: list[str | None] = []
     cursor = 0  # the next node in round-robin order; full nodes are skipped
@@ -66,12 +63,13 @@ def plan_worker_placement(
                 break
         else:
             total = sum(_capacity(n, gpus_per_worker) or 0 for n in nodes)
-            raise PlacementError(
+            raise RayClusterError(
                 f"generation.num_workers={num_workers} workers of {gpus_per_worker} GPU(s) each "
                 f"(generation.vllm.tensor_parallel_size) do not fit the cluster: its {len(nodes)} alive node(s) "
                 f"have room for {total} (GPUs per node: {', '.join(f'{n.ip}={n.gpus:g}' for n in nodes)}) "
                 "(fix: lower generation.num_workers, add nodes with GPUs, or set generation.vllm.placement=ray "
-                "to let Ray queue them)"
+                "to let Ray queue them)",
+                kind="placement",
             )
         plan.append(node.node_id)
         if room[node.node_id] is not None:

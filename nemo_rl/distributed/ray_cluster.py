@@ -27,17 +27,13 @@ from pathlib import Path
 import psutil
 import ray
 
-from nemo_rl.data.errors import FatalError
+from nemo_rl.distributed.errors import RayClusterError
 
 # Ray appends "session_<date>_<time>_<usec>_<pid>/sockets/plasma_store" (~70 chars) to the
 # temp dir, and the whole socket path must fit the 107-byte AF_UNIX limit.
 MAX_TEMP_DIR_CHARS = 36
 _TEMP_DIR_PREFIX = "nrl-ray-"
 RAY_ADDRESS_ENV = "RAY_ADDRESS"
-
-
-class RayClusterError(FatalError, RuntimeError):
-    """The Ray cluster could not be started, joined, awaited or stopped as requested."""
 
 
 def repo_root() -> Path:
@@ -56,30 +52,36 @@ def job_runtime_env(root: Path, inherited_pythonpath: str | None) -> dict:
 def check_temp_dir(temp_dir: str) -> None:
     """Reject a temp dir that is relative or too long for Ray's Unix-socket paths."""
     if not os.path.isabs(temp_dir):
-        raise RayClusterError(f"temp_dir must be an absolute path, got {temp_dir!r}")
+        raise RayClusterError(f"temp_dir must be an absolute path, got {temp_dir!r}", kind="argument")
     if len(temp_dir) > MAX_TEMP_DIR_CHARS:
         raise RayClusterError(
             f"temp_dir {temp_dir!r} is {len(temp_dir)} chars; Ray socket paths under it would exceed "
             f"the AF_UNIX limit. Use a dir of at most {MAX_TEMP_DIR_CHARS} chars (e.g. under the "
-            f"system temp dir with a short name), or set TMPDIR to a short path."
+            f"system temp dir with a short name), or set TMPDIR to a short path.",
+            kind="argument",
         )
 
 
 def parse_ray_address(address: str) -> tuple[str, int]:
     """Split a GCS address `host:port` (IPv6 as `[addr]:port`); reject anything else by name."""
     if not isinstance(address, str) or not address.strip():
-        raise RayClusterError(f"Ray address {address!r} is empty (fix: give the head's GCS address as host:port)")
+        raise RayClusterError(
+            f"Ray address {address!r} is empty (fix: give the head's GCS address as host:port)",
+            kind="argument",
+        )
     if address in ("auto", "local") or "://" in address:
         raise RayClusterError(
             f"Ray address {address!r} is not supported: only an explicit GCS host:port is joined, so a "
             "driver never attaches to a cluster it was not told about (fix: give host:port, e.g. "
-            "10.0.0.1:6379, or unset RAY_ADDRESS to start a private cluster)"
+            "10.0.0.1:6379, or unset RAY_ADDRESS to start a private cluster)",
+            kind="argument",
         )
     host, sep, port_text = address.rpartition(":")
     host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
     if not sep or not host or not port_text.isdigit() or not 1 <= int(port_text) <= 65535:
         raise RayClusterError(
-            f"Ray address {address!r} is not host:port with a port in 1..65535 (fix: e.g. 10.0.0.1:6379)"
+            f"Ray address {address!r} is not host:port with a port in 1..65535 (fix: e.g. 10.0.0.1:6379)",
+            kind="argument",
         )
     return host, int(port_text)
 
@@ -122,7 +124,8 @@ class RayClusterHandle:
             if current != self.gcs_address:
                 raise RayClusterError(
                     f"this process is now connected to Ray at {current}, not the cluster this handle "
-                    f"{'joined' if self.joined else 'started'} ({self.gcs_address}); refusing to shut it down"
+                    f"{'joined' if self.joined else 'started'} ({self.gcs_address}); refusing to shut it down",
+                    kind="shutdown",
                 )
             # For a joined cluster this only disconnects the driver (its non-detached actors die
             # with it); the cluster keeps running for whoever started it.
@@ -187,14 +190,15 @@ def _init_with_retry(num_cpus: int, temp_dir: str):
 
 def _check_num_cpus(num_cpus: int, name: str) -> None:
     if type(num_cpus) is not int or num_cpus < 1:
-        raise RayClusterError(f"{name} must be an int >= 1, got {num_cpus!r}")
+        raise RayClusterError(f"{name} must be an int >= 1, got {num_cpus!r}", kind="argument")
 
 
 def _refuse_if_initialized(what: str) -> None:
     if ray.is_initialized():
         raise RayClusterError(
             f"Ray is already initialized in this process; shut it down (RayClusterHandle.shutdown) "
-            f"before {what}"
+            f"before {what}",
+            kind="already_initialized",
         )
 
 
@@ -245,7 +249,7 @@ def init_local_ray(num_cpus: int, temp_dir: str | None = None) -> RayClusterHand
         restore_env(previous)
         if owns_temp_dir:
             shutil.rmtree(temp_dir, ignore_errors=True)
-        raise RayClusterError(f"could not start a local Ray instance in {temp_dir!r}: {e}") from e
+        raise RayClusterError(f"could not start a local Ray instance in {temp_dir!r}: {e}", kind="start") from e
     return RayClusterHandle(
         temp_dir=temp_dir,
         num_cpus=num_cpus,
@@ -273,14 +277,16 @@ def connect_ray(
         raise RayClusterError(
             f"nothing accepts connections at Ray address {address!r} (TCP probe, {connect_timeout_s:g}s "
             "deadline; fix: start the cluster first, e.g. through ultra_launch.sh, or unset RAY_ADDRESS "
-            "to start a private cluster)"
+            "to start a private cluster)",
+            kind="join",
         )
     try:
         context = ray.init(address=address, runtime_env=job_runtime_env(repo_root(), os.environ.get("PYTHONPATH")))
     except Exception as e:  # ray.init raises ConnectionError, AuthenticationError, RuntimeError...
         raise RayClusterError(
             f"could not join the Ray cluster at {address!r}: {e} (fix: check the address; a cluster "
-            "with token auth needs RAY_AUTH_MODE=token and its token, e.g. RAY_AUTH_TOKEN_PATH)"
+            "with token auth needs RAY_AUTH_MODE=token and its token, e.g. RAY_AUTH_TOKEN_PATH)",
+            kind="join",
         ) from e
     handle = RayClusterHandle(
         temp_dir=None,
@@ -296,13 +302,15 @@ def connect_ray(
             raise RayClusterError(
                 f"the Ray cluster at {address!r} offers {cpus:g} CPUs but this run needs at least "
                 f"{min_cpus} (cluster.num_cpus={min_cpus}; fix: give the nodes more CPUs, or lower "
-                "cluster.num_cpus)"
+                "cluster.num_cpus)",
+                kind="resources",
             )
         nodes = alive_node_count()
         if max_nodes is not None and nodes > max_nodes:
             raise RayClusterError(
                 f"the Ray cluster at {address!r} has {nodes} alive nodes but at most {max_nodes} "
-                "is supported here (fix: launch with --nodes 1)"
+                "is supported here (fix: launch with --nodes 1)",
+                kind="resources",
             )
     except BaseException:
         handle.shutdown()
@@ -338,7 +346,8 @@ def _check_watched(watch: Mapping[int, str], address: str, alive: int, expected:
             raise RayClusterError(
                 f"{label} (pid {pid}) exited before the Ray cluster at {address} formed: {alive}/{expected} "
                 "nodes had joined (fix: read that process's log; a port clash or a bad temp dir are the "
-                "usual causes)"
+                "usual causes)",
+                kind="nodes",
             )
 
 
@@ -357,7 +366,7 @@ def wait_for_nodes(
     """
     _check_num_cpus(expected, "expected")
     if not timeout_s > 0:
-        raise RayClusterError(f"timeout_s must be > 0, got {timeout_s!r}")
+        raise RayClusterError(f"timeout_s must be > 0, got {timeout_s!r}", kind="argument")
     host, port = parse_ray_address(address)
     watch = dict(watch or {})
     deadline = time.monotonic() + timeout_s
@@ -365,7 +374,8 @@ def wait_for_nodes(
     def timed_out(alive: int, why: str) -> RayClusterError:
         return RayClusterError(
             f"only {alive}/{expected} Ray nodes joined the cluster at {address} within {timeout_s:g}s{why} "
-            "(fix: read the head and worker logs; raise the wait timeout if the nodes are merely slow)"
+            "(fix: read the head and worker logs; raise the wait timeout if the nodes are merely slow)",
+            kind="nodes",
         )
 
     # The head may still be starting: wait for its GCS port before connecting as a driver.
@@ -378,7 +388,10 @@ def wait_for_nodes(
     try:
         ray.init(address=address, logging_level="ERROR", log_to_driver=False)
     except Exception as e:  # ray.init raises ConnectionError, AuthenticationError, RuntimeError...
-        raise RayClusterError(f"could not connect to the Ray cluster at {address} to count its nodes: {e}") from e
+        raise RayClusterError(
+            f"could not connect to the Ray cluster at {address} to count its nodes: {e}",
+            kind="join",
+        ) from e
     try:
         alive = last = 0
         while True:
@@ -401,7 +414,10 @@ def _parse_watch(items: Sequence[str]) -> dict[int, str]:
     for item in items:
         pid_text, sep, label = item.partition("=")
         if not sep or not pid_text.isdigit() or not label:
-            raise RayClusterError(f"--watch {item!r} is not PID=LABEL (fix: e.g. --watch 1234='ray head on node1')")
+            raise RayClusterError(
+                f"--watch {item!r} is not PID=LABEL (fix: e.g. --watch 1234='ray head on node1')",
+                kind="argument",
+            )
         watch[int(pid_text)] = label
     return watch
 

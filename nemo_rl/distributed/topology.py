@@ -4,8 +4,8 @@ Two knobs, `generation.vllm.bind` and `data_plane.bind`, are each `loopback` (th
 `node_ip` (trusted networks only: neither endpoint authenticates generation or TQ traffic).
 `listen_host` is the host a server binds AND advertises, one address, never 0.0.0.0 or a guess.
 `check_cluster_binds` accepts a multi-node cluster only when every endpoint another node must
-reach binds `node_ip`, else `MultiNodeBindError` naming each knob and the fix. The Gym servers
-stay on loopback whatever the knobs. Pure and Ray-free.
+reach binds `node_ip`, else a `RayClusterError` (kind `bind`) naming each knob and the fix. The
+Gym servers stay on loopback whatever the knobs. Pure and Ray-free.
 See docs/design-docs/distributed.md, "Which addresses endpoints listen on".
 """
 
@@ -13,15 +13,11 @@ from __future__ import annotations
 
 from typing import Literal
 
-from nemo_rl.data.errors import FatalError
+from nemo_rl.distributed.errors import RayClusterError
 
 Bind = Literal["loopback", "node_ip"]
 LOOPBACK_IP = "127.0.0.1"
 BIND_CHOICES: tuple[str, ...] = ("loopback", "node_ip")
-
-
-class MultiNodeBindError(FatalError, RuntimeError):
-    """A cluster of several nodes met an endpoint bound to loopback, which other nodes cannot reach."""
 
 
 def listen_host(bind: Bind, node_ip: str) -> str:
@@ -44,7 +40,7 @@ def http_base_url(host: str, port: int, path: str = "/v1") -> str:
 def check_cluster_binds(
     alive_nodes: int, *, vllm_bind: Bind, data_plane_bind: Bind, data_plane_used: bool, address: str
 ) -> None:
-    """Accept the cluster at `address` with `alive_nodes` nodes, or raise `MultiNodeBindError`."""
+    """Accept the cluster at `address` with `alive_nodes` nodes, or raise `RayClusterError` (`bind`)."""
     if alive_nodes <= 1:
         return
     wrong = []
@@ -64,8 +60,9 @@ def check_cluster_binds(
         knob for knob, needed in (("generation.vllm.bind=node_ip", True), ("data_plane.bind=node_ip", data_plane_used))
         if needed
     )
-    raise MultiNodeBindError(
+    raise RayClusterError(
         f"the Ray cluster at {address} has {alive_nodes} alive nodes, but {'; and '.join(wrong)} "
         f"(fix: override {fix} on a trusted network, since neither the worker's generation routes nor "
-        "TransferQueue have authentication; or launch with --nodes 1)"
+        "TransferQueue have authentication; or launch with --nodes 1)",
+        kind="bind",
     )

@@ -23,6 +23,7 @@ from nemo_rl.data.errors import FatalError, Kinded, RecoverableError
 from nemo_rl.data.errors import RecordInvariantError, RecordKind
 from nemo_rl.data_plane.errors import DataPlaneError, DataPlaneKind, DataPlaneTimeoutError, MissingKeysError
 from nemo_rl.data_plane.errors import DataPlaneBugError, DataPlaneBugKind, FieldEncodingError
+from nemo_rl.distributed.errors import RayClusterError, RayClusterKind
 from nemo_rl.environments.nemo_gym_config import (
     GymRequirementsError,
     GymServerStartError,
@@ -33,6 +34,7 @@ from nemo_rl.environments.nemo_gym_config import ManifestError, ManifestKind
 from nemo_rl.experience.errors import AccountingError, AccountingKind
 from nemo_rl.experience.finalizer_pool import FinalizerPoolError, FinalizerPoolKind
 from nemo_rl.experience.prompt_queue import SnapshotMismatchError
+from nemo_rl.models.generation.vllm.config import GenerationSetupError, GenerationSetupKind
 from nemo_rl.models.policy.errors import PolicyLoadError, PolicyLoadKind, PolicyStepError, PolicyStepKind
 from nemo_rl.models.policy.errors import PolicyStateError, PolicyStateKind, PolicyWorkerCallError, PolicyWorkerCallKind
 from nemo_rl.token_capture.router_replay import RouterReplayError, RouterReplayKind, RouteShapeUnknownError
@@ -55,6 +57,8 @@ FAMILIES: list[tuple[type[Kinded], object, type]] = [
     (PolicyStepError, PolicyStepKind, FatalError),
     (PolicyStateError, PolicyStateKind, FatalError),
     (PolicyWorkerCallError, PolicyWorkerCallKind, FatalError),
+    (RayClusterError, RayClusterKind, FatalError),
+    (GenerationSetupError, GenerationSetupKind, FatalError),
 ]
 
 

@@ -230,7 +230,7 @@ def test_refit_failure_error_names_the_dead_and_says_the_step_was_trained() -> N
 
 class FailingRefitWorkers:
     def update_weights(self, weights_dir, version):
-        raise WorkerError(f"vLLM worker 0: refit to version {version} from {weights_dir} failed: RefitFailedError: "
+        raise WorkerError(f"vLLM worker 0: refit to version {version} from {weights_dir} failed: EngineFailedError: "
                           "the vLLM engine is failed: ... EngineDeadError: EngineCore encountered an issue")
 
 
@@ -282,6 +282,6 @@ def test_a_refit_failed_by_a_dead_engine_core_is_skipped_under_continue(tmp_path
 
 def test_a_refit_failure_with_every_component_alive_propagates_unchanged(tmp_path) -> None:
     run = FakeRun(tmp_path, "abort", FakeWorkerHandle())
-    with pytest.raises(WorkerError, match="refit to version 2 .* failed: RefitFailedError"):
+    with pytest.raises(WorkerError, match="refit to version 2 .* failed: EngineFailedError"):
         asyncio.run(refit_or_name_deaths(run, 2, {}))
     assert run.logged == []

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from nemo_rl.distributed.placement import NodeInfo, PlacementError, node_affinity, order_nodes, plan_worker_placement
+from nemo_rl.distributed.errors import RayClusterError
+from nemo_rl.distributed.placement import NodeInfo, node_affinity, order_nodes, plan_worker_placement
 
 HEAD = NodeInfo("n-head", "10.0.0.9", 0.0)
 B = NodeInfo("n-b", "10.0.0.2", 0.0)
@@ -37,8 +38,9 @@ def test_spread_puts_gpu_workers_only_where_their_gpus_fit() -> None:
 
 def test_too_many_gpu_workers_fail_by_name() -> None:
     nodes = order_nodes([NodeInfo("n-g4", "10.0.0.4", 4.0), NodeInfo("n-h", "10.0.0.9", 0.0)], "n-h")
-    with pytest.raises(PlacementError) as e:
+    with pytest.raises(RayClusterError) as e:
         plan_worker_placement(3, nodes, "spread", 2)
+    assert e.value.kind == "placement"
     assert str(e.value) == (
         "generation.num_workers=3 workers of 2 GPU(s) each (generation.vllm.tensor_parallel_size) do not fit the "
         "cluster: its 2 alive node(s) have room for 2 (GPUs per node: 10.0.0.9=0, 10.0.0.4=4) (fix: lower "
@@ -49,8 +51,9 @@ def test_too_many_gpu_workers_fail_by_name() -> None:
 def test_ray_placement_pins_nothing_and_bad_input_is_an_error() -> None:
     assert plan_worker_placement(3, [HEAD, B], "ray", 0) == [None, None, None]
     assert plan_worker_placement(2, [], "ray", 1) == [None, None]
-    with pytest.raises(PlacementError, match="^the Ray cluster reports no alive node to place the vLLM workers on$"):
+    with pytest.raises(RayClusterError, match="^the Ray cluster reports no alive node to place the vLLM workers on$") as e:
         plan_worker_placement(1, [], "spread", 0)
+    assert e.value.kind == "placement"
     with pytest.raises(ValueError, match=r"^num_workers must be >= 1, got 0$"):
         plan_worker_placement(0, [HEAD], "spread", 0)
     with pytest.raises(ValueError, match=r"^placement='pack' is not one of \('spread', 'ray'\)$"):

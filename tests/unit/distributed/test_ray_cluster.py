@@ -48,16 +48,18 @@ def test_job_runtime_env_puts_repo_root_first_once() -> None:
 
 def test_temp_dir_must_be_absolute_and_short() -> None:
     check_temp_dir("/t/" + "x" * (MAX_TEMP_DIR_CHARS - 3))
-    with pytest.raises(RayClusterError, match="must be an absolute path"):
+    with pytest.raises(RayClusterError, match="must be an absolute path") as e:
         check_temp_dir("relative/dir")
+    assert e.value.kind == "argument"
     too_long = "/t/" + "x" * MAX_TEMP_DIR_CHARS
     with pytest.raises(RayClusterError, match=f"is {len(too_long)} chars"):
         check_temp_dir(too_long)
 
 
 def test_num_cpus_must_be_a_positive_int() -> None:
-    with pytest.raises(RayClusterError, match="num_cpus must be an int >= 1, got 0"):
+    with pytest.raises(RayClusterError, match="num_cpus must be an int >= 1, got 0") as e:
         init_local_ray(0)
+    assert e.value.kind == "argument"
 
 
 @ray.remote(num_cpus=0)
@@ -78,8 +80,9 @@ def test_private_cluster_lifecycle() -> None:
         first_path, package_file = ray.get(_actor_environment.remote(), timeout=120)
         assert first_path == str(repo_root())
         assert package_file == str(repo_root() / "nemo_rl" / "__init__.py")
-        with pytest.raises(RayClusterError, match="already initialized"):
+        with pytest.raises(RayClusterError, match="already initialized") as e:
             init_local_ray(num_cpus=1)
+        assert e.value.kind == "already_initialized"
     finally:
         handle.shutdown()
     assert not ray.is_initialized()
@@ -130,16 +133,18 @@ def test_start_or_join_starts_private_without_an_address_and_joins_with_one(monk
 def test_connect_fails_fast_and_by_name_when_nothing_listens() -> None:
     port = _free_port()
     t0 = time.monotonic()
-    with pytest.raises(RayClusterError, match=rf"nothing accepts connections at Ray address '127\.0\.0\.1:{port}'"):
+    with pytest.raises(RayClusterError, match=rf"nothing accepts connections at Ray address '127\.0\.0\.1:{port}'") as e:
         connect_ray(f"127.0.0.1:{port}", min_cpus=1, connect_timeout_s=2.0)
+    assert e.value.kind == "join"
     assert time.monotonic() - t0 < 10
     assert not ray.is_initialized()
 
 
 def test_wait_for_nodes_names_how_many_joined_when_nothing_listens() -> None:
     port = _free_port()
-    with pytest.raises(RayClusterError, match=rf"only 0/2 Ray nodes joined the cluster at 127\.0\.0\.1:{port} within 1s: nothing accepts"):
+    with pytest.raises(RayClusterError, match=rf"only 0/2 Ray nodes joined the cluster at 127\.0\.0\.1:{port} within 1s: nothing accepts") as e:
         wait_for_nodes(f"127.0.0.1:{port}", expected=2, timeout_s=1.0, poll_s=0.2)
+    assert e.value.kind == "nodes"
 
 
 def test_wait_for_nodes_fails_at_once_when_a_watched_process_exits() -> None:
@@ -254,8 +259,9 @@ def test_wait_then_join_an_existing_cluster_and_only_disconnect(ray_head) -> Non
 
 def test_join_refuses_a_cluster_too_small_and_disconnects(ray_head) -> None:
     address, head = ray_head
-    with pytest.raises(RayClusterError, match=rf"offers 1 CPUs but this run needs at least 4 \(cluster.num_cpus=4"):
+    with pytest.raises(RayClusterError, match=rf"offers 1 CPUs but this run needs at least 4 \(cluster.num_cpus=4") as e:
         connect_ray(address, min_cpus=4)
+    assert e.value.kind == "resources"
     assert not ray.is_initialized()
     assert head.poll() is None
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from nemo_rl.distributed.topology import MultiNodeBindError, check_cluster_binds, http_base_url, listen_host
+from nemo_rl.distributed.errors import RayClusterError
+from nemo_rl.distributed.topology import check_cluster_binds, http_base_url, listen_host
 
 
 def test_loopback_ignores_the_node_ip_and_node_ip_uses_it() -> None:
@@ -51,9 +52,10 @@ TAIL = ("on a trusted network, since neither the worker's generation routes nor 
 
 
 def test_refusal_names_both_loopback_knobs_and_the_fix() -> None:
-    with pytest.raises(MultiNodeBindError) as e:
+    with pytest.raises(RayClusterError) as e:
         check_cluster_binds(2, vllm_bind="loopback", data_plane_bind="loopback", data_plane_used=True,
                             address="10.0.0.1:6379")
+    assert e.value.kind == "bind"
     assert str(e.value) == (
         f"the Ray cluster at 10.0.0.1:6379 has 2 alive nodes, but {VLLM_WHY}; and {DP_WHY} "
         f"(fix: override generation.vllm.bind=node_ip data_plane.bind=node_ip {TAIL}"
@@ -61,14 +63,16 @@ def test_refusal_names_both_loopback_knobs_and_the_fix() -> None:
 
 
 def test_refusal_names_only_the_knob_at_fault() -> None:
-    with pytest.raises(MultiNodeBindError) as e:
+    with pytest.raises(RayClusterError) as e:
         check_cluster_binds(2, vllm_bind="node_ip", data_plane_bind="loopback", data_plane_used=True, address="h:1")
+    assert e.value.kind == "bind"
     assert str(e.value) == (
         f"the Ray cluster at h:1 has 2 alive nodes, but {DP_WHY} "
         f"(fix: override generation.vllm.bind=node_ip data_plane.bind=node_ip {TAIL}"
     )
-    with pytest.raises(MultiNodeBindError) as e:
+    with pytest.raises(RayClusterError) as e:
         check_cluster_binds(4, vllm_bind="loopback", data_plane_bind="node_ip", data_plane_used=False, address="h:1")
+    assert e.value.kind == "bind"
     assert str(e.value) == (
         f"the Ray cluster at h:1 has 4 alive nodes, but {VLLM_WHY} "
         f"(fix: override generation.vllm.bind=node_ip {TAIL}"

@@ -21,9 +21,9 @@ import ray
 
 from nemo_rl.algorithms.setup import start_ray_for_stack
 from nemo_rl.data_plane import DataPlaneConfig
+from nemo_rl.distributed.errors import RayClusterError
 from nemo_rl.distributed.placement import actor_node_ids, alive_nodes, node_affinity, plan_worker_placement
 from nemo_rl.distributed.shared_fs import remove_probe, write_probe
-from nemo_rl.distributed.topology import MultiNodeBindError
 from nemo_rl.models.generation.vllm.config import GenerationConfig
 from nemo_rl.models.generation.vllm.worker import VllmGenerationWorker
 from nemo_rl.token_capture.config import TokenCaptureConfig
@@ -40,17 +40,19 @@ def cluster() -> Iterator[TwoNodes]:
 
 
 def test_loopback_binds_are_refused_by_name_and_the_driver_disconnects(cluster: TwoNodes) -> None:
-    with pytest.raises(MultiNodeBindError) as e:
+    with pytest.raises(RayClusterError) as e:
         start_ray_for_stack(2, cluster.address, generation=GenerationConfig(), data_plane=DataPlaneConfig(),
                             token_capture=CAPTURE_ON)
+    assert e.value.kind == "bind"
     assert re.fullmatch(
         rf"the Ray cluster at {re.escape(cluster.address)} has 2 alive nodes, but generation.vllm.bind=loopback .*; "
         r"and data_plane.bind=loopback .* \(fix: override generation.vllm.bind=node_ip data_plane.bind=node_ip on a "
         r"trusted network, .*; or launch with --nodes 1\)", str(e.value))
     assert not ray.is_initialized()
     # One knob right is not enough with capture on (the data plane runs).
-    with pytest.raises(MultiNodeBindError, match=r"has 2 alive nodes, but data_plane.bind=loopback"):
+    with pytest.raises(RayClusterError, match=r"has 2 alive nodes, but data_plane.bind=loopback") as e:
         start_ray_for_stack(2, cluster.address, generation=NODE_IP, data_plane=DataPlaneConfig(), token_capture=CAPTURE_ON)
+    assert e.value.kind == "bind"
     assert not ray.is_initialized()
 
 

@@ -3,19 +3,38 @@
 Invariant: every wait inside a worker has a deadline here (`generate_timeout_s`, the refit pair,
 the driver's `call_timeout_s`, `startup_timeout_s`); staging reads and writes are bounded by
 `token_capture.stage_timeout_s`. The refit deadlines sum to less than `call_timeout_s`.
+A valid config this host or this code cannot set up is a `GenerationSetupError` (its `kind` says
+which knob: too few GPUs for the flavor, a tool-call parser with no implementation).
 """
 
 from __future__ import annotations
 
+import typing
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from nemo_rl.data.errors import FatalError, Kinded
 from nemo_rl.distributed.placement import Placement
 from nemo_rl.distributed.topology import Bind
 
 # vLLM's names of the tool-call parsers `tool_parsers.TOOL_CALL_PARSERS` holds.
 ToolCallParserName = Literal["hermes", "llama3_json"]
+
+GenerationSetupKind = Literal["no_gpu", "too_few_gpus", "tool_call_parser"]
+"""What cannot be set up: flavor=gpu where no CUDA device is visible; fewer visible devices than
+the GPU knobs need (`launcher.check_gpu_available`); a `generation.tool_call_parser` with no
+parser in `tool_parsers.TOOL_CALL_PARSERS` (raised when the worker builds its service)."""
+
+
+class GenerationSetupError(Kinded, FatalError, RuntimeError):
+    """The generation workers cannot be set up as configured; the message names the knob and the fix."""
+
+    KINDS = typing.get_args(GenerationSetupKind)
+    kind: GenerationSetupKind
+
+    def __init__(self, message: str, *, kind: GenerationSetupKind) -> None:
+        super().__init__(message, kind=kind)
 
 
 class VllmConfig(BaseModel):

@@ -49,11 +49,8 @@ class EngineError(FatalError, RuntimeError):
 
 
 class EngineFailedError(EngineError):
-    """The engine is in the terminal `failed` state; the message names why."""
-
-
-class RefitFailedError(EngineError):
-    """The reload timed out or raised: the weights are unknown, so the engine is `failed`."""
+    """The engine is in the terminal `failed` state; the message names why (an engine that died,
+    or a reload that timed out or raised: the weights are unknown)."""
 
 
 class EngineRequestError(RecoverableError, RuntimeError):

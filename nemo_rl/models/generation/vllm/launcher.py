@@ -3,8 +3,8 @@
 Owns `resolve_flavor`, `spawn_workers` / `await_workers` and `WorkerGroup` (the workers' lifecycle
 handle: refit, probes, audits, shutdown; its `served` is the per-rollout `worker.ServedReporter`,
 so a rollout never runs this module). Promises: the flavor
-and the placement plan are checked before the venv build or any engine starts (`NoGPUError`,
-`NotEnoughGPUsError`, `PlacementError`); `spawn_workers` returns base URLs as soon as the ports
+and the placement plan are checked before the venv build or any engine starts
+(`GenerationSetupError`, `RayClusterError` of kind `placement`); `spawn_workers` returns base URLs as soon as the ports
 are open, so other components start while engines load; every actor call has a deadline and a
 dead or hung actor surfaces as `WorkerError` naming the worker and the operation; no driver
 coroutine blocks its event loop in `ray.get`. Worker `i` is built with `worker_index=i`.
@@ -26,7 +26,6 @@ from typing import Any
 
 import ray
 
-from nemo_rl.data.errors import FatalError
 from nemo_rl.distributed.actor_call import (
     ActorCallError,
     ActorCallTimeoutError,
@@ -44,7 +43,7 @@ from nemo_rl.distributed.component_watch import (
 )
 from nemo_rl.distributed.placement import actor_node_ids, alive_nodes, node_affinity, plan_worker_placement
 from nemo_rl.distributed.shared_fs import SharedDirProbe
-from nemo_rl.models.generation.vllm.config import GenerationConfig
+from nemo_rl.models.generation.vllm.config import GenerationConfig, GenerationSetupError
 from nemo_rl.models.generation.vllm.lifecycle import cpu_engine_env
 from nemo_rl.models.generation.vllm.worker import (
     WORKERS,
@@ -56,14 +55,6 @@ from nemo_rl.models.generation.vllm.worker import (
 from nemo_rl.utils.venvs import REPO_ROOT, ensure_venv, venv_python, vllm_spec
 
 CUDA_VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
-
-
-class NoGPUError(FatalError, RuntimeError):
-    """generation.vllm.flavor=gpu but no CUDA device is visible to this host's processes."""
-
-
-class NotEnoughGPUsError(NoGPUError):
-    """Fewer CUDA devices are visible than the GPU knobs ask for."""
 
 
 def nvidia_device_nodes(dev_dir: str = "/dev") -> list[str]:
@@ -108,7 +99,7 @@ def check_gpu_available(
     env: Mapping[str, str] | None = None,
     device_nodes: Sequence[str] | None = None,
 ) -> int:
-    """For flavor=gpu: the number of visible GPUs, or `NoGPUError` / `NotEnoughGPUsError`.
+    """For flavor=gpu: the number of visible GPUs, or `GenerationSetupError` (`no_gpu`, `too_few_gpus`).
 
     Pure given `env` and `device_nodes` (default: `os.environ` and `/dev`); other flavors need
     no GPU and return 0. Cheap: call it before anything expensive (Ray, venv build, engines).
@@ -119,17 +110,19 @@ def check_gpu_available(
     nodes = nvidia_device_nodes() if device_nodes is None else list(device_nodes)
     count = visible_gpu_count(env, nodes)
     if count == 0:
-        raise NoGPUError(
+        raise GenerationSetupError(
             f"generation.vllm.flavor=gpu but no CUDA device is visible: {_no_gpu_reason(env, nodes)} "
             "(fix: run on a GPU node with the NVIDIA driver, or set generation.vllm.flavor=cpu "
-            "with generation.vllm.dtype=float32, policy.dtype=float32 and policy.device=cpu)"
+            "with generation.vllm.dtype=float32, policy.dtype=float32 and policy.device=cpu)",
+            kind="no_gpu",
         )
     if count < gpus_needed:
-        raise NotEnoughGPUsError(
+        raise GenerationSetupError(
             f"the GPU knobs need {gpus_needed} GPU(s) but {count} are visible "
             f"({CUDA_VISIBLE_DEVICES}={env.get(CUDA_VISIBLE_DEVICES, '<unset>')!r}, "
             f"{len(nodes)} device node(s)) (fix: lower generation.num_workers x "
-            "generation.vllm.tensor_parallel_size (+1 for policy.device=cuda), or make more GPUs visible)"
+            "generation.vllm.tensor_parallel_size (+1 for policy.device=cuda), or make more GPUs visible)",
+            kind="too_few_gpus",
         )
     return count
 
@@ -149,7 +142,7 @@ def resolve_flavor(gen: GenerationConfig, *, extra_gpus: int = 0, env: Mapping[s
     """The flavor the workers run ("cpu" or "gpu"), checked against the visible GPUs.
 
     flavor=gpu needs `num_workers * tensor_parallel_size + extra_gpus` visible GPUs (pass
-    extra_gpus=1 when the policy takes a GPU too); else `NoGPUError` / `NotEnoughGPUsError`.
+    extra_gpus=1 when the policy takes a GPU too); else `GenerationSetupError`.
     """
     flavor = detect_flavor(gen.vllm.flavor, env=env, device_nodes=device_nodes)
     needed = gen.num_workers * gen.vllm.tensor_parallel_size + extra_gpus
@@ -326,9 +319,9 @@ def spawn_workers(
     the caller can point the Gym servers at it while vLLM loads. The venv build is not under the
     start-up deadline (it prints its own progress and is bounded by its installer); the rest is.
     """
-    flavor = resolve_flavor(gen)  # NoGPUError here, before the venv build and the engines
+    flavor = resolve_flavor(gen)  # GenerationSetupError here, before the venv build and the engines
     nodes = alive_nodes(ray.get_runtime_context().get_node_id())
-    # PlacementError here, before the venv build and the engines.
+    # RayClusterError (placement) here, before the venv build and the engines.
     plan = plan_worker_placement(gen.num_workers, nodes, gen.vllm.placement, worker_num_gpus(gen, flavor))
     venv = ensure_venv(vllm_spec(flavor), progress=progress)
     deadline = time.monotonic() + gen.vllm.startup_timeout_s

@@ -5,7 +5,7 @@ drain within `refit_drain_timeout_s`), reloads the safetensors folder in the eng
 the prefix cache, returns the core's freed heap (`worker_extension`), then reopens the gate
 under `version`. A folder that is missing or a drain past its deadline aborts with nothing
 reloaded (`RefitAbortedError`: old weights, old version); a reload that times out, raises or is
-cancelled fails the engine for good (`RefitFailedError`): its weights are unknown.
+cancelled fails the engine for good (`EngineFailedError`): its weights are unknown.
 `update_weights` is the actor's `update_weights`: the shared-folder check, then the refit, its
 failures as the `WorkerError`s that cross the Ray boundary.
 See docs/design-docs/vllm-worker-capture.md ("Refit and weight versions").
@@ -18,7 +18,7 @@ from pathlib import Path
 
 from nemo_rl.distributed.shared_fs import SharedDirError, require_dir
 from nemo_rl.models.generation.vllm import worker_extension
-from nemo_rl.models.generation.vllm.engine import RefitAbortedError, RefitFailedError, VllmEngine
+from nemo_rl.models.generation.vllm.engine import EngineFailedError, RefitAbortedError, VllmEngine
 from nemo_rl.models.generation.vllm.worker import RefitAbortedWorkerError, WorkerError
 
 
@@ -38,13 +38,13 @@ async def reload_weights(engine: VllmEngine, weights_dir: Path, version: int) ->
             f"refit to version {version} did not finish within generation.vllm.refit_reload_timeout_s="
             f"{reload_s:g} s; the weights may be partially loaded"
         )
-        raise RefitFailedError(f"the vLLM engine is failed: {engine.failure}") from e
+        raise EngineFailedError(f"the vLLM engine is failed: {engine.failure}") from e
     except asyncio.CancelledError:
         await engine.fail(f"refit to version {version} was cancelled while loading weights; the weights are unknown")
         raise
     except Exception as e:  # vLLM's reload raises many types; the weights are unknown after any of them
         await engine.fail(f"refit to version {version} from {weights_dir} raised {type(e).__name__}: {e}")
-        raise RefitFailedError(f"the vLLM engine is failed: {engine.failure}") from e
+        raise EngineFailedError(f"the vLLM engine is failed: {engine.failure}") from e
     await engine.open_gate(version, closed_at)
 
 

@@ -2,8 +2,9 @@
 
 `get_tool_call_parser(name)` resolves `generation.tool_call_parser` (`config.ToolCallParserName`,
 the same names): the default `hermes` lives with the chat service (`serving.HERMES`, run per call); the
-others live here. Each follows its vLLM class rule for rule; an unknown name is an
-`UnknownToolCallParser` naming the choices, raised when the worker builds its service.
+others live here. Each follows its vLLM class rule for rule; an unknown name is a
+`GenerationSetupError` (kind `tool_call_parser`) naming the choices, raised when the worker
+builds its service.
 See docs/design-docs/vllm-worker-capture.md ("Tool calls").
 """
 
@@ -12,15 +13,11 @@ from __future__ import annotations
 import json
 import re
 
-from nemo_rl.data.errors import FatalError
+from nemo_rl.models.generation.vllm.config import GenerationSetupError
 from nemo_rl.models.generation.vllm.serving import HERMES, ParsedAssistant, ToolParser, function_call
 
 _LLAMA3_CALL_START_RE = re.compile(r"\{")
 _JSON_DECODER = json.JSONDecoder()
-
-
-class UnknownToolCallParser(FatalError, ValueError):
-    """`generation.tool_call_parser` names no parser of `TOOL_CALL_PARSERS`."""
 
 
 def parse_llama3_json(text: str) -> ParsedAssistant:
@@ -55,6 +52,7 @@ def get_tool_call_parser(name: str) -> ToolParser:
     try:
         return TOOL_CALL_PARSERS[name]
     except KeyError:
-        raise UnknownToolCallParser(
-            f"tool_call_parser={name!r} is not one of {sorted(TOOL_CALL_PARSERS)}; set generation.tool_call_parser"
+        raise GenerationSetupError(
+            f"tool_call_parser={name!r} is not one of {sorted(TOOL_CALL_PARSERS)}; set generation.tool_call_parser",
+            kind="tool_call_parser",
         ) from None

@@ -35,11 +35,10 @@ from nemo_rl.models.generation.vllm.serving import (
 )
 from nemo_rl.models.generation.vllm.tool_parsers import (
     TOOL_CALL_PARSERS,
-    UnknownToolCallParser,
     get_tool_call_parser,
     parse_llama3_json,
 )
-from nemo_rl.models.generation.vllm.config import GenerationConfig, ToolCallParserName
+from nemo_rl.models.generation.vllm.config import GenerationConfig, GenerationSetupError, ToolCallParserName
 
 PROBLEM = arith_task.Problem("12 + 5", 17)
 
@@ -266,7 +265,8 @@ def test_parser_registry_matches_the_config_and_the_families():
     assert GenerationConfig().tool_call_parser == "hermes"
     assert GenerationConfig(tool_call_parser="llama3_json").tool_call_parser == "llama3_json"
     assert {f.tool_call_parser for f in FAMILIES.values()} <= set(TOOL_CALL_PARSERS)
-    with pytest.raises(UnknownToolCallParser, match="mistral"):
+    with pytest.raises(GenerationSetupError, match="mistral") as e:
         get_tool_call_parser("mistral")
+    assert e.value.kind == "tool_call_parser"
     with pytest.raises(ValueError, match="tool_call_parser"):
         GenerationConfig(tool_call_parser="mistral")

@@ -22,7 +22,6 @@ from nemo_rl.models.generation.vllm.engine import (
     GenerationTimeoutError,
     InvalidChatRequest,
     RefitAbortedError,
-    RefitFailedError,
     RefitGateTimeoutError,
     SamplingRequest,
     VllmEngine,
@@ -196,8 +195,8 @@ async def test_a_reload_past_its_deadline_fails_the_engine_loudly(tmp_path: Path
     refit = asyncio.create_task(reload_weights(engine, tmp_path, 3))
     await _until(lambda: engine.state is EngineState.REFITTING)
     waiting = asyncio.create_task(engine.generate([1], SAMPLING, "waiting"))
-    with pytest.raises(RefitFailedError, match=r"refit to version 3 did not finish within "
-                                               r"generation.vllm.refit_reload_timeout_s=0.1 s"):
+    with pytest.raises(EngineFailedError, match=r"^the vLLM engine is failed: refit to version 3 did not finish within "
+                                                r"generation.vllm.refit_reload_timeout_s=0.1 s"):
         await refit
     assert engine.state is EngineState.FAILED and engine.weight_version == 0
     assert engine.failure == ("refit to version 3 did not finish within generation.vllm.refit_reload_timeout_s=0.1 s; "
@@ -214,7 +213,7 @@ async def test_a_reload_past_its_deadline_fails_the_engine_loudly(tmp_path: Path
 async def test_a_reload_that_raises_fails_the_engine_with_the_cause(tmp_path: Path) -> None:
     llm = FakeAsyncLLM(reload_error=KeyError("model.layers.0.weight"))
     engine = _engine(llm)
-    with pytest.raises(RefitFailedError, match=r"raised KeyError: 'model.layers.0.weight'"):
+    with pytest.raises(EngineFailedError, match=r"raised KeyError: 'model.layers.0.weight'"):
         await reload_weights(engine, tmp_path, 2)
     assert engine.state is EngineState.FAILED and engine.weight_version == 0
 

@@ -1,6 +1,6 @@
 """The GPU flavor as configuration: the recipe validates on this CPU host, the GPU knobs are
 checked, the GPU check is a pure function of (env, device nodes), and flavor=gpu on a host without
-a visible CUDA device is a named NoGPUError before anything is started (no Ray, no venv)."""
+a visible CUDA device is a named GenerationSetupError before anything is started (no Ray, no venv)."""
 
 from __future__ import annotations
 
@@ -12,11 +12,9 @@ import pytest
 
 from nemo_rl.algorithms.grpo_config import load_master_config, policy_config
 from nemo_rl.models.generation.vllm import launcher
-from nemo_rl.models.generation.vllm.config import GenerationConfig, VllmConfig
+from nemo_rl.models.generation.vllm.config import GenerationConfig, GenerationSetupError, VllmConfig
 from nemo_rl.models.generation.vllm.lifecycle import engine_args
 from nemo_rl.models.generation.vllm.launcher import (
-    NoGPUError,
-    NotEnoughGPUsError,
     check_gpu_available,
     detect_flavor,
     resolve_flavor,
@@ -96,12 +94,15 @@ def test_visible_gpu_count(env, nodes, count) -> None:
 
 
 def test_flavor_gpu_on_a_host_without_gpu_is_a_named_error() -> None:
-    with pytest.raises(NoGPUError, match=r"generation\.vllm\.flavor=gpu.*no NVIDIA device node.*fix: .*flavor=cpu"):
+    with pytest.raises(GenerationSetupError, match=r"generation\.vllm\.flavor=gpu.*no NVIDIA device node.*fix: .*flavor=cpu") as e:
         check_gpu_available("gpu", env={}, device_nodes=NO_NODES)
-    with pytest.raises(NoGPUError, match=r"CUDA_VISIBLE_DEVICES='' hides all 2 device\(s\)"):
+    assert e.value.kind == "no_gpu"
+    with pytest.raises(GenerationSetupError, match=r"CUDA_VISIBLE_DEVICES='' hides all 2 device\(s\)") as e:
         check_gpu_available("gpu", env={"CUDA_VISIBLE_DEVICES": ""}, device_nodes=TWO)
-    with pytest.raises(NotEnoughGPUsError, match=r"need 3 GPU\(s\) but 2 are visible.*tensor_parallel_size"):
+    assert e.value.kind == "no_gpu"
+    with pytest.raises(GenerationSetupError, match=r"need 3 GPU\(s\) but 2 are visible.*tensor_parallel_size") as e:
         check_gpu_available("gpu", 3, env={}, device_nodes=TWO)
+    assert e.value.kind == "too_few_gpus"
     assert check_gpu_available("gpu", 2, env={}, device_nodes=TWO) == 2
     assert check_gpu_available("cpu", 8, env={}, device_nodes=NO_NODES) == 0
 
@@ -111,8 +112,9 @@ def test_this_host_starting_the_gpu_recipe_raises_no_gpu_error() -> None:
     if visible_gpu_count(os.environ, launcher.nvidia_device_nodes()) > 0:
         pytest.skip("this host has a visible GPU")
     gen = _gpu_recipe().generation
-    with pytest.raises(NoGPUError, match="generation.vllm.flavor=gpu"):
+    with pytest.raises(GenerationSetupError, match="generation.vllm.flavor=gpu") as e:
         resolve_flavor(gen)
+    assert e.value.kind == "no_gpu"
     assert detect_flavor("auto") == "cpu"
 
 
@@ -123,16 +125,18 @@ def test_spawn_workers_checks_the_gpu_before_building_the_venv(monkeypatch: pyte
         raise AssertionError("the venv build must not start without a GPU")
 
     monkeypatch.setattr(launcher, "ensure_venv", no_venv)
-    with pytest.raises(NoGPUError):
+    with pytest.raises(GenerationSetupError) as e:
         launcher.spawn_workers(Path("/models/x"), _gpu_recipe().generation, {}, None, progress=lambda _: None)
+    assert e.value.kind == "no_gpu"
 
 
 def test_resolution_counts_every_gpu_the_knobs_ask_for() -> None:
     gen = GenerationConfig(num_workers=2, vllm=VllmConfig(flavor="gpu", dtype="bfloat16", tensor_parallel_size=2))
     four = [f"nvidia{i}" for i in range(4)]
     assert resolve_flavor(gen, env={}, device_nodes=four) == "gpu"
-    with pytest.raises(NotEnoughGPUsError, match="need 5 GPU"):
+    with pytest.raises(GenerationSetupError, match="need 5 GPU") as e:
         resolve_flavor(gen, extra_gpus=1, env={}, device_nodes=four)
+    assert e.value.kind == "too_few_gpus"
     assert worker_num_gpus(gen, "gpu") == 2 and worker_num_gpus(GenerationConfig(), "cpu") == 0
     assert detect_flavor("auto", env={}, device_nodes=four) == "gpu"
     assert detect_flavor("auto", env={"CUDA_VISIBLE_DEVICES": ""}, device_nodes=four) == "cpu"

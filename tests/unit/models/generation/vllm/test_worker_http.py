@@ -510,7 +510,7 @@ async def test_a_failed_refit_fails_the_worker_and_every_later_driver_call(token
     engine = VllmEngine(_HungLLM(), 2, 64, 10, EngineDeadlines(5.0, 0.05, 0.05), params_cls=dict)
     svc, _, _ = _service(tokenizer)
     worker = _worker_with(engine, svc)
-    with pytest.raises(WorkerError, match=r"vLLM worker 2: refit to version 1 from .* failed: RefitFailedError: the vLLM "
+    with pytest.raises(WorkerError, match=r"vLLM worker 2: refit to version 1 from .* failed: EngineFailedError: the vLLM "
                                           r"engine is failed: refit to version 1 did not finish within "
                                           r"generation.vllm.refit_reload_timeout_s=0.05 s"):
         await worker.update_weights(str(tmp_path), 1)
