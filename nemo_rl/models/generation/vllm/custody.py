@@ -34,7 +34,7 @@ from nemo_gym.token_id_capture.staging import (
     RolloutTokenCapture,
     staging_key,
 )
-from nemo_rl.data.errors import ApiError
+from nemo_rl.data.errors import ApiError, error_name
 from nemo_rl.data.calls import (
     ServedCall,
     StagedRecordInvalidError,
@@ -394,9 +394,9 @@ class CustodyCore:
                     self.prefix_cache.resolve, list(admission.staging_chain), admission.prev_len, admission.parent_chain_hash
                 )
             except (PrefixMismatchError, StagedRecordInvalidError) as e:
-                raise ApiError("prefix_mismatch", f"{where}: {type(e).__name__}: {e}", param=param) from e
+                raise ApiError("prefix_mismatch", f"{where}: {error_name(e)}: {e}", param=param) from e
             except (PrefixError, StagingFetchError, DataPlaneError) as e:
-                raise ApiError("staging_unavailable", f"{where}: {type(e).__name__}: {e}", param=param) from e
+                raise ApiError("staging_unavailable", f"{where}: {error_name(e)}: {e}", param=param) from e
         inline = list(admission.required_prefix_token_ids)
         top = body.get("required_prefix_token_ids")
         if top not in (None, []) and list(top) != inline:
@@ -449,9 +449,9 @@ class CustodyCore:
         try:
             cum_len, chain_hash = await asyncio.to_thread(self.prefix_cache.staged_tip, key)
         except StagedRecordInvalidError as e:
-            raise ApiError("prefix_mismatch", f"{where}: {type(e).__name__}: {e}", param=param) from e
+            raise ApiError("prefix_mismatch", f"{where}: {error_name(e)}: {e}", param=param) from e
         except (StagingFetchError, DataPlaneError, PrefixError) as e:
-            raise ApiError("staging_unavailable", f"{where}: {type(e).__name__}: {e}", param=param) from e
+            raise ApiError("staging_unavailable", f"{where}: {error_name(e)}: {e}", param=param) from e
         if (cum_len, chain_hash) != (admission.prev_len, admission.parent_chain_hash):
             raise ApiError(
                 "prefix_mismatch",

@@ -14,6 +14,7 @@ import dataclasses
 import os
 from typing import Any
 
+from nemo_rl.data.errors import error_name
 from nemo_rl.distributed.component_watch import ChildProcess
 from nemo_rl.models.generation.vllm.engine import EngineError, EngineRequestError, VllmEngine
 from nemo_rl.models.generation.vllm.serving import ChatService
@@ -75,7 +76,7 @@ async def prompt_logprobs(engine: VllmEngine, token_ids: list[int], worker_index
     # Both sides of the engine's split (a dead engine, or a gate/deadline miss of this call):
     # converted before they cross the Ray boundary.
     except (EngineError, EngineRequestError) as e:
-        raise WorkerError(f"vLLM worker {worker_index}: prompt_logprobs failed: {type(e).__name__}: {e}") from e
+        raise WorkerError(f"vLLM worker {worker_index}: prompt_logprobs failed: {error_name(e)}: {e}") from e
 
 
 def capture_stats(service: ChatService, engine: VllmEngine | None, custody: Any, worker_index: int) -> dict:

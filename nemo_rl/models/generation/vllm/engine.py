@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from nemo_rl.data.errors import FatalError, RecoverableError
+from nemo_rl.data.errors import FatalError, RecoverableError, error_name
 from nemo_rl.models.generation.vllm.config import VllmConfig
 from nemo_rl.utils.lru import BoundedLRU
 
@@ -272,7 +272,7 @@ class VllmEngine:
 
     async def died(self, request_id: str, error: BaseException) -> EngineFailedError:
         """Fail the engine for its process dying while serving `request_id`; returns the error to raise."""
-        await self.fail(f"the engine process died while serving request {request_id}: {type(error).__name__}: {error}")
+        await self.fail(f"the engine process died while serving request {request_id}: {error_name(error)}: {error}")
         return EngineFailedError(f"the vLLM engine is failed: {self._failure}")
 
     def outputs(self, prompt_ids: list[int], params: Any, request_id: str) -> AsyncIterator[Any]:
@@ -286,7 +286,7 @@ class VllmEngine:
             await self.fail(f"aborting request {request_id} did not finish within {self._deadlines.generate_s:g} s")
             raise EngineFailedError(f"the vLLM engine is failed: {self._failure}") from e
         except self._dead_errors as e:
-            await self.fail(f"the engine process died while aborting request {request_id}: {type(e).__name__}: {e}")
+            await self.fail(f"the engine process died while aborting request {request_id}: {error_name(e)}: {e}")
             raise EngineFailedError(f"the vLLM engine is failed: {self._failure}") from e
 
     # --- requests ----------------------------------------------------------------------------

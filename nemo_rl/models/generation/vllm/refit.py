@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+from nemo_rl.data.errors import error_name
 from nemo_rl.distributed.shared_fs import SharedDirError, require_dir
 from nemo_rl.models.generation.vllm import worker_extension
 from nemo_rl.models.generation.vllm.engine import EngineFailedError, RefitAbortedError, VllmEngine
@@ -43,7 +44,7 @@ async def reload_weights(engine: VllmEngine, weights_dir: Path, version: int) ->
         await engine.fail(f"refit to version {version} was cancelled while loading weights; the weights are unknown")
         raise
     except Exception as e:  # vLLM's reload raises many types; the weights are unknown after any of them
-        await engine.fail(f"refit to version {version} from {weights_dir} raised {type(e).__name__}: {e}")
+        await engine.fail(f"refit to version {version} from {weights_dir} raised {error_name(e)}: {e}")
         raise EngineFailedError(f"the vLLM engine is failed: {engine.failure}") from e
     await engine.open_gate(version, closed_at)
 
@@ -70,6 +71,6 @@ async def update_weights(engine: VllmEngine, weights_dir: Path, version: int, *,
     except Exception as e:  # converted before it crosses the Ray boundary; a reload error also fails the engine
         raise WorkerError(
             f"vLLM worker {worker_index}: refit to version {version} from {weights_dir} failed: "
-            f"{type(e).__name__}: {e}"
+            f"{error_name(e)}: {e}"
         ) from e
     return engine.weight_version

@@ -27,7 +27,7 @@ from typing import Any, NoReturn
 from aiohttp import web
 
 from nemo_rl.data.calls import RequestFieldError, ServedCall, bearer_status, parse_json_body
-from nemo_rl.data.errors import ApiError, FatalError, RecoverableError
+from nemo_rl.data.errors import ApiError, FatalError, RecoverableError, error_name
 from nemo_rl.data_plane import DataPlaneClient, DataPlaneConfig
 from nemo_rl.distributed.actor_call import (
     ActorCallError,
@@ -101,7 +101,7 @@ class Endpoint:
     def report_bug(self, where: str, error: BaseException) -> None:
         if self._bug is None:
             trace = "".join(traceback.format_exception(error)).rstrip()
-            self._bug = f"internal error in {where}: {type(error).__name__}: {error}\n{trace}"
+            self._bug = f"internal error in {where}: {error_name(error)}: {error}\n{trace}"
 
     def state(self) -> str:
         if self.stopping:
@@ -262,7 +262,7 @@ class VllmGenerationWorker:
             tokenizer, self._engine = await start_engine(self._model_dir, self._gen.vllm)
             await wait_ready(self._engine, self._gen.vllm.startup_timeout_s)
         except Exception as e:
-            raise WorkerError(f"vLLM engine failed to start from {self._model_dir}: {type(e).__name__}: {e}") from e
+            raise WorkerError(f"vLLM engine failed to start from {self._model_dir}: {error_name(e)}: {e}") from e
         self._tokenizer = tokenizer
         engine = self._engine
         self._endpoint.engine_failure = lambda: engine.failure
@@ -338,7 +338,7 @@ class VllmGenerationWorker:
                     vocab_size=len(self._tokenizer), worker_index=self._worker_index,
                 )
             except Exception as e:  # converted before it crosses the Ray boundary
-                raise WorkerError(f"installing token capture failed: {type(e).__name__}: {e}") from e
+                raise WorkerError(f"installing token capture failed: {error_name(e)}: {e}") from e
             custody = self._custody.core
         return chat_service(self._engine, self._tokenizer, self._gen, custody)
 
