@@ -213,7 +213,7 @@ def test_a_failed_store_is_a_data_plane_placeholder(chains):
     result = judge_from_source(Source(), item, CFG, lambda kept: store_many_rows(plane, "train", kept, 1.0, False))
     assert isinstance(result, Placeholder)
     assert (result.reason, result.detail, result.reward) == (
-        PlaceholderReason.DATA_PLANE_ERROR, "train_partition: DataPlaneError: store down", 1.0)
+        PlaceholderReason.DATA_PLANE_ERROR, "train_partition: DataPlaneError[transport]: store down", 1.0)
     kept = FinalizerWorker(lambda: Source(), CFG, lambda: (lambda k: store_many_rows(MemoryPlane(), "t", k, 1.0, False)))
     (ref,) = kept.finalize(item).result.rows
     assert isinstance(ref, RowRef) and ref.key == train_key("r-s", 0)
