@@ -9,6 +9,8 @@ Contract:
   `nemo_rl`, or an unknown name that reads like one (`...Error`, `...Exception`); base names are
   matched by their last dotted part, so exception class names must be unique in `nemo_rl`.
 - The checker itself fails on planted counter-examples (an unrooted class, a class on both sides).
+- `errors.md`'s per-package tables list exactly these classes, each with its side, and its count
+  ("**N now**") is theirs, so the doc cannot drift from the code.
 - A caller acts on the split: a dead vLLM worker (recoverable) reaches the driver as a
   `WorkerError`, a worker that declared itself failed (fatal) as its own `WorkerFailedError`.
 """
@@ -18,6 +20,7 @@ from __future__ import annotations
 import ast
 import asyncio
 import builtins
+import re
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -34,9 +37,9 @@ def _is_builtin_exception(name: str) -> bool:
     return isinstance(value, type) and issubclass(value, BaseException)
 
 
-def taxonomy_problems(sources: Mapping[str, str]) -> tuple[list[str], int]:
-    """Every exception class of `sources` (module name -> source) that breaks the contract, and
-    how many exception classes were checked."""
+def exception_classes(sources: Mapping[str, str]) -> dict[str, tuple[list[str], set[str]]]:
+    """Every exception class of `sources` (module name -> source), the three bases excluded: its
+    definitions (`module:line`) and its ancestors by name (itself included)."""
     classes: dict[str, list[tuple[str, int, list[str]]]] = {}
     for module, source in sources.items():
         for node in ast.walk(ast.parse(source)):
@@ -61,16 +64,23 @@ def taxonomy_problems(sources: Mapping[str, str]) -> tuple[list[str], int]:
                 found |= ancestors(base, seen | {name})
         return found
 
+    return {
+        name: ([f"{module}:{line}" for module, line, _ in definitions], ancestors(name))
+        for name, definitions in sorted(classes.items())
+        if name not in (BASE, *SIDES) and any(is_exception(b) for _, _, bases in definitions for b in bases)
+    }
+
+
+def taxonomy_problems(sources: Mapping[str, str]) -> tuple[list[str], int]:
+    """Every exception class of `sources` (module name -> source) that breaks the contract, and
+    how many exception classes were checked."""
     problems, checked = [], 0
-    for name, definitions in sorted(classes.items()):
-        if name in (BASE, *SIDES) or not any(is_exception(b) for _, _, bases in definitions for b in bases):
-            continue
+    for name, (definitions, above) in exception_classes(sources).items():
         checked += len(definitions)
-        where = ", ".join(f"{module}:{line}" for module, line, _ in definitions)
+        where = ", ".join(definitions)
         if len(definitions) > 1:
             problems.append(f"{name} ({where}): defined {len(definitions)} times; exception class names are unique")
             continue
-        above = ancestors(name)
         sides = [side for side in SIDES if side in above]
         if len(sides) != 1 or BASE not in above:
             problems.append(
@@ -97,7 +107,21 @@ class FatalError(NemoRLError): ...
 def test_every_exception_class_in_nemo_rl_is_on_exactly_one_side() -> None:
     problems, checked = taxonomy_problems(package_sources())
     assert problems == []
-    assert checked > 60  # the walk found the package's classes (errors.md gives the count)
+    assert checked == len(exception_classes(package_sources())) > 0
+
+
+ERRORS_DOC = REPO / "docs" / "design-docs" / "errors.md"
+_SIDE_NAMES = {"RecoverableError": "recoverable", "FatalError": "fatal"}
+
+
+def test_errors_md_lists_every_class_with_its_side_and_the_count() -> None:
+    doc = ERRORS_DOC.read_text()
+    # A class row: | `Name` (`module`)...| bases | side | caught by name in |
+    rows = {m[0]: m[1] for m in re.findall(r"^\| `(\w+)` \(`[\w.]+`\)[^|]*\|[^|]*\| (recoverable|fatal) \|", doc, re.M)}
+    classes = exception_classes(package_sources())
+    expected = {name: next(_SIDE_NAMES[s] for s in SIDES if s in above) for name, (_, above) in classes.items()}
+    assert rows == expected
+    assert f"**{len(classes)} now**" in doc, f"errors.md's count is not {len(classes)}"
 
 
 def test_the_checker_fails_on_an_unrooted_class() -> None:
