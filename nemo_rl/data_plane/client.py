@@ -376,7 +376,7 @@ class StageWriter:
             if self._fatal is not None:
                 raise DataPlaneBugError(
                     f"the stage writer for partition {self._partition!r} stopped on "
-                    f"{type(self._fatal).__name__}: {self._fatal}; staging key {key!r} was not queued",
+                    f"{error_name(self._fatal)}: {self._fatal}; staging key {key!r} was not queued",
                     kind="stage_writer",
                 ) from self._fatal
             if self._closed:
@@ -538,7 +538,7 @@ class StageWriter:
                 for item in self._queue:  # a callback bug stops the writer: what is queued is lost
                     self._pending_keys.discard(item.key)
                     self._pending.get(item.rollout_id, set()).discard(item.key)
-                    self._lose(item.rollout_id, item.key, f"stage writer crashed: {type(self._fatal).__name__}: {self._fatal}")
+                    self._lose(item.rollout_id, item.key, f"stage writer crashed: {error_name(self._fatal)}: {self._fatal}")
                 self._pending = {r: keys for r, keys in self._pending.items() if keys}
                 self._queue.clear()
             self.stats["batches"] += 1

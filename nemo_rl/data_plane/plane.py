@@ -19,6 +19,7 @@ from typing import Any
 
 import ray
 
+from nemo_rl.data.errors import error_name
 from nemo_rl.data_plane import tq_backend
 from nemo_rl.data_plane.client import DataPlaneClient, LoopThread, transport_failure
 from nemo_rl.data_plane.config import DataPlaneConfig
@@ -132,7 +133,7 @@ def _connect(cfg: DataPlaneConfig, conf: Any, deadline: float, started: float) -
             e.add_note("raised while attaching a TransferQueue client: not a transport failure, so not retried")
             raise
         raise DataPlaneError(
-            f"attaching a TransferQueue client failed in transport: {type(cause).__name__}: {cause}",
+            f"attaching a TransferQueue client failed in transport: {error_name(cause)}: {cause}",
             kind="transport",
         ) from e
     return DataPlaneClient(cfg, loop, tq_client, errors)

@@ -107,7 +107,7 @@ class FatalError(NemoRLError): ...
 def test_every_exception_class_in_nemo_rl_is_on_exactly_one_side() -> None:
     problems, checked = taxonomy_problems(package_sources())
     assert problems == []
-    assert checked == len(exception_classes(package_sources())) > 0
+    assert checked > 0  # the exact count is errors.md's (test_errors_md_lists_every_class_with_its_side_and_the_count)
 
 
 ERRORS_DOC = REPO / "docs" / "design-docs" / "errors.md"
