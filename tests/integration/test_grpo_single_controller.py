@@ -6,7 +6,8 @@ compacting agent's proof runs on the checkpoint-resume test's run (`metrics_cont
 Asserts the metrics contract (keys, always-N on every line), that capture is engaged and exact
 (token-in rate, no poisoned rollouts, token_mult_prob_error ~ 1), and that refit works: the
 engine's logprobs of a fixed probe change after each step and match the trainer's. No actor of
-either leg logs Ray's warning that it blocked its event loop (`log_checks.py`).
+either leg logs Ray's warning that it blocked its event loop, and no worker hands vLLM a raw prompt
+(`log_checks.py`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,12 @@ from pathlib import Path
 import pytest
 
 from tests.integration.conftest import L1_PROMPTS_PER_STEP
-from tests.integration.log_checks import actor_lines, blocking_get_warnings
+from tests.integration.log_checks import (
+    actor_lines,
+    blocking_get_warnings,
+    raw_prompt_warnings,
+    vllm_main_process_warnings,
+)
 from tests.integration.metrics_contract import check_step_lines
 
 
@@ -79,3 +85,14 @@ def test_no_actor_blocks_its_event_loop(l1_legs, leg):
     # The workers' own lines reach this log (Ray forwards actor output), so an empty answer below is a finding.
     assert actor_lines(text, "VllmGenerationWorker"), f"no VllmGenerationWorker line in {log}"
     assert blocking_get_warnings(text) == [], f"an actor blocked its event loop in the {leg} leg"
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("leg", ["capture", "legacy"])
+def test_the_worker_hands_vllm_rendered_inputs_not_raw_prompts(l1_legs, leg):
+    log = l1_legs.out_dir / f"{leg}.log"
+    assert log.is_file(), l1_legs.describe()
+    text = log.read_text(errors="replace")
+    # vLLM's warnings from the worker's own process reach this log, so the empty answer below is a finding.
+    assert vllm_main_process_warnings(text), f"no vLLM warning from a worker's main process in {log}"
+    assert raw_prompt_warnings(text) == [], f"a worker passed vLLM a raw prompt in the {leg} leg"

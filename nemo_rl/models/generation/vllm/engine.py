@@ -123,9 +123,10 @@ class VllmEngine:
     """An `AsyncLLM` (or anything with its `generate` / `abort` / `collective_rpc` /
     `reset_prefix_cache` / `shutdown`) behind the state machine of the module docstring.
 
-    `params_cls` builds sampling parameters (vLLM's `SamplingParams`); `dead_errors` are the
-    exception types meaning the engine process died (vLLM's `EngineDeadError`). Both are injected
-    so the wait logic can be tested without vLLM.
+    `params_cls` builds sampling parameters (vLLM's `SamplingParams`); `prompt_input` turns prompt
+    ids into the engine input `generate` takes (`lifecycle.token_prompt_input`: vLLM's renderer);
+    `dead_errors` are the exception types meaning the engine process died (vLLM's
+    `EngineDeadError`). All are injected so the wait logic can be tested without vLLM.
     """
 
     def __init__(
@@ -137,6 +138,7 @@ class VllmEngine:
         deadlines: EngineDeadlines,
         *,
         params_cls: Callable[..., Any],
+        prompt_input: Callable[[list[int]], Any],
         dead_errors: tuple[type[BaseException], ...] = (),
     ) -> None:
         self._engine = engine
@@ -144,6 +146,7 @@ class VllmEngine:
         self._max_model_len = max_model_len
         self._deadlines = deadlines
         self._params_cls = params_cls
+        self._prompt_input = prompt_input
         self._dead_errors = dead_errors
         # Insertion order: a record read by the audit is not kept longer than one never read.
         self._records: BoundedLRU[str, GenerationResult] = BoundedLRU(max_records)
@@ -275,9 +278,18 @@ class VllmEngine:
         await self.fail(f"the engine process died while serving request {request_id}: {error_name(error)}: {error}")
         return EngineFailedError(f"the vLLM engine is failed: {self._failure}")
 
-    def outputs(self, prompt_ids: list[int], params: Any, request_id: str) -> AsyncIterator[Any]:
-        """The engine's raw output stream for one request (the caller admits, bounds and aborts it)."""
-        return self._engine.generate({"prompt_token_ids": list(prompt_ids)}, params, request_id)
+    async def outputs(self, prompt_ids: list[int], params: Any, request_id: str) -> AsyncIterator[Any]:
+        """The engine's raw output stream for one request (the caller admits, bounds and aborts it).
+
+        An async generator, so the prompt is rendered at the first step, inside the caller's bounds
+        and error handling, like the engine's own work; closing it closes the engine's stream.
+        """
+        stream = self._engine.generate(self._prompt_input(list(prompt_ids)), params, request_id)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            await stream.aclose()
 
     async def abort(self, request_id: str) -> None:
         try:

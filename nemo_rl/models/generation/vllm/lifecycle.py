@@ -17,6 +17,7 @@ import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -97,6 +98,16 @@ def engine_args(model_dir: Path, cfg: VllmConfig) -> dict:
     return {**args, "kv_cache_memory_bytes": cfg.kv_cache_memory_bytes, "distributed_executor_backend": "uni"}
 
 
+def token_prompt_input(renderer: Any, prompt_ids: list[int]) -> Any:
+    """The engine input for exact prompt ids, rendered by vLLM's own `Renderer.render_cmpl`.
+
+    What `AsyncLLM.generate` does itself for a raw `{"prompt_token_ids": ...}` prompt, which vLLM
+    deprecates (and logs at every engine start); ids are never re-tokenized either way.
+    """
+    (engine_input,) = renderer.render_cmpl([{"prompt_token_ids": prompt_ids}])
+    return engine_input
+
+
 def start_vllm_engine(model_dir: Path, cfg: VllmConfig, eos_token_id: int) -> VllmEngine:
     """A `VllmEngine` over a freshly started `AsyncLLM` (blocking: vLLM's imports and model load)."""
     from vllm import SamplingParams
@@ -116,6 +127,7 @@ def start_vllm_engine(model_dir: Path, cfg: VllmConfig, eos_token_id: int) -> Vl
         cfg.max_records,
         EngineDeadlines.from_config(cfg),
         params_cls=SamplingParams,
+        prompt_input=partial(token_prompt_input, engine.renderer),
         dead_errors=(EngineDeadError,),
     )
 

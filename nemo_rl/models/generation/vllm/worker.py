@@ -272,7 +272,7 @@ class VllmGenerationWorker:
             "weight_version": engine.weight_version,
             "inflight": engine.inflight,
         }
-        LOGGER.warning("vLLM engine for %s up after %.1fs", self._model_dir.name, time.monotonic() - t0)
+        print(f"[vllm] engine for {self._model_dir.name} up after {time.monotonic() - t0:.1f}s", flush=True)
 
     def _node_ip(self) -> str:
         import ray.util

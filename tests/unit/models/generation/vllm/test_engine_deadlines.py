@@ -8,6 +8,7 @@ when the fake answers, so the waits, deadlines and state transitions are the pro
 from __future__ import annotations
 
 import asyncio
+from functools import partial
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,7 +27,9 @@ from nemo_rl.models.generation.vllm.engine import (
     SamplingRequest,
     VllmEngine,
 )
+from nemo_rl.models.generation.vllm.lifecycle import token_prompt_input
 from nemo_rl.models.generation.vllm.refit import reload_weights
+from nemo_rl.models.generation.vllm.streaming import generate_stream
 
 SAMPLING = SamplingRequest(temperature=1.0, top_p=1.0, max_tokens=4, seed=None, logprobs=False, return_token_ids=False)
 EOS = 2
@@ -97,6 +100,11 @@ class FakeAsyncLLM:
         self.prefix_resets += 1
 
 
+def raw_prompt(prompt_ids: list[int]) -> dict:
+    """The fakes' engine input: the ids as they are (the real one is vLLM's renderer, `lifecycle.token_prompt_input`)."""
+    return {"prompt_token_ids": prompt_ids}
+
+
 def _params(**kwargs):
     if kwargs.get("top_p") == 0.0:
         raise ValueError("top_p must be in (0, 1], got 0.0.")  # vLLM's SamplingParams wording
@@ -106,7 +114,7 @@ def _params(**kwargs):
 def _engine(llm: FakeAsyncLLM, *, generate_s=5.0, drain_s=0.3, reload_s=0.3) -> VllmEngine:
     return VllmEngine(
         llm, EOS, max_model_len=64, max_records=10, deadlines=EngineDeadlines(generate_s, drain_s, reload_s),
-        params_cls=_params, dead_errors=(EngineDead,),
+        params_cls=_params, prompt_input=raw_prompt, dead_errors=(EngineDead,),
     )
 
 
@@ -133,6 +141,53 @@ async def test_generate_stamps_the_version_and_counts_nothing_in_flight_after() 
     engine = _engine(FakeAsyncLLM())
     result = await engine.generate([1, 3], SAMPLING, "r1")
     assert (result.token_ids, result.logprobs, result.weight_version) == ([5, EOS], [-0.5, -0.5], 0)
+    assert (engine.inflight, engine.state) == (0, EngineState.SERVING)
+
+
+class _RecordingRenderer:
+    """vLLM's `Renderer.render_cmpl` shape: a list of prompts in, one engine input per prompt out."""
+
+    def __init__(self) -> None:
+        self.calls: list[list[dict]] = []
+
+    def render_cmpl(self, prompts):
+        self.calls.append(prompts)
+        return [{"type": "token", "prompt_token_ids": p["prompt_token_ids"]} for p in prompts]
+
+
+async def test_the_engine_gets_the_rendered_input_of_the_exact_prompt_ids() -> None:
+    llm, renderer = FakeAsyncLLM(), _RecordingRenderer()
+    seen: list = []
+    original = llm.generate
+
+    def generate(prompt, params, request_id):
+        seen.append(prompt)
+        return original(prompt, params, request_id)
+
+    llm.generate = generate
+    engine = VllmEngine(llm, EOS, max_model_len=64, max_records=10, deadlines=EngineDeadlines(5.0, 0.3, 0.3),
+                        params_cls=_params, prompt_input=partial(token_prompt_input, renderer))
+    result = await engine.generate([7, 8, 9], SAMPLING, "r1")
+    assert renderer.calls == [[{"prompt_token_ids": [7, 8, 9]}]]
+    assert seen == [{"type": "token", "prompt_token_ids": [7, 8, 9]}]  # vLLM's input type, not a raw prompt
+    assert result.prompt_token_ids == [7, 8, 9]
+
+
+def _refusing_input(prompt_ids: list[int]) -> dict:
+    raise ValueError(f"prompt of {len(prompt_ids)} tokens refused by the renderer")
+
+
+@pytest.mark.parametrize("path", ["generate", "generate_stream"])
+async def test_a_prompt_the_renderer_refuses_fails_the_call_and_releases_its_slot(path: str) -> None:
+    engine = VllmEngine(FakeAsyncLLM(), EOS, max_model_len=64, max_records=10, deadlines=EngineDeadlines(5.0, 0.3, 0.3),
+                        params_cls=_params, prompt_input=_refusing_input)
+    with pytest.raises(ValueError, match="prompt of 2 tokens refused by the renderer"):
+        if path == "generate":
+            await engine.generate([1, 3], SAMPLING, "r1")
+        else:
+            async for _ in generate_stream(engine, [1, 3], SAMPLING, "r1"):
+                pass
+    # rendered inside the admitted call's bounds, so the slot a refit drains for is given back
     assert (engine.inflight, engine.state) == (0, EngineState.SERVING)
 
 

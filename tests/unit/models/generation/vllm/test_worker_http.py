@@ -47,6 +47,7 @@ from nemo_rl.models.generation.vllm.worker import (
     build_app,
 )
 from nemo_rl.data.calls import StagedRecordInvalidError
+from tests.unit.models.generation.vllm.test_engine_deadlines import raw_prompt
 
 TOKEN = "per-run-control-token-0123456789"
 MAX_MODEL_LEN = 512
@@ -494,7 +495,7 @@ def _worker_with(engine: VllmEngine, svc: ChatService) -> VllmGenerationWorker:
 
 
 async def test_an_aborted_refit_keeps_the_worker_serving_and_says_so(tokenizer, tmp_path: Path) -> None:
-    engine = VllmEngine(_HungLLM(), 2, 64, 10, EngineDeadlines(5.0, 0.05, 0.05), params_cls=dict)
+    engine = VllmEngine(_HungLLM(), 2, 64, 10, EngineDeadlines(5.0, 0.05, 0.05), params_cls=dict, prompt_input=raw_prompt)
     svc, _, _ = _service(tokenizer)
     worker = _worker_with(engine, svc)
     hung = asyncio.create_task(engine.generate([1], _sampling(), "hung"))
@@ -507,7 +508,7 @@ async def test_an_aborted_refit_keeps_the_worker_serving_and_says_so(tokenizer, 
 
 
 async def test_a_failed_refit_fails_the_worker_and_every_later_driver_call(tokenizer, tmp_path: Path) -> None:
-    engine = VllmEngine(_HungLLM(), 2, 64, 10, EngineDeadlines(5.0, 0.05, 0.05), params_cls=dict)
+    engine = VllmEngine(_HungLLM(), 2, 64, 10, EngineDeadlines(5.0, 0.05, 0.05), params_cls=dict, prompt_input=raw_prompt)
     svc, _, _ = _service(tokenizer)
     worker = _worker_with(engine, svc)
     with pytest.raises(WorkerError, match=r"vLLM worker 2: refit to version 1 from .* failed: EngineFailedError: the vLLM "
@@ -531,7 +532,7 @@ async def test_a_failed_refit_fails_the_worker_and_every_later_driver_call(token
 
 async def test_a_refit_folder_the_worker_cannot_see_names_the_knob_and_keeps_it_serving(tokenizer, tmp_path: Path,
                                                                                         monkeypatch) -> None:
-    engine = VllmEngine(_HungLLM(), 2, 64, 10, EngineDeadlines(5.0, 0.05, 0.05), params_cls=dict)
+    engine = VllmEngine(_HungLLM(), 2, 64, 10, EngineDeadlines(5.0, 0.05, 0.05), params_cls=dict, prompt_input=raw_prompt)
     svc, _, _ = _service(tokenizer)
     worker = _worker_with(engine, svc)
     monkeypatch.setattr(worker, "_node_ip", lambda: "10.0.0.2")
@@ -549,7 +550,7 @@ async def test_a_refit_folder_the_worker_cannot_see_names_the_knob_and_keeps_it_
 def test_check_shared_dir_reads_the_drivers_marker_or_fails_by_name(tokenizer, tmp_path: Path, monkeypatch) -> None:
     from nemo_rl.distributed.shared_fs import remove_probe, write_probe
 
-    engine = VllmEngine(_HungLLM(), 2, 64, 10, EngineDeadlines(5.0, 0.05, 0.05), params_cls=dict)
+    engine = VllmEngine(_HungLLM(), 2, 64, 10, EngineDeadlines(5.0, 0.05, 0.05), params_cls=dict, prompt_input=raw_prompt)
     svc, _, _ = _service(tokenizer)
     worker = _worker_with(engine, svc)
     monkeypatch.setattr(worker, "_node_ip", lambda: "10.0.0.2")
