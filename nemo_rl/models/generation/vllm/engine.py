@@ -119,12 +119,22 @@ class GenerationResult:
     weight_version: int
 
 
+def token_prompt_input(renderer: Any, prompt_ids: list[int]) -> Any:
+    """The engine input for exact prompt ids, rendered by vLLM's own `Renderer.render_cmpl`.
+
+    What `AsyncLLM.generate` does itself for a raw `{"prompt_token_ids": ...}` prompt, which vLLM
+    deprecates (and logs at every engine start); ids are never re-tokenized either way.
+    """
+    (engine_input,) = renderer.render_cmpl([{"prompt_token_ids": prompt_ids}])
+    return engine_input
+
+
 class VllmEngine:
     """An `AsyncLLM` (or anything with its `generate` / `abort` / `collective_rpc` /
     `reset_prefix_cache` / `shutdown`) behind the state machine of the module docstring.
 
     `params_cls` builds sampling parameters (vLLM's `SamplingParams`); `prompt_input` turns prompt
-    ids into the engine input `generate` takes (`lifecycle.token_prompt_input`: vLLM's renderer);
+    ids into the engine input `generate` takes (`token_prompt_input`: vLLM's renderer);
     `dead_errors` are the exception types meaning the engine process died (vLLM's
     `EngineDeadError`). All are injected so the wait logic can be tested without vLLM.
     """

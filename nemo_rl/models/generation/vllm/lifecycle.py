@@ -36,7 +36,13 @@ from nemo_rl.models.generation.vllm.custody import (
     StageBarrier,
 )
 from nemo_rl.models.generation.vllm.custody_state import PrefixCache
-from nemo_rl.models.generation.vllm.engine import EngineDeadlines, EngineError, SamplingRequest, VllmEngine
+from nemo_rl.models.generation.vllm.engine import (
+    EngineDeadlines,
+    EngineError,
+    SamplingRequest,
+    VllmEngine,
+    token_prompt_input,
+)
 from nemo_rl.models.generation.vllm.serving import ChatService, ChatTemplateTokenizer, TemplateProbeError, render_text
 from nemo_rl.models.generation.vllm.tool_parsers import get_tool_call_parser
 from nemo_rl.token_capture.config import TokenCaptureConfig
@@ -96,16 +102,6 @@ def engine_args(model_dir: Path, cfg: VllmConfig) -> dict:
             "distributed_executor_backend": "mp" if tp > 1 else "uni",
         }
     return {**args, "kv_cache_memory_bytes": cfg.kv_cache_memory_bytes, "distributed_executor_backend": "uni"}
-
-
-def token_prompt_input(renderer: Any, prompt_ids: list[int]) -> Any:
-    """The engine input for exact prompt ids, rendered by vLLM's own `Renderer.render_cmpl`.
-
-    What `AsyncLLM.generate` does itself for a raw `{"prompt_token_ids": ...}` prompt, which vLLM
-    deprecates (and logs at every engine start); ids are never re-tokenized either way.
-    """
-    (engine_input,) = renderer.render_cmpl([{"prompt_token_ids": prompt_ids}])
-    return engine_input
 
 
 def start_vllm_engine(model_dir: Path, cfg: VllmConfig, eos_token_id: int) -> VllmEngine:

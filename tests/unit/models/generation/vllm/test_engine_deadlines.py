@@ -26,8 +26,8 @@ from nemo_rl.models.generation.vllm.engine import (
     RefitGateTimeoutError,
     SamplingRequest,
     VllmEngine,
+    token_prompt_input,
 )
-from nemo_rl.models.generation.vllm.lifecycle import token_prompt_input
 from nemo_rl.models.generation.vllm.refit import reload_weights
 from nemo_rl.models.generation.vllm.streaming import generate_stream
 
@@ -101,7 +101,7 @@ class FakeAsyncLLM:
 
 
 def raw_prompt(prompt_ids: list[int]) -> dict:
-    """The fakes' engine input: the ids as they are (the real one is vLLM's renderer, `lifecycle.token_prompt_input`)."""
+    """The fakes' engine input: the ids as they are (the real one is vLLM's renderer, `engine.token_prompt_input`)."""
     return {"prompt_token_ids": prompt_ids}
 
 
