@@ -76,23 +76,25 @@ def test_grpo_capture_off_runs_the_legacy_path(l1_legs):
         assert "retention/train_keys_remaining" not in m  # legacy rows reach the policy as a TrainBatch argument
 
 
+def _leg_output(l1_legs, leg: str) -> str:
+    log = l1_legs.out_dir / f"{leg}.log"
+    assert log.is_file(), l1_legs.describe()
+    return log.read_text(errors="replace")
+
+
 @pytest.mark.integration
 @pytest.mark.parametrize("leg", ["capture", "legacy"])
 def test_no_actor_blocks_its_event_loop(l1_legs, leg):
-    log = l1_legs.out_dir / f"{leg}.log"
-    assert log.is_file(), l1_legs.describe()
-    text = log.read_text(errors="replace")
+    text = _leg_output(l1_legs, leg)
     # The workers' own lines reach this log (Ray forwards actor output), so an empty answer below is a finding.
-    assert actor_lines(text, "VllmGenerationWorker"), f"no VllmGenerationWorker line in {log}"
+    assert actor_lines(text, "VllmGenerationWorker"), f"no VllmGenerationWorker line in the {leg} leg's log"
     assert blocking_get_warnings(text) == [], f"an actor blocked its event loop in the {leg} leg"
 
 
 @pytest.mark.integration
 @pytest.mark.parametrize("leg", ["capture", "legacy"])
 def test_the_worker_hands_vllm_rendered_inputs_not_raw_prompts(l1_legs, leg):
-    log = l1_legs.out_dir / f"{leg}.log"
-    assert log.is_file(), l1_legs.describe()
-    text = log.read_text(errors="replace")
+    text = _leg_output(l1_legs, leg)
     # vLLM's warnings from the worker's own process reach this log, so the empty answer below is a finding.
-    assert vllm_main_process_warnings(text), f"no vLLM warning from a worker's main process in {log}"
+    assert vllm_main_process_warnings(text), f"no vLLM warning from a worker's main process in the {leg} leg's log"
     assert raw_prompt_warnings(text) == [], f"a worker passed vLLM a raw prompt in the {leg} leg"
