@@ -3,16 +3,19 @@
 Contract (model: test_error_taxonomy.py's errors.md check):
 - Each set is compared with its doc table both ways; a failure names the doc, the section and the
   missing (in the code, not the doc) and stale (in the doc, not the code) entries.
-- Placeholder reasons: `PlaceholderReason`'s values (token-capture.md's list, receipts' table).
+- Placeholder reasons: `PlaceholderReason`'s values (token-capture.md's list, receipts' table and
+  the capture-health classes, which must hold exactly `CaptureHealthThresholds`' reasons).
 - Finalize metrics: the keys `finalize_metrics` emits, called on real records holding every reason
   and every terminal-selection method (judge.py's, read with ast); the per-reason/per-method
   families are patterns whose expansions must be those values. The table's two rows from the
   policy's train step are checked against `ReplayStats.metrics()`, their source.
 - Async metrics: `async/*` keys of the pure builders (called) plus the ones the loop in
-  grpo_async.py writes itself (its string literals, read with ast); the guide's table is exact.
+  grpo_async.py writes itself (its string literals, read with ast); the guide's table is exact,
+  its other rows and the design doc's (partial) table only must not be stale.
 - Knob tables: each key is a field of the recipe's models with exactly the documented default (the
-  first backticked value; `<...>`: derived when null). `token_capture.*`, `grpo.async_rollouts.*`
-  and `loss_fn.*` are documented whole. `model.tiny.*` (the example's model) is out of scope.
+  first backticked value; `<...>`: derived when null); the worker's deadline table in seconds.
+  `token_capture.*`, `grpo.async_rollouts.*`, `loss_fn.*` and `checkpointing.*` are documented
+  whole; the GPU, multi-node and env tables are subsets. `model.tiny.*` (the example's) is skipped.
 """
 
 from __future__ import annotations
@@ -40,6 +43,8 @@ from nemo_rl.models.policy.router_replay import ReplayStats
 from nemo_rl.token_capture import judge
 from nemo_rl.token_capture.config import TokenCaptureConfig
 from nemo_rl.token_capture.metrics import finalize_metrics
+from nemo_rl.token_capture.capture_health import CaptureHealthThresholds
+from nemo_rl.utils.checkpoint import CheckpointingConfig
 from nemo_rl.utils.config import DeclaredBy
 
 REPO = Path(__file__).resolve().parents[2]
@@ -49,6 +54,7 @@ RECEIPTS = REPO / "docs" / "design-docs" / "token-capture-receipts.md"
 ASYNC_GUIDE = REPO / "docs" / "guides" / "async-grpo.md"
 ASYNC_DESIGN = REPO / "docs" / "design-docs" / "async-grpo.md"
 OFF_POLICY = REPO / "docs" / "guides" / "off-policy-correction.md"
+RELIABILITY = REPO / "docs" / "design-docs" / "token-capture-reliability.md"
 LAUNCHING = REPO / "docs" / "guides" / "launching.md"
 GPU_RECIPE = REPO / "examples" / "configs" / "grpo_capture_gpu.yaml"
 REASONS = {reason.value for reason in PlaceholderReason}
@@ -299,6 +305,7 @@ KNOB_TABLES = [
     (GUIDE, "## Bring your own Gym environment, dataset and model", ""),
     (GUIDE, "## GPU configuration", "", 2),
     (LAUNCHING, "## Multi-node", ""),
+    (GUIDE, "## Checkpoint and resume", "checkpointing."),
 ]
 
 
@@ -309,12 +316,63 @@ def test_every_knob_table_has_the_codes_keys_and_defaults() -> None:
 
 def test_whole_sections_are_documented_whole() -> None:
     for model, prefix in ((TokenCaptureConfig, "token_capture."), (AsyncRolloutsConfig, "grpo.async_rollouts."),
-                          (LossConfig, "loss_fn.")):
+                          (LossConfig, "loss_fn."), (CheckpointingConfig, "checkpointing.")):
         tables = [(doc, start) for doc, start, p, *_ in KNOB_TABLES if p == prefix]
         documented = {prefix + name for doc, start in tables for row in table(section(doc.read_text(), start))
                       for name in names(row[0])}
         code = {prefix + field for field in model.model_fields}
         assert_same(tables[0][0], " + ".join(start for _, start in tables), code, documented)
+
+
+DEADLINES = "## Deadlines inside the worker"
+
+
+def deadline_problems(text: str) -> list[str]:
+    """Rows of the worker's deadline table whose knob (`a.b.c` or `a.b.c + d`: a sum of siblings) is not
+    the code's or whose "(N s" is not its default (in seconds)."""
+    problems = []
+    for row in table(section(text, DEADLINES)):
+        first, *rest = names(row[1])[0].split(" + ")
+        keys = [first, *(first.rsplit(".", 1)[0] + "." + term for term in rest)]
+        code = sum(field_default(key) for key in keys)
+        documented = re.search(r"\((\d+(?:\.\d+)?) s\b", row[1])
+        if documented is None or float(documented[1]) != code:
+            problems.append(f"{RELIABILITY.relative_to(REPO)}, {DEADLINES!r}: {' + '.join(keys)} documented as "
+                            f"{row[1]!r}, the code's default {code:g} s")
+    return problems
+
+
+def test_the_worker_deadline_table_has_the_codes_knobs_and_defaults() -> None:
+    problems = deadline_problems(RELIABILITY.read_text())
+    assert problems == [], "\n".join(problems)
+
+
+THRESHOLDS_SECTION = "#### Why each threshold sits where it does (`CaptureHealthThresholds`)"
+
+
+def test_the_threshold_tables_are_capture_health_thresholds() -> None:
+    text = section(GUIDE.read_text(), THRESHOLDS_SECTION)
+    defaults = {name: info.default for name, info in CaptureHealthThresholds.model_fields.items()}
+    documented: dict[str, object] = {}
+    for row in table(text):  # | `zero_reasons` | `max_transport_rate` = 0.01 ... | ... `reason` ... |
+        documented[names(row[0])[0]] = frozenset(names(row[2]))
+        documented.update((m[0], float(m[1])) for m in re.findall(r"`(\w+)` = ([\d.]+)", row[1]))
+    for row in table(text[text.index("| threshold |"):]):
+        documented[names(row[0])[0]] = yaml.safe_load(row[1])
+    assert_same(GUIDE, THRESHOLDS_SECTION, defaults, documented)
+    for name, value in documented.items():
+        if isinstance(value, frozenset):  # a class: exactly its reasons
+            assert_same(GUIDE, f"{THRESHOLDS_SECTION} {name}", defaults[name], value)
+        assert value == defaults[name], f"{GUIDE.relative_to(REPO)}, {THRESHOLDS_SECTION!r}: {name} documented as " \
+            f"{value!r}, the code's {defaults[name]!r}"
+
+
+def test_the_component_failure_table_has_every_value_and_the_default() -> None:
+    start, field = "### When a component dies", TokenCaptureConfig.model_fields["on_component_failure"]
+    rows = table(section(GUIDE.read_text(), start))
+    assert_same(GUIDE, start, typing.get_args(field.annotation), {names(row[0])[0] for row in rows})
+    assert [names(row[0])[0] for row in rows if "(default)" in row[0]] == [field.default], \
+        f"{GUIDE.relative_to(REPO)}, {start!r}: the one row marked (default) must be `{field.default}`"
 
 
 ABSENT = "-"
