@@ -41,9 +41,9 @@ from nemo_rl.experience.staleness import age_histogram_metrics, trajectory_age_m
 from nemo_rl.models.policy.config import LossConfig
 from nemo_rl.models.policy.router_replay import ReplayStats
 from nemo_rl.token_capture import judge
+from nemo_rl.token_capture.capture_health import CaptureHealthThresholds
 from nemo_rl.token_capture.config import TokenCaptureConfig
 from nemo_rl.token_capture.metrics import finalize_metrics
-from nemo_rl.token_capture.capture_health import CaptureHealthThresholds
 from nemo_rl.utils.checkpoint import CheckpointingConfig
 from nemo_rl.utils.config import DeclaredBy
 
