@@ -16,6 +16,8 @@ Contract (model: test_error_taxonomy.py's errors.md check):
   first backticked value; `<...>`: derived when null); the worker's deadline table in seconds.
   `token_capture.*`, `grpo.async_rollouts.*`, `loss_fn.*` and `checkpointing.*` are documented
   whole; the GPU, multi-node and env tables are subsets. `model.tiny.*` (the example's) is skipped.
+- Tests the docs name: every backticked test file (and `::test`) in docs/ and the README exists, and
+  every health signal in token-capture.md names at least one.
 """
 
 from __future__ import annotations
@@ -397,6 +399,51 @@ def test_the_gpu_recipe_column_is_the_recipe() -> None:
             f"{GPU_RECIPE.relative_to(REPO)} has {recipe_value(recipe, key)!r}")
 
 
+# --- 5. the health table's tests ----------------------------------------------------------------------
+
+TESTS = REPO / "tests"
+
+
+def defines(file: Path, name: str) -> bool:
+    return re.search(rf"^(async )?def {re.escape(name)}\(", file.read_text(), re.M) is not None
+
+
+def named_test_problem(ref: str) -> str | None:
+    """None when `ref` (`<path>.py[::test_name]`, the path from the repo root or any tail of it) names
+    exactly one test file under tests/ (with `::`, exactly one that defines that test); else why not."""
+    path, _, name = ref.partition("::")
+    files = [f for f in sorted(TESTS.rglob(Path(path).name)) if f.relative_to(REPO).as_posix().endswith(path)]
+    if not files:
+        return f"{ref}: no file {path!r} under tests/"
+    if name:
+        files = [f for f in files if defines(f, name)]
+        if not files:
+            return f"{ref}: no test {name!r} in {path!r}"
+    if len(files) > 1:
+        return f"{ref}: {len(files)} files match {path!r}; name it by a longer path"
+    return None
+
+
+def doc_test_refs(text: str) -> list[str]:
+    """The backticked references to test files (`tests/...py`, `test_*.py`, with or without `::test`)."""
+    return [ref for ref in re.findall(r"`([^`\s]+\.py(?:::\w+)?)`", text)
+            if ref.startswith("tests/") or re.match(r"(\S*/)?test_\w+\.py", ref)]
+
+
+def test_every_health_signal_names_tests_that_exist() -> None:
+    start = "## Confirm capture is engaged"
+    rows = table(section(GUIDE.read_text(), start))
+    unnamed = [row[0] for row in rows if not doc_test_refs(row[-1])]
+    assert unnamed == [], f"{GUIDE.relative_to(REPO)}, {start!r}: signals that name no test: {unnamed}"
+
+
+def test_every_test_the_docs_name_exists() -> None:
+    docs = [*sorted((REPO / "docs").rglob("*.md")), REPO / "README.md"]
+    problems = [f"{doc.relative_to(REPO)}: {problem}" for doc in docs
+                for ref in doc_test_refs(doc.read_text()) if (problem := named_test_problem(ref))]
+    assert problems == [], "\n".join(problems)
+
+
 # --- the checkers fail on planted entries ------------------------------------------------------------
 
 def test_the_comparison_names_the_doc_the_section_and_both_directions() -> None:
@@ -413,5 +460,12 @@ def test_the_parsers_read_a_planted_doc() -> None:
     assert names("`a_{x,y}`") == ["a_x", "a_y"] and documented_default("`0.5`, `1` (half, one)", 1) == "1"
     assert same_default(0.5, "0.5") and same_default("off", "off") and same_default(None, "<log_dir>/weights")
     assert not same_default(True, "1") and not same_default(0.5, "0.25") and not same_default(None, "0")
+    assert named_test_problem("test_docs_tables.py::test_the_parsers_read_a_planted_doc") is None
+    assert named_test_problem("unit/test_docs_tables.py::test_planted") == (
+        "unit/test_docs_tables.py::test_planted: no test 'test_planted' in 'unit/test_docs_tables.py'")
+    assert named_test_problem("test_planted.py") == "test_planted.py: no file 'test_planted.py' under tests/"
+    assert named_test_problem("test_setup.py") == "test_setup.py: 2 files match 'test_setup.py'; name it by a longer path"
+    assert doc_test_refs("`tests/a.py`, `x/test_b.py::test_c`, `nemo_rl/d.py`, `test_e.py`") == [
+        "tests/a.py", "x/test_b.py::test_c", "test_e.py"]
     assert expand(["legacy_*", "nope_*"], REASONS) == {"legacy_token_echo_missing", "legacy_invalid_echo",
                                                       "legacy_noncontiguous", "nope_*"}
