@@ -1,7 +1,8 @@
 """What every capture step line of the GRPO loop must carry, and what a compacting-agent run keeps.
 
 `REQUIRED_KEYS` is the metrics contract of a step line (`test_grpo_single_controller.py` checks it
-on the L1 legs). `check_compacting_lines` is the compacting agent's proof: our compacting agent
+on the L1 legs); every key a line carries must be named in docs/ (`undocumented_keys`: the metric
+tables live there once). `check_compacting_lines` is the compacting agent's proof: our compacting agent
 rewrites its history after each tool result; NeMo-Gym 0.7.0's rules poison every such rollout
 (`unresolved_parent`). Our gate starts a branch instead, and the judge trains both chains: nothing
 is lost, every served token is in the loss once. It runs on the checkpoint-resume test's run
@@ -10,9 +11,17 @@ is lost, every served token is in the loss once. It runs on the checkpoint-resum
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import fnmatch
+import re
+from collections.abc import Iterable, Sequence
+from functools import cache
+from pathlib import Path
 
 import pytest
+
+from tests.unit.test_docs_tables import names
+
+DOCS = Path(__file__).resolve().parents[2] / "docs"
 
 REQUIRED_KEYS = {
     "step", "reward/mean", "rollouts/dispatched", "finalize/rows", "finalize/placeholders",
@@ -26,9 +35,27 @@ REQUIRED_KEYS = {
 }
 
 
+@cache
+def documented_metric_patterns() -> tuple[str, ...]:
+    """Every backticked name in docs/ as a pattern: `{a,b}` expanded, a `<placeholder>` matching anything
+    (only after a namespace: `finalize/placeholders/<reason>` is a family, a bare `<name>` is no metric)."""
+    lines = [line for doc in sorted(DOCS.rglob("*.md")) for line in doc.read_text().splitlines()
+             if not line.lstrip().startswith("```")]  # a fence would pair its backticks with the next name's
+    found = {re.sub(r"<[^>]+>", "*", name) for line in lines for name in names(line)}
+    return tuple(sorted(p for p in found if "*" not in p or "/" in p.partition("*")[0]))
+
+
+def undocumented_keys(lines: Iterable[dict]) -> set[str]:
+    """The metric keys of `lines` that no doc names."""
+    keys = {key for m in lines for key in m if key != "step"}
+    patterns = documented_metric_patterns()
+    return {key for key in keys if not any(fnmatch.fnmatchcase(key, p) for p in patterns)}
+
+
 def check_step_lines(lines: Sequence[dict], steps: int, rollouts_per_step: int) -> None:
-    """Steps 1..steps, each with the contract's keys and always-N accounting."""
+    """Steps 1..steps, each with the contract's keys and always-N accounting; every key documented."""
     assert [m["step"] for m in lines] == list(range(1, steps + 1))
+    assert undocumented_keys(lines) == set(), "metrics no doc names: add them to docs/guides/token-capture.md"
     for m in lines:
         assert REQUIRED_KEYS <= set(m), REQUIRED_KEYS - set(m)
         assert m["rollouts/dispatched"] == m["finalize/kept_rollouts"] + m["finalize/placeholders"]

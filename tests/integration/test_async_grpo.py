@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 
 from tests.integration.log_checks import actor_lines, blocking_get_warnings
+from tests.integration.metrics_contract import undocumented_keys
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPE = "examples/configs/grpo_async_tiny_cpu.yaml"
@@ -60,6 +61,7 @@ def async_run(tmp_path_factory) -> tuple[list[dict], list[dict], str]:
 def test_every_step_accounts_always_n_and_trains_fresh_groups_only(async_run):
     lines, _, _ = async_run
     assert [m["step"] for m in lines] == list(range(1, STEPS + 1))
+    assert undocumented_keys(lines) == set(), "async metrics no doc names: add them to docs/guides/async-grpo.md"
     for m in lines:
         assert m["rollouts/dispatched"] == m["finalize/kept_rollouts"] + m["finalize/placeholders"] == P * N
         assert m["finalize/capture_poisoned_rollouts"] == 0

@@ -444,6 +444,16 @@ def test_every_test_the_docs_name_exists() -> None:
     assert problems == [], "\n".join(problems)
 
 
+def test_every_metric_a_capture_step_writes_is_documented() -> None:
+    from tests.integration.metrics_contract import undocumented_keys  # noqa: PLC0415 (it imports this module)
+
+    line = {"step": 1, **finalize_metrics([every_kind_of_group()], [1.0])}
+    assert undocumented_keys([line]) == set()
+    planted = {**line, "planted/metric": 1.0, "finalize/placeholders/planted_reason": 1.0}
+    # a per-reason key matches the documented `finalize/placeholders/<reason>` family
+    assert undocumented_keys([planted]) == {"planted/metric"}
+
+
 # --- the checkers fail on planted entries ------------------------------------------------------------
 
 def test_the_comparison_names_the_doc_the_section_and_both_directions() -> None:
