@@ -1,4 +1,4 @@
-"""Checkpoint and resume through the real stack: SIGKILL the driver after step 1's checkpoint, resume.
+"""Checkpoint and resume through the real stack: SIGKILL the driver after step 2's checkpoint, resume.
 
 Two stack starts: the run that is killed, and the resumed run that finishes. There is no third,
 uninterrupted reference run: the recipe's prompt source (the built-in arithmetic environment) is
@@ -7,8 +7,10 @@ every source — so the prompt sequence an uninterrupted run dispatches is compu
 source itself (`resume_support.uninterrupted_prompts`, over the function the loop calls) and
 compared with what the two parts logged in `dispatched_prompts.jsonl`.
 
-The kill lands while step 2 is in flight (after step 1's checkpoint is complete and step 2's
-groups were dispatched), as a pre-emption would. Every process the killed driver left behind
+The kill lands while step 3 is in flight (after step 2's checkpoint is complete and step 3's
+groups were dispatched), as a pre-emption would. Two steps before it, not one: the resume must be
+seen to restore weights that moved off the initial ones, and a step whose every group has equal
+rewards trains nothing (the tiny model under the compacting agent does that at some steps). Every process the killed driver left behind
 (its Ray cluster, the Gym servers in their own sessions, the vLLM worker) is found by an
 environment tag that all of them inherit and by the driver's process tree, killed by PID, and
 checked gone; never by name (`process_family.run_then_sigkill`).
@@ -36,8 +38,8 @@ from tests.integration.resume_support import read_jsonl, uninterrupted_prompts
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPE = "examples/configs/grpo_capture_tiny_cpu.yaml"
-STEPS = 3
-KILL_AFTER = 1  # the step whose checkpoint is complete when the driver is killed
+STEPS = 4
+KILL_AFTER = 2  # the step whose checkpoint is complete when the driver is killed
 PROMPTS_PER_STEP = 4  # 4 groups: a step whose every group has equal rewards (no gradient) is unlikely
 RUN_DEADLINE_S = 1800
 LINGER_S = 15.0  # how long a process of an exited run may take to go before it counts as left behind
@@ -79,7 +81,7 @@ def resume_run(tmp_path_factory) -> ResumeRun:
     env = {**os.environ, "PYTHONPATH": str(REPO), TAG_VAR: tag}
     command = [sys.executable, "examples/run_grpo_single_controller.py", "--config", RECIPE]
 
-    # Part 1: run until step 1's checkpoint is complete and step 2 is in flight, then SIGKILL.
+    # Part 1: run until step KILL_AFTER's checkpoint is complete and the next step is in flight, then SIGKILL.
     killed = run_then_sigkill([*command, *overrides], cwd=REPO, env=env, out=tmp_path / "part1.out",
                               ready=_kill_point(ckpt, log_dir), deadline_s=RUN_DEADLINE_S)
     print(f"[test] part 1 killed after {killed.seconds:.0f}s; {len(killed.survivors)} of its {killed.family_size} "
@@ -101,7 +103,8 @@ def test_sigkill_after_a_checkpoint_then_resume_continues_exactly(resume_run: Re
                                                 resume_run.saved, resume_run.resumed)
     assert saved["step"] == KILL_AFTER
     assert saved["format"] == 1 and "prompt_ledger" not in saved  # the synchronous loop's, as before
-    assert resume_run.ckpt_after_kill == [f"step_{KILL_AFTER}"]  # step 2's was never started
+    # keep_last=2 holds steps 1 and 2; the next step's was never started
+    assert resume_run.ckpt_after_kill == [f"step_{s}" for s in range(1, KILL_AFTER + 1)]
 
     assert resumed.returncode == 0, f"exit {resumed.returncode}\n{resumed.stdout[-4000:]}\n{resumed.stderr[-6000:]}"
     assert resume_run.left == {}, f"the resumed run left processes behind {LINGER_S:g}s after it exited: {resume_run.left}"
@@ -123,16 +126,18 @@ def test_sigkill_after_a_checkpoint_then_resume_continues_exactly(resume_run: Re
     assert info["checkpoint"] == str(ckpt / f"step_{KILL_AFTER}")
     assert (info["policy_fingerprint"], info["optimizer_fingerprint"], info["policy_steps_taken"]) == (
         saved["policy_fingerprint"], saved["optimizer_fingerprint"], saved["policy_steps_taken"])
-    assert info["weight_version"] == saved["weight_version"] == KILL_AFTER  # step 1 trained and refit
+    assert info["weight_version"] == saved["weight_version"] == KILL_AFTER  # steps 1..KILL_AFTER trained and refit
 
-    # The engine serves the restored weights: its probe is the one it gave when step 1 was saved,
+    # The engine serves the restored weights: its probe is the one it gave when step KILL_AFTER was saved,
     # it agrees with the restored trainer, it moved off the initial weights the new engine loaded,
     # and the resumed rows carry the saved weight version, then the next.
     first = lines[KILL_AFTER]
     assert first["resume/from_step"] == KILL_AFTER
     assert first["resume/engine_probe_vs_saved_max_abs_diff"] < 1e-4, first
     assert first["resume/engine_trainer_max_abs_diff"] < 0.02, first
-    assert first["resume/engine_probe_change"] > 1e-4, first
+    assert first["resume/engine_probe_change"] > 1e-4, (
+        f"the restored weights are the initial ones: grad norms before the kill "
+        f"{[m['train/grad_norm'] for m in lines[:KILL_AFTER]]}", first)
     assert [(m["weight_version/min"], m["weight_version/max"]) for m in lines] == [
         (float(s - 1), float(s - 1)) for s in range(1, STEPS + 1)]
     for m in lines:
@@ -140,15 +145,15 @@ def test_sigkill_after_a_checkpoint_then_resume_continues_exactly(resume_run: Re
         assert m["token_mult_prob_error"] < 1.01
     assert all(not k.startswith("resume/") for m in lines[KILL_AFTER + 1:] for k in m)
 
-    # Checkpoints after step 2 and 3; keep_last=2 removed step 1's; nothing half-written is left.
-    assert sorted(p.name for p in ckpt.iterdir()) == ["step_2", "step_3"]
+    # The last two steps' checkpoints (keep_last=2 removed the others); nothing half-written is left.
+    assert sorted(p.name for p in ckpt.iterdir()) == [f"step_{STEPS - 1}", f"step_{STEPS}"]
     final = json.loads((ckpt / f"step_{STEPS}" / "trainer_state.json").read_text())
     assert (final["step"], final["weight_version"], final["policy_steps_taken"]) == (STEPS, STEPS, STEPS)
 
 
 @pytest.mark.integration
 def test_a_compacting_agent_keeps_every_rollout_on_both_sides_of_the_resume(resume_run: ResumeRun) -> None:
-    """The compacting agent's proof (`metrics_contract.check_compacting_lines`), on this run's 3 steps."""
+    """The compacting agent's proof (`metrics_contract.check_compacting_lines`), on this run's steps, both sides of the resume."""
     resumed = resume_run.resumed
     assert resumed.returncode == 0, f"exit {resumed.returncode}\n{resumed.stdout[-4000:]}\n{resumed.stderr[-6000:]}"
     lines = read_jsonl(resume_run.log_dir / "metrics.jsonl")
