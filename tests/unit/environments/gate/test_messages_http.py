@@ -9,6 +9,7 @@ raw iterator and through its accumulating `messages.stream` helper; the same req
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
@@ -16,6 +17,7 @@ from anthropic import APIStatusError, AsyncAnthropic
 
 from examples.arith.tiny_model.corpus import tool_call_arguments
 from tests.unit.environments.gate.test_guard import BEARER, BEARER_ENV, _close, _stack, tokenizer  # noqa: F401
+from tests.unit.environments.gate.test_responses_http import SlowEngine, leave_mid_stream
 
 MESSAGES = [{"role": "user", "content": "What is 2 + 2?"}]
 TOOL = {"name": "calculator", "description": "Evaluate an arithmetic expression.",
@@ -147,3 +149,15 @@ async def test_a_stream_the_worker_cuts_off_ends_with_an_error_event_and_commits
     assert error["error"]["message"].endswith(": the engine stream ended without a result; not committed")
     manifest = await _manifest(stack, "m4")
     assert manifest["records"] == [] and list(stack.staging.records) == []
+
+
+async def test_a_client_gone_mid_stream_commits_nothing(stack) -> None:
+    stack.svc._engine = SlowEngine(stack.svc._engine)
+    body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 8, "stream": True}
+    status, streamed = await leave_mid_stream(stack.gate._transport.app,
+                                              "/ng-rollout/m5/training-token-capture/v1/messages", body)
+    assert status == 200 and streamed.startswith(b"event: message_start\n")
+    assert b"message_stop" not in streamed
+    assert (await _manifest(stack, "m5"))["records"] == []  # never committed: no chain holds it
+    await asyncio.sleep(0.5)  # off-chain either way: aborted in the worker, or staged and never committed
+    assert (stack.svc.stats["client_disconnected"], len(stack.staging.records)) in ((1, 0), (0, 1))
