@@ -38,7 +38,8 @@ COORDS_FIELD = "ng_commit_coords"
 
 
 class StreamRelayError(RecoverableError, ValueError):
-    """The worker's stream is not OpenAI-format SSE (an event that is not JSON, a chunk of another shape)."""
+    """The worker's stream cannot be relayed: not OpenAI-format SSE (an event that is not JSON, a chunk of
+    another shape), or a typed dialect's final reply unlike what was streamed or unconvertible."""
 
 
 def sse_event(payload: Any) -> bytes:
