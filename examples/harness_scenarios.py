@@ -44,6 +44,12 @@ behaviour through `openai.AsyncOpenAI(base_url=<gate>/ng-rollout/<id>/training-t
 - agents_sdk_streamed / agents_sdk_chat_streamed  `Runner.run_streamed` with each of those two
                    models (`stream=true` on /v1/responses, resp. /v1/chat/completions); the driver
                    reads every stream event and counts the text deltas (`sdk_text_deltas`).
+- messages_streamed the `anthropic` client (`AsyncAnthropic(base_url=<gate>/ng-rollout/<id>/training-token-capture)`)
+                   with `messages.stream(...)` (`stream: true` on /v1/messages) and the calculator tool:
+                   each tool_use answered by a `tool_result` block, the `get_final_message()` content
+                   echoed, until a reply without a tool call (at most 4 calls). Counts the wire events and
+                   the `text_delta` / `input_json_delta` deltas, times the first and last delta of its
+                   longest reply; the last message id (the ledger row's response id) is the declared terminal.
 
 Every line also names the workers that served the rollout's committed calls (`workers`, from
 each worker's own engine records) and counts `cross_worker_continuations` (token-in calls
@@ -86,6 +92,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import anthropic
 import openai
 from openai.types.chat import ChatCompletion
 from examples.arith.rows import calculator_tool_output
@@ -116,6 +123,10 @@ LINEAGE_EXPECTED = {"edited": "degraded"}
 SUBAGENT_SYSTEM = "You are a checking sub-agent. Recompute the expression with the calculator and report it."
 COMPACTION_SUMMARY = "Summary of the work so far: you were asked {question!r}; the calculator was used{result}. {next_q}"
 _THINK_RE = re.compile(r"<think>.*?</think>", re.DOTALL)
+# The calculator tool in the Anthropic Messages form (what the `anthropic` client sends).
+CALCULATOR_TOOL_ANTHROPIC = {"name": CALCULATOR_TOOL["function"]["name"],
+                             "description": CALCULATOR_TOOL["function"]["description"],
+                             "input_schema": CALCULATOR_TOOL["function"]["parameters"]}
 
 
 def log(message: str) -> None:
@@ -156,26 +167,28 @@ class ScenarioRun:
     def outcome(self) -> dict[str, Any]:
         if self.declared_outcome is not None:
             return self.declared_outcome
-        message = self.kept.choices[0].message
-        content = (message.content or "").strip()
-        return {
-            "reward": 1.0 if content else 0.0,
-            "response": {"id": self.kept.id, "output": []},
-            TERMINAL_RESPONSE_ID_KEY: self.kept.id,
-        }
+        return declared_terminal(self.kept.id, self.kept.choices[0].message.content)
+
+
+def declared_terminal(response_id: str, text: str | None) -> dict[str, Any]:
+    """The Gym-`/run`-like outcome naming the kept call by its response id (rewarded when it says something)."""
+    return {"reward": 1.0 if (text or "").strip() else 0.0, "response": {"id": response_id, "output": []},
+            TERMINAL_RESPONSE_ID_KEY: response_id}
 
 
 class Harness:
     """One rollout's client: the official SDK pointed at the gate's capture route for that id."""
 
     def __init__(self, gate_url: str, rollout_id: str, model: str, args: argparse.Namespace, run: ScenarioRun) -> None:
+        self.capture_url = f"{gate_url}/ng-rollout/{rollout_id}/training-token-capture"
         self._client_kwargs = {
-            "base_url": f"{gate_url}/ng-rollout/{rollout_id}/training-token-capture/v1",
+            "base_url": f"{self.capture_url}/v1",
             "api_key": "dummy",
             "timeout": args.call_timeout_s,
             "max_retries": 0,
         }
         self.client = openai.AsyncOpenAI(**self._client_kwargs)
+        self.call_timeout_s = args.call_timeout_s
         self.base_url = self._client_kwargs["base_url"]
         self.model = model
         self.max_tokens = args.max_tokens
@@ -234,8 +247,81 @@ class Harness:
         log(f"[{label}] {completion.id}: {summary}")
         return completion, clock
 
+    async def message_streamed(self, system: str, messages: list, label: str):
+        """A `messages.stream(...)` call with the `anthropic` client (it appends `/v1/messages` to the
+        rollout's capture route): the helper's `get_final_message()`, with the clock of its events."""
+        clock = MessagesClock()
+        started = time.perf_counter()
+        async with anthropic.AsyncAnthropic(base_url=self.capture_url, api_key="dummy", timeout=self.call_timeout_s,
+                                            max_retries=0) as client:
+            try:
+                async with client.messages.stream(model=self.model, system=system, messages=messages,
+                                                  tools=[CALCULATOR_TOOL_ANTHROPIC], max_tokens=self.max_tokens,
+                                                  temperature=0.0) as stream:
+                    async for event in stream:
+                        clock.see(event, time.perf_counter() - started)
+                    final = await stream.get_final_message()
+            except anthropic.APIError as error:
+                self.run.calls.append(CallLog(label, None, False, f"{type(error).__name__}: {str(error)[:300]}"))
+                raise
+        clock.full_s = time.perf_counter() - started
+        uses = [b for b in final.content if b.type == "tool_use"]
+        summary = (f"tool_use={len(uses)} text={message_text(final)[:60]!r} stop={final.stop_reason} "
+                   f"events={clock.events} text_deltas={clock.text_deltas} input_json_deltas={clock.input_json_deltas}")
+        self.run.calls.append(CallLog(label, final.id, True, summary))
+        log(f"[{label}] {final.id}: {summary}")
+        return final, clock
+
     async def close(self) -> None:
         await self.client.close()
+
+
+# The Anthropic wire events (the `messages.stream` helper adds derived `text` / `input_json` events).
+MESSAGES_WIRE_EVENTS = frozenset({"message_start", "content_block_start", "content_block_delta", "content_block_stop",
+                                  "message_delta", "message_stop"})
+
+
+@dataclass
+class MessagesClock:
+    """One streamed Messages call: its wire events, its deltas by kind, when they arrived (s after the call)."""
+
+    events: int = 0
+    text_deltas: int = 0
+    input_json_deltas: int = 0
+    start_id: str | None = None  # the `message_start` message's id
+    first_s: float | None = None
+    last_s: float | None = None
+    full_s: float | None = None
+
+    def see(self, event, at_s: float) -> None:
+        if event.type not in MESSAGES_WIRE_EVENTS:
+            return
+        self.events += 1
+        if event.type == "message_start":
+            self.start_id = event.message.id
+        if event.type != "content_block_delta":
+            return
+        if event.delta.type == "text_delta":
+            self.text_deltas += 1
+        elif event.delta.type == "input_json_delta":
+            self.input_json_deltas += 1
+        self.first_s = at_s if self.first_s is None else self.first_s
+        self.last_s = at_s
+
+    @property
+    def deltas(self) -> int:
+        return self.text_deltas + self.input_json_deltas
+
+
+def message_text(message) -> str:
+    return "".join(block.text for block in message.content if block.type == "text")
+
+
+def tool_result_blocks(message) -> list[dict]:
+    """The calculator's answers to the message's tool_use blocks, as the user turn's `tool_result` blocks."""
+    return [{"type": "tool_result", "tool_use_id": block.id,
+             "content": calculator_tool_output(str(block.input.get("expression", "")))}
+            for block in message.content if block.type == "tool_use"]
 
 
 @dataclass
@@ -580,6 +666,39 @@ async def scenario_streamed(h: Harness, ctx: Context, run: ScenarioRun) -> None:
         f"last at {longest.last_s}s, full reply at {longest.full_s:.4f}s")
 
 
+async def scenario_messages_streamed(h: Harness, ctx: Context, run: ScenarioRun) -> None:
+    p, q = ctx.problems[0], ctx.problems[1]
+    messages: list = [{"role": "user", "content": user_prompt(p)}]
+    clocks: list[MessagesClock] = []
+    finals = []
+    for index in range(4):
+        final, clock = await h.message_streamed(SYSTEM_PROMPT, messages, f"messages_streamed#{index}")
+        finals.append(final)
+        clocks.append(clock)
+        results = tool_result_blocks(final)
+        if not results and index >= 1:
+            break
+        messages.append({"role": "assistant", "content": final.content})  # the helper's content blocks as is
+        messages.append({"role": "user", "content": results or user_prompt(q)})
+    longest = max(clocks, key=lambda c: c.deltas)
+    run.facts.update(
+        message_ids=[f.id for f in finals],
+        message_start_ids=[c.start_id for c in clocks],
+        stop_reasons=[f.stop_reason for f in finals],
+        tool_uses=sum(1 for f in finals for b in f.content if b.type == "tool_use"),
+        stream_events=sum(c.events for c in clocks),
+        text_deltas=sum(c.text_deltas for c in clocks),
+        input_json_deltas=sum(c.input_json_deltas for c in clocks),
+        first_delta_s=round(longest.first_s, 4) if longest.first_s is not None else None,
+        last_delta_s=round(longest.last_s, 4) if longest.last_s is not None else None,
+        full_message_s=round(longest.full_s, 4),
+        final_text=message_text(finals[-1]),
+    )
+    log(f"[messages_streamed] longest reply: {longest.deltas} deltas, first at {longest.first_s}s, "
+        f"last at {longest.last_s}s, full message at {longest.full_s:.4f}s")
+    run.declared_outcome = declared_terminal(finals[-1].id, message_text(finals[-1]))
+
+
 SCENARIOS: dict[str, Callable[[Harness, Context, ScenarioRun], Awaitable[None]]] = {
     "plain": scenario_plain,
     "distinct_retry": scenario_distinct_retry,
@@ -595,6 +714,7 @@ SCENARIOS: dict[str, Callable[[Harness, Context, ScenarioRun], Awaitable[None]]]
     "agents_sdk_chat": scenario_agents_sdk_chat,
     "agents_sdk_streamed": scenario_agents_sdk_streamed,
     "agents_sdk_chat_streamed": scenario_agents_sdk_chat_streamed,
+    "messages_streamed": scenario_messages_streamed,
 }
 SDK_DRIVER_TIMEOUT_S = 240.0
 # Scenarios whose client drops a call mid-stream: that call's served tokens are off-chain (never
@@ -739,10 +859,21 @@ def streamed_as_expected(line: dict[str, Any]) -> bool:
                 and line.get("dropped_call_committed") is False and typed)
 
 
+def messages_as_expected(line: dict[str, Any]) -> bool:
+    """A streamed Messages rollout: >= 2 deltas, the first strictly before the last, every final message id
+    the streamed one, and the declared terminal the last of them."""
+    if line["scenario"] != "messages_streamed":
+        return True
+    first, last, ids = line.get("first_delta_s"), line.get("last_delta_s"), line.get("message_ids") or []
+    return bool(line.get("text_deltas", 0) + line.get("input_json_deltas", 0) >= 2 and first is not None
+                and last is not None and first < last and ids and ids == line.get("message_start_ids")
+                and line["declared_terminal"] == ids[-1])
+
+
 def passed(line: dict[str, Any]) -> bool:
     fraction = line.get("kept_generated_token_fraction")
     return bool(line["kept"] and line["exact"] and fraction is not None and fraction >= MIN_FRACTION
-                and lineage_as_expected(line) and streamed_as_expected(line))
+                and lineage_as_expected(line) and streamed_as_expected(line) and messages_as_expected(line))
 
 
 async def main(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -788,6 +919,7 @@ async def main(args: argparse.Namespace) -> list[dict[str, Any]]:
             log(f"[scenario] {name} -> rollout {rollout_id}")
             run = ScenarioRun()
             harness = Harness(stack.env.servers.gate_url, rollout_id, generation.model_name, args, run)
+            started = time.perf_counter()
             try:
                 await asyncio.wait_for(SCENARIOS[name](harness, ctx, run), args.scenario_timeout_s)
                 done = run.kept is not None or run.declared_outcome is not None
@@ -799,6 +931,7 @@ async def main(args: argparse.Namespace) -> list[dict[str, Any]]:
                 outcome = RunFailure(PlaceholderReason.RUN_FAILED, f"{type(error).__name__}: {str(error)[:500]}")
             finally:
                 await harness.close()
+                run.facts["scenario_s"] = round(time.perf_counter() - started, 2)  # the harness side, judging apart
             runs.append(run)
             outcomes.append(outcome)
         # Streamed calls the workers saw their client drop (typed: served, not staged, `client_disconnected`).

@@ -12,6 +12,8 @@ one must not), and that a continuation served by another worker than its parent 
 The OpenAI Agents SDK runs from its own spec-hashed venv (`responses_api`: its default
 Responses-API model; `agents_sdk_chat`: chat completions, judged by its output witness;
 `agents_sdk_streamed` / `agents_sdk_chat_streamed`: the same two through `Runner.run_streamed`).
+`messages_streamed`: the `anthropic` client's `messages.stream(...)` tool loop on `/v1/messages`, its
+deltas streamed, judged by the last message id it declares.
 """
 
 from __future__ import annotations
@@ -30,12 +32,13 @@ REPO = Path(__file__).resolve().parents[2]
 SCENARIOS = (
     "plain", "distinct_retry", "identical_retry", "compaction", "rerendered", "edited", "failed_final", "subagent",
     "streamed", "cross_worker", "responses_api", "agents_sdk_chat", "agents_sdk_streamed", "agents_sdk_chat_streamed",
+    "messages_streamed",
 )
 SDK_RESPONSES = ("responses_api", "agents_sdk_streamed")  # the Agents SDK's default model (Responses API)
 SDK_CHAT = ("agents_sdk_chat", "agents_sdk_chat_streamed")  # OpenAIChatCompletionsModel: no response id
 # Scenarios whose harness echoes every assistant turn as the model wrote it: no continuation may miss its parent.
 ECHOED = ("plain", "distinct_retry", "identical_retry", "compaction", "failed_final", "subagent", "streamed",
-          "cross_worker", *SDK_RESPONSES, *SDK_CHAT)
+          "cross_worker", *SDK_RESPONSES, *SDK_CHAT, "messages_streamed")
 
 
 @pytest.fixture(scope="module")
@@ -275,3 +278,30 @@ def test_a_call_dropped_mid_stream_is_never_committed_and_stays_off_chain(result
     assert line["manifest_records"] == line["calls"] - 1, line
     # Its served tokens are off-chain (client_disconnected, or staged-not-committed if it finished first).
     assert line["served_generated_tokens"] == line["kept_generated_tokens"] + line["dropped_call_tokens"], line
+
+
+@pytest.mark.integration
+def test_a_streamed_anthropic_messages_tool_loop_is_one_exact_chain_judged_by_its_declared_message_id(results):
+    line = results["messages_streamed"]
+    ids = line["message_ids"]
+    # Every `messages.stream(...)` call was committed under the id its `message_start` carried, and each
+    # continues its parent token-in (the echoed content blocks, the tool_result); the last id is the terminal.
+    assert len(ids) >= 2 and ids == line["message_start_ids"] and len(set(ids)) == len(ids), line
+    # A tool loop: a tool_use block (its input streamed as input_json_delta) answered by a tool_result.
+    assert line["tool_uses"] >= 1 and line["input_json_deltas"] >= line["tool_uses"], line
+    assert line["stop_reasons"][0] == "tool_use", line
+    assert line["manifest_records"] == line["calls"] == len(ids) and line["manifest_failures"] == [], line
+    assert line["call_lineage"] == ["text"] + [f"token_in<{i}" for i in range(len(ids) - 1)], line
+    assert line["declared_terminal"] == ids[-1] and line["terminal_selection"] == "declared", line
+    assert line["kept"] is True and line["exact"] is True and line["rows"] == 1 and line["chains"] == 1, line
+    assert line["stop_reasons"][-1] == "end_turn" and line["final_text"], line
+
+
+@pytest.mark.integration
+def test_a_streamed_anthropic_message_arrives_delta_by_delta(results):
+    line = results["messages_streamed"]
+    assert line["text_deltas"] >= 2, line
+    # Around its deltas each message has at least message_start, one block's start and stop, message_delta, message_stop.
+    deltas = line["text_deltas"] + line["input_json_deltas"]
+    assert line["stream_events"] >= deltas + 5 * len(line["message_ids"]), line
+    assert line["first_delta_s"] < line["last_delta_s"] <= line["full_message_s"], line

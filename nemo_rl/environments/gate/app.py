@@ -7,8 +7,9 @@ worker's `max_model_len`): a refusal is a named 4xx JSON error, so nothing is le
 reaches the worker. Inside it `NormalizeChatRequestMiddleware` drops the response-only and
 echoed-null fields the `openai` client puts in assistant turns (sets derived from the SDK's types).
 A worker error keeps its 4xx or 503 status and body, else is 502 `upstream_error`; FastAPI's 422 is
-a named 400. `stream: true` is relayed by `gate.streaming` (chat) and `gate.responses`. Invariant:
-nothing Gym's lineage fingerprint or context digest reads is touched (`content: null` is kept).
+a named 400. `stream: true` is relayed by `gate.streaming` (chat), `gate.responses` and
+`gate.messages`. Invariant: nothing Gym's lineage fingerprint or context digest reads is touched
+(`content: null` is kept).
 Docs: token-capture-reliability.md, "The gate guard"; token-capture-receipts.md, "Our gate policy".
 """
 
@@ -53,6 +54,7 @@ from nemo_rl.environments.gate.required_prefix import (
     drop_empty_required_prefix,
     drop_empty_required_prefix_bytes,
 )
+from nemo_rl.environments.gate.messages import streamed_messages
 from nemo_rl.environments.gate.responses import responses_chat_request, streamed_responses
 from nemo_rl.environments.gate.responses_fields import normalize_responses_post, normalize_responses_request
 from nemo_rl.environments.gate.setup import (
@@ -332,9 +334,8 @@ class NormalizeChatRequestMiddleware:
 # --- the guard ----------------------------------------------------------------------------------
 
 
-# (route kind, request body) -> the chat request the worker will get, or None when the route's body
-# cannot be converted before Gym's own handling (a streamed Messages request).
-ToChat = Callable[[str, dict], "dict | None"]
+# (route kind, request body) -> the chat request the worker will get.
+ToChat = Callable[[str, dict], dict]
 
 
 class GateGuardMiddleware:
@@ -429,8 +430,6 @@ class GateGuardMiddleware:
         except (ValueError, TypeError, KeyError, NotImplementedError) as e:  # how Gym's converters refuse input
             raise ApiError("invalid_request", f"the {kind} request cannot be converted to a chat request: "
                            f"{error_name(e)}: {e}", "body") from e
-        if chat is None:
-            return
         try:
             check_chat_request(chat, max_model_len=max_model_len)
         except RequestFieldError as e:
@@ -465,7 +464,8 @@ class BodyLimitMiddleware:
 
 class CaptureGateModel(VLLMModel):
     """Gym's `VLLMModel` with our guard and normaliser outside Gym's capture middleware, worker errors
-    mapped, and `stream: true` relayed as the worker generates (`gate.streaming`, `gate.responses`)."""
+    mapped, and `stream: true` relayed as the worker generates (`gate.streaming`, `gate.responses`,
+    `gate.messages`)."""
 
     _stream: WorkerStream | None = PrivateAttr(default=None)
 
@@ -496,7 +496,7 @@ class CaptureGateModel(VLLMModel):
         )
         return app
 
-    def chat_request_for(self, kind: str, body: dict) -> dict | None:
+    def chat_request_for(self, kind: str, body: dict) -> dict:
         """The chat request the worker would get for this route's body (the guard checks it); raises
         pydantic's ValidationError when Gym's request model refuses it. Other routes: `gate.responses`."""
         if kind != "chat":
@@ -520,6 +520,13 @@ class CaptureGateModel(VLLMModel):
             return await super().responses_dispatch(request, body)
         assert self._stream is not None  # set by setup_webserver
         return await streamed_responses(self, request, body, self._stream)
+
+    async def messages(self, request: Request, body: dict = Body()):
+        """Gym's Messages route, except `stream: true`: Anthropic events from the worker's stream (`gate.messages`)."""
+        if body.get("stream") is not True:
+            return await super().messages(request, body)
+        assert self._stream is not None  # set by setup_webserver
+        return await streamed_messages(self, request, body, self._stream)
 
     def setup_exception_middleware(self, app) -> None:
         async def refused_by_gyms_model(request: Request, error: RequestValidationError) -> JSONResponse:

@@ -3,8 +3,8 @@
 `responses_chat_request` is the chat request a `/v1/responses` or `/v1/messages` body becomes (Gym's
 models and converter; the guard checks it). `streamed_responses` is Gym's Responses dispatch for
 `stream: true`: `ResponsesEvents` turns each `chat.completion.chunk` the worker streams into the
-Responses events the official client and the Agents SDK parse; on the worker's `[DONE]`
-`relay_responses_stream` converts the assembled completion (Gym's converter), `settle`s it against
+Responses events the official client and the Agents SDK parse; on the worker's `[DONE]` the shared
+relay (`streaming.relay_events`) converts the assembled completion (Gym's converter), `settle`s it against
 what was streamed (giving it the streamed message id), commits it (Gym's ledger row) and only then
 sends the done events and `response.completed` (`response.incomplete` for a cut reply). Invariants:
 the client sees the terminal event only after the ledger row is written; streamed text and
@@ -13,8 +13,7 @@ arguments equal the final response's; any other ending is a `response.failed` an
 
 from __future__ import annotations
 
-import json
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 from uuid import uuid4
 
@@ -24,7 +23,7 @@ from pydantic import ValidationError
 
 from nemo_gym.anthropic_utils import NeMoGymAnthropicMessageCreateParamsNonStreaming
 from nemo_gym.base_responses_api_model import _ANTHROPIC_CONVERTER
-from nemo_gym.openai_utils import NeMoGymChatCompletion, NeMoGymResponseCreateParamsNonStreaming
+from nemo_gym.openai_utils import NeMoGymChatCompletion, NeMoGymResponse, NeMoGymResponseCreateParamsNonStreaming
 from nemo_gym.responses_streaming import (
     NamespaceMap,
     restore_namespace_tool_calls,
@@ -32,22 +31,16 @@ from nemo_gym.responses_streaming import (
     validate_streaming_responses_params,
 )
 from nemo_rl.environments.gate.streaming import (
-    CUT_OFF,
     StreamRelayError,
     WorkerStream,
     admit,
+    prepared,
+    stream_events,
     worker_body,
-    worker_stream,
 )
 from responses_api_models.vllm_model.app import VLLMModel
 
 Skeleton = Callable[[dict], dict]  # first chunk -> the response object before any output (Gym's conversion)
-
-
-def responses_sse(payload: dict) -> bytes:
-    """One Responses SSE event: `event: <type>` and its JSON `data` (the lines Gym's capture reads)."""
-    data = json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
-    return f"event: {payload['type']}\ndata: {data}\n\n".encode("utf-8")
 
 
 class ResponsesEvents:
@@ -176,31 +169,6 @@ def _message_text(item: dict) -> str:
     return "".join(part.get("text") or "" for part in item.get("content") or [] if part.get("type") == "output_text")
 
 
-async def relay_responses_stream(
-    upstream: AsyncIterator[bytes],
-    events: ResponsesEvents,
-    to_response: Callable[[dict], dict],
-    commit: Callable[[dict], Awaitable[None]],
-) -> AsyncIterator[bytes]:
-    """Responses events from the worker's chat SSE; on `[DONE]`: `to_response(completion)`, settle,
-    `commit(final)`, then the closing events (module contract)."""
-    async for kind, value in worker_stream(upstream):
-        if kind == "done":
-            final = events.settle(to_response(value))
-            await commit(final)
-            for event in events.closing(final):
-                yield responses_sse(event)
-            return
-        if kind == "error":
-            error = value["error"]
-            message = error.get("message") if isinstance(error, dict) else str(error)
-            yield responses_sse(events.failed(f"the vLLM worker's stream failed: {message}; not committed"))
-            return
-        for event in events.on_chunk(value):
-            yield responses_sse(event)
-    yield responses_sse(events.failed(CUT_OFF))
-
-
 # --- the dispatch: Gym's models and converter around the worker's chat stream ----------------------
 
 
@@ -211,40 +179,45 @@ def streamed_responses_params(body: dict) -> tuple[NeMoGymResponseCreateParamsNo
     return validate_streaming_responses_params(cleaned), namespaces
 
 
-def responses_chat_request(model: VLLMModel, kind: str, body: dict) -> dict | None:
+def responses_chat_request(model: VLLMModel, kind: str, body: dict) -> dict:
     """The chat request the worker would get for a `responses` or `messages` body (the guard checks it).
 
     Raises pydantic's ValidationError (Gym's request model refuses the body) or the error Gym's
     converter raises; a streamed Responses body is first mapped from the streaming dialect by Gym's
-    own functions (as `streamed_responses` serves it); None for a streamed Messages request.
+    own functions (as `streamed_responses` serves it), a streamed Messages body is checked without
+    its `stream` flag (the only field Gym's Messages model lacks; as `gate.messages` serves it).
     """
     if kind == "responses" and body.get("stream") is True:
         params, _ = streamed_responses_params(body)
-    elif body.get("stream") is True:
-        return None
     elif kind == "responses":
         params = NeMoGymResponseCreateParamsNonStreaming.model_validate(body)
     else:
-        NeMoGymAnthropicMessageCreateParamsNonStreaming.model_validate(body)
-        params = _ANTHROPIC_CONVERTER.anthropic_request_to_responses(body)
+        unflagged = {k: v for k, v in body.items() if k != "stream"} if body.get("stream") is True else body
+        NeMoGymAnthropicMessageCreateParamsNonStreaming.model_validate(unflagged)
+        params = _ANTHROPIC_CONVERTER.anthropic_request_to_responses(unflagged)
     chat = model._converter.responses_to_chat_completion_create_params(params)
     return chat.model_dump(exclude_unset=True, mode="json")
 
 
-def _skeleton_completion(first: dict) -> dict:
+def skeleton_completion(first: dict) -> dict:
     """The empty completion Gym's converter turns into the in-progress response of a stream."""
     return {"id": first["id"], "created": first["created"], "model": first["model"], "object": "chat.completion",
             "choices": [{"index": 0, "message": {"role": "assistant", "content": ""}, "finish_reason": "stop"}]}
 
 
-def response_of(model: VLLMModel, params: NeMoGymResponseCreateParamsNonStreaming, completion: dict,
-                namespaces: NamespaceMap) -> dict:
-    """Gym's conversion of a chat completion to the Responses object (as its streamed path serves it:
-    namespace tools' calls under their client-visible names)."""
-    response = model._converter.chat_completion_to_response(
+def gym_response(model: VLLMModel, params: NeMoGymResponseCreateParamsNonStreaming,
+                 completion: dict) -> NeMoGymResponse:
+    """Gym's conversion of a chat completion to its Responses object, as `VLLMModel.responses` returns it."""
+    return model._converter.chat_completion_to_response(
         responses_create_params=params, chat_completion=NeMoGymChatCompletion.model_validate(completion),
         preserve_envelope_id=model._preserve_envelope_id())
-    out = response.model_dump(mode="json", by_alias=True)
+
+
+def response_of(model: VLLMModel, params: NeMoGymResponseCreateParamsNonStreaming, completion: dict,
+                namespaces: NamespaceMap) -> dict:
+    """Gym's Responses object as its streamed path serves it (namespace tools' calls under their
+    client-visible names)."""
+    out = gym_response(model, params, completion).model_dump(mode="json", by_alias=True)
     return {**out, "output": restore_namespace_tool_calls(out.get("output") or [], namespaces)}
 
 
@@ -260,18 +233,10 @@ async def streamed_responses(model: VLLMModel, request: Request, body: dict, str
     params.model = model.config.model  # as Gym's responses() does
     # The final response carries usage.
     upstream_body = worker_body(model, request, chat_params.model_dump(exclude_unset=True), include_usage=True)
-    events = ResponsesEvents(lambda first: response_of(model, params, _skeleton_completion(first), {}),
+    events = ResponsesEvents(lambda first: response_of(model, params, skeleton_completion(first), {}),
                              message_id=f"msg_{uuid4().hex}", namespaces=namespaces)
 
     def to_response(completion: dict) -> dict:
-        if model._external_capture_handler is not None:
-            model._external_capture_handler.prepare_response(completion)  # takes ng_commit_coords off
-        return response_of(model, params, completion, namespaces)
+        return response_of(model, params, prepared(model, completion), namespaces)
 
-    def relay(upstream: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-        return relay_responses_stream(upstream, events, to_response, model._finalize_served_response)
-
-    def failed(message: str) -> bytes:
-        return responses_sse(events.failed(message))
-
-    return await stream.relay(model._resolve_client(request), upstream_body, relay, failed)
+    return await stream_events(model, request, stream, upstream_body, events, to_response)

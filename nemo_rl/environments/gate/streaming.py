@@ -8,7 +8,9 @@ worker's `ng_commit_coords`, which never reach the client. `relay_stream` forwar
 arrives and, on `[DONE]`, commits (Gym's `prepare_response` + `finalize_response`: the ledger row of
 a whole call) before it lets `[DONE]` through. Invariants: the client sees `[DONE]` only after the
 ledger row is written; a stream that ends otherwise (the worker's error event, a cut connection, a
-client gone) never commits, so Gym records the call uncommitted (off-chain).
+client gone) never commits, so Gym records the call uncommitted (off-chain). `relay_events` is the
+same custody for a typed dialect (`gate.responses`, `gate.messages`): its `EventSequence` builds the
+events, the commit comes before its closing events, any other ending is its failure event.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import asyncio
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import aiohttp
 from fastapi import Request
@@ -36,7 +38,8 @@ COORDS_FIELD = "ng_commit_coords"
 
 
 class StreamRelayError(RecoverableError, ValueError):
-    """The worker's stream is not OpenAI-format SSE (an event that is not JSON, a chunk of another shape)."""
+    """The worker's stream cannot be relayed: not OpenAI-format SSE (an event that is not JSON, a chunk of
+    another shape), or a typed dialect's final reply unlike what was streamed or unconvertible."""
 
 
 def sse_event(payload: Any) -> bytes:
@@ -169,6 +172,50 @@ async def relay_stream(
     yield error_event(CUT_OFF)
 
 
+# --- typed event streams (Responses, Anthropic Messages): one skeleton, events built per dialect --
+
+
+def typed_sse(payload: dict) -> bytes:
+    """One typed SSE event: `event: <type>` and its JSON `data` (the lines Gym's capture reads)."""
+    data = json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
+    return f"event: {payload['type']}\ndata: {data}\n\n".encode("utf-8")
+
+
+class EventSequence(Protocol):
+    """One streamed call's events in a typed dialect, built from the worker's chat chunks."""
+
+    def on_chunk(self, chunk: dict) -> list[dict]: ...  # the events one client-side chunk adds
+
+    def settle(self, final: dict) -> dict: ...  # `final` given the streamed ids; StreamRelayError if it differs
+
+    def closing(self, final: dict) -> list[dict]: ...  # the events after the commit, the terminal one last
+
+    def failed(self, message: str) -> dict: ...  # the terminal event of a stream that did not finish
+
+
+async def relay_events(
+    upstream: AsyncIterator[bytes], events: EventSequence, to_final: Callable[[dict], dict],
+    commit: Callable[[dict], Awaitable[None]],
+) -> AsyncIterator[bytes]:
+    """Typed events from the worker's chat SSE; on `[DONE]`: `to_final(completion)`, settle,
+    `commit(final)`, then the closing events. Any other ending is `events.failed`, nothing committed."""
+    async for kind, value in worker_stream(upstream):
+        if kind == "done":
+            final = events.settle(to_final(value))
+            await commit(final)
+            for event in events.closing(final):
+                yield typed_sse(event)
+            return
+        if kind == "error":
+            error = value["error"]
+            message = error.get("message") if isinstance(error, dict) else str(error)
+            yield typed_sse(events.failed(f"the vLLM worker's stream failed: {message}; not committed"))
+            return
+        for event in events.on_chunk(value):
+            yield typed_sse(event)
+    yield typed_sse(events.failed(CUT_OFF))
+
+
 # --- the dispatch: Gym's steps, then the worker's stream relayed ----------------------------------
 
 Relay = Callable[[AsyncIterator[bytes]], AsyncIterator[bytes]]  # the worker's SSE bytes -> the client's events
@@ -231,6 +278,26 @@ def worker_body(model: VLLMModel, request: Request, chat_params: dict, include_u
     return upstream_body
 
 
+def prepared(model: VLLMModel, completion: dict) -> dict:
+    """`completion` after Gym's `prepare_response` (which takes `ng_commit_coords` off), as Gym's whole call."""
+    if model._external_capture_handler is not None:
+        model._external_capture_handler.prepare_response(completion)
+    return completion
+
+
+async def stream_events(model: VLLMModel, request: Request, stream: WorkerStream, upstream_body: dict,
+                        events: EventSequence, to_final: Callable[[dict], dict]) -> Any:
+    """The worker's stream relayed as `events` (`relay_events`), committed by Gym's `_finalize_served_response`."""
+
+    def relay(upstream: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+        return relay_events(upstream, events, to_final, model._finalize_served_response)
+
+    def failed(message: str) -> bytes:
+        return typed_sse(events.failed(message))
+
+    return await stream.relay(model._resolve_client(request), upstream_body, relay, failed)
+
+
 async def streamed_chat(model: VLLMModel, request: Request, body: dict, stream: WorkerStream) -> Any:
     """Gym's chat dispatch for a `stream: true` body: the worker streams and the gate relays (no buffering)."""
     cleaned, include_usage = sanitize_streaming_chat_body(body)
@@ -239,9 +306,7 @@ async def streamed_chat(model: VLLMModel, request: Request, body: dict, stream: 
     upstream_body = worker_body(model, request, params.model_dump(exclude_unset=True), include_usage)
 
     async def commit(completion: dict) -> None:  # Gym's commit of a finished call
-        if model._external_capture_handler is not None:
-            model._external_capture_handler.prepare_response(completion)  # takes ng_commit_coords off
-        await model._finalize_served_response(NeMoGymChatCompletion.model_validate(completion))
+        await model._finalize_served_response(NeMoGymChatCompletion.model_validate(prepared(model, completion)))
 
     def relay(upstream: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
         return relay_stream(upstream, commit)

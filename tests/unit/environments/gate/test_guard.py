@@ -353,6 +353,10 @@ BAD_CASES = [
     ("messages-huge", "POST", "/v1/messages",
      json.dumps({"model": "tiny", "max_tokens": 10**9, "messages": [{"role": "user", "content": "hi"}]}).encode(),
      400, "invalid_request", "max_tokens"),
+    # A streamed Messages body is checked as an unstreamed one (Gym's Messages model, without its `stream` flag).
+    ("messages-stream-bad-role", "POST", "/ng-rollout/r1/v1/messages",
+     json.dumps({"model": "tiny", "max_tokens": 8, "messages": [{"role": "robot", "content": "hi"}],
+                 "stream": True}).encode(), 400, "invalid_request", "messages[0].role"),
     ("manifest-no-bearer", "GET", "/training-token-capture/control/rollouts/r1/manifest", b"", 401,
      "control_auth_required", "Authorization"),
 ]

@@ -1,6 +1,6 @@
 """The gate's streamed Responses path (pure parts): events from chat chunks, settling, commit before completed.
 
-`relay_responses_stream` is driven with scripted worker bytes, a scripted conversion and a recording
+The shared relay (`streaming.relay_events`) is driven with scripted worker bytes, a scripted conversion and a recording
 commit; the real gate in front of the real worker endpoint is in test_responses_http.py.
 """
 
@@ -10,8 +10,8 @@ import json
 
 import pytest
 
-from nemo_rl.environments.gate.responses import ResponsesEvents, relay_responses_stream, responses_sse
-from nemo_rl.environments.gate.streaming import SSE_DONE, StreamRelayError, sse_event
+from nemo_rl.environments.gate.responses import ResponsesEvents
+from nemo_rl.environments.gate.streaming import SSE_DONE, StreamRelayError, relay_events, sse_event, typed_sse
 
 
 def _chunk(delta, finish=None, **extra):
@@ -116,7 +116,7 @@ def test_content_after_a_tool_call_and_a_nameless_call_are_refused():
 
 
 def test_sse_framing_names_the_event_type():
-    assert responses_sse({"type": "response.completed", "n": 1}) == (
+    assert typed_sse({"type": "response.completed", "n": 1}) == (
         b'event: response.completed\ndata: {"type":"response.completed","n":1}\n\n')
 
 
@@ -139,7 +139,7 @@ async def _relay(worker: list[bytes], final: dict) -> tuple[list[dict], list[dic
         commits.append(response)
         seen_at_commit.append(len(out))
 
-    async for event in relay_responses_stream(_bytes(b"".join(worker)), _events(), to_response, commit):
+    async for event in relay_events(_bytes(b"".join(worker)), _events(), to_response, commit):
         out.append(event)
     parsed = [json.loads(e.split(b"\ndata: ", 1)[1]) for e in out]
     return parsed, commits, seen_at_commit, converted

@@ -112,39 +112,45 @@ class SlowEngine:
             yield step
 
 
+async def leave_mid_stream(app, path: str, body: dict) -> tuple[int, bytes]:
+    """POST `body` to `path` on the ASGI `app` as a client that reads the first events and goes away
+    (the server is told `http.disconnect`); the status and the bytes sent before the app ended."""
+    raw = json.dumps(body).encode()
+    sent: list[dict] = []
+    first_body = asyncio.Event()
+    delivered = False
+
+    async def receive():
+        nonlocal delivered
+        if not delivered:
+            delivered = True
+            return {"type": "http.request", "body": raw, "more_body": False}
+        await first_body.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        sent.append(message)
+        if message["type"] == "http.response.body" and message.get("body"):
+            first_body.set()
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+             "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
+             "headers": [(b"host", b"gate"), (b"content-type", b"application/json"),
+                         (b"content-length", str(len(raw)).encode())], "client": ("127.0.0.1", 1),
+             "server": ("gate", 80)}
+    await asyncio.wait_for(app(scope, receive, send), 30)
+    return sent[0]["status"], b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+
+
 async def test_a_client_gone_mid_stream_leaves_an_off_chain_call_never_committed(tokenizer, tmp_path, monkeypatch):  # noqa: F811
     monkeypatch.setenv(BEARER_ENV, BEARER)
     built, worker, svc = await _stack(tokenizer, tmp_path)
     try:
         svc._engine = SlowEngine(svc._engine)
-        app = built.gate._transport.app
-        body = json.dumps({"model": "tiny", "input": INPUT, "max_output_tokens": 8, "stream": True}).encode()
-        sent: list[dict] = []
-        first_body = asyncio.Event()
-        delivered = False
-
-        async def receive():
-            nonlocal delivered
-            if not delivered:
-                delivered = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            await first_body.wait()  # the client reads the first events, then goes away (the server says so)
-            return {"type": "http.disconnect"}
-
-        async def send(message):
-            sent.append(message)
-            if message["type"] == "http.response.body" and message.get("body"):
-                first_body.set()
-
-        path = "/ng-rollout/r4/training-token-capture/v1/responses"
-        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
-                 "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
-                 "headers": [(b"host", b"gate"), (b"content-type", b"application/json"),
-                             (b"content-length", str(len(body)).encode())], "client": ("127.0.0.1", 1),
-                 "server": ("gate", 80)}
-        await asyncio.wait_for(app(scope, receive, send), 30)
-        streamed = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
-        assert sent[0]["status"] == 200 and b"response.created" in streamed
+        body = {"model": "tiny", "input": INPUT, "max_output_tokens": 8, "stream": True}
+        status, streamed = await leave_mid_stream(built.gate._transport.app,
+                                                  "/ng-rollout/r4/training-token-capture/v1/responses", body)
+        assert status == 200 and b"response.created" in streamed
         assert b"response.completed" not in streamed
         manifest = await _manifest(built, "r4")
         assert manifest["records"] == []  # never committed: no chain holds it
