@@ -6,9 +6,10 @@ rejection is a placeholder with a typed reason and a detail; a corrupt chain dro
 it is the terminal chain. `choose_terminal` names the call that earned the reward: a declaration
 (response id, call id, or the scored output `terminal_output_*`) > Gym's witnesses > Gym's
 parent-link walk (refused when several roots have descendants) > mask. `reward_of`: finite or None.
-Invariants: only chains Gym's `verify_and_linearize` verifies become rows; a generated token is in
-the loss at most once; an abandoned retry is never in the loss; a served-but-unlocatable call
-poisons the rollout; a declaration never falls back and witnesses that disagree mask the rollout.
+Invariants: only chains Gym's `verify_and_linearize` verifies and the trainer accepts (a prompt token
+first, sampled logprobs <= 0) become rows; a generated token is in the loss at most once; an
+abandoned retry is never in the loss; a served-but-unlocatable call poisons the rollout; a
+declaration never falls back and witnesses that disagree mask the rollout.
 Rules in order, terminal precedence, yield: docs/design-docs/token-capture-receipts.md.
 """
 
@@ -50,6 +51,9 @@ from nemo_rl.token_capture.config import TokenCaptureConfig
 OFF_CHAIN_REASONS = frozenset({"request_finished_without_staged_coordinates"})
 _POISON_CODES = frozenset({"rollout_failed", "capture_poisoned"})
 CUT_BY_UNSTAGED_CHILD = "cut_by_unstaged_child"  # detail of a chain dropped as served_not_staged
+# Details of a verified chain the trainer would refuse (verification_failed; see `_untrainable`).
+EMPTY_PROMPT = "empty_prompt"
+POSITIVE_LOGPROB = "positive_logprob"
 # Reasons for served tokens that are not in the loss (metric keys; keep them stable).
 SERVED_NOT_STAGED = "served_not_staged"
 STAGED_NOT_COMMITTED = "staged_not_committed"
@@ -402,6 +406,17 @@ def _chain_problem(chain: Sequence[CallRecord], fetch_problems: Mapping[str, Fet
     return None
 
 
+def _untrainable(linear) -> str | None:
+    """Why the trainer would refuse a verified row (`TrainBatch`'s rules), or None: position 0 has no
+    prefix, so it is never in the loss, and a sampled token's logprob is <= 0."""
+    if linear.token_mask[0] != 0.0:
+        return f"{EMPTY_PROMPT}: call {linear.model_call_ids[0]} stages no prompt token before its first generated token"
+    for index, (mask, logprob) in enumerate(zip(linear.token_mask, linear.logprobs)):
+        if mask == 1.0 and not logprob <= 0.0:
+            return f"{POSITIVE_LOGPROB}: token {index} of the row was sampled with logprob {logprob!r} > 0"
+    return None
+
+
 def _verification_reason(error: ReceiptVerificationError) -> PlaceholderReason:
     return PlaceholderReason.CAPTURE_POISONED if error.code in _POISON_CODES else PlaceholderReason.VERIFICATION_FAILED
 
@@ -501,6 +516,9 @@ def judge_rollout(
                 linear = _linearize(ev, chain, snapshots, reward, terminal.selection)
             except ReceiptVerificationError as error:
                 problem = (_verification_reason(error), error.code)
+            else:
+                refused = _untrainable(linear)
+                problem = (PlaceholderReason.VERIFICATION_FAILED, refused) if refused is not None else None
         if problem is not None:
             if position == 0:
                 return _placeholder(ev, problem[0], problem[1], reward, terminal.selection,
