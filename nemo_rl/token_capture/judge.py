@@ -487,11 +487,14 @@ def judge_rollout(
         return _placeholder(ev, reason, detail, reward, served_yield=all_served_lost(ev, reason.value, leaves))
 
     terminal: TerminalChoice = choose_terminal(records, ev.run_result)
-    if terminal.rejection is None and terminal.selection == "heuristic" and unstaged:
-        # The parent-link walk cannot see calls without a record: the scored response may be one.
+    uncommitted = sorted({c.model_call_id for c in ev.served or ()} - set(by_id))
+    if terminal.rejection is None and terminal.selection == "heuristic" and (unstaged or uncommitted):
+        # The parent-link walk cannot see calls without a record (a failure row, or a served reply the
+        # ledger never committed): the scored response may be one.
         terminal = TerminalChoice(
             None, "heuristic", terminal.trail, PlaceholderReason.TERMINAL_SELECTION_FAILED,
-            f"terminal_selection_failed:heuristic_with_unstaged_calls {sorted(unstaged)}",
+            f"terminal_selection_failed:heuristic_with_unstaged_calls {sorted(unstaged)}" if unstaged
+            else f"terminal_selection_failed:heuristic_with_uncommitted_calls {uncommitted}",
         )
     if terminal.rejection is not None:
         return _placeholder(ev, terminal.rejection, terminal.detail, reward, terminal.selection,

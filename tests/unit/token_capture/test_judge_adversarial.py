@@ -132,3 +132,23 @@ def test_no_kept_row_of_a_forged_forest_breaks_the_trainers_rules(trees, policy)
 
     assert [row.model_call_ids for row in result.rows] == [("c0", "c1")]
     assert build_train_batch([GroupResult(0, (result,))], normalize=False).batch.token_ids == (tree.sequences["c1"],)
+
+
+@pytest.mark.parametrize(("staged", "failure"), [(True, None), (False, "stage_timeout")])
+def test_the_walk_does_not_credit_a_reward_a_call_without_a_record_may_have_earned(trees, staged, failure):
+    # FOUND: the scored reply (chatcmpl-z) continued c1 but never reached the ledger (staged and not
+    # committed, or not staged with no failure row). The walk cannot see it, so it named c1 and the
+    # rollout's reward was credited to c0 -> c1. The walk is refused, as for a failure row.
+    from nemo_rl.data.calls import ServedCall
+
+    tree = _plain(trees)
+    served = (*tree.served(), ServedCall(RID, "z", "c1", "token_in", 4, staged, failure))
+    run = {"response": {"id": "chatcmpl-z", "output": []}, "reward": 1.0}
+    ev = RolloutEvidence(RID, 0, 0, run, None, tree.manifest(), None, served)
+    result = judge_rollout(ev, tree.snapshots_by_key, {}, CFG)
+
+    assert isinstance(result, Placeholder)
+    assert (result.reason, result.detail, result.terminal_selection) == (
+        R.TERMINAL_SELECTION_FAILED, "terminal_selection_failed:heuristic_with_uncommitted_calls ['z']", "heuristic")
+    without = RolloutEvidence(RID, 0, 0, run, None, tree.manifest(), None, tuple(tree.served()))
+    assert judge_rollout(without, tree.snapshots_by_key, {}, CFG).terminal_selection == "heuristic"  # kept
