@@ -6,10 +6,11 @@ rejection is a placeholder with a typed reason and a detail; a corrupt chain dro
 it is the terminal chain. `choose_terminal` names the call that earned the reward: a declaration
 (response id, call id, or the scored output `terminal_output_*`) > Gym's witnesses > Gym's
 parent-link walk (refused when several roots have descendants) > mask. `reward_of`: finite or None.
-Invariants: only chains Gym's `verify_and_linearize` verifies and the trainer accepts (a prompt token
-first, sampled logprobs <= 0) become rows; a generated token is in the loss at most once; an
-abandoned retry is never in the loss; a served-but-unlocatable call poisons the rollout; a
-declaration never falls back and witnesses that disagree mask the rollout.
+Invariants: only chains Gym's `verify_and_linearize` verifies, the trainer accepts (a prompt token
+first, sampled logprobs <= 0) and whose per-call generation sizes match the served report become
+rows; a generated token is in the loss at most once; an abandoned retry is never in the loss; a
+served-but-unlocatable call poisons the rollout; a declaration never falls back and witnesses that
+disagree mask the rollout.
 Rules in order, terminal precedence, yield: docs/design-docs/token-capture-receipts.md.
 """
 
@@ -54,6 +55,7 @@ CUT_BY_UNSTAGED_CHILD = "cut_by_unstaged_child"  # detail of a chain dropped as 
 # Details of a verified chain the trainer would refuse (verification_failed; see `_untrainable`).
 EMPTY_PROMPT = "empty_prompt"
 POSITIVE_LOGPROB = "positive_logprob"
+GENERATED_COUNT_MISMATCH = "generated_count_mismatch"  # staged mask-1 tokens != the served report's count
 # Reasons for served tokens that are not in the loss (metric keys; keep them stable).
 SERVED_NOT_STAGED = "served_not_staged"
 STAGED_NOT_COMMITTED = "staged_not_committed"
@@ -417,6 +419,24 @@ def _untrainable(linear) -> str | None:
     return None
 
 
+def _served_disagreement(linear, served: Sequence[ServedCall] | None) -> str | None:
+    """A call whose staged generation (its mask-1 tokens) is not the size the worker reported serving, or None.
+
+    The worker stages exactly the ids it sampled and reports their count: a mismatch means the mask
+    covers prompt tokens (or misses sampled ones), which the digests cannot show. No report: no check."""
+    counts: dict[str, set[int]] = {}
+    for call in served or ():
+        if call.staged:
+            counts.setdefault(call.model_call_id, set()).add(call.generated_tokens)
+    for span in linear.weight_version_spans:
+        staged = sum(1 for mask in linear.token_mask[span.start:span.end] if mask == 1.0)
+        reported = counts.get(span.model_call_id)
+        if reported and staged not in reported:
+            return (f"{GENERATED_COUNT_MISMATCH}: call {span.model_call_id} stages {staged} generated tokens, the "
+                    f"worker reported serving {sorted(reported)}")
+    return None
+
+
 def _verification_reason(error: ReceiptVerificationError) -> PlaceholderReason:
     return PlaceholderReason.CAPTURE_POISONED if error.code in _POISON_CODES else PlaceholderReason.VERIFICATION_FAILED
 
@@ -520,7 +540,7 @@ def judge_rollout(
             except ReceiptVerificationError as error:
                 problem = (_verification_reason(error), error.code)
             else:
-                refused = _untrainable(linear)
+                refused = _untrainable(linear) or _served_disagreement(linear, ev.served)
                 problem = (PlaceholderReason.VERIFICATION_FAILED, refused) if refused is not None else None
         if problem is not None:
             if position == 0:

@@ -152,3 +152,28 @@ def test_the_walk_does_not_credit_a_reward_a_call_without_a_record_may_have_earn
         R.TERMINAL_SELECTION_FAILED, "terminal_selection_failed:heuristic_with_uncommitted_calls ['z']", "heuristic")
     without = RolloutEvidence(RID, 0, 0, run, None, tree.manifest(), None, tuple(tree.served()))
     assert judge_rollout(without, tree.snapshots_by_key, {}, CFG).terminal_selection == "heuristic"  # kept
+
+
+def _resigned(snapshot, **changes):
+    """`snapshot` with `changes` and a digest recomputed over them, as a worker that staged them would sign it."""
+    from nemo_gym.token_id_capture.staging import StagedCallBaseSnapshot, compute_staging_digest
+
+    fields = {**snapshot.model_dump(exclude={"digest"}), **changes}
+    return StagedCallBaseSnapshot(**fields, digest=compute_staging_digest(**fields))
+
+
+def test_a_loss_mask_over_a_calls_prompt_tokens_is_refused_by_the_served_count(trees):
+    # FOUND: c1's delta is [31 (a tool token, carry), 41, 42 (sampled)]. A worker that staged its mask as
+    # all 1.0 signs a row every digest and hash accepts (they bind ids and mask, not which is which), and
+    # token 31 was trained as if sampled. The worker's served report says it sampled 2: the judge checks.
+    tree = _plain(trees)
+    forged = _resigned(tree.snapshot("c1"), token_mask_delta=[1.0, 1.0, 1.0])
+    records = [tree.by_id["c0"], tree.by_id["c1"].model_copy(update={"digest": forged.digest})]
+    snapshots = {**tree.snapshots_by_key, forged.staging_key: forged}
+    result = _judge(tree, "c1", records=records, snapshots=snapshots)
+
+    assert isinstance(result, Placeholder)
+    assert (result.reason, result.detail) == (
+        R.VERIFICATION_FAILED, "generated_count_mismatch: call c1 stages 3 generated tokens, the worker reported "
+                               "serving [2]")
+    assert isinstance(_judge(tree, "c1"), KeptRollout)  # the honest row trains
