@@ -8,6 +8,8 @@ pins the exact verdict. Rejections already pinned elsewhere are not repeated her
 from __future__ import annotations
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from nemo_rl.algorithms.grpo_single_controller import build_train_batch
 from nemo_rl.data.rows import GroupResult, KeptRollout, Placeholder, PlaceholderReason, RolloutYield
@@ -177,3 +179,43 @@ def test_a_loss_mask_over_a_calls_prompt_tokens_is_refused_by_the_served_count(t
         R.VERIFICATION_FAILED, "generated_count_mismatch: call c1 stages 3 generated tokens, the worker reported "
                                "serving [2]")
     assert isinstance(_judge(tree, "c1"), KeptRollout)  # the honest row trains
+
+
+@st.composite
+def _forged_forests(draw):
+    """2-4 calls (roots may have no prompt token, logprobs may be > 0) and maybe one call whose staged mask
+    was re-signed to cover its carry tokens; the scored call is any of them."""
+    calls = []
+    for index in range(draw(st.integers(2, 4))):
+        parent = draw(st.sampled_from([None] + [c[0] for c in calls])) if calls else None
+        tail = tuple(draw(st.lists(st.integers(1, 99), min_size=0, max_size=2)))
+        generated = tuple(draw(st.lists(st.integers(100, 199), min_size=1, max_size=3)))
+        logprobs = tuple(draw(st.sampled_from((-0.5, -0.125, 0.0, 0.5))) for _ in generated)
+        calls.append((f"k{index}", parent, tail, generated, logprobs))
+    forge = draw(st.sampled_from([None] + [c[0] for c in calls if c[2]]))
+    return calls, forge, draw(st.sampled_from([c[0] for c in calls]))
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(forest=_forged_forests())
+def test_whatever_the_judge_keeps_the_trainer_takes_and_only_sampled_tokens_are_in_the_loss(trees, forest):
+    calls, forge, scored = forest
+    tree = trees.build(RID, [trees.Call(i, p, trees.Turn(t, g, lp)) for i, p, t, g, lp in calls])
+    records, snapshots = list(tree.records), tree.snapshots_by_key
+    if forge is not None:
+        forged = _resigned(tree.snapshot(forge), token_mask_delta=[1.0] * len(tree.snapshot(forge).token_mask_delta))
+        records = [r.model_copy(update={"digest": forged.digest}) if r.model_call_id == forge else r for r in records]
+        snapshots = {**snapshots, forged.staging_key: forged}
+    result = _judge(tree, scored, records=records, snapshots=snapshots)  # never raises
+
+    assert isinstance(result, (KeptRollout, Placeholder)) and (result.rollout_id, result.sample_index) == (RID, 0)
+    if isinstance(result, Placeholder):
+        return
+    batch = build_train_batch([GroupResult(0, (result,))], normalize=False).batch  # the trainer takes every row
+    assert batch.num_samples == len(result.rows)
+    generated = {i: g for i, _, _, g, _ in calls}
+    for row in result.rows:
+        for call_id, (start, end) in zip(row.model_call_ids, row.call_spans):
+            loss = [t for t, m in zip(row.token_ids[start:end], row.token_mask[start:end]) if m == 1.0]
+            assert loss in ([], list(generated[call_id]))  # a call's sampled ids, or masked (owned elsewhere)
+            assert call_id != forge
