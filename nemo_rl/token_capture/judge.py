@@ -52,7 +52,7 @@ from nemo_rl.token_capture.config import TokenCaptureConfig
 OFF_CHAIN_REASONS = frozenset({"request_finished_without_staged_coordinates"})
 _POISON_CODES = frozenset({"rollout_failed", "capture_poisoned"})
 CUT_BY_UNSTAGED_CHILD = "cut_by_unstaged_child"  # detail of a chain dropped as served_not_staged
-# Details of a verified chain the trainer would refuse (verification_failed; see `_untrainable`).
+# Details (verification_failed) of a verified chain that still does not train: `_untrainable`, `_served_disagreement`.
 EMPTY_PROMPT = "empty_prompt"
 POSITIVE_LOGPROB = "positive_logprob"
 GENERATED_COUNT_MISMATCH = "generated_count_mismatch"  # staged mask-1 tokens != the served report's count
