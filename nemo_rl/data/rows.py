@@ -6,7 +6,8 @@ verified chain, sharing the rollout's reward and advantage) or one `Placeholder`
 `sample_index == i`, so kept + placeholders == dispatched by construction.
 Invariants, checked at construction (`RecordInvariantError`, kind `row`): within a kept rollout
 a generated token is in the loss at most once; a row's tokens, mask and logprobs align, the
-prompt is masked and logprobs are 0.0 where the mask is; per-call spans cover the row exactly.
+prompt is masked and logprobs are 0.0 where the mask is; per-call spans cover the row exactly; a
+capture row starts with a prompt token and its sampled logprobs are <= 0 (what `TrainBatch` takes).
 Every field's invariant: docs/design-docs/token-capture-receipts.md, "Row types and their
 invariants".
 """
@@ -230,6 +231,11 @@ class TrainRow:
                 raise RecordInvariantError(f"{where}: capture rows need a non-negative int weight version per call", kind="row")
             if self.terminal_selection is None:
                 raise RecordInvariantError(f"{where}: capture rows must name their terminal_selection method", kind="row")
+            if self.token_mask[0] != 0.0:
+                raise RecordInvariantError(f"{where}: capture rows start with a prompt token (token 0 has no prefix, "
+                                           "so it is never in the loss)", kind="row")
+            if any(m == 1.0 and lp > 0.0 for m, lp in zip(self.token_mask, self.generation_logprobs)):
+                raise RecordInvariantError(f"{where}: a sampled token's logprob must be <= 0", kind="row")
         elif self.origin is RowOrigin.LEGACY:
             if self.token_in_calls or self.text_root_calls or self.terminal_selection is not None:
                 raise RecordInvariantError(f"{where}: legacy rows carry no call modes and no terminal selection", kind="row")

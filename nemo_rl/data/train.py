@@ -6,7 +6,7 @@ finite, <= 0) and one finite advantage; a masked placeholder is an all-0 mask. C
 construction (a `RecordInvariantError`, kind `train_batch`; `train_plan` for a plan), stored as
 tuples. With `token_capture.train_partition` set a kept row goes finalizer -> data plane ->
 policy worker past the driver, which keeps a `RowRef` and sends a `TrainPlan` (partition, unique
-keys, digests, one finite advantage per key). Pure;
+keys, digests, one finite advantage per key, the same for every row of a rollout). Pure;
 the I/O is `nemo_rl.data_plane.partitions`. Invariants: `train_key` is unique per row; float
 payloads are float64, so the batch read is bit for bit the driver-built one; `payload_digest`
 covers `meta`, which names the key, so a row read under another key fails.
@@ -89,13 +89,13 @@ def _array_bytes(value: torch.Tensor, dtype: str) -> bytes:
 
 
 def payload_digest(fields: Mapping[str, object]) -> str:
-    """sha256 hex over meta and the arrays' little-endian bytes, each length-prefixed."""
+    """sha256 hex over meta and each array's dtype and little-endian bytes, each part length-prefixed
+    (the dtype too: float token ids or an int mask must not digest like the codec's arrays they cast to)."""
     digest = hashlib.sha256()
     parts = (
         str(fields[META]).encode(),
-        _array_bytes(fields[TOKEN_IDS], "<i8"),
-        _array_bytes(fields[TOKEN_MASK], "<f8"),
-        _array_bytes(fields[LOGPROBS], "<f8"),
+        *(part for name, dtype in ((TOKEN_IDS, "<i8"), (TOKEN_MASK, "<f8"), (LOGPROBS, "<f8"))
+          for part in (str(fields[name].dtype).encode(), _array_bytes(fields[name], dtype))),
         bytes(fields[ROUTES]),
     )
     for part in parts:
@@ -127,6 +127,13 @@ class TrainPlan:
             raise RecordInvariantError("digests must be sha256 hex digests", kind="train_plan")
         if any(not isinstance(a, float) or not math.isfinite(a) for a in self.advantages):
             raise RecordInvariantError(f"advantages must be finite floats, got {self.advantages!r}", kind="train_plan")
+        by_rollout: dict[str, set[float]] = {}
+        for key, advantage in zip(self.keys, self.advantages):
+            by_rollout.setdefault(key.rpartition(KEY_SEPARATOR)[0] or key, set()).add(advantage)
+        for rollout_id, found in by_rollout.items():
+            if len(found) > 1:
+                raise RecordInvariantError(f"rows of rollout {rollout_id!r} carry different advantages {sorted(found)}; "
+                                           "every row of a rollout carries its rollout's advantage", kind="train_plan")
 
     @classmethod
     def of(cls, partition: str, refs: Sequence[RowRef], advantages: Sequence[float]) -> "TrainPlan":

@@ -6,9 +6,11 @@ rejection is a placeholder with a typed reason and a detail; a corrupt chain dro
 it is the terminal chain. `choose_terminal` names the call that earned the reward: a declaration
 (response id, call id, or the scored output `terminal_output_*`) > Gym's witnesses > Gym's
 parent-link walk (refused when several roots have descendants) > mask. `reward_of`: finite or None.
-Invariants: only chains Gym's `verify_and_linearize` verifies become rows; a generated token is in
-the loss at most once; an abandoned retry is never in the loss; a served-but-unlocatable call
-poisons the rollout; a declaration never falls back and witnesses that disagree mask the rollout.
+Invariants: only chains Gym's `verify_and_linearize` verifies, the trainer accepts (a prompt token
+first, sampled logprobs <= 0) and whose per-call generation sizes match the served report become
+rows; a generated token is in the loss at most once; an abandoned retry is never in the loss; a
+served-but-unlocatable call poisons the rollout; a declaration never falls back and witnesses that
+disagree mask the rollout.
 Rules in order, terminal precedence, yield: docs/design-docs/token-capture-receipts.md.
 """
 
@@ -50,6 +52,10 @@ from nemo_rl.token_capture.config import TokenCaptureConfig
 OFF_CHAIN_REASONS = frozenset({"request_finished_without_staged_coordinates"})
 _POISON_CODES = frozenset({"rollout_failed", "capture_poisoned"})
 CUT_BY_UNSTAGED_CHILD = "cut_by_unstaged_child"  # detail of a chain dropped as served_not_staged
+# Details (verification_failed) of a verified chain that still does not train: `_untrainable`, `_served_disagreement`.
+EMPTY_PROMPT = "empty_prompt"
+POSITIVE_LOGPROB = "positive_logprob"
+GENERATED_COUNT_MISMATCH = "generated_count_mismatch"  # staged mask-1 tokens != the served report's count
 # Reasons for served tokens that are not in the loss (metric keys; keep them stable).
 SERVED_NOT_STAGED = "served_not_staged"
 STAGED_NOT_COMMITTED = "staged_not_committed"
@@ -402,6 +408,35 @@ def _chain_problem(chain: Sequence[CallRecord], fetch_problems: Mapping[str, Fet
     return None
 
 
+def _untrainable(linear) -> str | None:
+    """Why the trainer would refuse a verified row (`TrainBatch`'s rules), or None: position 0 has no
+    prefix, so it is never in the loss, and a sampled token's logprob is <= 0."""
+    if linear.token_mask[0] != 0.0:
+        return f"{EMPTY_PROMPT}: call {linear.model_call_ids[0]} stages no prompt token before its first generated token"
+    for index, (mask, logprob) in enumerate(zip(linear.token_mask, linear.logprobs)):
+        if mask == 1.0 and not logprob <= 0.0:
+            return f"{POSITIVE_LOGPROB}: token {index} of the row was sampled with logprob {logprob!r} > 0"
+    return None
+
+
+def _served_disagreement(linear, served: Sequence[ServedCall] | None) -> str | None:
+    """A call whose staged generation (its mask-1 tokens) is not the size the worker reported serving, or None.
+
+    The worker stages exactly the ids it sampled and reports their count: a mismatch means the mask
+    covers prompt tokens (or misses sampled ones), which the digests cannot show. No report: no check."""
+    counts: dict[str, set[int]] = {}
+    for call in served or ():
+        if call.staged:
+            counts.setdefault(call.model_call_id, set()).add(call.generated_tokens)
+    for span in linear.weight_version_spans:
+        staged = sum(1 for mask in linear.token_mask[span.start:span.end] if mask == 1.0)
+        reported = counts.get(span.model_call_id)
+        if reported and staged not in reported:
+            return (f"{GENERATED_COUNT_MISMATCH}: call {span.model_call_id} stages {staged} generated tokens, the "
+                    f"worker reported serving {sorted(reported)}")
+    return None
+
+
 def _verification_reason(error: ReceiptVerificationError) -> PlaceholderReason:
     return PlaceholderReason.CAPTURE_POISONED if error.code in _POISON_CODES else PlaceholderReason.VERIFICATION_FAILED
 
@@ -472,11 +507,14 @@ def judge_rollout(
         return _placeholder(ev, reason, detail, reward, served_yield=all_served_lost(ev, reason.value, leaves))
 
     terminal: TerminalChoice = choose_terminal(records, ev.run_result)
-    if terminal.rejection is None and terminal.selection == "heuristic" and unstaged:
-        # The parent-link walk cannot see calls without a record: the scored response may be one.
+    uncommitted = sorted({c.model_call_id for c in ev.served or ()} - set(by_id))
+    if terminal.rejection is None and terminal.selection == "heuristic" and (unstaged or uncommitted):
+        # The parent-link walk cannot see calls without a record (a failure row, or a served reply the
+        # ledger never committed): the scored response may be one.
         terminal = TerminalChoice(
             None, "heuristic", terminal.trail, PlaceholderReason.TERMINAL_SELECTION_FAILED,
-            f"terminal_selection_failed:heuristic_with_unstaged_calls {sorted(unstaged)}",
+            f"terminal_selection_failed:heuristic_with_unstaged_calls {sorted(unstaged)}" if unstaged
+            else f"terminal_selection_failed:heuristic_with_uncommitted_calls {uncommitted}",
         )
     if terminal.rejection is not None:
         return _placeholder(ev, terminal.rejection, terminal.detail, reward, terminal.selection,
@@ -501,6 +539,9 @@ def judge_rollout(
                 linear = _linearize(ev, chain, snapshots, reward, terminal.selection)
             except ReceiptVerificationError as error:
                 problem = (_verification_reason(error), error.code)
+            else:
+                refused = _untrainable(linear) or _served_disagreement(linear, ev.served)
+                problem = (PlaceholderReason.VERIFICATION_FAILED, refused) if refused is not None else None
         if problem is not None:
             if position == 0:
                 return _placeholder(ev, problem[0], problem[1], reward, terminal.selection,

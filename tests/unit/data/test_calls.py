@@ -308,3 +308,58 @@ def test_rewrite_json_body_returns_the_same_bytes_unless_the_rewrite_changes_the
 def test_rewrite_json_body_leaves_bytes_that_are_not_json():
     for raw in (b"{not json", b"\xff\xfe", b""):
         assert rewrite_json_body(raw, lambda b: {"changed": True}) is raw
+
+
+# --- the staged-row codec under attack: a row that is not exactly the staged record never reads back ----
+
+
+def _staged_row(chains):
+    from nemo_rl.data.calls import record_to_row
+
+    record = next(r for r in chains.build("r-codec").staged if r.parent_call_id is not None)
+    return record.staging_key, record_to_row(record)
+
+
+def _forged(chains, name, forge):
+    import torch
+
+    key, row = _staged_row(chains)
+    value = row[name]
+    row[name] = forge(value, torch) if callable(forge) else forge
+    return key, row
+
+
+@pytest.mark.parametrize(
+    ("name", "forge", "message"),
+    [
+        # a truncated logprob list (len != token ids): Gym's digest recomputation refuses the lengths
+        ("generation_log_probs_delta", lambda t, torch: t[:-1], "must have equal lengths"),
+        # float/int confusion: ids as floats (the values are equal, the type is not)
+        ("token_ids_delta", lambda t, torch: t.to(torch.float64), "valid integer"),
+        # a loss mask that covers the call's prompt (carry) tokens: the digest binds the mask
+        ("token_mask_delta", lambda t, torch: torch.ones_like(t), "digest does not match"),
+        # a negative (out-of-range) id
+        ("token_ids_delta", lambda t, torch: torch.cat([t[:-1], torch.tensor([-1])]), "must be non-negative"),
+        # a header whose integer field became a float or a bool (JSON has one number type)
+        ("header", lambda h, torch: h.replace('"prev_len": 7', '"prev_len": 7.0'), "valid integer"),
+        ("header", lambda h, torch: h.replace('"weight_version": 3', '"weight_version": true'), "valid integer"),
+    ],
+)
+def test_a_staged_row_that_is_not_the_record_is_invalid_by_key(chains, name, forge, message):
+    from nemo_rl.data.calls import StagedRecordInvalidError, row_to_snapshot
+
+    key, row = _staged_row(chains)
+    assert row_to_snapshot(key, row).staging_key == key  # the untouched row reads back
+    key, row = _forged(chains, name, forge)
+    with pytest.raises(StagedRecordInvalidError, match=f"(?s)under key '{key}' is invalid: .*{message}"):
+        row_to_snapshot(key, row)
+
+
+def test_a_header_with_reordered_fields_is_the_same_record(chains):
+    # JSON key order is not content: a re-serialised header reads back as the identical snapshot.
+    from nemo_rl.data.calls import HEADER_FIELD, row_to_snapshot
+
+    key, row = _staged_row(chains)
+    reordered = dict(row, **{HEADER_FIELD: json.dumps(dict(reversed(json.loads(row[HEADER_FIELD]).items())))})
+    assert reordered[HEADER_FIELD] != row[HEADER_FIELD]
+    assert row_to_snapshot(key, reordered) == row_to_snapshot(key, row)

@@ -225,3 +225,18 @@ def test_group_result_holds_samples_zero_to_n_minus_one_in_order():
     with pytest.raises(RecordInvariantError, match="at least one entry") as excinfo:
         GroupResult(0, ())
     assert excinfo.value.kind == "row"
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"token_mask": (1.0, 0.0, 1.0, 1.0), "generation_logprobs": (-0.1, 0.0, -0.5, -1.5), "prompt_len": 0},
+         "capture rows start with a prompt token"),
+        ({"generation_logprobs": (0.0, 0.0, 0.5, -1.5)}, "a sampled token's logprob must be <= 0"),
+    ],
+)
+def test_a_capture_row_is_one_the_trainer_takes(changes, message):
+    # TrainBatch refuses both (position 0 has no prefix; a logprob is <= 0): a capture row never holds them.
+    with pytest.raises(RecordInvariantError, match=re.escape(message)) as excinfo:
+        _row(**changes)
+    assert excinfo.value.kind == "row"

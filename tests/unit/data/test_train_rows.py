@@ -142,3 +142,32 @@ def test_train_plan_invariants():
     with pytest.raises(RecordInvariantError, match="sha256") as excinfo:
         TrainPlan("p", ("a",), ("g" * 64,), (0.0,))
     assert excinfo.value.kind == "train_plan"
+
+
+@pytest.mark.parametrize(
+    ("field", "forge"),
+    [
+        # Each forged array casts to the very bytes the digest read from the original (cast to <i8 / <f8).
+        ("token_ids", lambda t: t.to(torch.float64) + 0.25),  # 5.25 -> 5: not token ids at all
+        ("token_mask", lambda t: t.to(torch.int64)),
+        ("generation_logprobs", lambda t: t.to(torch.float32)),  # -0.5, -0.25 are exact in float32
+    ],
+)
+def test_the_digest_binds_each_arrays_dtype_not_only_its_values_cast(field, forge):
+    # FOUND: payload_digest cast every array to the codec's dtype before hashing, so a payload whose
+    # token ids were floats (5.25) digested like the int64 original: two payloads, one digest.
+    payload = row_payload("r-0#0", _row())
+    forged = dict(payload, **{field: forge(payload[field])})
+    assert not torch.equal(forged[field], payload[field]) or forged[field].dtype != payload[field].dtype
+    assert payload_digest(forged) != payload_digest(payload)
+
+
+def test_a_plan_giving_one_rollouts_rows_different_advantages_is_refused():
+    # Advantages swapped between rows of different rollouts: every row of a rollout carries its rollout's
+    # advantage, so a plan in which two rows of r-0 disagree was assembled wrong (the digests cannot see it).
+    keys, digests = ("r-0#0", "r-1#0", "r-0#1"), ("a" * 64, "b" * 64, "c" * 64)
+    assert TrainPlan("p", keys, digests, (0.5, -0.5, 0.5)).num_samples == 3
+    with pytest.raises(RecordInvariantError, match=r"rows of rollout 'r-0' carry different advantages \[-0\.5, 0\.5\]"
+                       ) as excinfo:
+        TrainPlan("p", keys, digests, (-0.5, 0.5, 0.5))
+    assert excinfo.value.kind == "train_plan"

@@ -161,6 +161,26 @@ def test_a_tampered_row_is_refused_by_name():
     assert issubclass(TrainRowDigestError, PolicyWorkerError)
 
 
+def test_a_row_moved_under_another_key_is_refused_by_name():
+    # r-0#0's payload (valid, digested) copied over r-1#0: its meta names r-0#0, so r-1#0's digest fails.
+    plane = MemoryPlane()
+    _, slim = _stored_groups(plane)
+    plan = build_train_batch(slim, normalize=True, train_partition="train").plan
+    plane.rows["train:r-1#0"] = dict(plane.rows["train:r-0#0"])
+    with pytest.raises(TrainRowDigestError, match=r"key 'r-1#0': payload digest [0-9a-f]{64} != [0-9a-f]{64}"):
+        read_train_batch(plane, plan)
+
+
+def test_token_ids_stored_as_floats_are_a_digest_error_not_a_trained_row():
+    # The data plane hands back token ids as float64 (5.0, 6.0, ... or 5.25): not the row the finalizer judged.
+    plane = MemoryPlane()
+    _, slim = _stored_groups(plane)
+    plan = build_train_batch(slim, normalize=True, train_partition="train").plan
+    plane.rows["train:r-1#0"]["token_ids"] = plane.rows["train:r-1#0"]["token_ids"].to(torch.float64) + 0.25
+    with pytest.raises(TrainRowDigestError, match=r"key 'r-1#0': payload digest [0-9a-f]{64} != [0-9a-f]{64}"):
+        read_train_batch(plane, plan)
+
+
 def test_build_train_batch_refuses_mixed_rows_and_refs_without_a_partition():
     plane = MemoryPlane()
     whole, slim = _stored_groups(plane)
