@@ -29,6 +29,7 @@ from nemo_rl.environments.gate.streaming import (
     admit,
     prepared,
     stream_events,
+    tool_call_delta,
     worker_body,
 )
 from responses_api_models.vllm_model.app import VLLMModel
@@ -91,16 +92,12 @@ class MessagesEvents:
 
     def _call(self, call: dict) -> list[dict]:
         out: list[dict] = []
-        index = int(call["index"])
-        function = call.get("function") or {}
+        index, function, pieces = tool_call_delta(call, int(call["index"]) in self._by_call_index)
         if index not in self._by_call_index:
-            if not call.get("id") or not function.get("name"):
-                raise StreamRelayError(f"the worker's tool call {index} started without an id and a name: {call}")
             self._by_call_index[index] = len(self.blocks)
             out += self._start({"type": "tool_use", "id": call["id"], "name": function["name"], "json": ""},
                                {"type": "tool_use", "id": call["id"], "name": function["name"], "input": {}})
         at = self._by_call_index[index]
-        pieces = function.get("arguments") or ""
         if pieces:
             if at != self._open:
                 raise StreamRelayError(f"the worker streamed arguments of tool call {index} after the next block "

@@ -36,6 +36,7 @@ from nemo_rl.environments.gate.streaming import (
     admit,
     prepared,
     stream_events,
+    tool_call_delta,
     worker_body,
 )
 from responses_api_models.vllm_model.app import VLLMModel
@@ -96,11 +97,8 @@ class ResponsesEvents:
 
     def _call(self, call: dict) -> list[dict]:
         out: list[dict] = []
-        index = int(call["index"])
-        function = call.get("function") or {}
+        index, function, pieces = tool_call_delta(call, int(call["index"]) in self._by_call_index)
         if index not in self._by_call_index:
-            if not call.get("id") or not function.get("name"):
-                raise StreamRelayError(f"the worker's tool call {index} started without an id and a name: {call}")
             item = {"id": call["id"], "type": "function_call", "call_id": call["id"], "name": function["name"],
                     "arguments": "", "status": "in_progress"}
             if function["name"] in self._namespaces:  # as Gym's restore_namespace_tool_calls names it
@@ -109,7 +107,6 @@ class ResponsesEvents:
             self.items.append(dict(item))
             out.append(self._event("response.output_item.added", output_index=len(self.items) - 1, item=item))
         at = self._by_call_index[index]
-        pieces = function.get("arguments") or ""
         if pieces:
             self.items[at]["arguments"] += pieces
             out.append(self._event("response.function_call_arguments.delta", item_id=self.items[at]["id"],

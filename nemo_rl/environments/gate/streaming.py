@@ -175,6 +175,16 @@ async def relay_stream(
 # --- typed event streams (Responses, Anthropic Messages): one skeleton, events built per dialect --
 
 
+def tool_call_delta(call: dict, started: bool) -> tuple[int, dict, str]:
+    """A streamed tool-call delta's index, function and argument pieces; the first delta of a call
+    (`started` False) must name its id and function, as the typed events open a block with them."""
+    index = int(call["index"])
+    function = call.get("function") or {}
+    if not started and (not call.get("id") or not function.get("name")):
+        raise StreamRelayError(f"the worker's tool call {index} started without an id and a name: {call}")
+    return index, function, function.get("arguments") or ""
+
+
 def typed_sse(payload: dict) -> bytes:
     """One typed SSE event: `event: <type>` and its JSON `data` (the lines Gym's capture reads)."""
     data = json.dumps(payload, ensure_ascii=False, separators=(",", ":"))

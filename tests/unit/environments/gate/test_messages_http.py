@@ -17,12 +17,11 @@ from anthropic import APIStatusError, AsyncAnthropic
 
 from examples.arith.tiny_model.corpus import tool_call_arguments
 from tests.unit.environments.gate.test_guard import BEARER, BEARER_ENV, _close, _stack, tokenizer  # noqa: F401
-from tests.unit.environments.gate.test_responses_http import SlowEngine, leave_mid_stream
+from tests.unit.environments.gate.test_responses_http import SlowEngine, _manifest, leave_mid_stream
 
 MESSAGES = [{"role": "user", "content": "What is 2 + 2?"}]
 TOOL = {"name": "calculator", "description": "Evaluate an arithmetic expression.",
         "input_schema": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}
-MANIFEST = "/training-token-capture/control/rollouts/{}/manifest"
 TEXT_EVENTS = ["message_start", "content_block_start", "content_block_delta", "content_block_stop", "message_delta",
                "message_stop"]
 
@@ -39,12 +38,6 @@ async def stack(tokenizer, tmp_path, monkeypatch):  # noqa: F811
 def _client(stack, rollout_id: str) -> AsyncAnthropic:
     return AsyncAnthropic(base_url=f"http://gate/ng-rollout/{rollout_id}/training-token-capture", api_key="k",
                           http_client=stack.gate, max_retries=0)
-
-
-async def _manifest(stack, rollout_id: str) -> dict:
-    resp = await stack.gate.get(MANIFEST.format(rollout_id), headers={"Authorization": f"Bearer {BEARER}"})
-    assert resp.status_code == 200, resp.text
-    return resp.json()
 
 
 def _collapsed(kinds: list[str]) -> list[str]:
