@@ -255,8 +255,8 @@ def _model_in(annotation: object) -> type[BaseModel] | None:
     return next(filter(None, map(_model_in, typing.get_args(annotation))), None)
 
 
-def field_default(key: str) -> object:
-    """The default of the dotted recipe key `key` in `MasterConfig` (through nested and declared models)."""
+def field_info(key: str):
+    """The pydantic field of the dotted recipe key `key` in `MasterConfig` (through nested and declared models)."""
     model: type[BaseModel] | None = MasterConfig
     *parents, last = key.split(".")
     for part in parents:
@@ -264,7 +264,18 @@ def field_default(key: str) -> object:
         info = model.model_fields[part]
         model = next((m.model for m in info.metadata if isinstance(m, DeclaredBy)), None) or _model_in(info.annotation)
     assert model is not None and last in model.model_fields, f"{key}: {last!r} is no field of {model}"
-    return model.model_fields[last].get_default(call_default_factory=True)
+    return model.model_fields[last]
+
+
+def field_default(key: str) -> object:
+    return field_info(key).get_default(call_default_factory=True)
+
+
+def literal_values(annotation: object) -> set[str]:
+    """The string values a `Literal[...]` field (or an optional one) accepts; empty for any other type."""
+    if typing.get_origin(annotation) is typing.Literal:
+        return {v for v in typing.get_args(annotation) if isinstance(v, str)}
+    return {v for arg in typing.get_args(annotation) for v in literal_values(arg)}
 
 
 def documented_default(cell: str, index: int = 0) -> str:
@@ -313,6 +324,26 @@ KNOB_TABLES = [
 
 def test_every_knob_table_has_the_codes_keys_and_defaults() -> None:
     problems = [p for doc, start, prefix, *column in KNOB_TABLES for p in default_problems(doc, start, prefix, *column)]
+    assert problems == [], "\n".join(problems)
+
+
+def choice_problems(doc: Path, start: str, prefix: str = "", *_: int) -> list[str]:
+    """Rows of the knob table under `start` whose key takes one of several strings (a `Literal`) and
+    that do not name every one of them."""
+    problems = []
+    for row in table(section(doc.read_text(), start)):
+        for name in names(row[0]):
+            if name.endswith(".*"):
+                continue
+            values = literal_values(field_info(prefix + name).annotation)
+            missing = sorted(values - {n for cell in row[1:] for n in names(cell)})
+            if len(values) > 1 and missing:
+                problems.append(f"{doc.relative_to(REPO)}, {start!r}: {prefix + name} does not name {missing}")
+    return problems
+
+
+def test_every_knob_of_several_choices_names_them_all() -> None:
+    problems = [p for doc, start, prefix, *column in KNOB_TABLES for p in choice_problems(doc, start, prefix)]
     assert problems == [], "\n".join(problems)
 
 
