@@ -55,7 +55,7 @@ from nemo_rl.environments.gate.required_prefix import (
     drop_empty_required_prefix_bytes,
 )
 from nemo_rl.environments.gate.messages import streamed_messages
-from nemo_rl.environments.gate.responses import responses_chat_request, streamed_responses
+from nemo_rl.environments.gate.responses import CONVERTER_ERRORS, responses_chat_request, streamed_responses
 from nemo_rl.environments.gate.responses_fields import normalize_responses_post, normalize_responses_request
 from nemo_rl.environments.gate.setup import (
     CaptureGateConfigError,
@@ -427,7 +427,7 @@ class GateGuardMiddleware:
             chat = self._to_chat(kind, body)
         except ValidationError as e:
             raise validation_error(e, f"the {kind} request does not match Gym's request model") from e
-        except (ValueError, TypeError, KeyError, NotImplementedError) as e:  # how Gym's converters refuse input
+        except CONVERTER_ERRORS as e:  # how Gym's converters refuse input
             raise ApiError("invalid_request", f"the {kind} request cannot be converted to a chat request: "
                            f"{error_name(e)}: {e}", "body") from e
         try:

@@ -22,22 +22,12 @@ from fastapi import Request
 
 from nemo_gym.base_responses_api_model import _ANTHROPIC_CONVERTER
 from nemo_rl.data.errors import error_name
-from nemo_rl.environments.gate.responses import gym_response, skeleton_completion
-from nemo_rl.environments.gate.streaming import (
-    StreamRelayError,
-    WorkerStream,
-    admit,
-    prepared,
-    stream_events,
-    tool_call_delta,
-    worker_body,
-)
+from nemo_rl.environments.gate.responses import CONVERTER_ERRORS, admitted_upstream, gym_response, skeleton_completion
+from nemo_rl.environments.gate.streaming import StreamRelayError, WorkerStream, prepared, stream_events, tool_call_delta
 from responses_api_models.vllm_model.app import VLLMModel
 
 Shell = Callable[[dict], dict]  # first chunk -> the message Gym's converter makes of the empty completion
 
-# What Gym's converters raise for input they cannot map (as the gate's guard catches them).
-CONVERTER_ERRORS = (ValueError, TypeError, KeyError, NotImplementedError)
 
 
 class MessagesEvents:
@@ -156,11 +146,7 @@ async def streamed_messages(model: VLLMModel, request: Request, body: dict, stre
     comes, the call committed as Gym commits a whole one."""
     unflagged = {k: v for k, v in body.items() if k != "stream"}
     params = _ANTHROPIC_CONVERTER.anthropic_request_to_responses(unflagged)  # as Gym's messages() maps it
-    await admit(params)
-    chat_params = model._converter.responses_to_chat_completion_create_params(params)
-    params.model = model.config.model  # as Gym's responses() does
-    # The final message carries usage.
-    upstream_body = worker_body(model, request, chat_params.model_dump(exclude_unset=True), include_usage=True)
+    upstream_body = await admitted_upstream(model, request, params)
 
     def message_of(completion: dict) -> dict:  # Gym's buffered route: completion -> Responses -> Anthropic
         response = gym_response(model, params, completion)

@@ -41,6 +41,8 @@ from nemo_rl.environments.gate.streaming import (
 )
 from responses_api_models.vllm_model.app import VLLMModel
 
+# What Gym's converters raise for input they cannot map (the guard's refusal, a relay's failure).
+CONVERTER_ERRORS = (ValueError, TypeError, KeyError, NotImplementedError)
 Skeleton = Callable[[dict], dict]  # first chunk -> the response object before any output (Gym's conversion)
 
 
@@ -218,6 +220,16 @@ def response_of(model: VLLMModel, params: NeMoGymResponseCreateParamsNonStreamin
     return {**out, "output": restore_namespace_tool_calls(out.get("output") or [], namespaces)}
 
 
+async def admitted_upstream(model: VLLMModel, request: Request,
+                            params: NeMoGymResponseCreateParamsNonStreaming) -> dict:
+    """Admit `params`, then the worker's chat body for them as Gym's `responses()` builds it (with usage:
+    the final reply carries it). Sets `params.model` to the served model, as Gym does."""
+    await admit(params)
+    chat_params = model._converter.responses_to_chat_completion_create_params(params)
+    params.model = model.config.model  # as Gym's responses() does
+    return worker_body(model, request, chat_params.model_dump(exclude_unset=True), include_usage=True)
+
+
 async def streamed_responses(model: VLLMModel, request: Request, body: dict, stream: WorkerStream) -> Any:
     """Gym's Responses dispatch for a `stream: true` body: events built from the worker's chat stream as
     it comes, the call committed as Gym commits a whole one."""
@@ -225,11 +237,7 @@ async def streamed_responses(model: VLLMModel, request: Request, body: dict, str
         params, namespaces = streamed_responses_params(body)  # Gym's own mapping of the streaming dialect
     except ValidationError as e:
         raise RequestValidationError([{**err, "loc": ("body", *err["loc"])} for err in e.errors()]) from e
-    await admit(params)
-    chat_params = model._converter.responses_to_chat_completion_create_params(params)
-    params.model = model.config.model  # as Gym's responses() does
-    # The final response carries usage.
-    upstream_body = worker_body(model, request, chat_params.model_dump(exclude_unset=True), include_usage=True)
+    upstream_body = await admitted_upstream(model, request, params)
     events = ResponsesEvents(lambda first: response_of(model, params, skeleton_completion(first), {}),
                              message_id=f"msg_{uuid4().hex}", namespaces=namespaces)
 
