@@ -419,15 +419,21 @@ def _untrainable(linear) -> str | None:
     return None
 
 
-def _served_disagreement(linear, served: Sequence[ServedCall] | None) -> str | None:
-    """A call whose staged generation (its mask-1 tokens) is not the size the worker reported serving, or None.
-
-    The worker stages exactly the ids it sampled and reports their count: a mismatch means the mask
-    covers prompt tokens (or misses sampled ones), which the digests cannot show. No report: no check."""
+def _served_counts(served: Sequence[ServedCall] | None) -> dict[str, set[int]]:
+    """The generated-token counts the workers reported for each staged call (empty without a report)."""
     counts: dict[str, set[int]] = {}
     for call in served or ():
         if call.staged:
             counts.setdefault(call.model_call_id, set()).add(call.generated_tokens)
+    return counts
+
+
+def _served_disagreement(linear, counts: Mapping[str, set[int]]) -> str | None:
+    """A call whose staged generation (its mask-1 tokens) is not the size the worker reported serving, or None.
+
+    The worker stages exactly the ids it sampled and reports their count (`_served_counts`): a mismatch
+    means the mask covers prompt tokens (or misses sampled ones), which the digests cannot show. No
+    report: no check."""
     for span in linear.weight_version_spans:
         staged = sum(1 for mask in linear.token_mask[span.start:span.end] if mask == 1.0)
         reported = counts.get(span.model_call_id)
@@ -527,6 +533,7 @@ def judge_rollout(
     lost: dict[str, str] = {}  # call id -> why its generated tokens are not in the loss
     abandoned = abandoned_retries(records, _chain_to(terminal.call_id, by_id) or (), ev.served, snapshots)
     ends = _candidate_chains(records, terminal.call_id, cfg.branch_policy, abandoned)
+    served_counts = _served_counts(ev.served)
     for position, leaf in enumerate(ends):
         chain = _chain_to(leaf, by_id)
         if position > 0 and chain is not None and all(record.model_call_id in owned for record in chain):
@@ -540,7 +547,7 @@ def judge_rollout(
             except ReceiptVerificationError as error:
                 problem = (_verification_reason(error), error.code)
             else:
-                refused = _untrainable(linear) or _served_disagreement(linear, ev.served)
+                refused = _untrainable(linear) or _served_disagreement(linear, served_counts)
                 problem = (PlaceholderReason.VERIFICATION_FAILED, refused) if refused is not None else None
         if problem is not None:
             if position == 0:
