@@ -7,6 +7,7 @@ test_grpo_checkpoint_ledger.py's."""
 from __future__ import annotations
 
 import asyncio
+import random
 from types import SimpleNamespace
 
 import pytest
@@ -213,6 +214,23 @@ def test_the_integration_tests_call_spreading_hook_is_a_complete_hook_module():
     hooks = load_hooks("tests.integration.slow_calls_hook")
     assert len(hooks.aiohttp_middlewares("worker")) == 1 and hooks.aiohttp_middlewares("gym") == []
     assert hooks.active() is False and hooks.server_module_argv("m") == ["m"]
+
+
+def test_the_call_spreading_hook_draws_the_same_delays_on_every_run(monkeypatch):
+    import importlib.util
+
+    monkeypatch.delenv("NRL_TEST_CALL_DELAY_S", raising=False)  # the default window, 0.5..2.0 s
+
+    def delays(seed: str) -> list[float]:
+        monkeypatch.setenv("NRL_TEST_HOOK_SEED", seed)
+        spec = importlib.util.find_spec("tests.integration.slow_calls_hook")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)  # a fresh copy: what a new worker process reads
+        return [module.RNG.uniform(*module.DELAY_S) for _ in range(3)]
+
+    seeded = random.Random(0)
+    assert delays("0") == [seeded.uniform(0.5, 2.0) for _ in range(3)]
+    assert delays("0") == delays("0") != delays("1")
 
 
 
