@@ -316,9 +316,10 @@ async def test_a_halted_producer_dispatches_nothing_and_a_step_it_cannot_finish_
 
 
 async def test_teardown_waits_for_cancelled_groups_up_to_its_deadline_and_reports_the_stuck_ones():
-    release = asyncio.Event()
+    release, entered = asyncio.Event(), []
 
     async def slow_cleanup(ticket):
+        entered.append(ticket.position)
         try:
             await asyncio.Event().wait()
         finally:  # like the manager's retention after a cancel, bounded only by its own deadline
@@ -328,13 +329,21 @@ async def test_teardown_waits_for_cancelled_groups_up_to_its_deadline_and_report
 
     producer = RolloutProducer(PromptLedger(2, 2), slow_cleanup, end=2)
     producer.fill()
-    await asyncio.sleep(0)
+    await until(lambda: len(entered) == 2)  # both groups run (a task cancelled before it starts has no cleanup)
     running, unconsumed, stuck = await producer.aclose(deadline_s=0.05)
     assert [t.position for t in running] == [0, 1] and unconsumed == ()
     assert [t.key for t in stuck] == ["p1.g0"]
+    assert producer.running_count == 1
     release.set()
-    await asyncio.sleep(0.01)
-    assert producer.running_count == 0
+    await until(lambda: producer.running_count == 0)
+
+
+async def until(condition, timeout_s: float = 10.0) -> None:
+    """Return once `condition()` holds, yielding to the loop between checks; fail after `timeout_s`."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, f"not reached within {timeout_s} s"
+        await asyncio.sleep(0.001)
 
 
 class FakeWatch:

@@ -9,7 +9,6 @@ raw iterator and through its accumulating `messages.stream` helper; the same req
 
 from __future__ import annotations
 
-import asyncio
 import json
 
 import pytest
