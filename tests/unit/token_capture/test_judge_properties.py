@@ -65,7 +65,7 @@ DECLARED_HONESTLY = ("response_id", "explicit", "declared")  # a declaration nam
 @st.composite
 def scenarios(draw, forge: bool = True) -> Scenario:
     """A random forest; with `forge=False` nothing is forged (every call staged, committed and intact,
-    a terminal declared by a committed call, a run that ended with a reward)."""
+    served by one weight version, a terminal declared by a committed call, a run that ended with a reward)."""
     n = draw(st.integers(1, 6))
     calls = []
     for i in range(n):
@@ -74,7 +74,7 @@ def scenarios(draw, forge: bool = True) -> Scenario:
         tail = tuple(draw(st.lists(st.integers(0, 40), min_size=1 if parent is None else 0, max_size=3)))
         generated = tuple(draw(st.lists(st.integers(0, 40), min_size=1, max_size=3)))
         logprobs = tuple(draw(st.sampled_from(LOGPROBS)) for _ in generated)
-        calls.append((f"k{i}", parent, tail, generated, logprobs, draw(st.sampled_from((3, 3, 3, 4)))))
+        calls.append((f"k{i}", parent, tail, generated, logprobs, draw(st.sampled_from((3, 3, 3, 4))) if forge else 3))
     committed = [c[0] for c in calls]
     unstaged = [
         (f"u{j}", draw(st.one_of(st.none(), st.sampled_from(committed))), draw(st.integers(0, 4)),
