@@ -112,7 +112,7 @@ def _plan(partition: str, rollouts: list[KeptRollout]) -> TrainPlan:
 
 
 class LeakyCleaner(TrainRowCleaner):
-    """A clear that silently leaves one key behind (what TransferQueue's clear of an unknown key does)."""
+    """A clear that silently leaves one key behind: the failure `retention/train_keys_remaining` exists to flag."""
 
     def __init__(self, client: DataPlaneClient, partition: str, leak: str) -> None:
         super().__init__(client, partition, TIMEOUT_S)
