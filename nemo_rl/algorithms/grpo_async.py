@@ -220,17 +220,20 @@ def refit_tolerating_aborts(run: GRPORun, step: int) -> dict[str, float]:
 
 
 async def gather_step(run: GRPORun, producer: RolloutProducer, step: int, trainer: TrainerClock,
-                      metrics: dict[str, float]) -> tuple[list[GroupResult], list[GroupResult]]:
-    """Wait for step `step`'s groups, dropping stale ones until all are fresh; commit; (groups, dropped)."""
+                      metrics: dict[str, float], clock: Callable[[], float] = time.monotonic,
+                      ) -> tuple[list[GroupResult], list[GroupResult]]:
+    """Wait for step `step`'s groups, dropping stale ones until all are fresh; commit; (groups, dropped).
+
+    `clock` times the waits (`async/trainer_wait_s`); a test injects one to read the wait exactly."""
     max_age = run.cfg.grpo.async_rollouts.max_trajectory_age_steps
     waited, dropped = 0.0, []
     producer.fill()
     if producer.ledger.head() is None:  # the trainer idles from here: say on what (a chaos test's cue too)
         run.progress(f"[step {step}] waiting for its groups ({producer.running_count} group(s) running)")
     while True:
-        t0 = time.monotonic()
+        t0 = clock()
         head, groups = await producer.wait_head()
-        waited += time.monotonic() - t0
+        waited += clock() - t0
         _, stale = split_fresh(groups, trainer.version, max_age)  # raises on a future version
         if not stale:
             break

@@ -197,18 +197,21 @@ async def start_stack(
 
 
 class TimedFinalizer:
-    """Wraps the finalizer pool to measure time spent finalizing (summed over groups)."""
+    """Wraps the finalizer pool to measure time spent finalizing (summed over groups, `timing/finalize_s`).
 
-    def __init__(self, pool: FinalizerPool) -> None:
+    `clock` is injectable so a test can read the sum exactly."""
+
+    def __init__(self, pool: FinalizerPool, clock: Callable[[], float] = time.monotonic) -> None:
         self.pool = pool
         self.seconds = 0.0
+        self._clock = clock
 
     async def finalize_group(self, items: Sequence[RolloutEvidence]) -> list[FinalizeOutcome]:
-        t0 = time.monotonic()
+        t0 = self._clock()
         try:
             return await self.pool.finalize_group(items)
         finally:
-            self.seconds += time.monotonic() - t0
+            self.seconds += self._clock() - t0
 
 
 @dataclass

@@ -228,9 +228,10 @@ def metrics_by_step(lines: Iterable[str], error: type[Exception]) -> list[dict[s
 
 
 class Timer:
-    """`with Timer("step_s", metrics): ...` sets `metrics["timing/step_s"]` to seconds elapsed."""
+    """`with Timer("step_s", metrics): ...` sets `metrics["timing/step_s"]` to seconds elapsed on `clock`."""
 
-    def __init__(self, name: str, into: dict[str, Any] | None = None) -> None:
+    def __init__(self, name: str, into: dict[str, Any] | None = None,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
         if not name or name.startswith(TIMING_PREFIX):
             raise ValueError(
                 f"Timer name {name!r} must be non-empty and given without the "
@@ -238,6 +239,7 @@ class Timer:
             )
         self.key = TIMING_PREFIX + name
         self._into = into
+        self._clock = clock
         self._start: float | None = None
         self._end: float | None = None
 
@@ -246,16 +248,16 @@ class Timer:
         """Seconds from enter to exit (or to now, while running)."""
         if self._start is None:
             raise RuntimeError(f"Timer {self.key} was never started")
-        end = self._end if self._end is not None else time.perf_counter()
+        end = self._end if self._end is not None else self._clock()
         return end - self._start
 
     def __enter__(self) -> Timer:
-        self._start = time.perf_counter()
+        self._start = self._clock()
         self._end = None
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._end = time.perf_counter()
+        self._end = self._clock()
         if self._into is not None:
             self._into[self.key] = self.elapsed_s
 

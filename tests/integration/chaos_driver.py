@@ -32,6 +32,7 @@ from tests.integration.process_family import (
     _snapshot,
     _still_there,
     _tagged,
+    _until_gone,
 )
 
 REPO = Path(__file__).resolve().parents[2]
@@ -103,7 +104,7 @@ def drive(tmp: Path, recipe: str, overrides: list[str], kills: list[Kill], env: 
         family.update(_snapshot(_tagged(tag)))
         family.pop(proc.pid, None)
         ray_dirs = _ray_temp_dirs(set(family))
-        time.sleep(2.0)  # what shares the driver's fate has had time to go
+        _until_gone(family)  # what shares the driver's fate goes
         leftovers = {pid: _command(pid) for pid in _still_there(family)}
         _kill_leftovers(family)
         for d in ray_dirs:

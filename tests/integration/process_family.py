@@ -81,6 +81,17 @@ def _still_there(family: dict[int, int]) -> list[int]:
     return sorted(pid for pid, t in family.items() if _alive(pid) and _start_time(pid) == t)
 
 
+FATE_SHARING_S = 30.0  # what shares a killed driver's fate (Ray's workers, their children) goes within this
+SURVIVOR_GRACE_S = 2.0  # before the processes still there are reported as having outlived the driver
+
+
+def _until_gone(family: dict[int, int], deadline_s: float = FATE_SHARING_S) -> None:
+    """Return once no process of `family` is left, or at `deadline_s` (the caller names what is left)."""
+    end = time.monotonic() + deadline_s
+    while _still_there(family) and time.monotonic() < end:
+        time.sleep(0.2)
+
+
 def _kill_leftovers(family: dict[int, int], deadline_s: float = 60.0) -> None:
     """SIGKILL every process of `family` that is still the same process, wait until all are gone."""
     for pid in _still_there(family):
@@ -158,9 +169,11 @@ def run_then_sigkill(argv: Sequence[str], *, cwd: Path, env: Mapping[str, str], 
         if proc.poll() is None:
             proc.kill()
             proc.wait(timeout=30)
-        time.sleep(2.0)  # what dies with the driver (Ray's fate-sharing) has had time to go
         family.update(_snapshot(_tagged(tag)))  # anything started between the snapshot and the kill
         family.pop(proc.pid, None)
+        # What dies with the driver (Ray's fate-sharing) goes; what is left after a short grace is
+        # reported (`survivors`, informational) and killed by PID.
+        _until_gone(family, SURVIVOR_GRACE_S)
         survivors = {pid: _command(pid) for pid in _still_there(family)}
         _kill_leftovers(family)
         for d in ray_dirs:

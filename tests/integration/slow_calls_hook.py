@@ -7,6 +7,8 @@ their calls are admitted while the trainer trains, so a refit meets calls in fli
 hook is a no-op. `NRL_TEST_CALL_DELAY_S=lo,hi` (inherited by the worker) widens the window (the async
 chaos test holds calls 6..10 s, so a kill lands while calls are in flight). `NRL_TEST_ENGINE_HOLD_S=lo,hi`
 holds each admitted generation inside the engine (`time_capture_calls` wraps the engine's stream).
+Both draw from one generator per process seeded by `NRL_TEST_HOOK_SEED` (default 0), so a run's
+delays are the same on every rerun.
 """
 
 from __future__ import annotations
@@ -25,12 +27,14 @@ DELAY_S = tuple(float(x) for x in os.environ.get(DELAY_VAR, "0.5,2.0").split(","
 # between the tiny model's sub-second answers and the trainer's speed. "0,0" (default): no hold.
 HOLD_VAR = "NRL_TEST_ENGINE_HOLD_S"
 HOLD_S = tuple(float(x) for x in os.environ.get(HOLD_VAR, "0,0").split(","))
+SEED_VAR = "NRL_TEST_HOOK_SEED"
+RNG = random.Random(int(os.environ.get(SEED_VAR, "0")))
 
 
 @web.middleware
 async def _spread(request: web.Request, handler):
     if request.method == "POST" and request.path == "/v1/chat/completions":
-        await asyncio.sleep(random.uniform(*DELAY_S))
+        await asyncio.sleep(RNG.uniform(*DELAY_S))
     return await handler(request)
 
 
@@ -62,7 +66,7 @@ def time_capture_calls(service: Any) -> None:
     generate = engine._last_output
 
     async def held(*args: Any, **kwargs: Any) -> Any:
-        await asyncio.sleep(random.uniform(*HOLD_S))
+        await asyncio.sleep(RNG.uniform(*HOLD_S))
         return await generate(*args, **kwargs)
 
     engine._last_output = held

@@ -97,7 +97,6 @@ def test_an_unknown_or_missing_kind_is_a_bug(cls) -> None:
 
 
 def test_a_kinded_error_crosses_ray_as_itself() -> None:
-    pytest.importorskip("ray")
     from ray import cloudpickle
     from ray.exceptions import RayTaskError
 

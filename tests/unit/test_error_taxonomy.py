@@ -163,7 +163,6 @@ def test_the_project_base_has_exactly_the_two_sides() -> None:
 
 
 def test_actor_call_verdicts_are_the_split() -> None:
-    pytest.importorskip("ray")
     from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
     from nemo_rl.data.errors import FatalError, RecoverableError
@@ -199,7 +198,6 @@ class _FailingWorker:
 
 
 def test_a_dead_worker_is_recoverable_and_a_failed_worker_fatal_for_the_driver() -> None:
-    pytest.importorskip("ray")
     from ray.exceptions import RayActorError, RayTaskError
 
     from nemo_rl.data.errors import FatalError, RecoverableError

@@ -7,6 +7,7 @@ test_grpo_checkpoint_ledger.py's."""
 from __future__ import annotations
 
 import asyncio
+import random
 from types import SimpleNamespace
 
 import pytest
@@ -215,6 +216,23 @@ def test_the_integration_tests_call_spreading_hook_is_a_complete_hook_module():
     assert hooks.active() is False and hooks.server_module_argv("m") == ["m"]
 
 
+def test_the_call_spreading_hook_draws_the_same_delays_on_every_run(monkeypatch):
+    import importlib.util
+
+    monkeypatch.delenv("NRL_TEST_CALL_DELAY_S", raising=False)  # the default window, 0.5..2.0 s
+
+    def delays(seed: str) -> list[float]:
+        monkeypatch.setenv("NRL_TEST_HOOK_SEED", seed)
+        spec = importlib.util.find_spec("tests.integration.slow_calls_hook")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)  # a fresh copy: what a new worker process reads
+        return [module.RNG.uniform(*module.DELAY_S) for _ in range(3)]
+
+    seeded = random.Random(0)
+    assert delays("0") == [seeded.uniform(0.5, 2.0) for _ in range(3)]
+    assert delays("0") == delays("0") != delays("1")
+
+
 
 # -- the trainer's gather and an aborted refit, over stand-ins of the run -----
 
@@ -235,13 +253,15 @@ async def test_gather_drops_a_stale_group_whole_and_trains_its_re_run():
     run = _run()
     producer = RolloutProducer(PromptLedger(2, 2), run_group, end=2)
     metrics: dict[str, float] = {}
-    groups, dropped = await gather_step(run, producer, 1, TrainerClock(3), metrics)
+    ticks = iter(range(100))  # each reading one second later: every wait reads 1 s
+    groups, dropped = await gather_step(run, producer, 1, TrainerClock(3), metrics, clock=lambda: float(next(ticks)))
     assert [g.group_index for g in dropped] == [1] and len(groups) == 2
     assert producer.ledger.step == 1 and producer.ledger.dropped_stale_total == 1
     assert run.said == ["[step 1] waiting for its groups (2 group(s) running)",
                         "[step 1] dropped stale group p1.g0 (sync step 1 group 1): tokens older than version 2; "
                         "re-queued"]
-    assert {k: v for k, v in metrics.items() if k != "async/trainer_wait_s"} == {
+    assert metrics == {
+        "async/trainer_wait_s": 2.0,  # the wait for the step's groups, then for the dropped group's re-run
         "async/dropped_stale_rollouts": 2.0, "async/trainer_version": 3.0,
         "async/in_flight_groups": 0.0, "async/dropped_stale_groups": 1.0,
         "async/trajectory_age_steps_min": 0.0, "async/trajectory_age_steps_mean": 0.5,
@@ -249,7 +269,6 @@ async def test_gather_drops_a_stale_group_whole_and_trains_its_re_run():
         "async/trajectory_age_steps/hist/0": 2.0, "async/trajectory_age_steps/hist/1": 2.0,
         "async/trajectory_age_steps/hist/older": 0.0,
     }
-    assert metrics["async/trainer_wait_s"] >= 0
 
 
 async def test_gather_refuses_rows_newer_than_the_trainer():
@@ -298,9 +317,10 @@ async def test_a_halted_producer_dispatches_nothing_and_a_step_it_cannot_finish_
 
 
 async def test_teardown_waits_for_cancelled_groups_up_to_its_deadline_and_reports_the_stuck_ones():
-    release = asyncio.Event()
+    release, entered = asyncio.Event(), []
 
     async def slow_cleanup(ticket):
+        entered.append(ticket.position)
         try:
             await asyncio.Event().wait()
         finally:  # like the manager's retention after a cancel, bounded only by its own deadline
@@ -310,13 +330,21 @@ async def test_teardown_waits_for_cancelled_groups_up_to_its_deadline_and_report
 
     producer = RolloutProducer(PromptLedger(2, 2), slow_cleanup, end=2)
     producer.fill()
-    await asyncio.sleep(0)
+    await until(lambda: len(entered) == 2)  # both groups run (a task cancelled before it starts has no cleanup)
     running, unconsumed, stuck = await producer.aclose(deadline_s=0.05)
     assert [t.position for t in running] == [0, 1] and unconsumed == ()
     assert [t.key for t in stuck] == ["p1.g0"]
+    assert producer.running_count == 1
     release.set()
-    await asyncio.sleep(0.01)
-    assert producer.running_count == 0
+    await until(lambda: producer.running_count == 0)
+
+
+async def until(condition, timeout_s: float = 10.0) -> None:
+    """Return once `condition()` holds, yielding to the loop between checks; fail after `timeout_s`."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, f"not reached within {timeout_s} s"
+        await asyncio.sleep(0.001)
 
 
 class FakeWatch:

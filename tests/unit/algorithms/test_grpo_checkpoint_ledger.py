@@ -219,10 +219,12 @@ class _Policy:
 
     def __init__(self, release: threading.Event) -> None:
         self.release = release
+        self.saving = threading.Event()  # set once the save runs
 
     def save_state(self, folder: Path):
         folder.mkdir()
         (folder / "weights").write_bytes(b"w")
+        self.saving.set()
         if not self.release.wait(timeout=30):
             raise TimeoutError("the test never released the save")
         return SimpleNamespace(policy_fingerprint=DIGEST, optimizer_fingerprint=DIGEST, steps_taken=2)
@@ -242,7 +244,7 @@ async def test_the_checkpoint_hook_snapshots_the_ledger_on_the_loop_before_the_s
     before = ledger.snapshot()
 
     async def group_comes_back_during_the_save():
-        await asyncio.sleep(0.05)
+        assert await asyncio.to_thread(run.policy.saving.wait, 30), "the save never ran"
         ledger.finish(ledger.live(PendingState.IN_FLIGHT)[0])  # p4 finishes, and p6 is dispatched again
         ledger.dispatch()
         release.set()

@@ -43,7 +43,7 @@ from nemo_rl.environments.nemo_gym_config import GymServerStartError, ManifestEr
 from nemo_rl.environments.task import RowSampling
 from nemo_rl.token_capture.config import TokenCaptureConfig
 
-pytestmark = pytest.mark.integration
+pytestmark = pytest.mark.stand_in_worker
 
 PROBLEM = Problem(expression="12 + 5 * 3", answer=27)
 SAMPLING = RowSampling(temperature=1.0, top_p=1.0, max_output_tokens=64)

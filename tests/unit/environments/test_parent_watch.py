@@ -9,6 +9,7 @@ import sys
 import textwrap
 import time
 
+import psutil
 import pytest
 
 from nemo_rl.environments import nemo_gym_launch as launch
@@ -38,11 +39,19 @@ def _alive(pid: int) -> bool:
         return f.read().split(") ", 1)[1][0] != "Z"
 
 
+def _until_listening(pid: int, timeout_s: float) -> None:
+    """Return once process `pid` holds a listening TCP socket (fails after `timeout_s`)."""
+    deadline = time.monotonic() + timeout_s
+    while not any(c.status == psutil.CONN_LISTEN for c in psutil.Process(pid).net_connections(kind="tcp")):
+        assert time.monotonic() < deadline, f"process {pid} listens on no TCP port after {timeout_s} s"
+        time.sleep(0.05)
+
+
 def test_a_server_dies_when_its_launcher_is_sigkilled() -> None:
     launcher = subprocess.Popen([sys.executable, "-c", _LAUNCHER], stdout=subprocess.PIPE, text=True)
     child_pid = int(launcher.stdout.readline())
     try:
-        time.sleep(1.0)  # the child is serving (http.server imported and bound)
+        _until_listening(child_pid, 30.0)  # the child is serving (http.server imported and bound)
         assert _alive(child_pid)
         launcher.send_signal(signal.SIGKILL)
         launcher.wait(timeout=10)

@@ -617,6 +617,9 @@ class FakeHealth:
 
 
 GATE_DEATH = "Gym server policy_model (pid 12) killed by SIGKILL"
+# A death ends the runs in flight when the watch's event fires (no polling between): this bound is a
+# margin on a loaded machine, two orders below the 600 s run deadline the tests below configure.
+DEATH_NOTICE_S = 5.0
 
 
 async def test_runs_in_flight_end_at_once_when_a_rollout_path_component_dies():
@@ -625,11 +628,9 @@ async def test_runs_in_flight_end_at_once_when_a_rollout_path_component_dies():
     task = asyncio.create_task(manager.run_group(2, 0, {}, 3))
     while len(env.runs) < 3:
         await asyncio.sleep(0.01)
-    began = time.monotonic()
     health.kill("gate", GATE_DEATH)
-    group = await asyncio.wait_for(task, 5.0)
+    group = await asyncio.wait_for(task, DEATH_NOTICE_S)  # not the 600 s run deadline
 
-    assert time.monotonic() - began < 1.0  # not the 600 s run deadline
     assert [_kind_of(e) for e in group.entries] == [R.COMPONENT_FAILED, KeptRollout, R.COMPONENT_FAILED]
     assert group.entries[0].detail == f"gate died: {GATE_DEATH}"
     assert len(finalizer.items) == 3 and len(cleaner.cleared) == 1  # judged and retired like any group
@@ -668,11 +669,12 @@ async def test_a_failed_run_with_every_component_alive_stays_the_rollouts_failur
 async def test_retention_failure_while_a_component_is_down_is_counted_not_raised():
     health = FakeHealth()
     cleaner = RecordingCleaner(error=ConnectionError("storage unit gone"))
-    manager, _, _, _ = _manager(["hang"], cleaner=cleaner, health=health, run_timeout_s=600.0)
+    manager, env, _, _ = _manager(["hang"], cleaner=cleaner, health=health, run_timeout_s=600.0)
     task = asyncio.create_task(manager.run_group(0, 0, {}, 1))
-    await asyncio.sleep(0.05)
+    while not env.runs:  # the rollout is running when the storage unit dies
+        await asyncio.sleep(0.01)
     health.kill("tq_storage_unit_0", "TransferQueue storage_unit_0 (Ray actor) is gone: killed")
-    group = await asyncio.wait_for(task, 5.0)
+    group = await asyncio.wait_for(task, DEATH_NOTICE_S)
 
     assert group.entries[0].reason is R.COMPONENT_FAILED
     assert (manager.take_step_counters().retention_failures, manager.take_step_counters().retention_failures) == (1, 0)

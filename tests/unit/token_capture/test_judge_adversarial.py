@@ -8,7 +8,7 @@ pins the exact verdict. Rejections already pinned elsewhere are not repeated her
 from __future__ import annotations
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from nemo_rl.algorithms.grpo_single_controller import build_train_batch
@@ -209,7 +209,12 @@ def test_whatever_the_judge_keeps_the_trainer_takes_and_only_sampled_tokens_are_
     result = _judge(tree, scored, records=records, snapshots=snapshots)  # never raises
 
     assert isinstance(result, (KeptRollout, Placeholder)) and (result.rollout_id, result.sample_index) == (RID, 0)
+    # Nothing forged (no re-signed mask, no positive logprob, a prompt token before every root's
+    # generation): the rollout must be kept, so a judge that masks everything fails here.
+    honest = forge is None and all(lp <= 0.0 for *_, lps in calls for lp in lps) and all(t for _, p, t, *_ in calls if p is None)
+    event("honest" if honest else "forged")
     if isinstance(result, Placeholder):
+        assert not honest, f"nothing was forged, yet the rollout was masked: {result.reason.value}: {result.detail}"
         return
     batch = build_train_batch([GroupResult(0, (result,))], normalize=False).batch  # the trainer takes every row
     assert batch.num_samples == len(result.rows)

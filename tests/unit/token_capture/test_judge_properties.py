@@ -50,6 +50,8 @@ class Scenario:
     run_result: dict[str, Any] | None
     run_failure: bool
     cfg: TokenCaptureConfig
+    target: str  # the committed call a declaration names (unused when none is declared)
+    declared: str  # how the outcome names its terminal (see `scenarios`)
 
 
 def _rarely(value: bool, one_in: int):
@@ -57,8 +59,13 @@ def _rarely(value: bool, one_in: int):
     return st.sampled_from((not value,) * (one_in - 1) + (value,))
 
 
+DECLARED_HONESTLY = ("response_id", "explicit", "declared")  # a declaration naming a committed call
+
+
 @st.composite
-def scenarios(draw) -> Scenario:
+def scenarios(draw, forge: bool = True) -> Scenario:
+    """A random forest; with `forge=False` nothing is forged (every call staged, committed and intact,
+    served by one weight version, a terminal declared by a committed call, a run that ended with a reward)."""
     n = draw(st.integers(1, 6))
     calls = []
     for i in range(n):
@@ -67,27 +74,28 @@ def scenarios(draw) -> Scenario:
         tail = tuple(draw(st.lists(st.integers(0, 40), min_size=1 if parent is None else 0, max_size=3)))
         generated = tuple(draw(st.lists(st.integers(0, 40), min_size=1, max_size=3)))
         logprobs = tuple(draw(st.sampled_from(LOGPROBS)) for _ in generated)
-        calls.append((f"k{i}", parent, tail, generated, logprobs, draw(st.sampled_from((3, 3, 3, 4)))))
+        calls.append((f"k{i}", parent, tail, generated, logprobs, draw(st.sampled_from((3, 3, 3, 4))) if forge else 3))
     committed = [c[0] for c in calls]
     unstaged = [
         (f"u{j}", draw(st.one_of(st.none(), st.sampled_from(committed))), draw(st.integers(0, 4)),
          draw(st.sampled_from(UNSTAGED_REASONS)), draw(_rarely(False, 6)), draw(st.booleans()))
-        for j in range(draw(st.integers(0, 2)))
+        for j in range(draw(st.integers(0, 2 if forge else 0)))
     ]
     uncommitted = [(f"s{j}", draw(st.one_of(st.none(), st.sampled_from(committed))), draw(st.integers(1, 3)))
                    for j in range(draw(st.integers(0, 1)))]
     off_chain = [f"o{j}" for j in range(draw(st.integers(0, 2)))]
-    failed_committed = draw(st.sampled_from(committed)) if draw(_rarely(True, 12)) else None
+    failed_committed = draw(st.sampled_from(committed)) if forge and draw(_rarely(True, 12)) else None
     faults = {}
-    for call_id in committed:
+    for call_id in committed if forge else ():
         fault = draw(st.sampled_from(("ok",) * 8 + ("tampered", "missing")))
         if fault != "ok":
             faults[call_id] = fault
     declared = draw(st.sampled_from(("none", "response_id", "unstaged_response_id", "explicit", "declared",
-                                     "declared_bogus")))
+                                     "declared_bogus") if forge else DECLARED_HONESTLY))
     target = draw(st.sampled_from(committed))
     response: dict[str, Any] = {"output": []}
-    result: dict[str, Any] = {"response": response, "reward": draw(st.sampled_from((1.0, 0.0, 0.5, 1.0, None)))}
+    rewards = (1.0, 0.0, 0.5, 1.0, None) if forge else (1.0, 0.0, 0.5)
+    result: dict[str, Any] = {"response": response, "reward": draw(st.sampled_from(rewards))}
     if declared == "response_id":
         response["id"] = f"chatcmpl-{RID}-{target}"
     elif declared == "unstaged_response_id":
@@ -101,8 +109,26 @@ def scenarios(draw) -> Scenario:
     cfg = TokenCaptureConfig(branch_policy=draw(st.sampled_from(("all_chains", "all_chains", "terminal_chain"))),
                              mixed_weight_version_policy=draw(st.sampled_from(("allow", "reject"))))
     return Scenario(calls, unstaged, off_chain, uncommitted, failed_committed, faults,
-                    report=draw(_rarely(False, 4)), run_result=result, run_failure=draw(_rarely(True, 16)),
-                    cfg=cfg)
+                    report=draw(_rarely(False, 4)), run_result=result,
+                    run_failure=draw(_rarely(True, 16)) if forge else False, cfg=cfg, target=target,
+                    declared=declared)
+
+
+def forged(sc: Scenario) -> bool:
+    """Whether anything in the scenario may rightly mask the rollout: a failed run, no reward, a staged
+    record tampered or missing, a served call without custody, a failure row on a committed call, a
+    terminal not declared by a committed call (the heuristic walk may rightly refuse), or, under
+    `mixed_weight_version_policy=reject`, a terminal chain served by several weight versions."""
+    parent_of = {cid: parent for cid, parent, *_ in sc.calls}
+    version_of = {cid: version for cid, *_, version in sc.calls}
+    chain, cursor = [], sc.target
+    while cursor is not None:
+        chain.append(cursor)
+        cursor = parent_of[cursor]
+    mixed = len({version_of[cid] for cid in chain}) > 1
+    return (sc.run_failure or sc.run_result["reward"] is None or bool(sc.faults) or bool(sc.unstaged)
+            or sc.failed_committed is not None or sc.declared not in DECLARED_HONESTLY
+            or (mixed and sc.cfg.mixed_weight_version_policy == "reject"))
 
 
 def _materialize(trees, sc: Scenario):
@@ -166,6 +192,7 @@ def test_judge_invariants_over_random_forests(trees, sc):
         assert result.yield_.served_generated_tokens is None and result.yield_.unverifiable == ()
 
     if isinstance(result, Placeholder):
+        assert forged(sc), f"nothing was forged, yet the rollout was masked: {result.reason.value}: {result.detail}"
         return
     faulty = set(sc.faults)
     unstaged_ids = {cid for cid, *_ in sc.unstaged}
@@ -211,6 +238,20 @@ def test_judge_invariants_over_random_forests(trees, sc):
     assert sum(tree.snapshot(c).token_mask_delta.count(1.0) for c in owners) == result.num_generated_tokens
     if sc.cfg.branch_policy == "terminal_chain":
         assert len(result.rows) == 1
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(sc=scenarios(forge=False))
+def test_an_unforged_forest_is_kept_with_its_declared_terminal_first(trees, sc):
+    tree, ev, snapshots, problems = _materialize(trees, sc)
+    assert not forged(sc) and problems == {}
+    result = judge_rollout(ev, snapshots, problems, sc.cfg)
+
+    assert isinstance(result, KeptRollout), f"{result.reason.value}: {result.detail}"
+    assert result.reward == sc.run_result["reward"] and result.terminal_selection == {
+        "response_id": "response_id", "explicit": "declared", "declared": "declared"}[sc.declared]
+    assert result.rows[0].model_call_ids[-1] == sc.target
+    assert result.rows[0].token_ids == tree.sequences[sc.target]
 
 
 ROOT_PROMPTS = ((1, 2), (1, 2), (1, 9), (7,))  # repeats: a re-sent first call has its sibling's prompt

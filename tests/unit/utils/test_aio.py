@@ -19,17 +19,22 @@ async def test_results_in_order_when_all_succeed() -> None:
 
 async def test_a_failure_cancels_siblings_after_their_cleanup_and_keeps_its_type() -> None:
     events: list[str] = []
+    started: list[str] = []
+    both_running = asyncio.Event()
 
     async def slow(name: str) -> None:
+        started.append(name)
+        if len(started) == 2:
+            both_running.set()
         try:
-            await asyncio.sleep(60)
+            await asyncio.Event().wait()  # until cancelled
         except asyncio.CancelledError:
             await asyncio.sleep(0.01)  # cleanup that itself awaits (like retention)
             events.append(f"{name} cleaned up")
             raise
 
     async def failing() -> None:
-        await asyncio.sleep(0.01)
+        await both_running.wait()  # the siblings are running when it fails
         raise KeyError("group 2 broke")
 
     with pytest.raises(KeyError, match="group 2 broke"):

@@ -137,10 +137,13 @@ def test_log_after_close_is_an_error(tmp_path: Path) -> None:
 
 def test_timer_records_timing_key() -> None:
     metrics: dict[str, float] = {}
-    with Timer("step_s", metrics) as t:
-        pass
-    assert metrics == {"timing/step_s": t.elapsed_s}
-    assert 0.0 <= t.elapsed_s < 1.0
+    now = [10.0]
+    with Timer("step_s", metrics, clock=lambda: now[0]) as t:
+        now[0] += 1.5
+        assert t.elapsed_s == 1.5  # while running: up to now
+        now[0] += 0.75
+    now[0] += 100.0  # after exit the reading stays
+    assert metrics == {"timing/step_s": 2.25} and t.elapsed_s == 2.25
     with pytest.raises(ValueError, match="without the 'timing/' prefix"):
         Timer("timing/x")
 

@@ -281,7 +281,7 @@ def _check_run(fakes: Fakes, result: dict, expected_path: str) -> None:
     assert [(item["role"], item["content"]) for item in sent] == [(item["role"], item["content"]) for item in prompt]
 
 
-@pytest.mark.integration
+@pytest.mark.stand_in_worker
 async def test_agent_process_compacts_before_the_second_model_call(tmp_path: Path) -> None:
     """One agent process with capture wiring; a run without a rollout id, then one with."""
     fakes = Fakes()

@@ -428,7 +428,7 @@ async def _wait_healthy(proc: subprocess.Popen, url: str, log_path: Path, deadli
     raise AssertionError(f"gate not healthy within {deadline_s}s:\n{launch.read_log_tail(log_path, 40)}")
 
 
-@pytest.mark.integration
+@pytest.mark.stand_in_worker
 async def test_capture_gate_process_admits_sdk_echoes_compaction_and_identical_retries(tmp_path: Path) -> None:
     worker = FakeWorker()
     runner = await _serve(worker)

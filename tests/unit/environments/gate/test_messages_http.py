@@ -9,7 +9,6 @@ raw iterator and through its accumulating `messages.stream` helper; the same req
 
 from __future__ import annotations
 
-import asyncio
 import json
 
 import pytest
@@ -17,7 +16,7 @@ from anthropic import APIStatusError, AsyncAnthropic
 
 from examples.arith.tiny_model.corpus import tool_call_arguments
 from tests.unit.environments.gate.test_guard import BEARER, BEARER_ENV, _close, _stack, tokenizer  # noqa: F401
-from tests.unit.environments.gate.test_responses_http import SlowEngine, _manifest, leave_mid_stream
+from tests.unit.environments.gate.test_responses_http import SETTLE_S, SlowEngine, _manifest, leave_mid_stream, until
 
 MESSAGES = [{"role": "user", "content": "What is 2 + 2?"}]
 TOOL = {"name": "calculator", "description": "Evaluate an arithmetic expression.",
@@ -152,5 +151,6 @@ async def test_a_client_gone_mid_stream_commits_nothing(stack) -> None:
     assert status == 200 and streamed.startswith(b"event: message_start\n")
     assert b"message_stop" not in streamed
     assert (await _manifest(stack, "m5"))["records"] == []  # never committed: no chain holds it
-    await asyncio.sleep(0.5)  # off-chain either way: aborted in the worker, or staged and never committed
+    # Off-chain either way: aborted in the worker, or staged and never committed.
+    await until(lambda: stack.svc.stats["client_disconnected"] + len(stack.staging.records) > 0, SETTLE_S)
     assert (stack.svc.stats["client_disconnected"], len(stack.staging.records)) in ((1, 0), (0, 1))

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
+from collections.abc import Callable
 
 import pytest
 from openai import AsyncOpenAI
@@ -97,6 +99,17 @@ async def test_a_streamed_tool_call_is_a_function_call_item_with_its_arguments(s
     assert [r["response_id"] for r in manifest["records"]] == [final.id] and manifest["failures"] == []
 
 
+SETTLE_S = 10.0  # far above the slow engine's 8 tokens x 50 ms: a call left mid-stream has ended by then
+
+
+async def until(condition: Callable[[], bool], timeout_s: float) -> None:
+    """Return once `condition()` holds; fail after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"not settled within {timeout_s} s"
+        await asyncio.sleep(0.01)
+
+
 class SlowEngine:
     """The scripted engine, one token every 50 ms (so a client can leave mid-generation)."""
 
@@ -156,7 +169,7 @@ async def test_a_client_gone_mid_stream_leaves_an_off_chain_call_never_committed
         assert manifest["records"] == []  # never committed: no chain holds it
         # Off-chain either way: the worker aborted it (`client_disconnected`, nothing staged) or it
         # finished first and its staged row is uncommitted (`staged_not_committed` for the judge).
-        await asyncio.sleep(0.5)
+        await until(lambda: svc.stats["client_disconnected"] + len(built.staging.records) > 0, SETTLE_S)
         assert (svc.stats["client_disconnected"], len(built.staging.records)) in ((1, 0), (0, 1)), dict(svc.stats)
     finally:
         await _close(built, worker)
