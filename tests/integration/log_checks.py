@@ -11,12 +11,15 @@ Contract:
   so a Ray upgrade that rewords it fails there instead of silencing this check.
 - `raw_prompt_warnings`: vLLM's deprecation of raw prompts, logged once per worker that passes one;
   `vllm_main_process_warnings` shows vLLM's warnings from the worker's own process reached the text.
+- `reload_failed_warnings`: vLLM's "<Layer>: Failed to load weights" from a refit; the worker keeps
+  the rotary embedding's (benign) one out of the log, so a run that refits must show none.
 """
 
 from __future__ import annotations
 
 RAY_BLOCKING_GET_WARNING = "Using blocking ray.get inside async actor"
 VLLM_RAW_PROMPT_WARNING = "Passing raw prompts to InputProcessor is deprecated"
+VLLM_RELOAD_FAILED = ": Failed to load weights"
 VLLM_MAIN_PROCESS = "(MainProcess pid="  # vLLM's prefix on its log lines in the actor's own process
 
 
@@ -39,3 +42,8 @@ def raw_prompt_warnings(text: str) -> list[str]:
 def vllm_main_process_warnings(text: str) -> list[str]:
     """vLLM's WARNING lines from a generation worker's own process (where the raw-prompt warning would be)."""
     return [line for line in text.splitlines() if VLLM_MAIN_PROCESS in line and " WARNING " in line]
+
+
+def reload_failed_warnings(text: str) -> list[str]:
+    """The lines of `text` where vLLM's layerwise reload says a layer got no weights."""
+    return [line for line in text.splitlines() if VLLM_RELOAD_FAILED in line and "[layerwise.py" in line]

@@ -22,6 +22,7 @@ from tests.integration.log_checks import (
     actor_lines,
     blocking_get_warnings,
     raw_prompt_warnings,
+    reload_failed_warnings,
     vllm_main_process_warnings,
 )
 from tests.integration.metrics_contract import check_step_lines
@@ -98,3 +99,11 @@ def test_the_worker_hands_vllm_rendered_inputs_not_raw_prompts(l1_legs, leg):
     # vLLM's warnings from the worker's own process reach this log, so the empty answer below is a finding.
     assert vllm_main_process_warnings(text), f"no vLLM warning from a worker's main process in the {leg} leg's log"
     assert raw_prompt_warnings(text) == [], f"a worker passed vLLM a raw prompt in the {leg} leg"
+
+
+@pytest.mark.integration
+def test_a_refitting_run_logs_no_reload_warning(l1_legs):
+    text = _leg_output(l1_legs, "capture")
+    # Every capture step refits (the metrics test shows the engine moved), and the engine core's
+    # lines reach this log (the reload probe test shows a real missing weight is printed).
+    assert reload_failed_warnings(text) == [], "a refit logged vLLM's reload warning"

@@ -7,7 +7,7 @@ stopped matching vLLM's wording would fail here, not pass silently on the L1 leg
 
 from __future__ import annotations
 
-from tests.integration.log_checks import raw_prompt_warnings, vllm_main_process_warnings
+from tests.integration.log_checks import raw_prompt_warnings, reload_failed_warnings, vllm_main_process_warnings
 
 PREFIX = "\x1b[36m(VllmGenerationWorker pid=3208)\x1b[0m (MainProcess pid=3208) WARNING 12-03 15:59:"
 SEED_LINE = (PREFIX + "40 [arg_utils.py:1945] The global random seed is set to 0. Since VLLM_ENABLE_V1_MULTIPROCESSING "
@@ -27,3 +27,8 @@ def test_a_raw_prompt_is_flagged_and_a_rendered_run_is_not() -> None:
     # what makes the empty answer mean something: the worker's own vLLM warnings reach the text
     assert vllm_main_process_warnings(after) == [SEED_LINE]
     assert vllm_main_process_warnings(ENGINE_CORE_LINE) == []
+
+
+def test_a_reload_warning_is_found_in_a_real_line_and_nowhere_else() -> None:
+    assert reload_failed_warnings("\n".join([SEED_LINE, ENGINE_CORE_LINE, RAW_PROMPT_LINE])) == [ENGINE_CORE_LINE]
+    assert reload_failed_warnings("\n".join([SEED_LINE, RAW_PROMPT_LINE])) == []

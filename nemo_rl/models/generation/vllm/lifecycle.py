@@ -91,7 +91,7 @@ def engine_args(model_dir: Path, cfg: VllmConfig) -> dict:
         max_model_len=cfg.max_model_len,
         enable_prefix_caching=True,
         disable_log_stats=True,
-        worker_extension_cls=worker_extension.QUALNAME,  # `trim_host_memory` after every refit
+        worker_extension_cls=worker_extension.QUALNAME,  # heap trim after every refit, quiet benign reload warnings
     )
     if cfg.flavor == "gpu":
         tp = cfg.tensor_parallel_size
@@ -134,6 +134,9 @@ async def start_engine(model_dir: Path, cfg: VllmConfig) -> tuple[Any, VllmEngin
     the worker's open port keeps answering 503 `worker_starting` while vLLM loads (~60 s on CPU)."""
     tokenizer = await asyncio.to_thread(load_tokenizer, model_dir)  # transformers' import takes a second or more
     engine = await asyncio.to_thread(start_vllm_engine, model_dir, cfg, tokenizer.eos_token_id)
+    # Every refit would otherwise log vLLM's "RotaryEmbedding: Failed to load weights" (benign: no
+    # checkpoint holds its computed cache); other layers' reload warnings still reach the log.
+    await engine.async_llm.collective_rpc(worker_extension.QUIET_METHOD)
     return tokenizer, engine
 
 
