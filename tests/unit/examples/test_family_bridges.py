@@ -1,7 +1,7 @@
-"""`renderers`' token-in bridge on real Qwen3 and Qwen3.5 ids (our family tokenizers).
+"""`renderers`' token-in bridge and parser on real Qwen3, Qwen3.5 and DeepSeek-V4 ids (our family tokenizers).
 
 Expectations are derived without the bridge: from the full render of the extended conversation
-(our Qwen3 chat template's text for qwen3, the renderer's `render_ids` for qwen3.5), which is a
+(our Qwen3 chat template's text for qwen3, the renderer's `render_ids` for the others), which is a
 token prefix extension wherever the template keeps history. The sampled completion is given a
 non-canonical tokenization (one token split in two) so "keeps the sampled ids" can fail.
 """
@@ -9,9 +9,11 @@ non-canonical tokenization (one token split in two) so "keeps the sampled ids" c
 from __future__ import annotations
 
 import pytest
-from renderers import Qwen3RendererConfig, Qwen35RendererConfig, ToolCallParseStatus, create_renderer
+from renderers import (
+    DeepSeekV4RendererConfig, Qwen3RendererConfig, Qwen35RendererConfig, ToolCallParseStatus, create_renderer,
+)
 
-from examples.families.vocab import QWEN3, QWEN3_5, load_family_tokenizer
+from examples.families.vocab import DEEPSEEK_V4, QWEN3, QWEN3_5, load_family_tokenizer
 
 CALCULATOR = {
     "type": "function",
@@ -201,3 +203,49 @@ def test_parser_reads_the_sampled_tool_call(tokenizers, family, thinking):
     ]
     assert parsed.reasoning_complete is True
     assert renderer.get_stop_token_ids() == [ids["im_end"], ids["im_start"] - 1]
+
+
+# DeepSeek-V4 (no Jinja template: its reference is a Python encoder, mirrored by the renderer).
+DS_USER, DS_ASSISTANT, DS_EOS, DS_THINK, DS_THINK_END = 128803, 128804, 1, 128821, 128822
+
+
+@pytest.fixture(scope="module")
+def deepseek():
+    return load_family_tokenizer(DEEPSEEK_V4)
+
+
+@pytest.mark.parametrize("thinking", [True, False], ids=["think", "chat"])
+def test_deepseek_v4_tool_loop_bridges_keeping_the_sampled_ids(deepseek, thinking):
+    renderer = create_renderer(deepseek, DeepSeekV4RendererConfig(enable_thinking=thinking))
+    prompt = renderer.render_ids([SYSTEM, QUESTION], tools=[CALCULATOR], add_generation_prompt=True)
+    full = renderer.render_ids([SYSTEM, QUESTION, _tool_call_turn(thinking), TOOL_RESULT], tools=[CALCULATOR],
+                               add_generation_prompt=True)
+    canonical, end = _sampled_turn(full, prompt, DS_EOS)
+    sampled = _drift(deepseek, canonical)
+    assert sampled != canonical and deepseek.decode(sampled) == deepseek.decode(canonical)
+
+    bridged = renderer.bridge_to_next_turn(prompt, sampled, [TOOL_RESULT], tools=[CALCULATOR])
+
+    assert bridged is not None
+    tail = [DS_USER, *_text_ids(deepseek, "<tool_result>58</tool_result>"), DS_ASSISTANT,
+            DS_THINK if thinking else DS_THINK_END]
+    assert full[end:] == tail
+    assert bridged.token_ids == prompt + sampled + tail
+    parsed = renderer.parse_response(sampled, tools=[CALCULATOR], prompt_ids=prompt)
+    assert [(c.name, c.arguments, c.status) for c in parsed.tool_calls] == [
+        ("calculator", {"expression": "14 + 11 * 4"}, ToolCallParseStatus.OK)
+    ]
+    assert (parsed.reasoning_content or "") == ("Use the calculator for the product first." if thinking else "")
+    assert renderer.get_stop_token_ids() == [DS_EOS]
+
+
+def test_deepseek_v4_user_follow_up_after_thinking_has_no_exact_bridge(deepseek):
+    renderer = create_renderer(deepseek, DeepSeekV4RendererConfig(enable_thinking=True))
+    answer = {"role": "assistant", "reasoning_content": "11 * 4 = 44; 14 + 44 = 58.", "content": "58"}
+    prompt = renderer.render_ids([QUESTION], add_generation_prompt=True)
+    sampled, _ = _sampled_turn(renderer.render_ids([QUESTION, answer]), prompt, DS_EOS)
+    assert DS_THINK_END in sampled
+
+    assert renderer.bridge_to_next_turn(prompt, sampled, [FOLLOW_UP]) is None
+    extended = renderer.render_ids([QUESTION, answer, FOLLOW_UP], add_generation_prompt=True)
+    assert extended[: len(prompt) + len(sampled)] != prompt + sampled
