@@ -25,7 +25,6 @@ import hashlib
 import importlib.metadata
 import json
 import shutil
-import tempfile
 from dataclasses import asdict, dataclass
 from importlib import resources
 from pathlib import Path
@@ -38,9 +37,8 @@ from transformers import PreTrainedTokenizerFast
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from examples.arith.tiny_model.build import default_cache_root, sha256_file
+from examples.families.cache import BUILD_INFO_FILE, FamilyBuildError, check_empty, ensure_built
 from examples.families.qwen3_template import QWEN3_CHAT_TEMPLATE
-
-BUILD_INFO_FILE = "build_info.json"
 
 # Qwen2.5 / Qwen3 added tokens, in the order Qwen publishes them from id 151643.
 QWEN3_ADDED_TOKENS: tuple[str, ...] = (
@@ -54,10 +52,6 @@ QWEN3_FIRST_ADDED_ID = 151643
 # Tags a parser reads from decoded text (tool calls, thinking) and fill-in-the-middle markers are
 # added but not special, as in Qwen's own tokenizer config: `skip_special_tokens` keeps them.
 _QWEN_NOT_SPECIAL_PREFIXES = ("<tool", "</tool", "<think", "</think", "<|fim_", "<|repo_name", "<|file_sep", "<tts")
-
-
-class FamilyVocabError(RuntimeError):
-    """A family tokenizer could not be built, or a cached build is not what it claims to be."""
 
 
 @dataclass(frozen=True)
@@ -121,7 +115,7 @@ def data_path(family: FamilyVocab, name: str) -> Path:
     """The installed path of one of `family`'s package data files."""
     path = Path(str(resources.files(_IMPORT_NAMES[family.package]) / name))
     if not path.is_file():
-        raise FamilyVocabError(f"{family.package} has no data file {name!r} (looked at {str(path)!r})")
+        raise FamilyBuildError(f"{family.package} has no data file {name!r} (looked at {str(path)!r})")
     return path
 
 
@@ -158,9 +152,9 @@ def _is_special(content: str) -> bool:
 def _tiktoken_family_tokenizer(family: FamilyVocab) -> Tokenizer:
     ranks = read_tiktoken_ranks(data_path(family, family.data_files[0]))
     if sorted(ranks.values()) != list(range(len(ranks))):
-        raise FamilyVocabError(f"{family.name}: ranks are not 0..{len(ranks) - 1}")
+        raise FamilyBuildError(f"{family.name}: ranks are not 0..{len(ranks) - 1}")
     if family.added_tokens[0][0] != len(ranks):
-        raise FamilyVocabError(
+        raise FamilyBuildError(
             f"{family.name}: added tokens start at {family.added_tokens[0][0]}, the ranks end at {len(ranks)}"
         )
     to_unicode = bytes_to_unicode()
@@ -185,7 +179,7 @@ def _tiktoken_family_tokenizer(family: FamilyVocab) -> Tokenizer:
     )
     for token_id, content in family.added_tokens:
         if tok.token_to_id(content) != token_id:
-            raise FamilyVocabError(f"{family.name}: {content!r} got id {tok.token_to_id(content)}, expected {token_id}")
+            raise FamilyBuildError(f"{family.name}: {content!r} got id {tok.token_to_id(content)}, expected {token_id}")
     return tok
 
 
@@ -234,8 +228,7 @@ def build_family_tokenizer(family: FamilyVocab, out_dir: Path | str) -> Path:
 
 
 def _build(family: FamilyVocab, out_dir: Path, key: str) -> Path:
-    if out_dir.exists() and any(out_dir.iterdir()):
-        raise FamilyVocabError(f"out_dir {str(out_dir)!r} is not empty; pass a new or empty folder")
+    check_empty(out_dir)
     if family.pattern is not None:
         _save_tiktoken_family(family, out_dir)
     else:
@@ -245,42 +238,15 @@ def _build(family: FamilyVocab, out_dir: Path, key: str) -> Path:
     return out_dir
 
 
-def _check_cached(folder: Path, key: str) -> Path:
-    try:
-        info = json.loads((folder / BUILD_INFO_FILE).read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise FamilyVocabError(f"cached tokenizer {str(folder)!r} has no readable {BUILD_INFO_FILE}; delete it") from e
-    if info.get("cache_key") != key:
-        raise FamilyVocabError(f"cached tokenizer {str(folder)!r} has cache_key {info.get('cache_key')!r}, expected {key!r}")
-    return folder
-
-
 def ensure_family_tokenizer(family: FamilyVocab, cache_root: Path | str | None = None) -> Path:
     key = cache_key(family)
     root = Path(cache_root) if cache_root is not None else default_cache_root()
-    folder = root / "families" / family.name / key[:24]
-    if folder.exists():
-        return _check_cached(folder, key)
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".building-{folder.name}-", dir=folder.parent))
-    try:
-        _build(family, staging, key)
-        try:
-            staging.rename(folder)
-        except OSError:
-            if not folder.exists():
-                raise
-            # Another process finished the same build first; its folder is equally valid.
-            return _check_cached(folder, key)
-    finally:
-        if staging.exists():
-            shutil.rmtree(staging)
-    return folder
+    return ensure_built(root / "families" / family.name / key[:24], key, lambda staging: _build(family, staging, key))
 
 
 def load_family_tokenizer(family: FamilyVocab, cache_root: Path | str | None = None) -> PreTrainedTokenizerFast:
     """The family's tokenizer from its cache folder (built first when missing)."""
     tokenizer = PreTrainedTokenizerFast.from_pretrained(str(ensure_family_tokenizer(family, cache_root)))
     if tokenizer.eos_token_id is None:
-        raise FamilyVocabError(f"{family.name}: the loaded tokenizer has no eos token")
+        raise FamilyBuildError(f"{family.name}: the loaded tokenizer has no eos token")
     return tokenizer

