@@ -12,6 +12,7 @@ from examples.families.cache import FamilyBuildError
 from examples.families.qwen3_model import (
     QWEN3_PADDED_VOCAB,
     Qwen3TinyConfig,
+    build_qwen3_tiny_model,
     cache_key,
     ensure_qwen3_tiny_model,
 )
@@ -53,6 +54,15 @@ def test_cache_reuses_and_checks_the_build(model_dir):
     assert ensure_qwen3_tiny_model(Qwen3TinyConfig()) == model_dir
     assert model_dir.name == cache_key(Qwen3TinyConfig())[:24]
     assert cache_key(Qwen3TinyConfig(seed=1)) != cache_key(Qwen3TinyConfig())
+
+
+def test_equal_configs_build_byte_identical_folders(tmp_path, model_dir):
+    again = build_qwen3_tiny_model(Qwen3TinyConfig(), tmp_path / "again")
+    for name in ("model.safetensors", "tokenizer.json", "config.json", "generation_config.json"):
+        assert (again / name).read_bytes() == (model_dir / name).read_bytes(), name
+    info = json.loads((again / "build_info.json").read_text())
+    assert info == json.loads((model_dir / "build_info.json").read_text())
+    assert info["parameters"] == 2 * 151936 * 128 + 2 * (128 * 128 + 2 * 128 * 64 + 128 * 128 + 3 * 128 * 256 + 2 * 128 + 2 * 64) + 128
 
 
 def test_a_cached_folder_of_another_key_is_refused(tmp_path, model_dir):
