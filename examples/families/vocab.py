@@ -51,7 +51,7 @@ QWEN3_ADDED_TOKENS: tuple[str, ...] = (
 QWEN3_FIRST_ADDED_ID = 151643
 # Tags a parser reads from decoded text (tool calls, thinking) and fill-in-the-middle markers are
 # added but not special, as in Qwen's own tokenizer config: `skip_special_tokens` keeps them.
-_QWEN_NOT_SPECIAL_PREFIXES = ("<tool", "</tool", "<think", "</think", "<|fim_", "<|repo_name", "<|file_sep", "<tts")
+_QWEN_NOT_SPECIAL_PREFIXES = ("<tool", "</tool", "<think", "</think", "<|fim_", "<|repo_name", "<|file_sep")
 
 
 @dataclass(frozen=True)

@@ -126,10 +126,15 @@ def test_deepseek_v4_keeps_the_package_config(ours):
     assert tokenizer.convert_ids_to_tokens(129279) == "<｜image｜>"
 
 
-def test_tags_a_parser_reads_survive_skip_special_tokens(ours):
-    tokenizer = ours["qwen3"]
-    ids = tokenizer.encode("<think>\nx\n</think>\n\n<tool_call>\n{}\n</tool_call><|im_end|>", add_special_tokens=False)
-    assert tokenizer.decode(ids, skip_special_tokens=True) == "<think>\nx\n</think>\n\n<tool_call>\n{}\n</tool_call>"
+@pytest.mark.parametrize("family", ["qwen3", "qwen3.5"])
+def test_tags_a_parser_reads_survive_skip_special_tokens(ours, family):
+    tokenizer = ours[family]
+    text = "<|im_start|>assistant\n<think>\nx\n</think>\n\n<tool_call>\n{}\n</tool_call><|im_end|><|endoftext|>"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert tokenizer.decode(ids, skip_special_tokens=True) == "assistant\n<think>\nx\n</think>\n\n<tool_call>\n{}\n</tool_call>"
+    kept = {t.content for t in tokenizer.added_tokens_decoder.values() if not t.special}
+    assert kept == {"<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>",
+                    "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>"}
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
