@@ -1,24 +1,16 @@
 """The worker's pure chat logic: what a chat request means in ids, and what ids mean as a reply.
 
-No I/O, no engine, no custody: functions of a tokenizer (its chat template), a request and
-sampled ids, so `serving` (the orchestrator) and the tests call them alike.
-- Request: `normalize_messages` (vLLM's shaping of messages for the template), `chat_tools`,
-  `sampling_from_body` (`InvalidChatRequest` naming the field), `parses_tool_calls`,
-  `context_overflow_message` (vLLM's wording).
-- Render: `render_root_prompt` (the whole conversation through the model's own template) and
-  the token-in rule, `render_token_in_tail` (only what follows the parent's last sampled token;
-  `TailRenderError` when it cannot be placed exactly, never a silently different prompt), with
-  the template's end-of-turn text probed once at set-up (`probe_turn_end`).
-- Parse: tool calls go through one seam, a `ToolParser` resolved at set-up (`tool_parsers` maps
-  vLLM's parser names to them; `hermes` is here as the default), so a parser can be swapped
-  without touching the reply builders; `assistant_reply` decodes as the parser's vLLM class does.
-- Reply: `build_chat_completion`, and for `stream=true` the chunk builders (`chunk`,
-  `final_chunks`, `replay_chunks`, `usage_chunk`), `ContentStreamer` (content deltas as ids
-  arrive, decoded as the finished reply decodes them) and the SSE framing bytes (`sse_event`,
-  `SSE_DONE`). Invariant: the concatenated streamed deltas equal the finished reply's content
-  (`StreamConsistencyError` otherwise, never a silent rewrite).
-See docs/design-docs/vllm-worker-capture.md ("Chat templates and token-in tails", "Tool calls",
-"The streamed path").
+No I/O, no engine, no custody (`serving` orchestrates). Request: `normalize_messages`,
+`chat_tools`, `sampling_from_body` (`InvalidChatRequest` naming the field),
+`context_overflow_message` (vLLM's wording). Render: `render_root_prompt` (the model's own
+template) and the token-in rule `render_token_in_tail` (only what follows the parent's last
+sampled token; `TailRenderError` when it cannot be placed exactly, never a silently different
+prompt), with the end-of-turn probed once at set-up (`probe_turn_end`). Parse: one seam, a
+`ToolParser` resolved at set-up (`hermes` here, the others in `tool_parsers`), so a parser can be
+swapped without touching the reply builders. Reply: `build_chat_completion`; for `stream=true` the
+chunk builders, `ContentStreamer` and the SSE framing (`sse_event`, `SSE_DONE`). Invariant: the
+concatenated streamed deltas equal the finished reply's content (`StreamConsistencyError`
+otherwise). See docs/design-docs/vllm-worker-capture.md ("Any chat model", "The streamed path").
 """
 
 from __future__ import annotations

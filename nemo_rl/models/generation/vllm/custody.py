@@ -1,22 +1,16 @@
-"""The worker's custody core: what an admitted (`ng_capture`) call goes through, apart from rendering, generation and HTTP.
+"""The worker's custody core: an admitted (`ng_capture`) call's own steps (render, generate, HTTP are not here).
 
-No callbacks: `serving` (the orchestrator) drives a call through these steps and does the
-rendering, the generation and the reply itself.
-- `open(body, raw_admission)`: admission check, claim (or replay) of the call's id, and for a
-  token-in call the parents' barrier and the parent's exact prefix -> a `CallOpening` (its
-  prefix) or the committed reply of a byte-identical re-send (`replay`).
-- `plan(opening, prompt_ids=..., ...)`: Gym's one `begin_call` on the prompt the orchestrator
-  rendered from that prefix -> a `CallPlan` (what to generate from).
-- `finish(plan, result, reply)`: staging, prefix-cache seed once durable, served registry -> the
-  reply with its `ng_commit_coords` (kept for a re-send). `release` frees an id nothing was
-  generated for; `abandon` records a call cut mid-generation.
-`lifecycle.build_custody` builds the core.
+No callbacks: `serving` drives each call through these steps. `open` (admission check, claim or
+replay of the call's id, for token-in the parents' barrier and the exact prefix) -> a
+`CallOpening` or a re-send's committed reply; `plan` (Gym's one `begin_call` on the prompt
+serving rendered) -> a `CallPlan`; `finish` (staging, prefix-cache seed once durable, served
+registry) -> the reply with `ng_commit_coords`; `release` (nothing generated) or `abandon` (cut
+mid-generation). `lifecycle.build_custody` builds the core.
 Invariants: nothing is generated from an unverified prefix or a parent whose row is not durable;
 an admitted call is generated at most once (a byte-identical re-send is replayed); every
 generated admitted call leaves one `ServedCall`; a failed custody step after generation is a
-`capture_failed` reply; a call cut mid-generation (`abandon`) is recorded served, never staged.
-Failures are `ApiError`s; no HTTP here.
-The rules in full: docs/design-docs/vllm-worker-capture.md.
+`capture_failed` reply; an abandoned call is recorded served, never staged. Failures are
+`ApiError`s; no HTTP here. The rules in full: docs/design-docs/vllm-worker-capture.md.
 """
 
 from __future__ import annotations

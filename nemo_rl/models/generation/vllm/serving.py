@@ -1,19 +1,16 @@
 """The worker's one orchestrator: every chat completion, whole or streamed, plain or admitted.
 
-`ChatService` (`http` is a thin shell over it) checks the request, renders it (`chat`), asks the
-engine for ids (`engine`) and builds the reply (`chat`); an admitted (`ng_capture`) call is
-opened, planned and finished through `custody.CustodyCore` step by step (no callbacks: the
-rendering, the generation and the reply stay here). Promises: a plain call is answered as stock
-vLLM would; an admitted call's prompt is the parent's exact ids plus the newly rendered tail
-(never re-tokenized history), and its reply carries no token echo. Refuses, by a named
-`ApiError`, a template refusal, a context overflow and a tail that cannot be placed exactly
-(`TailRenderError`: the call is `capture_failed`, never a silently different prompt); anything
-else is a bug that propagates. `stream=true` (`chat_completions_stream`): every check up to the
-first token runs before any byte, then SSE events (the role chunk, content deltas as the engine
-produces them, `chat.final_chunks`); an admitted call is opened and finished exactly as a whole
-one, and a consumer that stops early aborts the generation and the call is
-`client_disconnected`, never staged. `chat_service` builds the worker's service (its tool-call
-parser resolved once). See docs/design-docs/vllm-worker-capture.md.
+`ChatService` (`http` is a thin shell over it) checks the request, renders it and builds the
+reply (`chat`), asks the engine for ids (`engine`) and drives an admitted (`ng_capture`) call
+through `custody.CustodyCore` step by step (open, plan, finish; no callbacks). Promises: a plain
+call is answered as stock vLLM would; an admitted call's prompt is the parent's exact ids plus
+the newly rendered tail (never re-tokenized history), its reply without token echo. Refuses, by
+a named `ApiError`, a template refusal, a context overflow and a tail that cannot be placed
+exactly (`TailRenderError`: `capture_failed`, never a silently different prompt); anything else
+is a bug that propagates. `stream=true` (`chat_completions_stream`): every check up to the first
+token runs before any byte; a consumer that stops early aborts the generation and the call is
+`client_disconnected`, never staged. `chat_service` builds the worker's service.
+See docs/design-docs/vllm-worker-capture.md.
 """
 
 from __future__ import annotations
