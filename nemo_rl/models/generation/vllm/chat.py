@@ -36,10 +36,9 @@ from nemo_rl.models.generation.vllm.errors import (
 
 LOGGER = logging.getLogger(__name__)
 
-_HERMES_START = "<tool_call>"
+HERMES_TOOL_START = "<tool_call>"  # where a `hermes` reply's tool calls begin (its content ends)
 _HERMES_RE = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)
 SSE_DONE = b"data: [DONE]\n\n"
-HERMES_TOOL_START = _HERMES_START
 CHUNK_OBJECT = "chat.completion.chunk"
 
 
@@ -189,7 +188,7 @@ def parse_hermes(text: str) -> ParsedAssistant:
     reply with calls is the text before the first `<tool_call>`, unstripped (None when empty);
     text between or after the blocks is dropped.
     """
-    if _HERMES_START not in text:
+    if HERMES_TOOL_START not in text:
         return ParsedAssistant(content=text, tool_calls=[])
     calls: list[dict] = []
     for closed, left_open in _HERMES_RE.findall(text):
@@ -200,7 +199,7 @@ def parse_hermes(text: str) -> ParsedAssistant:
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or "arguments" not in obj:
             return ParsedAssistant(content=text, tool_calls=[])
         calls.append(function_call(obj["name"], json.dumps(obj["arguments"], ensure_ascii=False)))
-    content = text[: text.find(_HERMES_START)]
+    content = text[: text.find(HERMES_TOOL_START)]
     return ParsedAssistant(content=content or None, tool_calls=calls)
 
 
