@@ -47,7 +47,7 @@ from nemo_rl.data_plane.partitions import TrainRowCleaner
 from nemo_rl.distributed.component_watch import ComponentKind, any_down
 from nemo_rl.experience.prompt_queue import GroupTicket, PromptLedger
 from nemo_rl.experience.staleness import age_histogram_metrics, split_fresh, trajectory_age_metrics
-from nemo_rl.models.generation.vllm.worker import RefitAbortedWorkerError
+from nemo_rl.models.generation.vllm.errors import RefitAbortedWorkerError
 from nemo_rl.token_capture.metrics import finalize_metrics, first_call_prompt_records
 from nemo_rl.utils.logger import FIRST_CALL_PROMPTS_FILE, METRICS_FILE, Timer, append_jsonl
 

@@ -54,7 +54,7 @@ from nemo_rl.algorithms.setup import GRPORun, setup
 from nemo_rl.distributed.component_watch import DATA_PLANE_KINDS, ComponentKind, any_down
 from nemo_rl.experience.prompt_queue import LedgerSnapshot, PromptLedger
 from nemo_rl.experience.rollout_manager import component_failure_detail
-from nemo_rl.models.generation.vllm.worker import WorkerError, WorkerFailedError
+from nemo_rl.models.generation.vllm.errors import WorkerError, WorkerFailedError
 from nemo_rl.token_capture.metrics import finalize_metrics, first_call_prompt_records
 from nemo_rl.utils.aio import gather_cancelling
 from nemo_rl.utils.checkpoint import capture_rng_states, commit_checkpoint, prune_checkpoints, should_save

@@ -54,13 +54,8 @@ from nemo_rl.environments.task import RowSampling
 from nemo_rl.experience.finalizer_pool import FinalizeOutcome, FinalizerPool, TQSourceFactory, TQTrainRowsFactory
 from nemo_rl.experience.rollout_manager import RolloutManager, RolloutManagerConfig
 from nemo_rl.models.generation.vllm.config import GenerationConfig
-from nemo_rl.models.generation.vllm.launcher import (
-    WorkerGroup,
-    await_workers,
-    resolve_flavor,
-    spawn_workers,
-    worker_name,
-)
+from nemo_rl.models.generation.vllm.client import WorkerGroup, worker_name
+from nemo_rl.models.generation.vllm.launcher import await_workers, resolve_flavor, spawn_workers
 from nemo_rl.models.policy.worker import RayPolicyClient
 from nemo_rl.token_capture.config import TokenCaptureConfig
 from nemo_rl.token_capture.judge import RolloutEvidence

@@ -7,7 +7,7 @@ Contract:
 - A family whose members differed only by name is one class with a validated `kind` (`Kinded`);
   its message is unchanged and it pickles (Ray) with its kind.
 - An `ApiError`'s HTTP status follows from its type (`STATUS_OF`); only the transports
-  (`models.generation.vllm.worker`, `environments.gate.app`) turn it into a response.
+  (`models.generation.vllm.http`, `environments.gate.app`) turn it into a response.
 - A record that breaks its module's invariants is a `RecordInvariantError` (fatal, a kind per
   record). `PolicyError` (fatal) is the base of every policy failure; `PolicyWorkerError`
   carries strings only, so it crosses Ray intact.

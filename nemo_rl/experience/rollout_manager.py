@@ -33,7 +33,7 @@ from nemo_rl.environments.nemo_gym_config import GymRunError, GymRunTimeoutError
 from nemo_rl.experience.errors import AccountingError
 from nemo_rl.experience.legacy_rows import legacy_row_from_result
 from nemo_rl.experience.finalizer_pool import FinalizeOutcome
-from nemo_rl.models.generation.vllm.worker import WorkerError, WorkerFailedError
+from nemo_rl.models.generation.vllm.errors import WorkerError, WorkerFailedError
 from nemo_rl.token_capture.config import TokenCaptureConfig
 from nemo_rl.token_capture.judge import RolloutEvidence, RunFailure, all_served_lost, reward_of
 from nemo_rl.utils.aio import gather_cancelling
@@ -81,7 +81,7 @@ class GroupFinalizer(Protocol):
 
 
 class ServedReporter(Protocol):
-    """The generation workers' served-call report (`WorkerGroup.served`, a `vllm.worker.ServedReporter`), bounded.
+    """The generation workers' served-call report (`WorkerGroup.served`, a `vllm.client.ServedReporter`), bounded.
 
     A worker that times out or died raises `WorkerError` (recoverable: the judge runs without the
     report and fails closed); `WorkerFailedError` (a worker in its failed state) and any other

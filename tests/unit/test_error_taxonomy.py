@@ -201,8 +201,8 @@ def test_a_dead_worker_is_recoverable_and_a_failed_worker_fatal_for_the_driver()
     from ray.exceptions import RayActorError, RayTaskError
 
     from nemo_rl.data.errors import FatalError, RecoverableError
-    from nemo_rl.models.generation.vllm.launcher import WorkerGroup
-    from nemo_rl.models.generation.vllm.worker import WorkerError, WorkerFailedError
+    from nemo_rl.models.generation.vllm.client import WorkerGroup
+    from nemo_rl.models.generation.vllm.errors import WorkerError, WorkerFailedError
 
     def group(error: Exception) -> WorkerGroup:
         return WorkerGroup(handles=[_FailingWorker(error)], base_urls=[], call_timeout_s=5.0)

@@ -32,7 +32,7 @@ from nemo_rl.data.rows import GroupResult, Placeholder, PlaceholderReason
 from nemo_rl.experience.prompt_queue import GroupTicket, PromptLedger
 from nemo_rl.experience.errors import AccountingError
 from nemo_rl.experience.finalizer_pool import FinalizerPoolError
-from nemo_rl.models.generation.vllm.worker import RefitAbortedWorkerError
+from nemo_rl.models.generation.vllm.errors import RefitAbortedWorkerError
 from tests.unit.experience.test_staleness import group_of
 
 

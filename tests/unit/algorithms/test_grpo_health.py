@@ -22,8 +22,8 @@ from nemo_rl.algorithms.grpo_health import (
 from nemo_rl.algorithms.grpo_single_controller import refit_or_name_deaths
 from nemo_rl.data.rows import GroupResult, KeptRollout, Placeholder, PlaceholderReason, RowOrigin, TrainRow
 from nemo_rl.distributed.component_watch import ChildProcess, ComponentWatch, Probe, Role
-from nemo_rl.models.generation.vllm.launcher import WorkerGroup
-from nemo_rl.models.generation.vllm.worker import WorkerError
+from nemo_rl.models.generation.vllm.client import WorkerGroup
+from nemo_rl.models.generation.vllm.errors import WorkerError
 from nemo_rl.token_capture.config import TokenCaptureConfig
 
 R = PlaceholderReason

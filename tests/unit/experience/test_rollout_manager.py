@@ -46,7 +46,7 @@ from nemo_rl.experience.rollout_manager import (
     account_group,
     enforce_min_valid_fraction,
 )
-from nemo_rl.models.generation.vllm.worker import WorkerError
+from nemo_rl.models.generation.vllm.errors import WorkerError
 from nemo_rl.token_capture.config import TokenCaptureConfig
 from nemo_rl.token_capture.judge import RunFailure
 
@@ -579,7 +579,7 @@ async def test_a_bug_in_a_run_propagates_instead_of_becoming_a_placeholder(enabl
 
 
 async def test_a_failed_worker_aborts_instead_of_degrading_the_served_report():
-    from nemo_rl.models.generation.vllm.worker import WorkerFailedError
+    from nemo_rl.models.generation.vllm.errors import WorkerFailedError
 
     served = ScriptedServed(["success"], error=WorkerFailedError("vLLM worker 0 is failed: engine dead"))
     manager, *_ = _manager(["success"], served=served)
@@ -685,7 +685,7 @@ ENGINE_CORE_DEATH = "vLLM worker 0 engine core EngineCore (pid 77) killed by SIG
 
 
 async def test_a_failed_worker_is_a_death_only_when_the_watch_finds_a_worker_or_its_engine_core_dead():
-    from nemo_rl.models.generation.vllm.worker import WorkerFailedError
+    from nemo_rl.models.generation.vllm.errors import WorkerFailedError
 
     # A dead gate does not explain a failed worker: still an abort.
     served = ScriptedServed(["success"], error=WorkerFailedError("vLLM worker 0 is failed: a bug"))

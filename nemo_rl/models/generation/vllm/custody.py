@@ -1,15 +1,16 @@
-"""The worker's custody core: what an admitted (`ng_capture`) call goes through, apart from HTTP.
+"""The worker's custody core: an admitted (`ng_capture`) call's own steps (render, generate, HTTP are not here).
 
-`CustodyCore.serve`: admission check, claim (or replay) of the call's id, the parents' barrier,
-exact prefix, Gym's one `begin_call` (`open_call`), generation (`CallServing`), staging,
-prefix-cache seed once durable, served registry (`finish`). A streamed call is opened and
-finished the same way by `streaming.stream_admitted`. `lifecycle.build_custody` builds the core.
+No callbacks: `serving` drives each call through these steps. `open` (admission check, claim or
+replay of the call's id, for token-in the parents' barrier and the exact prefix) -> a
+`CallOpening` or a re-send's committed reply; `plan` (Gym's one `begin_call` on the prompt
+serving rendered) -> a `CallPlan`; `finish` (staging, prefix-cache seed once durable, served
+registry) -> the reply with `ng_commit_coords`; `release` (nothing generated) or `abandon` (cut
+mid-generation). `lifecycle.build_custody` builds the core.
 Invariants: nothing is generated from an unverified prefix or a parent whose row is not durable;
 an admitted call is generated at most once (a byte-identical re-send is replayed); every
 generated admitted call leaves one `ServedCall`; a failed custody step after generation is a
-`capture_failed` reply; a call cut mid-generation (`abandon`) is recorded served, never staged.
-Failures are `ApiError`s; no HTTP here.
-The rules in full: docs/design-docs/vllm-worker-capture.md.
+`capture_failed` reply; an abandoned call is recorded served, never staged. Failures are
+`ApiError`s; no HTTP here. The rules in full: docs/design-docs/vllm-worker-capture.md.
 """
 
 from __future__ import annotations
@@ -39,20 +40,12 @@ from nemo_rl.data.calls import (
     ServedCall,
     StagedRecordInvalidError,
     StagingFetchError,
-    has_assistant_turn,
 )
 from nemo_rl.data_plane.errors import DataPlaneError
 from nemo_rl.data_plane.client import ParentRows
-from nemo_rl.models.generation.vllm.engine import SamplingRequest
-from nemo_rl.models.generation.vllm.custody_state import (
-    AdmittedCalls,
-    PrefixCache,
-    PrefixError,
-    PrefixMismatchError,
-    ServedRegistry,
-    TailRenderError,
-    request_digest,
-)
+from nemo_rl.models.generation.vllm.custody_state import AdmittedCalls, PrefixCache, ServedRegistry, request_digest
+from nemo_rl.models.generation.vllm.engine import GenerationResultLike, SamplingRequest
+from nemo_rl.models.generation.vllm.errors import PrefixError, PrefixMismatchError
 from nemo_rl.utils import instrumentation  # opt-in per-call cost (benchmarks/capture_ab.py)
 
 LOGGER = logging.getLogger(__name__)
@@ -61,36 +54,6 @@ DEFAULT_MAX_SERVED_ROLLOUTS = 100_000
 # How long a re-send waits for the same call still in flight before it is refused (409). The worker
 # passes its own bound (`lifecycle.duplicate_wait_bound_s`); this is the default of a bare core.
 DEFAULT_DUPLICATE_WAIT_S = 60.0
-
-
-class GenerationResultLike(Protocol):
-    request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    logprobs: list[float]
-    finish_reason: str
-    weight_version: int
-
-
-class CallServing(Protocol):
-    """What the custody core asks of the serving layer (`serving.ChatService` implements it)."""
-
-    @property
-    def weight_version(self) -> int: ...
-
-    def render_root(self, messages: list[dict], tools: list[dict] | None) -> list[int]: ...
-
-    def render_tail(self, messages: list[dict], tools: list[dict] | None, prefix: list[int]) -> list[int]:
-        """The token-in tail after `prefix`; `TailRenderError` when it cannot be rendered exactly."""
-        ...
-
-    def fit_context(self, prompt_ids: list[int], sampling: SamplingRequest) -> SamplingRequest: ...
-
-    async def generate(self, prompt_ids: list[int], sampling: SamplingRequest) -> GenerationResultLike: ...
-
-    def reply(self, result: GenerationResultLike) -> dict:
-        """The chat completion for `result`, without any token echo."""
-        ...
 
 
 class StageBarrier(Protocol):
@@ -105,18 +68,22 @@ class StageBarrier(Protocol):
 
 @dataclass(frozen=True)
 class CallOpening:
-    """An admitted call before its first token: the committed reply of a re-send (`replay`), or
-    the call claimed under `key` with its plan (`CustodyCore.finish`, `release` or `abandon` it)."""
+    """An admitted call before its prompt: the committed reply of a re-send (`replay`), or the call
+    claimed under `key` with its admission and its parent's exact ids (`prefix`; None for a ROOT).
+    Its opener then `plan`s it, or `release`s it when it cannot be planned."""
 
     key: tuple[str, str]
-    plan: "CallPlan | None"
+    admission: CaptureAdmission | None
+    prefix: list[int] | None
     replay: dict | None
 
 
 @dataclass(frozen=True)
 class CallPlan:
-    """What an opened call generates from (`prompt_ids`, `sampling`) and what custody needs after."""
+    """What an opened call generates from (`prompt_ids`, `sampling`) and what custody needs after;
+    its opener ends it with exactly one of `finish`, `release` or `abandon`."""
 
+    key: tuple[str, str]
     admission: CaptureAdmission
     call: ActiveCall  # from the one `begin_call`; its weight version is restamped after generation
     prefix: list[int] | None
@@ -188,76 +155,71 @@ class CustodyCore:
     def install_token_capture(self, capture: RolloutTokenCapture) -> None:
         self.capture = capture
 
-    async def serve(
-        self,
-        body: Mapping[str, Any],
-        raw_admission: Any,
-        messages: list[dict],
-        tools: list[dict] | None,
-        sampling: SamplingRequest,
-        serving: CallServing,
-    ) -> dict:
-        """The reply to one admitted call (its `ng_commit_coords` included), or a replay of it."""
-        opening = await self.open_call(body, raw_admission, messages, tools, sampling, serving)
-        if opening.replay is not None:
-            return opening.replay
-        plan = opening.plan
-        assert plan is not None, "an opening without a replay holds its plan"
-        try:
-            result = await serving.generate(plan.prompt_ids, plan.sampling)
-        except BaseException:
-            # Refused or not generated (timeout, failed engine): nothing was staged under this id, so a
-            # retry of the same call (Gym's client retries 5xx with the same body) may use it.
-            self.release(opening)
-            raise
-        return await self.finish(opening, result, serving)
-
-    async def open_call(
-        self,
-        body: Mapping[str, Any],
-        raw_admission: Any,
-        messages: list[dict],
-        tools: list[dict] | None,
-        sampling: SamplingRequest,
-        serving: CallServing,
-    ) -> CallOpening:
-        """A call admitted and planned, before its first token (any refusal raises here), or the
-        committed reply of a re-send. Whoever generates it then ends it with exactly one of
-        `finish`, `release` or `abandon`."""
+    async def open(self, body: Mapping[str, Any], raw_admission: Any) -> CallOpening:
+        """A call admitted, its id claimed and (token-in) its parent's exact prefix resolved, before
+        its prompt is rendered (any refusal raises here, the id released); or the committed reply
+        of a re-send. Whoever opened it then `plan`s it or `release`s it."""
         admission = self._validate_admission(raw_admission)
         instrumentation.set_call_fact("capture", 1.0)  # admitted (the benchmarks split calls by path)
         key = (admission.rollout_id, admission.model_call_id)
         replay = await self._claim_or_replay(key, request_digest(body), admission)
         if replay is not None:
-            return CallOpening(key, None, replay)
+            return CallOpening(key, None, None, replay)
+        if admission.mode == "text":
+            return CallOpening(key, admission, None, None)
         try:
-            plan = await self._plan(admission, body, messages, tools, sampling, serving)
+            prefix = await self._resolve_prefix(admission, body)
         except BaseException:
             self._admitted.release(key)
             raise
-        return CallOpening(key, plan, None)
+        return CallOpening(key, admission, prefix, None)
 
-    def release(self, opening: CallOpening) -> None:
-        """The opened call was not generated (refused, timed out, failed engine): its id is free again."""
-        self._admitted.release(opening.key)
-
-    async def finish(self, opening: CallOpening, result: GenerationResultLike, serving: CallServing) -> dict:
-        """Stage the generated call and commit its reply (replayed to a re-send); the reply with coords."""
-        assert opening.plan is not None, "a replayed opening has nothing to finish"
+    def plan(
+        self,
+        opening: CallOpening,
+        *,
+        prompt_ids: list[int],
+        tail_error: str | None,
+        sampling: SamplingRequest,
+        weight_version: int,
+        history_has_assistant_turn: bool,
+    ) -> CallPlan:
+        """The opened call's plan over the prompt its opener rendered (the prefix verbatim, then the
+        tail; or, `tail_error` set, the re-rendered conversation served but never captured)."""
+        assert opening.admission is not None, "a replayed opening has nothing to plan"
         try:
-            reply = await self._stage(opening.plan, result, serving)
+            # The one admission check: Gym validates the admission against the resolved prefix here,
+            # before any token is generated. The version is provisional (a refit may land before the
+            # generation is admitted); `_stage` restamps the one the generation ran with.
+            call = self.capture.begin_call(
+                opening.admission, prefix_token_ids=opening.prefix, stream=False, weight_version=weight_version
+            )
+        except CaptureError as e:
+            raise ApiError("invalid_capture_admission", str(e), param="ng_capture") from e
+        return CallPlan(
+            key=opening.key, admission=opening.admission, call=call, prefix=opening.prefix, prompt_ids=prompt_ids,
+            tail_error=tail_error, sampling=sampling, history_has_assistant_turn=history_has_assistant_turn,
+        )
+
+    def release(self, opened: CallOpening | CallPlan) -> None:
+        """The opened call was not generated (refused, timed out, failed engine): its id is free again."""
+        self._admitted.release(opened.key)
+
+    async def finish(self, plan: CallPlan, result: GenerationResultLike, reply: dict) -> dict:
+        """Stage the generated call and commit `reply` (its chat completion, no token echo) with its
+        coords (replayed to a re-send); returns that reply."""
+        try:
+            reply = await self._stage(plan, result, reply)
         except BaseException:
-            self._admitted.spoil(opening.key)  # generated once: never again, and there is no reply to replay
+            self._admitted.spoil(plan.key)  # generated once: never again, and there is no reply to replay
             raise
-        self._admitted.commit(opening.key, reply)
+        self._admitted.commit(plan.key, reply)
         return reply
 
-    def abandon(self, opening: CallOpening, generated_tokens: int, reason: str) -> None:
+    def abandon(self, plan: CallPlan, generated_tokens: int, reason: str) -> None:
         """The call was cut mid-generation (`reason`, e.g. a streamed call's client gone): its id is
         spoiled, Gym's capture fails the call, and it is recorded served and not staged."""
-        plan = opening.plan
-        assert plan is not None, "a replayed opening has nothing to abandon"
-        self._admitted.spoil(opening.key)
+        self._admitted.spoil(plan.key)
         self.capture.fail_call(plan.call, reason=reason)
         self.stats[reason] += 1
         self.stats["served_calls"] += 1
@@ -346,40 +308,6 @@ class CustodyCore:
             param="ng_capture.model_call_id",
         )
 
-    async def _plan(
-        self,
-        admission: CaptureAdmission,
-        body: Mapping[str, Any],
-        messages: list[dict],
-        tools: list[dict] | None,
-        sampling: SamplingRequest,
-        serving: CallServing,
-    ) -> CallPlan:
-        if admission.mode == "text":
-            prefix = None
-            prompt_ids, tail_error = serving.render_root(messages, tools), None
-        else:
-            prefix = await self._resolve_prefix(admission, body)
-            try:
-                prompt_ids, tail_error = prefix + serving.render_tail(messages, tools, prefix), None
-            except TailRenderError as e:
-                # Serve the turn from the re-rendered conversation, but never as captured.
-                prompt_ids, tail_error = serving.render_root(messages, tools), f"tail_render_failed: {e}"
-        sampling = serving.fit_context(prompt_ids, sampling)  # before any capture lifecycle step
-        try:
-            # The one admission check: Gym validates the admission against the resolved prefix here,
-            # before any token is generated. The version is provisional (a refit may land before the
-            # generation is admitted); `_stage` restamps the one the generation ran with.
-            call = self.capture.begin_call(
-                admission, prefix_token_ids=prefix, stream=False, weight_version=serving.weight_version
-            )
-        except CaptureError as e:
-            raise ApiError("invalid_capture_admission", str(e), param="ng_capture") from e
-        return CallPlan(
-            admission=admission, call=call, prefix=prefix, prompt_ids=prompt_ids, tail_error=tail_error, sampling=sampling,
-            history_has_assistant_turn=has_assistant_turn(messages),
-        )
-
     async def _resolve_prefix(self, admission: CaptureAdmission, body: Mapping[str, Any]) -> list[int]:
         """The parent's exact ids; every continuation passes the one parents' check first."""
         if admission.staging_chain:
@@ -460,8 +388,8 @@ class CustodyCore:
                 param=param,
             )
 
-    async def _stage(self, plan: CallPlan, result: GenerationResultLike, serving: CallServing) -> dict:
-        """Stage the generated call (or record why not), seed, record it served; the reply with coords."""
+    async def _stage(self, plan: CallPlan, result: GenerationResultLike, reply: dict) -> dict:
+        """Stage the generated call (or record why not), seed, record it served; `reply` with coords."""
         admission = plan.admission
         call = _stamped(plan.call, result.weight_version)
         if plan.tail_error is not None:
@@ -491,7 +419,6 @@ class CustodyCore:
             LOGGER.error("capture_failed rollout=%s call=%s: %s", admission.rollout_id, admission.model_call_id, reason)
         # No token echo: the staged record is the source of truth for the ids, and Gym's gate strips
         # prompt_token_ids / token_ids / logprobs from an external-staging reply unread.
-        reply = serving.reply(result)
         reply["ng_commit_coords"] = coords.model_dump(mode="json")
         return reply
 

@@ -26,20 +26,8 @@ from typing import Any
 from nemo_gym.token_id_capture.staging import StagingSource, compute_chain_hash
 
 from nemo_rl.data.calls import ServedCall
-from nemo_rl.data.errors import RecoverableError
+from nemo_rl.models.generation.vllm.errors import PrefixError, PrefixMismatchError
 from nemo_rl.utils.lru import BoundedLRU
-
-
-class TailRenderError(RecoverableError, ValueError):
-    """The conversation cannot be split into exact parent prefix + newly rendered tail."""
-
-
-class PrefixError(RecoverableError, RuntimeError):
-    """The parent prefix could not be resolved."""
-
-
-class PrefixMismatchError(PrefixError):
-    """Staged records do not form the chain the admission names."""
 
 
 @dataclass(frozen=True)

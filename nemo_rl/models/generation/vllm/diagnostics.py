@@ -16,9 +16,9 @@ from typing import Any
 
 from nemo_rl.data.errors import error_name
 from nemo_rl.distributed.component_watch import ChildProcess
-from nemo_rl.models.generation.vllm.engine import EngineError, EngineRequestError, VllmEngine
+from nemo_rl.models.generation.vllm.engine import VllmEngine
+from nemo_rl.models.generation.vllm.errors import EngineError, EngineRequestError, WorkerError
 from nemo_rl.models.generation.vllm.serving import ChatService
-from nemo_rl.models.generation.vllm.worker import WorkerError
 
 
 def engine_core_processes(engine: Any) -> list[ChildProcess]:

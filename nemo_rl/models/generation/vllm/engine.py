@@ -3,8 +3,8 @@
 Promises: `generate` takes prompt token ids (never text) and returns the exact sampled ids with
 the engine's raw logprob of each; every sample is kept in a bounded record log for audits.
 States `serving`, `refitting`, `failed`: calls are admitted through a gate a refit closes
-(`close_gate`, `open_gate`; the refit procedure is `refit.reload_weights`, the streamed call
-`streaming.generate_stream`, the probes `diagnostics`), so every result carries the one
+(`close_gate`, `open_gate`; the refit procedure is `refit.reload_weights`, the probes
+`diagnostics`), the streamed call (`generate_stream`) too, so every result carries the one
 version that generated all of its tokens. Every wait is bounded (`EngineDeadlines`); a drain
 past its deadline reopens the gate (old weights kept); an engine that died or a reload that
 failed is `failed` for good (`EngineFailedError`), never wedged in `refitting`. `timing()`
@@ -19,15 +19,19 @@ import enum
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
-from nemo_rl.data.errors import FatalError, RecoverableError, error_name
+from nemo_rl.data.errors import error_name
 from nemo_rl.models.generation.vllm.config import VllmConfig
+from nemo_rl.models.generation.vllm.errors import (
+    EngineError,
+    EngineFailedError,
+    GenerationTimeoutError,
+    InvalidChatRequest,
+    RefitAbortedError,
+    RefitGateTimeoutError,
+)
 from nemo_rl.utils.lru import BoundedLRU
-
-
-class InvalidChatRequest(RecoverableError, ValueError):
-    """The request body is not a chat-completions request this worker can serve (HTTP 400)."""
 
 
 @dataclass(frozen=True)
@@ -41,33 +45,6 @@ class SamplingRequest:
     max_tokens_explicit: bool = False  # the caller set max_tokens (else the server default, clipped to fit)
     # vLLM's `return_tokens_as_token_ids`: logprob entries name tokens `token_id:N` (else their text).
     return_tokens_as_token_ids: bool = False
-
-
-class EngineError(FatalError, RuntimeError):
-    """The vLLM engine failed to start or answered outside its contract (vLLM's `EngineDeadError`
-    side): the engine cannot be trusted to serve."""
-
-
-class EngineFailedError(EngineError):
-    """The engine is in the terminal `failed` state; the message names why (an engine that died,
-    or a reload that timed out or raised: the weights are unknown)."""
-
-
-class EngineRequestError(RecoverableError, RuntimeError):
-    """One request or one refit attempt failed and the engine serves on (vLLM's
-    `EngineGenerateError` side): the caller answers it (503) or keeps the previous weights."""
-
-
-class GenerationTimeoutError(EngineRequestError):
-    """One generation outlived `generation.vllm.generate_timeout_s` and was aborted."""
-
-
-class RefitGateTimeoutError(EngineRequestError):
-    """A request waited longer than the refit deadlines allow for the refit gate to reopen."""
-
-
-class RefitAbortedError(EngineRequestError):
-    """The refit was aborted before any weight changed: the engine serves its previous version."""
 
 
 class EngineState(str, enum.Enum):
@@ -117,6 +94,25 @@ class GenerationResult:
     logprobs: list[float]
     finish_reason: str
     weight_version: int
+
+
+class GenerationResultLike(Protocol):
+    """What the layers above read of a `GenerationResult` (test engines return their own records)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    weight_version: int
+
+
+@dataclass(frozen=True)
+class StreamStep:
+    """One step of `VllmEngine.generate_stream`: new sampled ids, or (last) the finished result."""
+
+    new_token_ids: list[int]
+    result: GenerationResult | None
 
 
 def token_prompt_input(renderer: Any, prompt_ids: list[int]) -> Any:
@@ -363,11 +359,50 @@ class VllmEngine:
         finally:
             await self.release()
 
-    def generate_stream(self, prompt_ids: list[int], sampling: SamplingRequest, request_id: str) -> AsyncIterator[Any]:
-        """`generate` step by step (`stream=true` only): `streaming.generate_stream` over this engine."""
-        from nemo_rl.models.generation.vllm.streaming import generate_stream  # the streamed path's module
+    async def generate_stream(
+        self, prompt_ids: list[int], sampling: SamplingRequest, request_id: str
+    ) -> AsyncIterator[StreamStep]:
+        """`generate`, step by step (`stream=true` only): each engine output's new token ids as it
+        is produced, then one last step carrying the `GenerationResult` (the same exact record
+        `generate` returns).
 
-        return generate_stream(self, prompt_ids, sampling, request_id)
+        Admitted through the gate like `generate`; the whole stream is bounded by `generate_s`. A
+        consumer that stops early (`aclose`, a client gone) aborts the request in the engine before
+        the generator closes; nothing is recorded.
+        """
+        params = self.sampling_params(prompt_ids, sampling)
+        version = await self.admit()
+        stream = self.outputs(prompt_ids, params, request_id)
+        generate_s = self._deadlines.generate_s
+        deadline = time.monotonic() + generate_s
+        seen, final, finished = 0, None, False
+        try:
+            while True:
+                try:
+                    out = await asyncio.wait_for(anext(stream), max(deadline - time.monotonic(), 0.0))
+                except StopAsyncIteration:
+                    break
+                except TimeoutError as e:
+                    raise GenerationTimeoutError(
+                        f"request {request_id} produced no final output within generation.vllm.generate_timeout_s="
+                        f"{generate_s:g} s and was aborted"
+                    ) from e
+                except self._dead_errors as e:
+                    finished = True  # nothing left to abort
+                    raise await self.died(request_id, e) from e
+                final = out
+                ids = out.outputs[0].token_ids if out.outputs else []
+                if len(ids) > seen:
+                    step = StreamStep([int(t) for t in ids[seen:]], None)
+                    seen = len(ids)
+                    yield step
+            finished = True
+        finally:
+            if not finished:  # a timeout, a failed step, or a consumer that went away mid-stream
+                await asyncio.wait_for(stream.aclose(), generate_s)
+                await self.abort(request_id)
+            await self.release()
+        yield StreamStep([], self.result(final, request_id, version))
 
     def _remember(self, result: GenerationResult) -> None:
         self._records.put(result.request_id, result)

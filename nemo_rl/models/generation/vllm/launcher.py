@@ -1,15 +1,14 @@
 """Driver-side launch of vLLM generation workers in their flavored venv, with deadlines.
 
-Owns `resolve_flavor`, `spawn_workers` / `await_workers` and `WorkerGroup` (the workers' lifecycle
-handle: refit, probes, audits, shutdown; its `served` is the per-rollout `worker.ServedReporter`,
-so a rollout never runs this module). Promises: the flavor
-and the placement plan are checked before the venv build or any engine starts
-(`GenerationSetupError`, `RayClusterError` of kind `placement`); `spawn_workers` returns base URLs as soon as the ports
-are open, so other components start while engines load; every actor call has a deadline and a
-dead or hung actor surfaces as `WorkerError` naming the worker and the operation; no driver
-coroutine blocks its event loop in `ray.get`. Worker `i` is built with `worker_index=i`.
-Invariant: the per-run control bearer lives on `WorkerGroup.control_token`, out of its repr,
-never printed or logged.
+Owns `resolve_flavor` (GPU detection), `worker_env`, and `spawn_workers` / `await_workers`, which
+hand the actor class (`worker.VllmGenerationWorker`) to Ray and return a `client.WorkerGroup`
+(the driver's handle on the running workers). Promises: the flavor and the placement plan are
+checked before the venv build or any engine starts (`GenerationSetupError`, `RayClusterError`
+of kind `placement`); `spawn_workers` returns base URLs as soon as the ports are open, so other
+components start while engines load; every start-up call has the start-up deadline and a dead
+or hung actor surfaces as `WorkerError` naming the operation (the group shut down first).
+Worker `i` is built with `worker_index=i`; the run's control bearer is minted here and kept on
+`WorkerGroup.control_token` (never printed or logged).
 See docs/design-docs/vllm-worker-capture.md, "The launcher".
 """
 
@@ -20,38 +19,19 @@ import re
 import secrets
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import ray
 
-from nemo_rl.distributed.actor_call import (
-    ActorCallError,
-    ActorCallTimeoutError,
-    call_with_deadline,
-    deadline_left,
-)
-from nemo_rl.distributed.component_watch import (
-    ChildProcess,
-    Component,
-    ComponentKind,
-    Probe,
-    Role,
-    actor_children_probe,
-    ray_actor_probe,
-)
-from nemo_rl.distributed.placement import actor_node_ids, alive_nodes, node_affinity, plan_worker_placement
-from nemo_rl.distributed.shared_fs import SharedDirProbe
+from nemo_rl.distributed.actor_call import ActorCallError, ActorCallTimeoutError, call_with_deadline, deadline_left
+from nemo_rl.distributed.placement import alive_nodes, node_affinity, plan_worker_placement
+from nemo_rl.models.generation.vllm.client import WORKERS, WorkerGroup
 from nemo_rl.models.generation.vllm.config import GenerationConfig, GenerationSetupError
+from nemo_rl.models.generation.vllm.errors import WorkerError
 from nemo_rl.models.generation.vllm.lifecycle import cpu_engine_env
-from nemo_rl.models.generation.vllm.worker import (
-    WORKERS,
-    ServedReporter,
-    VllmGenerationWorker,
-    WorkerError,
-    raise_worker_error,
-)
+from nemo_rl.models.generation.vllm.worker import VllmGenerationWorker
 from nemo_rl.utils.venvs import REPO_ROOT, ensure_venv, venv_python, vllm_spec
 
 CUDA_VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
@@ -168,113 +148,6 @@ def worker_env(gen: GenerationConfig, flavor: str) -> dict[str, str]:
     if flavor == "cpu":
         env.update(cpu_engine_env(gen.vllm))
     return env
-
-
-def engine_core_name(worker: int, index: int = 0, count: int = 1) -> str:
-    """`vllm_worker_<i>/engine_core` (`..._<j>` when a worker runs several engine cores)."""
-    return Component.engine_core(worker, index, count).name
-
-
-def worker_name(worker: int) -> str:
-    """`vllm_worker_<i>`: worker i's component name."""
-    return Component(ComponentKind.VLLM_WORKER, worker).name
-
-
-@dataclass
-class WorkerGroup:
-    handles: list[Any]
-    base_urls: list[str]
-    call_timeout_s: float
-    control_token: str = field(default="", repr=False)  # the run's bearer for the workers' control routes
-    planned_nodes: list[str | None] = field(default_factory=list)  # node id per worker (None: Ray decides)
-
-    def _get(self, refs: list[Any], op: str) -> list[Any]:
-        try:
-            return call_with_deadline(refs, actor=WORKERS, op=op, timeout_s=self.call_timeout_s)
-        except ActorCallError as e:
-            raise_worker_error(e, self.call_timeout_s)
-
-    def update_weights(self, weights_dir: Path, version: int) -> list[int]:
-        return self._get([h.update_weights.remote(str(weights_dir), version) for h in self.handles], "update_weights")
-
-    def check_shared_dir(self, probe: SharedDirProbe, knob: str) -> None:
-        """Every worker reads the driver's marker in `probe.folder`, or `WorkerError` names the knob."""
-        self._get([h.check_shared_dir.remote(probe, knob) for h in self.handles], "check_shared_dir")
-
-    def node_ids(self) -> list[str]:
-        """The node id each worker runs on (worker order), measured inside the actors."""
-        try:
-            return actor_node_ids(self.handles, self.call_timeout_s, actor=WORKERS)
-        except ActorCallError as e:
-            raise_worker_error(e, self.call_timeout_s)
-
-    def weight_versions(self) -> list[int]:
-        """The weight version each worker serves, in worker order (measured from the workers)."""
-        return self._get([h.weight_version.remote() for h in self.handles], "weight_version")
-
-    def venv_info(self) -> list[dict]:
-        """Per worker (in worker order), the venv its interpreter runs in (`VllmGenerationWorker.venv_info`)."""
-        return self._get([h.venv_info.remote() for h in self.handles], "venv_info")
-
-    def engine_records_by_worker(self, request_ids: list[str]) -> list[dict[str, dict]]:
-        """Per worker (in worker order), the engine records it holds for `request_ids`: which worker
-        served which completion."""
-        return self._get([h.engine_records.remote(request_ids) for h in self.handles], "engine_records")
-
-    def engine_records(self, request_ids: list[str]) -> dict[str, dict]:
-        merged: dict[str, dict] = {}
-        for part in self.engine_records_by_worker(request_ids):
-            merged.update(part)
-        return merged
-
-    def served_calls(self) -> list[int]:
-        """Completions each worker has produced since it started (its own counter), in worker order."""
-        return [stats["served_calls"] for stats in self.capture_stats()]
-
-    def engine_timings(self) -> list[dict]:
-        """Per worker (in worker order), its engine's own `EngineTiming` counters as a dict."""
-        return [stats["engine_timing"] for stats in self.capture_stats()]
-
-    def prompt_logprobs(self, token_ids: list[int]) -> list[list[float]]:
-        return self._get([h.prompt_logprobs.remote(token_ids) for h in self.handles], "prompt_logprobs")
-
-    def capture_stats(self) -> list[dict]:
-        return self._get([h.capture_stats.remote() for h in self.handles], "capture_stats")
-
-    @property
-    def served(self) -> ServedReporter:
-        """The per-rollout served report over these workers (what the rollout manager is given)."""
-        return ServedReporter(list(self.handles), self.call_timeout_s)
-
-    def probes(self) -> list[Probe]:
-        """Per worker: the actor, `vllm_worker_<i>`, and its engine core, `vllm_worker_<i>/engine_core`
-        (both rollout path: a worker whose engine core died serves nothing)."""
-        probes = []
-        for i, h in enumerate(self.handles):
-            probes.append(ray_actor_probe(worker_name(i), Role.ROLLOUT_PATH, h, f"vLLM worker {i}"))
-            probes.append(actor_children_probe(engine_core_name(i), Role.ROLLOUT_PATH,
-                                               h.engine_core_processes.remote, f"vLLM worker {i} engine core"))
-        return probes
-
-    def engine_core_pids(self) -> dict[str, int]:
-        """Pid of every worker's engine-core process by component name (`engine_core_name`)."""
-        parts = self._get([h.engine_core_processes.remote() for h in self.handles], "engine_core_processes")
-        return {
-            engine_core_name(i, j, len(part)): ChildProcess.from_wire(record).pid
-            for i, part in enumerate(parts) for j, record in enumerate(part)
-        }
-
-    def shutdown(self) -> None:
-        refs = [h.shutdown.remote() for h in self.handles]
-        try:
-            call_with_deadline(refs, actor=WORKERS, op="shutdown", timeout_s=60)
-        except ActorCallError as e:
-            if not e.recoverable:  # a shutdown that raised is a bug, not a gone or slow actor
-                raise e.cause from None
-            # gone or slow: the actor is killed right below either way
-        for h in self.handles:
-            ray.kill(h)
-        self.handles = []
 
 
 @dataclass

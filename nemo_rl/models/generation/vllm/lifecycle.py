@@ -3,9 +3,10 @@
 Owns the engine's start (`engine_args` and `cpu_engine_env` per flavor, `start_vllm_engine`, the
 only vLLM import; `start_engine` builds tokenizer and engine off the event loop; `wait_ready`),
 the custody core's assembly (`build_custody` over any staging sink and source, `build_tq_custody`
-and `attach_capture` over the data plane, `duplicate_wait_bound_s`), the worker's `chat_service`
-(with the chat template's end-of-turn probe, `probe_turn_end`, and the tool-call parser) and `close_capture` (the write-behind writer joined before its data-plane client closes). The
-actor shell (`worker.py`) calls these and converts their failures to `WorkerError`s.
+and `attach_capture` over the data plane, `duplicate_wait_bound_s`) and `close_capture` (the
+write-behind writer joined before its data-plane client closes); the service itself is
+`serving.chat_service`'s. The actor shell (`worker.py`) calls these and converts their failures
+to `WorkerError`s.
 Invariant: nothing here runs per request; what it builds is what the request path then uses.
 See docs/design-docs/vllm-worker-capture.md ("The actor shell").
 """
@@ -13,7 +14,6 @@ See docs/design-docs/vllm-worker-capture.md ("The actor shell").
 from __future__ import annotations
 
 import asyncio
-import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,7 +21,6 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from jinja2 import TemplateError
 from nemo_gym.token_id_capture.adapters.vllm import VLLMCaptureAdapter
 from nemo_gym.token_id_capture.staging import RolloutTokenCapture, StagingSink, StagingSource
 from nemo_rl.data_plane import DataPlaneClient, DataPlaneConfig, attach_client_async
@@ -36,18 +35,9 @@ from nemo_rl.models.generation.vllm.custody import (
     StageBarrier,
 )
 from nemo_rl.models.generation.vllm.custody_state import PrefixCache
-from nemo_rl.models.generation.vllm.engine import (
-    EngineDeadlines,
-    EngineError,
-    SamplingRequest,
-    VllmEngine,
-    token_prompt_input,
-)
-from nemo_rl.models.generation.vllm.serving import ChatService, ChatTemplateTokenizer, TemplateProbeError, render_text
-from nemo_rl.models.generation.vllm.tool_parsers import get_tool_call_parser
+from nemo_rl.models.generation.vllm.engine import EngineDeadlines, SamplingRequest, VllmEngine, token_prompt_input
+from nemo_rl.models.generation.vllm.errors import EngineError
 from nemo_rl.token_capture.config import TokenCaptureConfig
-
-LOGGER = logging.getLogger(__name__)
 
 
 def load_tokenizer(model_dir: Path):  # -> a transformers tokenizer (blocking: file reads, imports)
@@ -146,53 +136,6 @@ async def wait_ready(engine: VllmEngine, timeout_s: float) -> None:
     await asyncio.wait_for(engine.generate([engine.eos_token_id], probe, "warmup-0"), timeout_s)
 
 
-# Sentinel assistant content of the end-of-turn probe (no whitespace: templates may trim).
-TURN_END_PROBE = "NRL-TURN-END-PROBE-7f3a"
-
-
-def derive_turn_end(tokenizer: ChatTemplateTokenizer) -> str:
-    """The text the chat template appends after an assistant turn's content.
-
-    Rendered from a probe conversation (user, assistant=sentinel) without generation prompt:
-    whatever follows the sentinel is the end-of-turn text.
-    """
-    probe = [{"role": "user", "content": "probe"}, {"role": "assistant", "content": TURN_END_PROBE}]
-    try:
-        text = render_text(tokenizer, probe, None, gen_prompt=False)
-    except TemplateError as e:
-        raise TemplateProbeError(f"the chat template cannot render a user/assistant probe: {e}") from e
-    at = text.rfind(TURN_END_PROBE)
-    if at < 0:
-        raise TemplateProbeError("the chat template drops the assistant content of the probe turn")
-    turn_end = text[at + len(TURN_END_PROBE) :]
-    if not turn_end:
-        raise TemplateProbeError("the chat template appends nothing after an assistant turn: turns cannot be delimited")
-    return turn_end
-
-
-def probe_turn_end(tokenizer: ChatTemplateTokenizer) -> str | TemplateProbeError:
-    """`derive_turn_end`, a failure kept (and logged) as the service's answer to every token-in call."""
-    try:
-        return derive_turn_end(tokenizer)
-    except TemplateProbeError as e:
-        LOGGER.error("token-in tails cannot be rendered for this model: %s", e)
-        return e
-
-
-def chat_service(engine: Any, tokenizer: Any, gen: GenerationConfig, custody: CustodyCore | None) -> ChatService:
-    """The worker's `ChatService` over its engine (custody None: token capture off)."""
-    return ChatService(
-        engine,
-        tokenizer,
-        model_name=gen.model_name,
-        default_max_tokens=gen.max_new_tokens,
-        max_model_len=gen.vllm.max_model_len,
-        turn_end=probe_turn_end(tokenizer),
-        tool_call_parser=get_tool_call_parser(gen.tool_call_parser),
-        custody=custody,
-    )
-
-
 async def attach_capture(
     dp_cfg: DataPlaneConfig,
     capture_cfg: TokenCaptureConfig,
@@ -235,7 +178,6 @@ def duplicate_wait_bound_s(generate_timeout_s: float, stage_timeout_s: float) ->
     """The longest an admitted call can take here: the parents' wait, a prefix read (which may wait
     for a missing key), the generation and a before-reply write, each under its own deadline."""
     return generate_timeout_s + 3 * stage_timeout_s
-
 
 
 def build_custody(

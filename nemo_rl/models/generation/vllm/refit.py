@@ -19,8 +19,13 @@ from pathlib import Path
 from nemo_rl.data.errors import error_name
 from nemo_rl.distributed.shared_fs import SharedDirError, require_dir
 from nemo_rl.models.generation.vllm import worker_extension
-from nemo_rl.models.generation.vllm.engine import EngineFailedError, RefitAbortedError, VllmEngine
-from nemo_rl.models.generation.vllm.worker import RefitAbortedWorkerError, WorkerError
+from nemo_rl.models.generation.vllm.engine import VllmEngine
+from nemo_rl.models.generation.vllm.errors import (
+    EngineFailedError,
+    RefitAbortedError,
+    RefitAbortedWorkerError,
+    WorkerError,
+)
 
 
 async def reload_weights(engine: VllmEngine, weights_dir: Path, version: int) -> None:

@@ -1,10 +1,11 @@
 """Tool-call parsers by vLLM's name, resolved once at set-up (off the rollout path).
 
 `get_tool_call_parser(name)` resolves `generation.tool_call_parser` (`config.ToolCallParserName`,
-the same names): the default `hermes` lives with the chat service (`serving.HERMES`, run per call); the
+the same names): the default `hermes` lives with the chat logic (`chat.HERMES`, run per call); the
 others live here. Each follows its vLLM class rule for rule; an unknown name is a
 `GenerationSetupError` (kind `tool_call_parser`) naming the choices, raised when the worker
-builds its service.
+builds its service. Only `chat` and `serving` use them: `serving.chat_service` resolves the
+parser once, and every reply goes through the one `chat.ToolParser` seam.
 See docs/design-docs/vllm-worker-capture.md ("Tool calls").
 """
 
@@ -14,7 +15,7 @@ import json
 import re
 
 from nemo_rl.models.generation.vllm.config import GenerationSetupError
-from nemo_rl.models.generation.vllm.serving import HERMES, ParsedAssistant, ToolParser, function_call
+from nemo_rl.models.generation.vllm.chat import HERMES, ParsedAssistant, ToolParser, function_call
 
 _LLAMA3_CALL_START_RE = re.compile(r"\{")
 _JSON_DECODER = json.JSONDecoder()

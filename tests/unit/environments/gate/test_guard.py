@@ -2,7 +2,7 @@
 
 The gate is built in-process exactly as `run_webserver` builds it (Gym's `VLLMModel` app with our
 ledger, normaliser, guard and worker-error mapping; driven through httpx's ASGI transport), in
-front of our REAL worker endpoint (`server.build_app` over `ChatService` with Gym's capture and an
+front of our REAL worker endpoint (`http.build_app` over `ChatService` with Gym's capture and an
 in-memory staging store) on loopback. Only the engine is scripted.
 """
 
@@ -45,11 +45,11 @@ from nemo_rl.environments.gate.app import (
 from nemo_rl.environments.gate.ledger import BranchingCaptureLedger
 from nemo_rl.environments.gate.setup import GateGuardConfig
 from nemo_rl.environments.nemo_gym_config import NemoGymConfig
+from nemo_rl.models.generation.vllm.chat import derive_turn_end
+from nemo_rl.models.generation.vllm.engine import StreamStep
+from nemo_rl.models.generation.vllm.http import Endpoint, build_app
 from nemo_rl.models.generation.vllm.lifecycle import build_custody
 from nemo_rl.models.generation.vllm.serving import ChatService
-from nemo_rl.models.generation.vllm.lifecycle import derive_turn_end
-from nemo_rl.models.generation.vllm.streaming import StreamStep
-from nemo_rl.models.generation.vllm.worker import Endpoint, build_app
 from responses_api_models.vllm_model.app import VLLMModelConfig
 
 BEARER_ENV = "GATE_GUARD_TEST_BEARER"

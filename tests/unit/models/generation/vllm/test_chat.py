@@ -17,12 +17,10 @@ from examples.arith import task as arith_task
 from examples.arith.tiny_model.chat_template import CHATML, FAMILIES, LLAMA3, TemplateFamily
 from examples.arith.tiny_model.corpus import TASK_TOOLS, task_conversation
 from examples.arith.tiny_model.tokenizer import train_tokenizer
-from nemo_rl.models.generation.vllm.custody_state import TailRenderError
-from nemo_rl.models.generation.vllm.lifecycle import derive_turn_end
-from nemo_rl.models.generation.vllm.serving import (
+from nemo_rl.models.generation.vllm.chat import (
     HERMES,
-    TemplateProbeError,
     assistant_reply,
+    derive_turn_end,
     generated_text,
     normalize_messages,
     parse_hermes,
@@ -33,6 +31,7 @@ from nemo_rl.models.generation.vllm.serving import (
     sampled_turn_close,
     tail_boundary,
 )
+from nemo_rl.models.generation.vllm.errors import TailRenderError, TemplateProbeError
 from nemo_rl.models.generation.vllm.tool_parsers import (
     TOOL_CALL_PARSERS,
     get_tool_call_parser,

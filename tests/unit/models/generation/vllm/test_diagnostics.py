@@ -18,7 +18,7 @@ import pytest
 
 from nemo_rl.distributed.component_watch import ChildProcess, children_verdict
 from nemo_rl.models.generation.vllm.diagnostics import engine_core_processes
-from nemo_rl.models.generation.vllm.engine import EngineError
+from nemo_rl.models.generation.vllm.errors import EngineError
 
 WHAT = "vLLM worker 0 engine core"
 

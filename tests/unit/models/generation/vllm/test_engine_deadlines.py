@@ -16,20 +16,15 @@ import pytest
 
 from nemo_rl.models.generation.vllm.config import VllmConfig
 from nemo_rl.models.generation.vllm.diagnostics import engine_prompt_logprobs
-from nemo_rl.models.generation.vllm.engine import (
-    EngineDeadlines,
+from nemo_rl.models.generation.vllm.engine import EngineDeadlines, EngineState, SamplingRequest, VllmEngine, token_prompt_input
+from nemo_rl.models.generation.vllm.errors import (
     EngineFailedError,
-    EngineState,
     GenerationTimeoutError,
     InvalidChatRequest,
     RefitAbortedError,
     RefitGateTimeoutError,
-    SamplingRequest,
-    VllmEngine,
-    token_prompt_input,
 )
 from nemo_rl.models.generation.vllm.refit import reload_weights
-from nemo_rl.models.generation.vllm.streaming import generate_stream
 
 SAMPLING = SamplingRequest(temperature=1.0, top_p=1.0, max_tokens=4, seed=None, logprobs=False, return_token_ids=False)
 EOS = 2
@@ -185,7 +180,7 @@ async def test_a_prompt_the_renderer_refuses_fails_the_call_and_releases_its_slo
         if path == "generate":
             await engine.generate([1, 3], SAMPLING, "r1")
         else:
-            async for _ in generate_stream(engine, [1, 3], SAMPLING, "r1"):
+            async for _ in engine.generate_stream([1, 3], SAMPLING, "r1"):
                 pass
     # rendered inside the admitted call's bounds, so the slot a refit drains for is given back
     assert (engine.inflight, engine.state) == (0, EngineState.SERVING)

@@ -1,4 +1,4 @@
-"""The driver's served-call report (`worker.ServedReporter`) without Ray: the merge is pure and the report awaits
+"""The driver's served-call report (`client.ServedReporter`) without Ray: the merge is pure and the report awaits
 whatever `handle.take_served.remote(...)` returns, so awaitable stand-ins prove its deadline and
 error mapping (a live Ray actor is exercised by the integration tests)."""
 
@@ -11,8 +11,8 @@ import ray
 
 from nemo_rl.data.calls import ServedCall
 from nemo_rl.data.errors import RecordInvariantError
-from nemo_rl.models.generation.vllm.launcher import WorkerGroup
-from nemo_rl.models.generation.vllm.worker import ServedReporter, WorkerError, merge_served
+from nemo_rl.models.generation.vllm.client import ServedReporter, WorkerGroup, merge_served
+from nemo_rl.models.generation.vllm.errors import WorkerError
 
 ROOT_W0 = ServedCall("r1", "c1", None, "text", 5, True, None, 0)
 CHILD_W1 = ServedCall("r1", "c2", "c1", "token_in", 3, False, "staging_failed (see worker log)", 1)

@@ -33,8 +33,10 @@ from nemo_rl.data_plane.errors import DataPlaneTimeoutError
 from nemo_rl.data_plane.partitions import StagedKeysMissingError
 from nemo_rl.data.errors import ApiError
 from nemo_rl.models.generation.vllm.custody_state import PrefixCache, ServedRegistry
-from nemo_rl.models.generation.vllm.lifecycle import build_custody, build_tq_custody, derive_turn_end
-from nemo_rl.models.generation.vllm.serving import ChatService, context_overflow_message, normalize_messages, render_root_prompt
+from nemo_rl.models.generation.vllm.engine import SamplingRequest
+from nemo_rl.models.generation.vllm.chat import context_overflow_message, derive_turn_end, normalize_messages, render_root_prompt
+from nemo_rl.models.generation.vllm.lifecycle import build_custody, build_tq_custody
+from nemo_rl.models.generation.vllm.serving import ChatService
 from nemo_rl.models.generation.vllm.tool_parsers import get_tool_call_parser
 from nemo_rl.token_capture.config import TokenCaptureConfig
 
@@ -510,13 +512,13 @@ async def test_tail_render_failure_is_capture_failed_not_silent(tokenizer):
     assert "r1/c2" not in staging.records
 
 
-# --- the HTTP transport (worker.py) -------------------------------------------------------------
+# --- the HTTP transport (http.py) --------------------------------------------------------------
 
 
 async def test_http_routes_answer_503_until_the_service_is_let_through(tokenizer):
     from aiohttp import ClientSession
 
-    from nemo_rl.models.generation.vllm.worker import Endpoint, build_app, serve
+    from nemo_rl.models.generation.vllm.http import Endpoint, build_app, serve
 
     svc, engine, _ = _service(tokenizer, [_gen(tokenizer, "The answer is 17.")], capture=False)
     endpoint = Endpoint()
@@ -907,7 +909,7 @@ async def test_token_in_overflow_is_400_before_begin_call(tokenizer):
 async def test_http_context_overflow_body_matches_gyms_check(tokenizer):
     from aiohttp import ClientSession
 
-    from nemo_rl.models.generation.vllm.worker import Endpoint, build_app, serve
+    from nemo_rl.models.generation.vllm.http import Endpoint, build_app, serve
 
     svc, engine, _ = _service(tokenizer, [[1]], capture=False, max_model_len=8)
     endpoint = Endpoint()
@@ -937,7 +939,8 @@ def test_context_overflow_message_follows_vllm():
 
 async def test_worker_take_served_returns_wire_dicts_and_counts_calls(tokenizer):
     from nemo_rl.models.generation.vllm.config import GenerationConfig
-    from nemo_rl.models.generation.vllm.worker import VllmGenerationWorker, WorkerError
+    from nemo_rl.models.generation.vllm.errors import WorkerError
+    from nemo_rl.models.generation.vllm.worker import VllmGenerationWorker
 
     worker = VllmGenerationWorker("/nonexistent", GenerationConfig().model_dump(), {}, None, worker_index=1)
     with pytest.raises(WorkerError, match="take_served called before start"):
@@ -978,3 +981,52 @@ async def test_the_commit_runs_on_the_loop_behind_the_reply_and_off_it_before_th
     await _root(before)
     assert behind_threads == [loop_thread]
     assert len(before_threads) == 1 and before_threads[0] != loop_thread
+
+
+# --- the custody core on its own: driven step by step, no service to call back ----------------
+
+
+async def test_custody_opens_plans_and_finishes_a_call_without_a_service_and_replays_a_resend(tokenizer):
+    staging = MemoryStaging()
+    custody = build_custody(staging, staging, weight_version_fn=lambda: 5, prefix_cache_max_tokens=1000,
+                            vocab_size=len(tokenizer), max_admitted_calls=10)
+    body = {"messages": MESSAGES, "ng_capture": _admission("text", "c1")}
+    opening = await custody.open(body, body["ng_capture"])
+    assert (opening.key, opening.prefix, opening.replay) == (("r1", "c1"), None, None)
+    sampling = SamplingRequest(temperature=1.0, top_p=1.0, max_tokens=4, seed=None, logprobs=False,
+                               return_token_ids=False)
+    plan = custody.plan(opening, prompt_ids=[1, 2, 3], tail_error=None, sampling=sampling, weight_version=5,
+                        history_has_assistant_turn=False)
+    assert (plan.key, plan.prompt_ids, plan.sampling) == (("r1", "c1"), [1, 2, 3], sampling)
+    result = _Result("chatcmpl-1", [1, 2, 3], [7, tokenizer.eos_token_id], [-0.5, -0.25], "stop", 5)
+    reply = await custody.finish(plan, result, {"id": "chatcmpl-1", "object": "chat.completion"})
+    coords = reply["ng_commit_coords"]
+    assert (reply["id"], coords["disposition"], coords["staging_key"], coords["cum_len"]) == (
+        "chatcmpl-1", "staged", "r1/c1", 5)
+    assert list(staging.records) == ["r1/c1"] and custody.stats["text_calls"] == 1
+    # A byte-identical re-send opens as the committed reply: nothing planned, generated or staged again.
+    again = await custody.open(body, body["ng_capture"])
+    assert (again.admission, again.prefix, again.replay) == (None, None, reply)
+    assert custody.stats["replayed_calls"] == 1 and list(staging.records) == ["r1/c1"]
+    [served] = custody.take_served(["r1"])
+    assert (served.model_call_id, served.generated_tokens, served.staged) == ("c1", 2, True)
+
+
+async def test_custody_frees_a_released_id_and_spoils_an_abandoned_one(tokenizer):
+    staging = MemoryStaging()
+    custody = build_custody(staging, staging, weight_version_fn=lambda: 0, prefix_cache_max_tokens=1000,
+                            vocab_size=len(tokenizer), max_admitted_calls=10)
+    body = {"messages": MESSAGES, "ng_capture": _admission("text", "c1")}
+    custody.release(await custody.open(body, body["ng_capture"]))  # not generated: the id is free again
+    opening = await custody.open(body, body["ng_capture"])
+    sampling = SamplingRequest(temperature=1.0, top_p=1.0, max_tokens=4, seed=None, logprobs=False,
+                               return_token_ids=False)
+    plan = custody.plan(opening, prompt_ids=[1, 2], tail_error=None, sampling=sampling, weight_version=0,
+                        history_has_assistant_turn=False)
+    custody.abandon(plan, 3, "client_disconnected")
+    with pytest.raises(ApiError) as e:
+        await custody.open(body, body["ng_capture"])
+    assert e.value.status == 409 and "was generated by this worker but never answered" in e.value.message
+    [served] = custody.take_served(["r1"])
+    assert (served.generated_tokens, served.staged, served.failure) == (3, False, "client_disconnected")
+    assert staging.records == {}

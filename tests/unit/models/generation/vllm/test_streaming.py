@@ -20,20 +20,11 @@ from examples.arith.tiny_model.tokenizer import train_tokenizer
 from nemo_gym.token_id_capture.staging import StageResult, staging_key
 from nemo_rl.data.errors import ApiError
 from nemo_rl.data.calls import RequestFieldError, check_chat_request
+from nemo_rl.models.generation.vllm.chat import SSE_DONE, ContentStreamer, derive_turn_end, final_chunks, hold_back, sse_event
+from nemo_rl.models.generation.vllm.engine import StreamStep
+from nemo_rl.models.generation.vllm.errors import StreamConsistencyError
 from nemo_rl.models.generation.vllm.lifecycle import build_custody
-from nemo_rl.models.generation.vllm.serving import ChatService
-from nemo_rl.models.generation.vllm.lifecycle import derive_turn_end
-from nemo_rl.models.generation.vllm.streaming import (
-    CLIENT_DISCONNECTED,
-    SSE_DONE,
-    ContentStreamer,
-    StreamStep,
-    StreamConsistencyError,
-    final_chunks,
-    hold_back,
-    open_chat_stream,
-    sse_event,
-)
+from nemo_rl.models.generation.vllm.serving import CLIENT_DISCONNECTED, ChatService
 
 TOOLS = [arith_task.CALCULATOR_TOOL]
 MESSAGES = [
@@ -227,7 +218,7 @@ async def test_admitted_stream_streams_content_then_commits_exactly_as_a_plain_r
     svc, engine, sink = _service(tokenizer, [ids, ids])
     body = {"messages": MESSAGES, "tools": TOOLS, "stream": True, "stream_options": {"include_usage": True},
             "ng_capture": _admission("c1")}
-    events = _events([e async for e in await open_chat_stream(svc, body)])
+    events = _events([e async for e in await svc.chat_completions_stream(body)])
     whole = await svc.chat_completions({"messages": MESSAGES, "tools": TOOLS, "ng_capture": _admission("c2")})
 
     deltas = [e["choices"][0]["delta"] for e in events if e["choices"]]
@@ -254,7 +245,7 @@ async def test_a_client_gone_mid_stream_aborts_and_leaves_an_off_chain_served_ca
     ids = tokenizer.encode("The answer is 17 and that is all.", add_special_tokens=False) + [tokenizer.eos_token_id]
     svc, engine, sink = _service(tokenizer, [ids])
     body = {"messages": MESSAGES, "stream": True, "ng_capture": _admission("c1")}
-    events = await open_chat_stream(svc, body)
+    events = await svc.chat_completions_stream(body)
     got = [await anext(events) for _ in range(3)]  # role chunk and two content deltas
     assert len(got) == 3
     await events.aclose()  # what the HTTP shell does when a write finds the client gone
@@ -265,14 +256,14 @@ async def test_a_client_gone_mid_stream_aborts_and_leaves_an_off_chain_served_ca
     assert 2 <= served.generated_tokens < len(ids)
     assert svc.stats["client_disconnected"] == 1 and svc.stats["text_calls"] == 0
     with pytest.raises(ApiError) as info:  # the id is spent: never generated again, never replayed
-        await open_chat_stream(svc, body)
+        await svc.chat_completions_stream(body)
     assert info.value.err_type == "duplicate_model_call_id"
 
 
 async def test_a_plain_stream_refuses_logprobs_before_any_byte(tokenizer):
     svc, _, _ = _service(tokenizer, [])
     with pytest.raises(ApiError) as info:
-        await open_chat_stream(svc, {"messages": MESSAGES, "stream": True, "logprobs": True})
+        await svc.chat_completions_stream({"messages": MESSAGES, "stream": True, "logprobs": True})
     assert info.value.param == "logprobs"
 
 
@@ -295,7 +286,7 @@ class SlowStepEngine(StepEngine):
 async def _http_client(svc):
     from aiohttp.test_utils import TestClient, TestServer
 
-    from nemo_rl.models.generation.vllm.worker import Endpoint, build_app
+    from nemo_rl.models.generation.vllm.http import Endpoint, build_app
 
     endpoint = Endpoint()
     endpoint.service = svc
@@ -350,7 +341,7 @@ async def test_http_client_gone_while_a_tool_call_is_held_back_aborts_the_call(t
 async def test_a_client_gone_at_the_role_chunk_is_recorded_too(tokenizer):
     ids = tokenizer.encode("The answer is 17.", add_special_tokens=False) + [tokenizer.eos_token_id]
     svc, engine, sink = _service(tokenizer, [ids])
-    events = await open_chat_stream(svc, {"messages": MESSAGES, "stream": True, "ng_capture": _admission("c1")})
+    events = await svc.chat_completions_stream({"messages": MESSAGES, "stream": True, "ng_capture": _admission("c1")})
     role = json.loads((await anext(events))[len(b"data: "):])
     assert role["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     await events.aclose()  # the first token is already generated: the call is under way, and recorded

@@ -1,8 +1,8 @@
 """Bad input, component failures and bugs at the worker's HTTP surface, with exact answers.
 
-The transport (`worker.py`) runs for real on loopback (aiohttp's TestServer) over the real
-`ChatService`, Gym's real `RolloutTokenCapture` and an in-memory staging store; only the engine is
-a scripted stand-in (pure request logic). Expected failures are named 4xx/503s; a bug is a 500
+The transport (`http.py`, with the actor shell `worker.py`) runs for real on loopback (aiohttp's
+TestServer) over the real `ChatService`, Gym's real `RolloutTokenCapture` and an in-memory staging
+store; only the engine is a scripted stand-in (pure request logic). Expected failures are named 4xx/503s; a bug is a 500
 that fails the worker; nothing is staged for a refused request; the bearer never leaks.
 """
 
@@ -26,26 +26,21 @@ from nemo_gym.token_id_capture.staging import StageResult, staging_key
 from nemo_rl.data_plane.errors import DataPlaneTimeoutError
 from nemo_rl.data_plane.partitions import StagedKeysMissingError, StagingStoreUnavailableError
 from nemo_rl.models.generation.vllm.config import GenerationConfig
-from nemo_rl.models.generation.vllm.engine import (
-    EngineDeadlines,
+from nemo_rl.models.generation.vllm.engine import EngineDeadlines, StreamStep, VllmEngine
+from nemo_rl.models.generation.vllm.errors import (
     EngineFailedError,
     GenerationTimeoutError,
     RefitGateTimeoutError,
-    VllmEngine,
-)
-from nemo_rl.data.errors import ApiError
-from nemo_rl.models.generation.vllm.lifecycle import build_custody
-from nemo_rl.models.generation.vllm.custody_state import AdmittedCalls, request_digest
-from nemo_rl.models.generation.vllm.serving import ChatService
-from nemo_rl.models.generation.vllm.lifecycle import derive_turn_end
-from nemo_rl.models.generation.vllm.streaming import StreamStep
-from nemo_rl.models.generation.vllm.worker import (
-    Endpoint,
-    VllmGenerationWorker,
     WorkerError,
     WorkerFailedError,
-    build_app,
 )
+from nemo_rl.data.errors import ApiError
+from nemo_rl.models.generation.vllm.chat import derive_turn_end
+from nemo_rl.models.generation.vllm.custody_state import AdmittedCalls, request_digest
+from nemo_rl.models.generation.vllm.http import Endpoint, build_app
+from nemo_rl.models.generation.vllm.lifecycle import build_custody
+from nemo_rl.models.generation.vllm.serving import ChatService
+from nemo_rl.models.generation.vllm.worker import VllmGenerationWorker
 from nemo_rl.data.calls import StagedRecordInvalidError
 from tests.unit.models.generation.vllm.test_engine_deadlines import raw_prompt
 
