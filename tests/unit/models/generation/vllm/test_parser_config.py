@@ -1,0 +1,51 @@
+"""`generation.tool_call_parser` / `generation.reasoning_parser` take the names of vLLM's registries.
+
+The driver has no vLLM, so the recipe is checked against the committed lists (`parser_names.py`);
+`tests/integration/test_vllm_parsers.py` proves those lists equal the worker venv's registries.
+"""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from nemo_rl.models.generation.vllm.config import GenerationConfig, GenerationSetupError
+from nemo_rl.models.generation.vllm.parser_names import REASONING_PARSER_NAMES, TOOL_CALL_PARSER_NAMES
+
+
+def test_defaults_are_hermes_and_no_reasoning_parser():
+    cfg = GenerationConfig()
+    assert (cfg.tool_call_parser, cfg.reasoning_parser) == ("hermes", None)
+
+
+@pytest.mark.parametrize("name", sorted(TOOL_CALL_PARSER_NAMES))
+def test_every_tool_parser_name_of_vllm_is_accepted(name):
+    assert GenerationConfig(tool_call_parser=name).tool_call_parser == name
+
+
+@pytest.mark.parametrize("name", sorted(REASONING_PARSER_NAMES))
+def test_every_reasoning_parser_name_of_vllm_is_accepted(name):
+    assert GenerationConfig(reasoning_parser=name).reasoning_parser == name
+
+
+@pytest.mark.parametrize(
+    ("field", "flag", "count"),
+    [("tool_call_parser", "--tool-call-parser", 54), ("reasoning_parser", "--reasoning-parser", 38)],
+)
+@pytest.mark.parametrize("value", ["no_such_parser", "Hermes", ""])
+def test_a_name_outside_the_registry_fails_at_load_naming_field_value_and_fix(field, flag, count, value):
+    with pytest.raises(ValidationError) as e:
+        GenerationConfig(**{field: value})
+    (error,) = e.value.errors()
+    assert error["loc"] == (field,)
+    assert error["msg"] == (
+        f"Value error, generation.{field}={value!r} is not a name of vLLM's registry ({count} names, e.g. "
+        + ", ".join(sorted(TOOL_CALL_PARSER_NAMES if field == "tool_call_parser" else REASONING_PARSER_NAMES)[:6])
+        + f", ...; all in nemo_rl/models/generation/vllm/parser_names.py) (fix: set generation.{field} to the name "
+        f"stock vLLM's {flag} takes for this model)"
+    )
+
+
+def test_the_reasoning_parser_kind_is_a_setup_kind():
+    assert GenerationSetupError("x", kind="reasoning_parser").kind == "reasoning_parser"
+    assert set(GenerationSetupError.KINDS) == {"no_gpu", "too_few_gpus", "tool_call_parser", "reasoning_parser"}
