@@ -68,7 +68,8 @@ PARSER_FIELDS = (
 
 # vLLM's `make_tool_call_id` for the "random" id type; ids of any other form come from the model.
 _VLLM_RANDOM_TOOL_CALL_ID = re.compile(r"chatcmpl-tool-[0-9a-f]+")
-# Stock's chat server resolves the request's template kwargs with no server default template.
+# `build_chat_params` wants a default template and content format; the template kwargs read here
+# (the request's own, plus what `reasoning_effort` implies) depend on neither.
 _CONTENT_FORMAT = "auto"
 _HARMONY_MODEL_TYPE = "gpt_oss"
 

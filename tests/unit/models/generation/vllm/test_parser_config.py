@@ -2,6 +2,8 @@
 
 The driver has no vLLM, so the recipe is checked against the committed lists (`parser_names.py`);
 `tests/integration/test_vllm_parsers.py` proves those lists equal the worker venv's registries.
+Until the worker's chat path parses through `parsers.py`, the launcher refuses (before any venv
+or engine) a name the worker would not apply (`launcher.check_parsers_served`).
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import pytest
 from pydantic import ValidationError
 
 from nemo_rl.models.generation.vllm.config import GenerationConfig, GenerationSetupError
+from nemo_rl.models.generation.vllm.launcher import check_parsers_served
 from nemo_rl.models.generation.vllm.parser_names import REASONING_PARSER_NAMES, TOOL_CALL_PARSER_NAMES
 
 
@@ -49,3 +52,26 @@ def test_a_name_outside_the_registry_fails_at_load_naming_field_value_and_fix(fi
 def test_the_reasoning_parser_kind_is_a_setup_kind():
     assert GenerationSetupError("x", kind="reasoning_parser").kind == "reasoning_parser"
     assert set(GenerationSetupError.KINDS) == {"no_gpu", "too_few_gpus", "tool_call_parser", "reasoning_parser"}
+
+
+@pytest.mark.parametrize("name", ["hermes", "llama3_json"])
+def test_the_parsers_the_worker_applies_today_pass_the_launch_check(name):
+    check_parsers_served(GenerationConfig(tool_call_parser=name))
+
+
+def test_a_parser_the_worker_does_not_apply_yet_fails_the_launch_check_naming_knob_and_fix():
+    with pytest.raises(GenerationSetupError) as e:
+        check_parsers_served(GenerationConfig(tool_call_parser="qwen3_coder"))
+    assert e.value.kind == "tool_call_parser"
+    assert str(e.value) == (
+        "generation.tool_call_parser='qwen3_coder' is a name of vLLM's registry, but the worker's chat path applies "
+        "only ['hermes', 'llama3_json'] until it parses through parsers.py (fix: set generation.tool_call_parser to "
+        "one of those)"
+    )
+    with pytest.raises(GenerationSetupError) as e:
+        check_parsers_served(GenerationConfig(reasoning_parser="qwen3"))
+    assert e.value.kind == "reasoning_parser"
+    assert str(e.value) == (
+        "generation.reasoning_parser='qwen3' is a name of vLLM's registry, but the worker's chat path applies no "
+        "reasoning parser until it parses through parsers.py (fix: set generation.reasoning_parser=null)"
+    )
