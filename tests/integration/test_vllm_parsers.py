@@ -11,6 +11,9 @@ expectations:
 - the streamed deltas concatenate to the whole reply (reasoning, content, each call's name and
   arguments), the first delta of a call carries its id, type and name, and the stream closes on
   the same reply;
+- every whole reply, every streamed delta and every finish reason equals what stock vLLM's own
+  chat server (its whole-reply and streaming generators, fed the same engine output) returns,
+  tool-call ids aside (stock mints `chatcmpl-tool-...`, we mint ours, in the same places);
 - names vLLM cannot build are `GenerationSetupError`s naming the field, the value and the fix.
 """
 
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -34,6 +38,8 @@ PROBE_TIMEOUT_S = 600.0  # vLLM's imports and two tokenizer trainings on a share
 ARGS = '{"expression": "12 + 5"}'
 CALL = {"type": "function", "function": {"name": "calculator", "arguments": ARGS}}
 HERMES_TEXT = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "12 + 5"}}\n</tool_call>'
+# Tool-call ids: stock mints `chatcmpl-tool-<16 hex>`, the probe's counter `call_<n>`.
+STOCK_ID, OUR_ID = re.compile(r'"chatcmpl-tool-[0-9a-f]{16}"'), re.compile(r'"call_\d+"')
 
 
 @pytest.fixture(scope="module")
@@ -221,3 +227,19 @@ def test_a_body_vllm_refuses_and_a_misused_stream_are_named_errors(observed):
         "close_early": ["StreamConsistencyError", "the stream was closed before its finishing step was pushed"],
         "push_late": ["StreamConsistencyError", "a step was pushed after the finishing step"],
     }
+
+
+def _ids_as(text_of: object, pattern: re.Pattern) -> str:
+    return pattern.sub('"<id>"', json.dumps(text_of, sort_keys=True))
+
+
+def test_every_reply_and_delta_is_stock_vllms_own(observed):
+    cases = {**observed["cases"], **observed["disagreements"]}
+    assert len(cases) == 12
+    for name, case in cases.items():
+        stock = case["stock"]
+        assert _ids_as(stock["whole"], STOCK_ID) == _ids_as(case["whole"], OUR_ID), name
+        assert _ids_as(stock["deltas"], STOCK_ID) == _ids_as(case["deltas"], OUR_ID), name
+        assert stock["finish_reasons"] == [case["closed"]["finish_reason"]], name
+        ours = {k: v for k, v in case.items() if k != "stock"}
+        assert STOCK_ID.search(json.dumps(ours)) is None, f"{name}: a vLLM-minted id reached our reply"

@@ -5,7 +5,10 @@ expectations. Observed: the names of vLLM's two parser registries; per case, the
 adjusted request asks for, the whole reply (`ChatParsers.parse`), every streamed delta
 (`ReplyStream.push`, one engine step per token, the text of each step as vLLM's incremental
 detokenizer makes it: the newly decodable suffix, nothing for the stop token) and the reply the
-stream closes with; and the set-up errors of names vLLM cannot build.
+stream closes with; beside them, stock vLLM's own answer to the same engine output: its chat
+server's whole-reply and streaming generators (`OpenAIServingChat`, built without an engine: only
+the attributes those generators read) fed `RequestOutput`s of the same ids and texts; and the
+set-up errors of names vLLM cannot build.
 
 Tokenizers: the tiny model's (`examples/arith/tiny_model`), ChatML (hermes) and Llama-3
 (llama3_json) families; the ChatML one also gets Qwen3's `<think>` / `</think>` as added,
@@ -15,6 +18,7 @@ Tool-call ids are minted by a counter (`call_0`, `call_1`, ...) so the expectati
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 import sys
@@ -28,7 +32,7 @@ from examples.arith.tiny_model.corpus import task_conversation
 from examples.arith.tiny_model.tokenizer import train_tokenizer
 from nemo_rl.models.generation.vllm.config import GenerationSetupError
 from nemo_rl.models.generation.vllm.engine import InvalidChatRequest
-from nemo_rl.models.generation.vllm.parsers import reply_text, resolve_parsers
+from nemo_rl.models.generation.vllm.parsers import ChatParsers, reply_text, resolve_parsers
 from nemo_rl.models.generation.vllm.streaming import StreamConsistencyError
 
 THINK_TOKENS = ("<think>", "</think>")
@@ -58,10 +62,22 @@ def _prompt_ids(tok, body: dict) -> list[int]:
     return list(rendered["input_ids"] if isinstance(rendered, dict) else rendered)
 
 
+def _steps(tok, ids: list[int], skip: bool, cut: bool) -> list[tuple[str, list[int], bool]]:
+    """One engine step per token: (the newly decodable text, the token, finished), as vLLM's
+    incremental detokenizer reports them (the stop token that ends a turn adds no text)."""
+    steps, sent = [], ""
+    for n in range(1, len(ids) + 1):
+        last = n == len(ids)
+        so_far = reply_text(tok, ids[:n], skip_special_tokens=skip, stop_terminated=last and not cut)
+        steps.append((so_far[len(sent):], ids[n - 1 : n], last))
+        sent = so_far
+    return steps
+
+
 def _case(tok, names: dict, body: dict, generated: str, *, cut: bool = False) -> dict:
     """Whole and streamed parse of `generated` followed by eos (a turn that stopped on its stop token;
     `cut`: no eos, finish reason `length`), by parsers of their own (ids count from call_0: the
-    whole reply's first, then the stream's)."""
+    whole reply's first, then the stream's), and stock's server on the same engine output."""
     parsers = resolve_parsers(tok, mint_tool_call_id=_counter(), **names)
     request = parsers.prepare(body)
     ids = tok.encode(generated, add_special_tokens=False) + ([] if cut else [tok.eos_token_id])
@@ -71,14 +87,8 @@ def _case(tok, names: dict, body: dict, generated: str, *, cut: bool = False) ->
     text = reply_text(tok, ids, skip_special_tokens=skip, stop_terminated=not cut)
     whole = parsers.parse(request, prompt_token_ids=prompt, token_ids=ids, text=text, finish_reason=finish)
     stream = parsers.stream(request, prompt_token_ids=prompt)
-    deltas, sent = [], ""
-    for n in range(1, len(ids) + 1):
-        last = n == len(ids)
-        so_far = reply_text(tok, ids[:n], skip_special_tokens=skip, stop_terminated=last and not cut)
-        delta = stream.push(so_far[len(sent):], ids[n - 1 : n], finished=last)
-        sent = so_far
-        if delta is not None:
-            deltas.append(delta)
+    steps = _steps(tok, ids, skip, cut)
+    deltas = [d for t, i, last in steps if (d := stream.push(t, i, finished=last)) is not None]
     closed = stream.close(finish)
     return {
         "skip_special_tokens": skip,
@@ -89,6 +99,60 @@ def _case(tok, names: dict, body: dict, generated: str, *, cut: bool = False) ->
         "closed_whole": {"message": closed.whole.message(), "finish_reason": closed.whole.finish_reason},
         "agrees": closed.agrees,
         "disagreement": closed.disagreement(),
+        "stock": asyncio.run(_stock(parsers, request, tok, prompt, text, ids, steps, finish)),
+    }
+
+
+def _stock_server(parsers: ChatParsers):
+    """vLLM's own chat server, without an engine: only the attributes its two generators read, set
+    as `vllm serve --enable-auto-tool-choice` sets them (no usage details, logging or fingerprint)."""
+    from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
+
+    server = OpenAIServingChat.__new__(OpenAIServingChat)
+    for name, value in {
+        "parser_cls": parsers.vllm_parser_cls, "enable_auto_tools": True, "response_role": "assistant",
+        "model_config": None, "_include_reasoning_tokens_details": False, "enable_prompt_tokens_details": False,
+        "enable_per_request_metrics": False, "system_fingerprint": None, "enable_log_outputs": False,
+        "request_logger": None, "enable_force_include_usage": False, "default_chat_template_kwargs": {},
+        "chat_template": None, "chat_template_content_format": "auto", "return_tokens_as_token_ids": False,
+        "enable_log_deltas": True,
+    }.items():
+        setattr(server, name, value)
+    return server
+
+
+async def _stock(parsers: ChatParsers, request, tok, prompt, text, ids, steps, finish) -> dict:
+    """Stock's whole reply and streamed deltas for the same engine output (`RequestOutput`s)."""
+    from vllm.entrypoints.generate.base.protocol import RequestResponseMetadata
+    from vllm.outputs import CompletionOutput, RequestOutput
+
+    async def engine(outputs):
+        for out in outputs:
+            yield out
+
+    def output(text_, ids_, reason, finished):
+        return RequestOutput("r", None, prompt, None, [CompletionOutput(0, text_, ids_, None, None, finish_reason=reason)], finished)
+
+    server, req = _stock_server(parsers), request.vllm_request
+    parser = server._make_parser(req, tok, request.chat_template_kwargs)
+    full = await server.chat_completion_full_generator(
+        req, engine([output(text, ids, finish, True)]), "r", "m", [], tok, RequestResponseMetadata(request_id="r"),
+        parser=parser,
+    )
+    choice = json.loads(full.model_dump_json())["choices"][0]
+    events = server.chat_completion_stream_generator(
+        req, engine([output(t, i, finish if last else None, last) for t, i, last in steps]), "r", "m", [], tok,
+        RequestResponseMetadata(request_id="r"), chat_template_kwargs=request.chat_template_kwargs,
+    )
+    chunks = [json.loads(e[len("data: "):]) async for e in events if e.strip() != "data: [DONE]"]
+    choices = [c["choices"][0] for c in chunks[1:]]  # after the role chunk
+    message = {k: choice["message"].get(k) for k in ("role", "content", "reasoning")}
+    if choice["message"].get("tool_calls"):
+        message["tool_calls"] = [{k: c[k] for k in ("id", "type", "function")} for c in choice["message"]["tool_calls"]]
+    return {
+        "whole": {"message": message, "finish_reason": choice["finish_reason"]},
+        "deltas": [c["delta"] for c in choices if c["delta"]],
+        "finish_reasons": [c["finish_reason"] for c in choices if c["finish_reason"]],
     }
 
 

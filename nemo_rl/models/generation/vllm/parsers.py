@@ -164,6 +164,11 @@ class ChatParsers:
     def has_reasoning_parser(self) -> bool:
         return self._parser_cls.reasoning_parser_cls is not None
 
+    @property
+    def vllm_parser_cls(self) -> Any:
+        """vLLM's composed `Parser` class (what stock's server holds for the same two names)."""
+        return self._parser_cls
+
     def _new_parser(self, request: ParseRequest) -> Any:
         return self._parser_cls(
             self._tokenizer,
