@@ -1,42 +1,17 @@
-"""The worker's one boundary to vLLM's tool-call and reasoning parsers (runs in the worker's venv).
+"""The worker's one boundary to vLLM's tool-call and reasoning parsers (only importer of `vllm.parser`,
+`vllm.tool_parsers`, `vllm.reasoning`, lazily), called in the order stock vLLM's chat server calls them.
 
-Only this module imports `vllm.parser`, `vllm.tool_parsers` and `vllm.reasoning` (lazily: the driver
-may import it without vLLM). It makes a reply's reasoning, content and tool calls exactly what
-stock vLLM's chat completion server makes of the same generated text and ids, by calling vLLM's
-own parsers in the order that server calls them.
-
-Contract:
-- Set-up: `resolve_parsers(tokenizer, tool_call_parser=, reasoning_parser=, mint_tool_call_id=)`
-  resolves both names in vLLM's registries and composes them as stock's server does with
-  `--enable-auto-tool-choice` (`ParserManager.get_parser`, checked against the worker's tokenizer).
-  A name the registry lacks, a parser the tokenizer cannot serve, or a pair vLLM will not compose
-  is a `GenerationSetupError` of kind `tool_call_parser` / `reasoning_parser` naming field, value
-  and fix.
-- Per request: `ChatParsers.prepare(body)` builds vLLM's `ChatCompletionRequest` from the body's
-  parser fields (`PARSER_FIELDS`) and lets the parser adjust it when stock's renderer would
-  (`ParseRequest`: how to decode the reply, `skip_special_tokens`; whether the parser asked for a
-  sampling constraint, `structured_outputs`). A body vLLM's request model refuses is an
-  `InvalidChatRequest` (400).
-- Whole reply: `ChatParsers.parse(request, prompt_token_ids=, token_ids=, text=, finish_reason=)`
-  -> `ParsedReply` (`reasoning`, `content`, `tool_calls`, `finish_reason`): the message and finish
-  reason stock's full generator builds (its rules for tool_choice none / auto / required / named,
-  `include_reasoning`, `parallel_tool_calls`).
-- Streamed: `ChatParsers.stream(request, prompt_token_ids=)` -> `ReplyStream`; `push(delta_text,
-  delta_token_ids, finished=)` returns the chunk's `delta` as stock serializes it, or None where
-  stock's parser yields no delta; `finish_reason(engine_reason)` is stock's streamed rule;
-  `close(engine_reason)` returns a `StreamedReply`: the `ParsedReply` the deltas add up to (by
-  construction the concatenation of every delta sent: the reply of record) beside the whole parse
-  of the same text and ids, and whether they agree (stock vLLM's two paths differ on some replies:
-  `StreamedReply`'s docstring lists the measured ones; the caller counts a disagreement, never
-  rewrites what was sent). Pushing after the finishing step, or closing before it, is a
-  `StreamConsistencyError` (a bug of the caller).
-- Text in is what vLLM's detokenizer makes of the ids: `reply_text` (the request's
-  `skip_special_tokens`, the stop token that ended the turn left out); streamed, the deltas of it.
-- Tool-call ids: where vLLM would mint a random id (`chatcmpl-tool-<hex>`) the id is
-  `mint_tool_call_id()`'s, one per call, the same in every delta of that call; an id the parser
-  reads from the model's own output (e.g. Kimi's `functions.<name>:<n>`) is kept.
-- The reply's reasoning field is `reasoning`, as stock vLLM 0.32 names it on messages and deltas
-  (it renames a request's `reasoning_content` to `reasoning`).
+Contract: `resolve_parsers` resolves both names in vLLM's registries once (a name, tokenizer or pair
+vLLM refuses is a `GenerationSetupError` of kind `tool_call_parser` / `reasoning_parser`);
+`ChatParsers.prepare(body)` is vLLM's adjusted request (`skip_special_tokens` to decode with; a body
+vLLM refuses is `InvalidChatRequest`); `ChatParsers.parse` is the whole reply and
+`ChatParsers.stream(...).push` the deltas, each field for field what stock vLLM returns for the same
+text and ids (reasoning under `reasoning`, as vLLM 0.32 names it). Tool-call ids are
+`mint_tool_call_id()`'s where vLLM would mint a random one, the same in every delta of a call.
+Invariant: `ReplyStream.close` returns the concatenation of the deltas sent as the reply of record,
+beside the whole parse and whether they agree (vLLM's two paths differ on some malformed or cut
+replies: named, never rewritten); misuse of a stream is a `StreamConsistencyError`.
+See docs/design-docs/vllm-worker-capture.md ("vLLM's own parsers").
 """
 
 from __future__ import annotations
