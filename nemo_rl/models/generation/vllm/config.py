@@ -4,7 +4,9 @@ Invariant: every wait inside a worker has a deadline here (`generate_timeout_s`,
 the driver's `call_timeout_s`, `startup_timeout_s`); staging reads and writes are bounded by
 `token_capture.stage_timeout_s`. The refit deadlines sum to less than `call_timeout_s`.
 A valid config this host or this code cannot set up is a `GenerationSetupError` (its `kind` says
-which knob: too few GPUs for the flavor, a tool-call parser with no implementation).
+which knob: too few GPUs for the flavor, a tool-call or reasoning parser the worker's vLLM cannot build).
+`tool_call_parser` / `reasoning_parser` take the names of vLLM's registries (`parser_names.py`); a
+name outside them fails at load, naming the field, the value and the fix.
 """
 
 from __future__ import annotations
@@ -12,19 +14,23 @@ from __future__ import annotations
 import typing
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from nemo_rl.data.errors import FatalError, Kinded
 from nemo_rl.distributed.placement import Placement
 from nemo_rl.distributed.topology import Bind
+from nemo_rl.models.generation.vllm.parser_names import (
+    REASONING_PARSER_NAMES,
+    TOOL_CALL_PARSER_NAMES,
+    unknown_name_message,
+)
 
-# vLLM's names of the tool-call parsers `tool_parsers.TOOL_CALL_PARSERS` holds.
-ToolCallParserName = Literal["hermes", "llama3_json"]
-
-GenerationSetupKind = Literal["no_gpu", "too_few_gpus", "tool_call_parser"]
+GenerationSetupKind = Literal["no_gpu", "too_few_gpus", "tool_call_parser", "reasoning_parser"]
 """What cannot be set up: flavor=gpu where no CUDA device is visible; fewer visible devices than
-the GPU knobs need (`launcher.check_gpu_available`); a `generation.tool_call_parser` with no
-parser in `tool_parsers.TOOL_CALL_PARSERS` (raised when the worker builds its service)."""
+the GPU knobs need (`launcher.check_gpu_available`); a `generation.tool_call_parser` or
+`generation.reasoning_parser` the worker's vLLM cannot build (`parsers.resolve_parsers`: a name its
+registry lacks, a tokenizer the parser cannot use, a pair vLLM cannot compose), raised when the
+worker builds its service."""
 
 
 class GenerationSetupError(Kinded, FatalError, RuntimeError):
@@ -157,9 +163,30 @@ class GenerationConfig(BaseModel):
     temperature: float = Field(1.0, ge=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     model_name: str = Field("tiny-policy", min_length=1, description="Name served on /v1/models.")
-    tool_call_parser: ToolCallParserName = Field(
+    tool_call_parser: str = Field(
         "hermes",
-        description="How generated text becomes tool calls (vLLM's parser names): hermes (<tool_call> JSON "
-        "blocks, ChatML/Qwen), llama3_json (bare JSON objects with name + parameters/arguments, Llama 3).",
+        description="How generated text becomes tool calls: any name of vLLM's tool-parser registry (stock "
+        "vLLM's --tool-call-parser; `parser_names.TOOL_CALL_PARSER_NAMES`), e.g. hermes (<tool_call> JSON "
+        "blocks, ChatML/Qwen), llama3_json (bare JSON objects, Llama 3), qwen3_coder, deepseek_v3, kimi_k2.",
+    )
+    reasoning_parser: str | None = Field(
+        None,
+        description="How generated text splits into reasoning and the answer: null (none: thinking text stays "
+        "content) or any name of vLLM's reasoning-parser registry (stock vLLM's --reasoning-parser; "
+        "`parser_names.REASONING_PARSER_NAMES`), e.g. qwen3, deepseek_r1, nemotron_v3.",
     )
     vllm: VllmConfig = VllmConfig()
+
+    @field_validator("tool_call_parser")
+    @classmethod
+    def _a_tool_parser_of_vllms_registry(cls, value: str) -> str:
+        if value not in TOOL_CALL_PARSER_NAMES:
+            raise ValueError(unknown_name_message("tool_call_parser", value, TOOL_CALL_PARSER_NAMES))
+        return value
+
+    @field_validator("reasoning_parser")
+    @classmethod
+    def _a_reasoning_parser_of_vllms_registry(cls, value: str | None) -> str | None:
+        if value is not None and value not in REASONING_PARSER_NAMES:
+            raise ValueError(unknown_name_message("reasoning_parser", value, REASONING_PARSER_NAMES))
+        return value

@@ -4,7 +4,8 @@ Owns `resolve_flavor` (GPU detection), `worker_env`, and `spawn_workers` / `awai
 hand the actor class (`worker.VllmGenerationWorker`) to Ray and return a `client.WorkerGroup`
 (the driver's handle on the running workers). Promises: the flavor and the placement plan are
 checked before the venv build or any engine starts (`GenerationSetupError`, `RayClusterError`
-of kind `placement`); `spawn_workers` returns base URLs as soon as the ports are open, so other
+of kind `placement`), and so are parser names the worker does not apply yet
+(`check_parsers_served`); `spawn_workers` returns base URLs as soon as the ports are open, so other
 components start while engines load; every start-up call has the start-up deadline and a dead
 or hung actor surfaces as `WorkerError` naming the operation (the group shut down first).
 Worker `i` is built with `worker_index=i`; the run's control bearer is minted here and kept on
@@ -31,6 +32,7 @@ from nemo_rl.models.generation.vllm.client import WORKERS, WorkerGroup
 from nemo_rl.models.generation.vllm.config import GenerationConfig, GenerationSetupError
 from nemo_rl.models.generation.vllm.errors import WorkerError
 from nemo_rl.models.generation.vllm.lifecycle import cpu_engine_env
+from nemo_rl.models.generation.vllm.tool_parsers import TOOL_CALL_PARSERS
 from nemo_rl.models.generation.vllm.worker import VllmGenerationWorker
 from nemo_rl.utils.venvs import REPO_ROOT, ensure_venv, venv_python, vllm_spec
 
@@ -130,6 +132,30 @@ def resolve_flavor(gen: GenerationConfig, *, extra_gpus: int = 0, env: Mapping[s
     return flavor
 
 
+def check_parsers_served(gen: GenerationConfig) -> None:
+    """`GenerationSetupError` for a parser name the config takes but the worker does not apply yet.
+
+    The config takes every name of vLLM's registries (`parser_names.py`); the worker's chat path
+    still parses with `tool_parsers.TOOL_CALL_PARSERS` and no reasoning parser until it calls
+    `parsers.py` (issue 33, item 1). Checked before the venv build and the engines, so such a
+    recipe fails at once instead of serving replies its knob does not shape.
+    """
+    if gen.tool_call_parser not in TOOL_CALL_PARSERS:
+        raise GenerationSetupError(
+            f"generation.tool_call_parser={gen.tool_call_parser!r} is a name of vLLM's registry, but the worker's "
+            f"chat path applies only {sorted(TOOL_CALL_PARSERS)} until it parses through parsers.py (fix: set "
+            "generation.tool_call_parser to one of those)",
+            kind="tool_call_parser",
+        )
+    if gen.reasoning_parser is not None:
+        raise GenerationSetupError(
+            f"generation.reasoning_parser={gen.reasoning_parser!r} is a name of vLLM's registry, but the worker's "
+            "chat path applies no reasoning parser until it parses through parsers.py (fix: set "
+            "generation.reasoning_parser=null)",
+            kind="reasoning_parser",
+        )
+
+
 def worker_num_gpus(gen: GenerationConfig, flavor: str) -> int:
     """GPUs Ray reserves per worker actor (it sets the actor's CUDA_VISIBLE_DEVICES to them)."""
     return gen.vllm.tensor_parallel_size if flavor == "gpu" else 0
@@ -193,6 +219,7 @@ def spawn_workers(
     start-up deadline (it prints its own progress and is bounded by its installer); the rest is.
     """
     flavor = resolve_flavor(gen)  # GenerationSetupError here, before the venv build and the engines
+    check_parsers_served(gen)
     nodes = alive_nodes(ray.get_runtime_context().get_node_id())
     # RayClusterError (placement) here, before the venv build and the engines.
     plan = plan_worker_placement(gen.num_workers, nodes, gen.vllm.placement, worker_num_gpus(gen, flavor))

@@ -9,7 +9,6 @@ max_tokens.
 from __future__ import annotations
 
 import json
-from typing import get_args
 
 import pytest
 
@@ -37,7 +36,7 @@ from nemo_rl.models.generation.vllm.tool_parsers import (
     get_tool_call_parser,
     parse_llama3_json,
 )
-from nemo_rl.models.generation.vllm.config import GenerationConfig, GenerationSetupError, ToolCallParserName
+from nemo_rl.models.generation.vllm.config import GenerationSetupError
 
 PROBLEM = arith_task.Problem("12 + 5", 17)
 
@@ -259,13 +258,10 @@ def test_llama3_json_follows_vllm():
         assert parsed.tool_calls == [] and parsed.content == text, text
 
 
-def test_parser_registry_matches_the_config_and_the_families():
-    assert set(TOOL_CALL_PARSERS) == {"hermes", "llama3_json"} == set(get_args(ToolCallParserName))
-    assert GenerationConfig().tool_call_parser == "hermes"
-    assert GenerationConfig(tool_call_parser="llama3_json").tool_call_parser == "llama3_json"
+def test_parser_registry_matches_the_families():
+    # The config takes every name of vLLM's registry (test_parser_config.py); these copies hold two.
+    assert set(TOOL_CALL_PARSERS) == {"hermes", "llama3_json"}
     assert {f.tool_call_parser for f in FAMILIES.values()} <= set(TOOL_CALL_PARSERS)
     with pytest.raises(GenerationSetupError, match="mistral") as e:
         get_tool_call_parser("mistral")
     assert e.value.kind == "tool_call_parser"
-    with pytest.raises(ValueError, match="tool_call_parser"):
-        GenerationConfig(tool_call_parser="mistral")
