@@ -446,21 +446,19 @@ async def setup(
     try:
         assert stack.env is not None and stack.workers is not None
         capture = cfg.token_capture
-        train_partition = capture.train_partition if capture.enabled else None
-        policy = RayPolicyClient.spawn(pcfg, data_plane=cfg.data_plane if train_partition is not None else None)
+        # Capture rows reach the policy through the train partition; legacy rows as the driver's TrainBatch.
+        policy = RayPolicyClient.spawn(pcfg, data_plane=cfg.data_plane if capture.enabled else None)
         weights_root = refit_root(cfg)
         await asyncio.to_thread(check_refit_dir_shared, stack, policy, weights_root)
-        finalizer = cleaner = watch = train_cleaner = rows_factory = None
-        if train_partition is not None:
-            rows_factory = TQTrainRowsFactory(cfg.data_plane, train_partition, capture.stage_timeout_s,
+        finalizer = cleaner = watch = train_cleaner = None
+        if capture.enabled:
+            rows_factory = TQTrainRowsFactory(cfg.data_plane, capture.train_partition, capture.stage_timeout_s,
                                               carry_prompt_ids=cfg.logger.dump_first_call_prompt_ids)
-            train_cleaner = TrainRowCleaner(stack.client, train_partition, capture.stage_timeout_s)
-        if cfg.token_capture.enabled:
-            pool = FinalizerPool.from_config(cfg.token_capture, TQSourceFactory.from_config(cfg.data_plane, cfg.token_capture),
-                                             rows_factory)
+            train_cleaner = TrainRowCleaner(stack.client, capture.train_partition, capture.stage_timeout_s)
+            pool = FinalizerPool.from_config(capture, TQSourceFactory.from_config(cfg.data_plane, capture), rows_factory)
             await pool.wait_ready(cfg.data_plane.startup_timeout_s)
             finalizer = TimedFinalizer(pool)
-            cleaner = TQStagingCleaner(stack.client, cfg.token_capture.staging_partition, cfg.token_capture.stage_timeout_s)
+            cleaner = TQStagingCleaner(stack.client, capture.staging_partition, capture.stage_timeout_s)
         # Both paths: without it a dead worker or gate would cost a whole env.run_timeout_s per step.
         watch = build_watch(stack, pool, cfg.token_capture, progress)
         manager = RolloutManager(

@@ -460,6 +460,8 @@ _BOUND_WORDS = {"gt": ">", "ge": ">=", "lt": "<", "le": "<="}
 def _fix_for(error: dict, path: str, model_cls: type[BaseModel], loc: tuple[Any, ...]) -> str:
     kind = error["type"]
     ctx = error.get("ctx", {})
+    if "fix" in ctx:  # a model's own fix for its custom error, naming the field by `{path}`
+        return str(ctx["fix"]).format(path=path)
     for bound, word in _BOUND_WORDS.items():
         if bound in ctx:
             limit = ctx[bound]

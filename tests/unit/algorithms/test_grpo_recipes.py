@@ -10,6 +10,7 @@ from examples.arith.recipe import load_recipe
 from nemo_rl.algorithms.grpo_config import load_master_config, refit_root
 from nemo_rl.algorithms.grpo_single_controller import build_train_batch
 from nemo_rl.data.rows import GroupResult, KeptRollout, Placeholder, PlaceholderReason, RowOrigin, TrainRow
+from nemo_rl.data.train import TrainBatch
 from nemo_rl.utils.config import ConfigError
 
 CONFIGS = sorted((Path(__file__).resolve().parents[3] / "examples" / "configs").glob("*.yaml"))
@@ -95,19 +96,19 @@ def _row(group: int, index: int, reward: float, chains: int = 1) -> KeptRollout:
 def test_build_train_batch_skips_placeholders_and_normalises_per_group():
     ph = Placeholder(rollout_id="r-0-2", group_index=0, sample_index=2, reason=PlaceholderReason.CAPTURE_POISONED, detail="x")
     groups = [GroupResult(0, (_row(0, 0, 1.0), _row(0, 1, 0.0), ph)), GroupResult(1, (_row(1, 0, 1.0), _row(1, 1, 1.0)))]
-    out = build_train_batch(groups, normalize=False)
-    assert out.batch is not None and out.batch.num_samples == 4
-    assert out.batch.advantages == (0.5, -0.5, 0.0, 0.0)
-    assert out.batch.token_mask[0] == (0, 1, 1)
+    out = build_train_batch(groups, normalize=False, train_partition="train")
+    assert isinstance(out.rows, TrainBatch) and out.rows.num_samples == 4 and out.train_keys == ()
+    assert out.rows.advantages == (0.5, -0.5, 0.0, 0.0)
+    assert out.rows.token_mask[0] == (0, 1, 1)
     assert out.rewards_mean == pytest.approx(3.0 / 5.0)
 
 
 def test_build_train_batch_gives_every_row_of_a_rollout_its_rollout_advantage():
     # Rollout 0 branched into 3 rows; normalisation is per rollout, so it does not weigh 3x.
     groups = [GroupResult(0, (_row(0, 0, 1.0, chains=3), _row(0, 1, 0.0)))]
-    out = build_train_batch(groups, normalize=False)
-    assert out.batch is not None and out.batch.num_samples == 4
-    assert out.batch.advantages == (0.5, 0.5, 0.5, -0.5)
+    out = build_train_batch(groups, normalize=False, train_partition="train")
+    assert isinstance(out.rows, TrainBatch) and out.rows.num_samples == 4
+    assert out.rows.advantages == (0.5, 0.5, 0.5, -0.5)
     assert out.rewards_mean == pytest.approx(0.5)
 
 
