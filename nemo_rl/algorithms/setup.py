@@ -420,10 +420,9 @@ async def setup(
     log_dir = Path(cfg.logger.log_dir)
     # Absolute: actors (on any node) resolve a relative path against their own working dir.
     model_dir = model_path(cfg.model).resolve()
-    pcfg = policy_config(cfg.policy, str(model_dir))
     # Before Ray or any venv: a GPU recipe on a host without enough GPUs fails here, by name.
-    flavor = resolve_flavor(cfg.generation, extra_gpus=int(pcfg.device == "cuda"))
-    pcfg = pcfg.model_copy(update={"engine_flavor": flavor})  # what the export is for (resolve_flavor's "cpu" | "gpu")
+    flavor = resolve_flavor(cfg.generation, extra_gpus=int(cfg.policy.device == "cuda"))
+    pcfg = policy_config(cfg, str(model_dir), flavor)  # the flavor is what the export is for
     sampling = RowSampling(temperature=cfg.grpo.temperature, top_p=cfg.grpo.top_p, max_output_tokens=cfg.grpo.max_output_tokens)
     prompts = make_prompt_source(cfg.env, seed=cfg.grpo.seed, sampling=sampling, model_dir=model_dir,
                                  max_model_len=cfg.generation.vllm.max_model_len, progress=progress)
