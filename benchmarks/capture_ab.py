@@ -80,7 +80,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -578,18 +578,20 @@ def arm_main(args: argparse.Namespace) -> int:
     original, original_clear = sc.build_train_batch, sc.clear_train_rows
     planned: dict[int, Any] = {}  # id(plan) -> the batch the policy worker read
 
-    def observing(groups, normalize, train_partition=None):  # keeps references only
+    def observing(groups, normalize, train_partition):  # keeps references only
         step_batch = original(groups, normalize, train_partition)
-        batches.append(step_batch.plan if step_batch.plan is not None else step_batch.batch)
-        driver_held.append((tuple(groups), step_batch.plan if step_batch.plan is not None else step_batch.batch))
+        batches.append(step_batch.rows)
+        driver_held.append((tuple(groups), step_batch.rows))
         return step_batch
 
-    def reading_then_clearing(cleaner, plan):
+    def reading_then_clearing(cleaner, trained_keys):
         # Rows in the train partition never reach the driver; the benchmark reads them back (one get,
         # outside the train phase, right before retention) to count tokens and check re-tokenization.
-        if plan is not None:
+        # The loop clears the step it just built, so the plan is the last one observed.
+        plan = batches[-1] if batches else None
+        if isinstance(plan, TrainPlan):
             planned[id(plan)] = read_train_batch(cleaner.client, plan)
-        return original_clear(cleaner, plan)
+        return original_clear(cleaner, trained_keys)
 
     # run_grpo looks these up in its module on every step, so this sees each step's batch.
     sc.build_train_batch, sc.clear_train_rows = observing, reading_then_clearing
@@ -753,6 +755,10 @@ async def _finalize(
     return wall, [o.queue_wait_ms for o in outcomes if o.queue_wait_ms is not None]
 
 
+def _rows_kept_whole() -> Callable[[Sequence[Any]], list[Any]]:
+    return list
+
+
 async def _synthetic(out: Path, turns: Sequence[int], num_finalizers: int) -> dict[str, Any]:
     from nemo_rl.data_plane import DataPlaneConfig, attach_client, start_data_plane
     from nemo_rl.distributed.ray_cluster import init_local_ray
@@ -773,7 +779,8 @@ async def _synthetic(out: Path, turns: Sequence[int], num_finalizers: int) -> di
         plane = start_data_plane(dp_cfg)
         client = attach_client(dp_cfg)
         sink = _TimedSink(TQTokenSink(client, partition, timeout_s=capture_cfg.stage_timeout_s))
-        pool = FinalizerPool.from_config(capture_cfg, TQSourceFactory.from_config(dp_cfg, capture_cfg))
+        # Judging is measured here, not the train-partition write: the pool hands kept rows back whole.
+        pool = FinalizerPool.from_config(capture_cfg, TQSourceFactory.from_config(dp_cfg, capture_cfg), _rows_kept_whole)
         await pool.wait_ready(dp_cfg.startup_timeout_s)
         ledger_dir = out / "ledger"
         ledger = BranchingCaptureLedger(ledger_dir)

@@ -87,7 +87,7 @@ import re
 import sys
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -876,6 +876,10 @@ def passed(line: dict[str, Any]) -> bool:
                 and lineage_as_expected(line) and streamed_as_expected(line) and messages_as_expected(line))
 
 
+def _rows_kept_whole() -> Callable[[Sequence[KeptRollout]], list[KeptRollout]]:
+    return list
+
+
 async def main(args: argparse.Namespace) -> list[dict[str, Any]]:
     names = [n for n in args.only.split(",") if n] or [
         n for n in SCENARIOS if args.num_workers >= 2 or n not in MULTI_WORKER_SCENARIOS]
@@ -896,7 +900,9 @@ async def main(args: argparse.Namespace) -> list[dict[str, Any]]:
     pool: FinalizerPool | None = None
     try:
         assert stack.env is not None and stack.workers is not None and stack.client is not None
-        pool = FinalizerPool.from_config(capture, TQSourceFactory.from_config(dp_cfg, capture))
+        # The audit reads every row's tokens here, so the pool hands kept rows back whole (`list`
+        # as its row store) instead of writing them to the train partition as a training run does.
+        pool = FinalizerPool.from_config(capture, TQSourceFactory.from_config(dp_cfg, capture), _rows_kept_whole)
         await pool.wait_ready(dp_cfg.startup_timeout_s)
         cleaner = TQStagingCleaner(stack.client, capture.staging_partition, capture.stage_timeout_s)
         manager = RolloutManager(

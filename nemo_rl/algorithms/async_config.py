@@ -6,7 +6,7 @@ separate the weights that generated a group's oldest token from the weights the 
 when it trains the group) and `max_in_flight_groups` (>= 1; null: one step's groups,
 `grpo.num_prompts_per_step`). Every error names the key, the value and the fix
 (`nemo_rl.utils.config.validate_section` formats them). The checks across sections (capture on,
-the cap against the step size) are `async_cross_check`'s, called by `validate_master`.
+the cap against the step size) are `async_cross_check`'s, called by `MasterConfig`'s cross-section validator.
 """
 
 from __future__ import annotations

@@ -318,7 +318,7 @@ async def async_step(run: GRPORun, producer: RolloutProducer, step: int, trainer
 
     def clear(batch: StepBatch) -> dict[str, float]:
         assert cleaner is not None  # train_groups clears only with a train partition
-        return clear_step_train_rows(cleaner, batch.plan.keys if batch.plan is not None else [], ids, dropped_keys)
+        return clear_step_train_rows(cleaner, batch.train_keys, ids, dropped_keys)
 
     def refit(run: GRPORun, step: int) -> dict[str, float]:
         running = producer.running_count  # read on the refit's thread

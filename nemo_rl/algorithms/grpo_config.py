@@ -1,27 +1,28 @@
 """The GRPO recipe schema: one pydantic model per section, validated at setup.
 
 Each section's defaults live in its own model (this file only adds the GRPO loop, model and
-cluster sections); recipes only override. `load_master_config(path, overrides)` loads a YAML
-recipe with its `defaults:` chain and Hydra-style overrides, then validates every section with
-errors that name the key path, the value and the fix.
+cluster sections); recipes only override. `MasterConfig` is the one list of sections, and its
+validators hold the rules across them. `load_master_config(path, overrides)` loads a YAML recipe
+with its `defaults:` chain and Hydra-style overrides, then validates the whole recipe once: one
+`ConfigError` lists every problem, each naming the key path, the value and the fix.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from nemo_rl.algorithms.async_config import AsyncRolloutsConfig, async_cross_check
 from nemo_rl.data_plane import DataPlaneConfig
 from nemo_rl.environments.nemo_gym_config import NemoGymConfig
 from nemo_rl.models.generation.vllm.config import GenerationConfig
-from nemo_rl.models.policy import LossConfig, PolicyConfig
+from nemo_rl.models.policy import LossConfig, PolicyConfig, PolicySettings
 from nemo_rl.token_capture.config import TokenCaptureConfig
 from nemo_rl.models.policy.config import dtype_mismatch
 from nemo_rl.utils.checkpoint import CheckpointingConfig
-from nemo_rl.utils.config import ConfigError, DeclaredBy, load_config, validate_section
+from nemo_rl.utils.config import ConfigError, cross_section_problems, load_config, validate_section
 from nemo_rl.utils.logger import LoggerConfig
 
 
@@ -97,13 +98,14 @@ class ClusterConfig(BaseModel):
 
 
 class MasterConfig(BaseModel):
+    """The whole recipe: one field per section, the one list of sections. A section the recipe
+    leaves out (or null) takes its model's defaults; rules across sections are `_cross_section`'s."""
+
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     grpo: GRPOConfig
     loss_fn: LossConfig
-    policy: Annotated[dict, DeclaredBy(PolicyConfig)] = Field(
-        description="PolicyConfig fields except model_path, which comes from `model:`."
-    )
+    policy: PolicySettings
     model: ModelConfig
     generation: GenerationConfig
     env: NemoGymConfig
@@ -113,19 +115,28 @@ class MasterConfig(BaseModel):
     cluster: ClusterConfig
     checkpointing: CheckpointingConfig
 
+    @model_validator(mode="before")
+    @classmethod
+    def _absent_sections_take_defaults(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        return {**data, **{name: {} for name in cls.model_fields if data.get(name) is None}}
 
-_SECTIONS: dict[str, type[BaseModel]] = {
-    "grpo": GRPOConfig,
-    "loss_fn": LossConfig,
-    "model": ModelConfig,
-    "generation": GenerationConfig,
-    "env": NemoGymConfig,
-    "token_capture": TokenCaptureConfig,
-    "data_plane": DataPlaneConfig,
-    "logger": LoggerConfig,
-    "cluster": ClusterConfig,
-    "checkpointing": CheckpointingConfig,
-}
+    @model_validator(mode="after")
+    def _cross_section(self) -> "MasterConfig":
+        """Every rule between sections at once (the precision of policy and sampler, what async needs)."""
+        problems: list[tuple[tuple[str, ...], str]] = []
+        mismatch = dtype_mismatch(self.policy.dtype, self.generation.vllm.dtype)
+        if mismatch:
+            problems.append((("policy", "dtype"), mismatch))
+        refused = async_cross_check(self.grpo.async_rollouts, num_prompts_per_step=self.grpo.num_prompts_per_step,
+                                    capture_enabled=self.token_capture.enabled,
+                                    on_component_failure=self.token_capture.on_component_failure)
+        if refused:
+            problems.append((("grpo", "async_rollouts", "enabled"), refused))
+        if problems:
+            raise cross_section_problems(type(self).__name__, problems)
+        return self
 
 
 REFIT_DIR_KNOB = "grpo.refit_dir"
@@ -138,43 +149,13 @@ def refit_root(cfg: MasterConfig) -> Path:
 
 
 def validate_master(raw: dict) -> MasterConfig:
-    unknown = sorted(set(raw) - set(_SECTIONS) - {"policy"})
-    if unknown:
-        raise ConfigError(
-            f"unknown top-level section(s) {unknown}; allowed: {sorted([*_SECTIONS, 'policy'])} "
-            "(fix: remove them, or check the spelling)",
-            kind="section",
-        )
-    sections = {name: validate_section(model, raw.get(name) or {}, name) for name, model in _SECTIONS.items()}
-    policy = raw.get("policy") or {}
-    if not isinstance(policy, dict):
-        raise ConfigError(f"policy={policy!r}: must be a mapping (fix: write policy: as a YAML block)", kind="section")
-    if "model_path" in policy:
-        raise ConfigError(
-            f"policy.model_path={policy['model_path']!r}: the policy weights come from the model section "
-            "(fix: set model.path=<folder> instead)",
-            kind="section",
-        )
-    if "engine_flavor" in policy:
-        raise ConfigError(
-            f"policy.engine_flavor={policy['engine_flavor']!r}: setup sets it from generation.vllm.flavor "
-            "(fix: remove it; set generation.vllm.flavor instead)",
-            kind="section",
-        )
-    pcfg = policy_config(policy, "<model.path, resolved at setup>")  # validate every policy key now
-    mismatch = dtype_mismatch(pcfg.dtype, sections["generation"].vllm.dtype)
-    if mismatch:
-        raise ConfigError(mismatch, kind="section")
-    grpo, capture = sections["grpo"], sections["token_capture"]
-    refused = async_cross_check(grpo.async_rollouts, num_prompts_per_step=grpo.num_prompts_per_step,
-                                capture_enabled=capture.enabled, on_component_failure=capture.on_component_failure)
-    if refused:
-        raise ConfigError(refused, kind="section")
-    return MasterConfig(policy=policy, **sections)
+    """The recipe validated once, or ONE `ConfigError` listing every problem of every section."""
+    return validate_section(MasterConfig, raw, "")
 
 
-def policy_config(policy: dict, model_path: str) -> PolicyConfig:
-    return validate_section(PolicyConfig, {**policy, "model_path": model_path}, "policy")
+def policy_config(cfg: MasterConfig, model_path: str, engine_flavor: Literal["cpu", "gpu"]) -> PolicyConfig:
+    """The policy worker's config: the recipe's validated `policy:` settings, the model folder and the engine flavor."""
+    return PolicyConfig.for_run(cfg.policy, model_path, engine_flavor)
 
 
 def load_master_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> MasterConfig:

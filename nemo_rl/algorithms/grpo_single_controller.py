@@ -46,7 +46,7 @@ from nemo_rl.algorithms.grpo_health import (
     unrecoverable,
     untrainable,
 )
-from nemo_rl.data.rows import GroupResult, KeptRollout, RowRef
+from nemo_rl.data.rows import GroupResult, KeptRollout, RowRef, TrainRow
 from nemo_rl.data.train import TrainBatch, TrainPlan, batch_routes
 from nemo_rl.data_plane.partitions import TrainRowCleaner
 from nemo_rl.algorithms.refit import refit_to
@@ -63,25 +63,33 @@ from nemo_rl.utils.logger import FIRST_CALL_PROMPTS_FILE, METRICS_FILE, Timer, a
 
 @dataclass(frozen=True)
 class StepBatch:
-    batch: TrainBatch | None  # rows held by the driver (legacy, or capture without a train partition)
+    """What one step trains: legacy rows as the driver's `TrainBatch`, capture rows as a `TrainPlan`
+    naming their keys in the train partition (the policy worker reads them there); None: nothing."""
+
+    rows: TrainBatch | TrainPlan | None
     rewards_mean: float
-    plan: TrainPlan | None = None  # rows in the train partition (capture with one)
 
     @property
     def trainable(self) -> bool:
-        return self.batch is not None or self.plan is not None
+        return self.rows is not None
+
+    @property
+    def train_keys(self) -> tuple[str, ...]:
+        """The train-partition keys this step trains on (none for legacy rows)."""
+        return self.rows.keys if isinstance(self.rows, TrainPlan) else ()
 
 
-def build_train_batch(groups: Sequence[GroupResult], normalize: bool, train_partition: str | None = None) -> StepBatch:
+def build_train_batch(groups: Sequence[GroupResult], normalize: bool, train_partition: str) -> StepBatch:
     """Advantages per group over kept rollouts; each of a rollout's rows gets its rollout's advantage.
 
     Placeholders are accounted but never trained. Normalising per rollout (not per row) keeps a
     rollout that branched into several rows from weighing more in its group's statistics.
-    `TrainRow`s become a `TrainBatch`; `RowRef`s (their payload in `train_partition`) a `TrainPlan`
-    in the same row order. A step holds one kind or the other.
+    `TrainRow`s (legacy) become a `TrainBatch`; `RowRef`s (capture: their payload in
+    `train_partition`) a `TrainPlan` in the same row order. A step holds one kind or the other.
     """
-    ids, masks, lps, advs, routes = [], [], [], [], []
+    rows: list[TrainRow] = []
     refs: list[RowRef] = []
+    row_advs: list[float] = []
     ref_advs: list[float] = []
     all_rewards: list[float] = []
     for group in groups:
@@ -97,21 +105,22 @@ def build_train_batch(groups: Sequence[GroupResult], normalize: bool, train_part
                 if isinstance(row, RowRef):
                     refs.append(row)
                     ref_advs.append(adv)
-                    continue
-                ids.append(list(row.token_ids))
-                masks.append([int(m) for m in row.token_mask])
-                lps.append(list(row.generation_logprobs))
-                advs.append(adv)
-                routes.append(row.routed_experts)
-    if refs and ids:
-        raise GRPOError(f"a step holds {len(ids)} TrainRows and {len(refs)} RowRefs; the finalizers disagree on "
-                        "token_capture.train_partition", kind="batch")
-    if refs and train_partition is None:
-        raise GRPOError(f"{len(refs)} rows are RowRefs but no train partition was given to read them from", kind="batch")
-    batch = TrainBatch(token_ids=ids, token_mask=masks, generation_logprobs=lps, advantages=advs,
-                       routed_experts=batch_routes(routes, [len(i) for i in ids])) if ids else None
-    plan = TrainPlan.of(train_partition, refs, ref_advs) if refs else None
-    return StepBatch(batch=batch, rewards_mean=sum(all_rewards) / max(1, len(all_rewards)), plan=plan)
+                else:
+                    rows.append(row)
+                    row_advs.append(adv)
+    if refs and rows:
+        raise GRPOError(f"a step holds {len(rows)} TrainRows and {len(refs)} RowRefs; capture rows travel only "
+                        "through the train partition and legacy rows only whole", kind="batch")
+    rewards_mean = sum(all_rewards) / max(1, len(all_rewards))
+    if refs:
+        return StepBatch(TrainPlan.of(train_partition, refs, ref_advs), rewards_mean)
+    if rows:
+        return StepBatch(TrainBatch(
+            token_ids=[row.token_ids for row in rows], token_mask=[row.token_mask for row in rows],
+            generation_logprobs=[row.generation_logprobs for row in rows], advantages=row_advs,
+            routed_experts=batch_routes([row.routed_experts for row in rows], [len(row.token_ids) for row in rows]),
+        ), rewards_mean)
+    return StepBatch(None, rewards_mean)
 
 
 async def _reported(run, step: int, total: int, progress) -> GroupResult:
@@ -248,23 +257,24 @@ def train_step(run: GRPORun, step: int, step_batch: StepBatch) -> dict[str, floa
     metrics: dict[str, float] = {}
     with Timer("train_s", metrics):
         loss_fn = ClippedPGLossFn.from_config(run.cfg.loss_fn)
-        if step_batch.plan is not None:
-            run.progress(f"[step {step}] training on {step_batch.plan.num_samples} rows read from the train partition")
-            train = run.policy.train_planned(step_batch.plan, loss_fn)
+        rows = step_batch.rows
+        if isinstance(rows, TrainPlan):
+            run.progress(f"[step {step}] training on {rows.num_samples} rows read from the train partition")
+            train = run.policy.train_planned(rows, loss_fn)
         else:
-            assert step_batch.batch is not None  # the loop trains trainable steps only
-            run.progress(f"[step {step}] training on {step_batch.batch.num_samples} rows")
-            train = run.policy.train_step(step_batch.batch, loss_fn)
+            assert rows is not None  # the loop trains trainable steps only
+            run.progress(f"[step {step}] training on {rows.num_samples} rows")
+            train = run.policy.train_step(rows, loss_fn)
     metrics.update({f"train/{k}": v for k, v in train.items() if k not in ("token_mult_prob_error", "gen_kl_error")})
     metrics["token_mult_prob_error"] = train["token_mult_prob_error"]
     metrics["gen_kl_error"] = train["gen_kl_error"]
     return metrics
 
 
-def clear_train_rows(cleaner: TrainRowCleaner, plan: TrainPlan | None) -> dict[str, float]:
+def clear_train_rows(cleaner: TrainRowCleaner, trained_keys: Sequence[str]) -> dict[str, float]:
     """Clear the step's trained keys, then any key the step left (rows of rollouts masked after they
     were judged); between steps no rollout is in flight, so every key left is this step's."""
-    trained = list(plan.keys) if plan is not None else []
+    trained = list(trained_keys)
     cleaner.clear(trained)
     stray = cleaner.remaining()
     cleaner.clear(stray)
@@ -362,8 +372,7 @@ async def train_groups(run: GRPORun, step: int, groups: Sequence[GroupResult], m
                        refit: Callable[[GRPORun, int], dict[str, float]] = refit_step) -> bool:
     """Build, train (unless masked), clear the train partition (`clear`), refit; True if it trained."""
     cfg = run.cfg
-    step_batch = build_train_batch(groups, cfg.grpo.normalize_rewards,
-                                   cfg.token_capture.train_partition if cfg.token_capture.enabled else None)
+    step_batch = build_train_batch(groups, cfg.grpo.normalize_rewards, cfg.token_capture.train_partition)
     trainable = step_batch.trainable
     metrics["reward/mean"] = metrics.get("reward/mean", step_batch.rewards_mean)
     metrics["steps/masked_consecutive"] = 0.0 if trainable else float(run.masked_streak + 1)
@@ -467,7 +476,7 @@ async def run_grpo(cfg: MasterConfig, progress=print) -> Path:
                     check_abort(cfg.token_capture.on_component_failure, run.step_component_deaths, step)
                 cleaner = run.train_cleaner
                 await train_groups(run, step, groups, metrics,
-                                   lambda batch: clear_train_rows(cleaner, batch.plan))  # type: ignore[arg-type]
+                                   lambda batch: clear_train_rows(cleaner, batch.train_keys))  # type: ignore[arg-type]
                 engine, timings = await engine_window_metrics(run, timings)
             metrics.update(engine)
             await log_and_checkpoint(run, step, metrics)

@@ -418,10 +418,9 @@ async def setup(
     log_dir = Path(cfg.logger.log_dir)
     # Absolute: actors (on any node) resolve a relative path against their own working dir.
     model_dir = model_path(cfg.model).resolve()
-    pcfg = policy_config(cfg.policy, str(model_dir))
     # Before Ray or any venv: a GPU recipe on a host without enough GPUs fails here, by name.
-    flavor = resolve_flavor(cfg.generation, extra_gpus=int(pcfg.device == "cuda"))
-    pcfg = pcfg.model_copy(update={"engine_flavor": flavor})  # what the export is for (resolve_flavor's "cpu" | "gpu")
+    flavor = resolve_flavor(cfg.generation, extra_gpus=int(cfg.policy.device == "cuda"))
+    pcfg = policy_config(cfg, str(model_dir), flavor)  # the flavor is what the export is for
     sampling = RowSampling(temperature=cfg.grpo.temperature, top_p=cfg.grpo.top_p, max_output_tokens=cfg.grpo.max_output_tokens)
     prompts = make_prompt_source(cfg.env, seed=cfg.grpo.seed, sampling=sampling, model_dir=model_dir,
                                  max_model_len=cfg.generation.vllm.max_model_len, progress=progress)
@@ -444,21 +443,19 @@ async def setup(
     try:
         assert stack.env is not None and stack.workers is not None
         capture = cfg.token_capture
-        train_partition = capture.train_partition if capture.enabled else None
-        policy = RayPolicyClient.spawn(pcfg, data_plane=cfg.data_plane if train_partition is not None else None)
+        # Capture rows reach the policy through the train partition; legacy rows as the driver's TrainBatch.
+        policy = RayPolicyClient.spawn(pcfg, data_plane=cfg.data_plane if capture.enabled else None)
         weights_root = refit_root(cfg)
         await asyncio.to_thread(check_refit_dir_shared, stack, policy, weights_root)
-        finalizer = cleaner = watch = train_cleaner = rows_factory = None
-        if train_partition is not None:
-            rows_factory = TQTrainRowsFactory(cfg.data_plane, train_partition, capture.stage_timeout_s,
+        finalizer = cleaner = watch = train_cleaner = None
+        if capture.enabled:
+            rows_factory = TQTrainRowsFactory(cfg.data_plane, capture.train_partition, capture.stage_timeout_s,
                                               carry_prompt_ids=cfg.logger.dump_first_call_prompt_ids)
-            train_cleaner = TrainRowCleaner(stack.client, train_partition, capture.stage_timeout_s)
-        if cfg.token_capture.enabled:
-            pool = FinalizerPool.from_config(cfg.token_capture, TQSourceFactory.from_config(cfg.data_plane, cfg.token_capture),
-                                             rows_factory)
+            train_cleaner = TrainRowCleaner(stack.client, capture.train_partition, capture.stage_timeout_s)
+            pool = FinalizerPool.from_config(capture, TQSourceFactory.from_config(cfg.data_plane, capture), rows_factory)
             await pool.wait_ready(cfg.data_plane.startup_timeout_s)
             finalizer = TimedFinalizer(pool)
-            cleaner = TQStagingCleaner(stack.client, cfg.token_capture.staging_partition, cfg.token_capture.stage_timeout_s)
+            cleaner = TQStagingCleaner(stack.client, capture.staging_partition, capture.stage_timeout_s)
         # Both paths: without it a dead worker or gate would cost a whole env.run_timeout_s per step.
         watch = build_watch(stack, pool, cfg.token_capture, progress)
         manager = RolloutManager(

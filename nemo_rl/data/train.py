@@ -3,10 +3,11 @@
 `TrainBatch` holds one optimizer step's samples: per sample, `token_ids` (L >= 2), a 0/1
 `token_mask` (position 0 never trained), the sampler's `generation_logprobs` (read where masked:
 finite, <= 0) and one finite advantage; a masked placeholder is an all-0 mask. Checked at
-construction (a `RecordInvariantError`, kind `train_batch`; `train_plan` for a plan), stored as
-tuples. With `token_capture.train_partition` set a kept row goes finalizer -> data plane ->
-policy worker past the driver, which keeps a `RowRef` and sends a `TrainPlan` (partition, unique
-keys, digests, one finite advantage per key, the same for every row of a rollout). Pure;
+construction (a `RecordInvariantError`, kind `train_batch`; `train_plan` for a plan) on the values
+as given, then stored once as tuples. A legacy step's batch is built by the driver; a capture row
+goes finalizer -> train partition (`token_capture.train_partition`) -> policy worker past the
+driver, which keeps a `RowRef` and sends a `TrainPlan` (partition, unique keys, digests, one
+finite advantage per key, the same for every row of a rollout). Pure;
 the I/O is `nemo_rl.data_plane.partitions`. Invariants: `train_key` is unique per row; float
 payloads are float64, so the batch read is bit for bit the driver-built one; `payload_digest`
 covers `meta`, which names the key, so a row read under another key fails.
@@ -148,10 +149,10 @@ class TrainPlan:
 # --- TrainBatch: the rows one optimizer step trains on (driver-built or read by the policy worker) ---
 
 
-def _freeze(name: str, rows: Sequence[Sequence]) -> tuple[tuple, ...]:
+def _samples(name: str, rows: Sequence[Sequence]) -> tuple[Sequence, ...]:
     if isinstance(rows, (str, bytes)):
         raise RecordInvariantError(f"{name} must be a sequence of per-sample sequences, got a string", kind="train_batch")
-    return tuple(tuple(row) for row in rows)
+    return tuple(rows)
 
 
 @dataclass(frozen=True)
@@ -181,26 +182,21 @@ class TrainBatch:
         return fields_equal and np.array_equal(self.routed_experts, other.routed_experts)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "token_ids", _freeze("token_ids", self.token_ids))
-        object.__setattr__(self, "token_mask", _freeze("token_mask", self.token_mask))
-        object.__setattr__(
-            self, "generation_logprobs", _freeze("generation_logprobs", self.generation_logprobs)
-        )
+        ids, masks, lps = (_samples(name, getattr(self, name))
+                           for name in ("token_ids", "token_mask", "generation_logprobs"))
         object.__setattr__(self, "advantages", tuple(float(a) for a in self.advantages))
-        n = len(self.token_ids)
+        n = len(ids)
         if n == 0:
             raise RecordInvariantError("token_ids is empty; a TrainBatch needs at least one sample", kind="train_batch")
-        for name in ("token_mask", "generation_logprobs", "advantages"):
-            if len(getattr(self, name)) != n:
+        for name, found in (("token_mask", masks), ("generation_logprobs", lps), ("advantages", self.advantages)):
+            if len(found) != n:
                 raise RecordInvariantError(
-                    f"len({name})={len(getattr(self, name))} != len(token_ids)={n}; "
-                    "pass one entry per sample", kind="train_batch"
+                    f"len({name})={len(found)} != len(token_ids)={n}; pass one entry per sample", kind="train_batch"
                 )
-        for i in range(n):
-            self._check_sample(i)
-        for name, kind in (("token_ids", int), ("token_mask", int), ("generation_logprobs", float)):
-            rows = getattr(self, name)
-            object.__setattr__(self, name, tuple(tuple(kind(v) for v in row) for row in rows))
+        # Each sample is checked on the values as given, then stored once as tuples of int / int / float.
+        checked = [self._checked_sample(i, ids[i], masks[i], lps[i]) for i in range(n)]
+        for position, name in enumerate(("token_ids", "token_mask", "generation_logprobs")):
+            object.__setattr__(self, name, tuple(sample[position] for sample in checked))
         self._check_routes()
 
     def _check_routes(self) -> None:
@@ -229,13 +225,9 @@ class TrainBatch:
         frozen.flags.writeable = False
         object.__setattr__(self, "routed_experts", frozen)
 
-    def _check_sample(self, i: int) -> None:
-        ids, mask, lps, adv = (
-            self.token_ids[i],
-            self.token_mask[i],
-            self.generation_logprobs[i],
-            self.advantages[i],
-        )
+    def _checked_sample(self, i: int, ids: Sequence, mask: Sequence, lps: Sequence
+                        ) -> tuple[tuple[int, ...], tuple[int, ...], tuple[float, ...]]:
+        adv = self.advantages[i]
         if len(ids) < 2:
             raise RecordInvariantError(
                 f"token_ids[{i}] has {len(ids)} tokens; a trainable sequence needs at least 2", kind="train_batch"
@@ -263,6 +255,7 @@ class TrainBatch:
                 )
         if not math.isfinite(adv):
             raise RecordInvariantError(f"advantages[{i}]={adv} is not finite", kind="train_batch")
+        return tuple(int(t) for t in ids), tuple(int(m) for m in mask), tuple(float(lp) for lp in lps)
 
     @property
     def num_samples(self) -> int:

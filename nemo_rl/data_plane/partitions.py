@@ -363,7 +363,7 @@ def read_train_batch(client: DataPlaneClient, plan: TrainPlan, timeout_s: float 
     token_ids = [row[TOKEN_IDS].tolist() for row in rows]
     return TrainBatch(
         token_ids=token_ids,
-        token_mask=[[int(m) for m in row[TOKEN_MASK].tolist()] for row in rows],
+        token_mask=[row[TOKEN_MASK].tolist() for row in rows],
         generation_logprobs=[row[LOGPROBS].tolist() for row in rows],
         advantages=list(plan.advantages),
         routed_experts=batch_routes([decode_row_routes(row) for row in rows], [len(ids) for ids in token_ids]),

@@ -1,8 +1,10 @@
 """Finalizer actors: fetch a rollout's staged snapshots and run the judge off the driver.
 
 `FinalizerWorker` is a thin Ray actor shell (its TransferQueue source and row store are built
-inside the actor by factories); it runs the same pure judge as the driver, attaches R3 routes
-and writes kept rows to the train partition, returning `RowRef`s. `FinalizerPool.finalize_group`
+inside the actor by factories); it runs the same pure judge as the driver
+(`judge_group_from_source`, which attaches R3 routes), then hands every kept rollout to its row
+store (`store_kept`): in a run, one write to the train partition (`TQTrainRowsFactory`) that
+returns `RowRef`s, so capture rows reach the policy only through the data plane. `FinalizerPool.finalize_group`
 answers exactly one `FinalizeOutcome` per item, in order, with one bounded actor call per
 healthy worker; a timeout or dead actor is `finalize_timeout` / `finalizer_unavailable` for its
 items, and the actor is replaced. Data faults are verdicts, never exceptions; an exception in an
@@ -172,19 +174,16 @@ class FinalizeOutcome:
     queue_wait_ms: float | None  # None when the worker never answered
 
 
-def judge_from_source(
-    source: SnapshotSource, evidence: RolloutEvidence, cfg: TokenCaptureConfig, rows: RowStore | None = None
-) -> GroupEntry:
+def judge_from_source(source: SnapshotSource, evidence: RolloutEvidence, cfg: TokenCaptureConfig) -> GroupEntry:
     """`judge_group_from_source` for one rollout."""
-    return judge_group_from_source(source, [evidence], cfg, rows)[0]
+    return judge_group_from_source(source, [evidence], cfg)[0]
 
 
 def judge_group_from_source(
-    source: SnapshotSource, items: Sequence[RolloutEvidence], cfg: TokenCaptureConfig, rows: RowStore | None = None
+    source: SnapshotSource, items: Sequence[RolloutEvidence], cfg: TokenCaptureConfig
 ) -> list[GroupEntry]:
-    """Fetch what the judge needs for every item in ONE read, judge each rollout, attach R3 routes,
-    and with `rows`, store every kept rollout's rows in ONE train-partition write (returning their
-    `RowRef`s). One verdict per item, in item order.
+    """Fetch what the judge needs for every item in ONE read, judge each rollout and attach R3
+    routes; one verdict per item, in item order, kept rows whole (`store_kept` moves them out).
 
     A failed run's verdict needs no snapshot (the judge decides it first): its keys are not
     fetched, so a dead data plane cannot hold a component-failure verdict up by `stage_timeout_s`.
@@ -199,19 +198,26 @@ def judge_group_from_source(
         if isinstance(verdict, KeptRollout) and ev.staged_extras():  # R3 runs for MoE rollouts only
             verdict = attach_router_replay(source, ev, snapshots, verdict)
         verdicts.append(verdict)
-    kept = [i for i, verdict in enumerate(verdicts) if isinstance(verdict, KeptRollout)]
-    if rows is None or not kept:
-        return verdicts
+    return verdicts
+
+
+def store_kept(items: Sequence[RolloutEvidence], verdicts: Sequence[GroupEntry], rows: RowStore) -> list[GroupEntry]:
+    """`verdicts` with every kept rollout's rows stored by `rows` in ONE write (their `RowRef`s in
+    place); a `DataPlaneError` makes each of them a `data_plane_error` placeholder."""
+    out = list(verdicts)
+    kept = [i for i, verdict in enumerate(out) if isinstance(verdict, KeptRollout)]
+    if not kept:
+        return out
     try:
-        stored = rows([verdicts[i] for i in kept])
+        stored = rows([out[i] for i in kept])
     except FieldEncodingError:
         raise  # our encoding of a row is wrong: a bug, never a data verdict
     except DataPlaneError as error:
         detail = f"{TRAIN_PARTITION_DETAIL_PREFIX}: {error_name(error)}: {error}"
-        stored = [_store_failed(items[i], verdicts[i], detail) for i in kept]
+        stored = [_store_failed(items[i], out[i], detail) for i in kept]
     for i, verdict in zip(kept, stored, strict=True):
-        verdicts[i] = verdict
-    return verdicts
+        out[i] = verdict
+    return out
 
 
 def _store_failed(evidence: RolloutEvidence, verdict: KeptRollout, detail: str) -> Placeholder:
@@ -230,13 +236,11 @@ def evidence_placeholder(evidence: RolloutEvidence, reason: PlaceholderReason, d
 
 
 class FinalizerWorker:
-    """Thin actor shell around `judge_from_source` (plain class, usable without Ray)."""
+    """Thin actor shell around `judge_group_from_source` and `store_kept` (plain class, usable without Ray)."""
 
-    def __init__(
-        self, source_factory: SourceFactory, cfg: TokenCaptureConfig, rows_factory: RowStoreFactory | None = None
-    ) -> None:
+    def __init__(self, source_factory: SourceFactory, cfg: TokenCaptureConfig, rows_factory: RowStoreFactory) -> None:
         self._source = source_factory()
-        self._rows = rows_factory() if rows_factory is not None else None
+        self._rows = rows_factory()
         self._cfg = cfg
 
     def ready(self) -> bool:
@@ -248,7 +252,7 @@ class FinalizerWorker:
     def finalize_many(self, items: Sequence[RolloutEvidence]) -> list[WorkerReply]:
         """One reply per item: one staging read and one train-partition write for all of them."""
         started_at_s = time.time()
-        results = judge_group_from_source(self._source, list(items), self._cfg, self._rows)
+        results = store_kept(items, judge_group_from_source(self._source, list(items), self._cfg), self._rows)
         return [WorkerReply(result=result, started_at_s=started_at_s) for result in results]
 
 
@@ -273,7 +277,7 @@ class FinalizerPool:
 
     def __init__(
         self, num_workers: int, source_factory: SourceFactory, call_timeout_s: float, cfg: TokenCaptureConfig,
-        *, worker_num_cpus: float = 0.0, rows_factory: RowStoreFactory | None = None,
+        *, rows_factory: RowStoreFactory, worker_num_cpus: float = 0.0,
     ) -> None:
         if num_workers < 1:
             raise FinalizerPoolError(
@@ -295,7 +299,7 @@ class FinalizerPool:
 
     @classmethod
     def from_config(
-        cls, cfg: TokenCaptureConfig, source_factory: SourceFactory, rows_factory: RowStoreFactory | None = None
+        cls, cfg: TokenCaptureConfig, source_factory: SourceFactory, rows_factory: RowStoreFactory
     ) -> "FinalizerPool":
         """`num_finalizer_workers` actors, each call bounded by `finalize_timeout_s`."""
         return cls(cfg.num_finalizer_workers, source_factory, cfg.finalize_timeout_s, cfg, rows_factory=rows_factory)

@@ -2,9 +2,10 @@
 
 `TokenCaptureConfig` is frozen and rejects unknown keys; no other module carries a fallback.
 Types are strict (a YAML "false" is not a bool, a float not an int); timeouts are finite and
-> 0, counts bounded below, partition names non-empty `[A-Za-z0-9_-]` tokens (the train
-partition may be null: rows then return through the driver), and the control-token variable a
-valid environment-variable name. The bearer token itself never lives in config, only the name
+> 0, counts bounded below, partition names non-empty `[A-Za-z0-9_-]` tokens, and the
+control-token variable a valid environment-variable name. Capture rows reach the policy only
+through the train partition: `train_partition: null` (the removed Ray-values path) is refused by
+name with its fix. The bearer token itself never lives in config, only the name
 of the variable that holds it. Build it with `validate_section(TokenCaptureConfig, ...)`.
 """
 
@@ -12,7 +13,8 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
+from pydantic_core import PydanticCustomError
 
 PartitionName = Annotated[str, StringConstraints(min_length=1, pattern=r"^[A-Za-z0-9_-]+$")]
 
@@ -46,16 +48,28 @@ class TokenCaptureConfig(BaseModel):
             "`rollout_id/model_call_id`."
         ),
     )
-    train_partition: PartitionName | None = Field(
+    train_partition: PartitionName = Field(
         default="token_capture_train",
         description=(
             "TransferQueue partition the finalizer actors write each kept row's tokens, mask, logprobs "
             "and routes into (keyed by `rollout_id#chain_index`, with a content digest); the policy "
             "worker reads and verifies them there, so the driver handles row references and metrics, "
-            "never tokens. The loop clears a step's keys after its train step. null: rows travel "
-            "finalizer -> driver -> policy worker as Ray values (the path before this partition)."
+            "never tokens. The loop clears a step's keys after its train step."
         ),
     )
+
+    @field_validator("train_partition", mode="before")
+    @classmethod
+    def _refuse_null_partition(cls, value: object) -> object:
+        if value is None:
+            raise PydanticCustomError(
+                "removed_value",
+                "null no longer exists: capture rows reach the policy only through the train partition "
+                "(the Ray-values path through the driver was removed)",
+                {"fix": "remove {path} from the recipe (default token_capture_train) or set it to a partition name"},
+            )
+        return value
+
     manifest_timeout_s: float = Field(
         default=30.0,
         gt=0.0,

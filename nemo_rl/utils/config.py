@@ -5,7 +5,9 @@ wins; a cycle is a `ConfigError` of kind `defaults`) on unresolved trees, applie
 overrides (kind `override`; with a `schema`, a key the pydantic models declare can be set even if
 no YAML states it), then refuses any remaining `???` (kind `missing_value`, naming every key) and
 resolves interpolations (kind `interpolation`) into a plain `dict`. `validate_section` returns the
-validated model or a `ConfigError` of kind `section` with one line per problem and a fix. Sweeps
+validated model or ONE `ConfigError` of kind `section` listing every problem, each with its fix (a
+model's rules across sections report through `cross_section_problems`; keys a model says are set
+elsewhere, `SET_ELSEWHERE`, are named with where). Sweeps
 and `@package` overrides are refused; assigning under a scalar never silently replaces it. Every
 error is a `ConfigError` (a `ValueError`); its `kind` (`ConfigKind`) says which step failed.
 The rules in full: docs/guides/token-capture.md, "Recipes: defaults chains and overrides".
@@ -16,7 +18,6 @@ from __future__ import annotations
 import difflib
 import typing
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
@@ -26,6 +27,7 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from pydantic import BaseModel, ValidationError
+from pydantic_core import InitErrorDetails, PydanticCustomError
 from yaml import YAMLError
 
 from nemo_rl.data.errors import FatalError, Kinded
@@ -313,26 +315,13 @@ def _assign(cfg: DictConfig, key: str, value: Any, text: str) -> None:
         parent[last] = value
 
 
-@dataclass(frozen=True)
-class DeclaredBy:
-    """Field metadata: a section kept as a plain dict whose keys `model` declares.
-
-    `policy: Annotated[dict, DeclaredBy(PolicyConfig)]` lets `policy.lr_warmup_steps=5` be set
-    without `+` (the key is PolicyConfig's) while the section is validated later, elsewhere.
-    """
-
-    model: type[BaseModel]
-
-
 def schema_declares(schema: type[BaseModel] | None, key: str) -> bool:
     """Whether the dotted `key` names a field of `schema` (through nested pydantic models)."""
     current = schema
     for part in key.split("."):
         if current is None or part not in current.model_fields:
             return False
-        info = current.model_fields[part]
-        declared = [m.model for m in info.metadata if isinstance(m, DeclaredBy)]
-        current = declared[0] if declared else _model_in(info.annotation)
+        current = _model_in(current.model_fields[part].annotation)
     return True
 
 
@@ -460,6 +449,8 @@ _BOUND_WORDS = {"gt": ">", "ge": ">=", "lt": "<", "le": "<="}
 def _fix_for(error: dict, path: str, model_cls: type[BaseModel], loc: tuple[Any, ...]) -> str:
     kind = error["type"]
     ctx = error.get("ctx", {})
+    if "fix" in ctx:  # a model's own fix for its custom error, naming the field by `{path}`
+        return str(ctx["fix"]).format(path=path)
     for bound, word in _BOUND_WORDS.items():
         if bound in ctx:
             limit = ctx[bound]
@@ -482,8 +473,13 @@ def _fix_for(error: dict, path: str, model_cls: type[BaseModel], loc: tuple[Any,
 def _format_error(error: dict, section: str, model_cls: type[BaseModel]) -> str:
     loc = tuple(error["loc"])
     path = _dotted(section, loc)
+    if error["type"] == CROSS_SECTION_ERROR:
+        return error["msg"]  # names every key it involves and its fix
     if error["type"] == "extra_forbidden":
         owner = _model_at(model_cls, loc[:-1])
+        elsewhere = getattr(owner, SET_ELSEWHERE, {}).get(loc[-1]) if owner is not None else None
+        if elsewhere is not None:
+            return f"{path}={error['input']!r}: {elsewhere}"
         allowed = ", ".join(owner.model_fields) if owner is not None else "(unknown)"
         return (
             f"{path}={error['input']!r}: unknown key {path}; allowed keys: {allowed} "
@@ -493,8 +489,23 @@ def _format_error(error: dict, section: str, model_cls: type[BaseModel]) -> str:
     return f"{path}={shown}: {error['msg']} (fix: {_fix_for(error, path, model_cls, loc)})"
 
 
+CROSS_SECTION_ERROR = "cross_section"
+# A model's ClassVar naming keys a recipe sets elsewhere: key -> why and the fix.
+SET_ELSEWHERE = "SET_ELSEWHERE"
+
+
+def cross_section_problems(title: str, problems: Sequence[tuple[tuple[str, ...], str]]) -> ValidationError:
+    """What a model validator raises for rules across sections: one error per `(loc, message)`, each
+    message naming every key it involves and its fix; `validate_section` lists them as they are."""
+    return ValidationError.from_exception_data(title, [
+        InitErrorDetails(type=PydanticCustomError(CROSS_SECTION_ERROR, "{problem}", {"problem": message}),
+                         loc=loc, input=None)
+        for loc, message in problems
+    ])
+
+
 def validate_section(model_cls: type[ModelT], data: dict, section: str) -> ModelT:
-    """Validate `data` (the recipe's `section` mapping) against `model_cls`."""
+    """Validate `data` (the recipe's `section` mapping; "" for the whole recipe) against `model_cls`."""
     if not isinstance(data, dict):
         raise ConfigError(
             f"{section}={data!r}: expected a mapping for section {section} "
@@ -506,7 +517,7 @@ def validate_section(model_cls: type[ModelT], data: dict, section: str) -> Model
     except ValidationError as e:
         lines = [_format_error(err, section, model_cls) for err in e.errors()]
         raise ConfigError(
-            f"invalid config section {section or '<root>'} ({len(lines)} problem(s)):\n"
+            f"{f'invalid config section {section}' if section else 'invalid recipe'} ({len(lines)} problem(s)):\n"
             + "\n".join(lines),
             kind="section",
         ) from e

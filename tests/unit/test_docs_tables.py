@@ -47,7 +47,6 @@ from nemo_rl.token_capture.capture_health import CaptureHealthThresholds
 from nemo_rl.token_capture.config import TokenCaptureConfig
 from nemo_rl.token_capture.metrics import finalize_metrics
 from nemo_rl.utils.checkpoint import CheckpointingConfig
-from nemo_rl.utils.config import DeclaredBy
 
 REPO = Path(__file__).resolve().parents[2]
 PACKAGE_ROOT = REPO / "nemo_rl"
@@ -256,13 +255,13 @@ def _model_in(annotation: object) -> type[BaseModel] | None:
 
 
 def field_info(key: str):
-    """The pydantic field of the dotted recipe key `key` in `MasterConfig` (through nested and declared models)."""
+    """The pydantic field of the dotted recipe key `key` in `MasterConfig` (through nested models)."""
     model: type[BaseModel] | None = MasterConfig
     *parents, last = key.split(".")
     for part in parents:
         assert model is not None and part in model.model_fields, f"{key}: no section {part!r}"
         info = model.model_fields[part]
-        model = next((m.model for m in info.metadata if isinstance(m, DeclaredBy)), None) or _model_in(info.annotation)
+        model = _model_in(info.annotation)
     assert model is not None and last in model.model_fields, f"{key}: {last!r} is no field of {model}"
     return model.model_fields[last]
 

@@ -1,6 +1,6 @@
 """Torch policy for GRPO: logprobs, the clipped-loss step, weight export.
 
-Modules: `config` (PolicyConfig, LossConfig), `errors`, `worker` (the train step: PolicyCore,
+Modules: `config` (PolicySettings, PolicyConfig, LossConfig), `errors`, `worker` (the train step: PolicyCore,
 plain torch, the LossFn protocol it calls, token logprobs and trainer/sampler agreement metrics;
 the Ray actor and its deadline-bounded client), `setup` (device, model and optimizer, built once),
 `state_io` (the refit export and probe, checkpoints, fingerprints), `interfaces`
@@ -10,7 +10,7 @@ the Ray actor and its deadline-bounded client), `setup` (device, model and optim
 `nemo_rl.data.train.TrainBatch`.
 """
 
-from nemo_rl.models.policy.config import LossConfig, PolicyConfig
+from nemo_rl.models.policy.config import LossConfig, PolicyConfig, PolicySettings
 from nemo_rl.models.policy.interfaces import PolicyWorkerHandle
 
-__all__ = ["LossConfig", "PolicyConfig", "PolicyWorkerHandle"]
+__all__ = ["LossConfig", "PolicyConfig", "PolicySettings", "PolicyWorkerHandle"]

@@ -1,12 +1,15 @@
 """Policy and loss configuration: the only home of their defaults.
 
+`PolicySettings` is the recipe's `policy:` section; `PolicyConfig` adds what set-up resolves (the
+model folder, the engine flavor) and is what the policy worker runs with.
+
 Invariants: unknown keys are rejected (extra="forbid"); every numeric field is range-checked
 here, so call sites read fields directly and never supply fallbacks.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -14,13 +17,17 @@ from pydantic import BaseModel, ConfigDict, Field
 BehaviourLogprobs = Literal["captured", "recomputed"]
 
 
-class PolicyConfig(BaseModel):
-    """How the torch policy is loaded, stepped and called."""
+class PolicySettings(BaseModel):
+    """The recipe's `policy:` section: how the torch policy is loaded, stepped and called."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    # A local Hugging Face model folder (config.json + safetensors); no hub access is assumed.
-    model_path: str = Field(min_length=1)
+    # Keys a recipe sets elsewhere, each with why and where (the section validator names the fix).
+    SET_ELSEWHERE: ClassVar[dict[str, str]] = {
+        "model_path": "the policy weights come from the model section (fix: set model.path=<folder> instead)",
+        "engine_flavor": "setup sets it from generation.vllm.flavor (fix: remove it; set generation.vllm.flavor instead)",
+    }
+
     learning_rate: float = Field(default=1e-4, gt=0.0)
     # Linear warmup: train step k (1-based) uses learning_rate * min(1, k / lr_warmup_steps); 0 =
     # the full rate from the first step. A fresh AdamW moves every weight by about lr on its first
@@ -48,10 +55,23 @@ class PolicyConfig(BaseModel):
     # routed_experts where a token has them (docs/design-docs/policy.md, "Router replay (R3)");
     # "off" routes freely and ignores them. "replay" on a dense model is refused at load.
     router_replay: Literal["off", "replay"] = "off"
+
+
+class PolicyConfig(PolicySettings):
+    """What the policy worker runs with: the recipe's settings, the model folder and the engine flavor."""
+
+    # A local Hugging Face model folder (config.json + safetensors); no hub access is assumed.
+    model_path: str = Field(min_length=1)
     # The vLLM build that reloads the exported weights; setup sets it from the resolved
     # generation.vllm.flavor (a recipe does not). "cpu" refuses tied input/output embeddings: the
     # CPU engine keeps a packed lm_head that a reload of tied weights leaves stale.
     engine_flavor: Literal["cpu", "gpu"] = "cpu"
+
+    @classmethod
+    def for_run(cls, settings: PolicySettings, model_path: str, engine_flavor: Literal["cpu", "gpu"]) -> "PolicyConfig":
+        """The run's config from the recipe's settings (validated once, with the recipe) and the two
+        values set-up resolves: the model folder (an absolute path) and the engine flavor."""
+        return cls.model_construct(**dict(settings), model_path=model_path, engine_flavor=engine_flavor)
 
 
 class LossConfig(BaseModel):

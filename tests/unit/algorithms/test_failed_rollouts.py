@@ -95,7 +95,7 @@ class _Logger:
 def _run() -> SimpleNamespace:
     cfg = SimpleNamespace(
         grpo=SimpleNamespace(normalize_rewards=True),
-        token_capture=SimpleNamespace(enabled=False, train_partition=None, max_consecutive_masked_steps=3),
+        token_capture=SimpleNamespace(enabled=False, train_partition="token_capture_train", max_consecutive_masked_steps=3),
     )
     return SimpleNamespace(cfg=cfg, logger=_Logger(), masked_streak=0, progress=lambda _m: None, watch=None,
                            train_cleaner=None, step_component_deaths={})

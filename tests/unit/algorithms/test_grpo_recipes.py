@@ -7,9 +7,11 @@ from pathlib import Path
 import pytest
 
 from examples.arith.recipe import load_recipe
-from nemo_rl.algorithms.grpo_config import load_master_config, refit_root
+from nemo_rl.algorithms.grpo_config import load_master_config, policy_config, refit_root
 from nemo_rl.algorithms.grpo_single_controller import build_train_batch
 from nemo_rl.data.rows import GroupResult, KeptRollout, Placeholder, PlaceholderReason, RowOrigin, TrainRow
+from nemo_rl.data.train import TrainBatch
+from nemo_rl.models.policy import PolicyConfig, PolicySettings
 from nemo_rl.utils.config import ConfigError
 
 CONFIGS = sorted((Path(__file__).resolve().parents[3] / "examples" / "configs").glob("*.yaml"))
@@ -47,11 +49,52 @@ def test_bad_values_name_the_key():
         load_master_config(recipe, ["+policy.model_path=/x"])
     with pytest.raises(ConfigError, match=r"policy\.engine_flavor='gpu': setup sets it from generation\.vllm\.flavor"):
         load_master_config(recipe, ["+policy.engine_flavor=gpu"])
-    assert load_master_config(recipe, ["+policy.router_replay=replay"]).policy["router_replay"] == "replay"
+    assert load_master_config(recipe, ["+policy.router_replay=replay"]).policy.router_replay == "replay"
     with pytest.raises(ConfigError, match=r"policy\.learning_rate"):
         load_master_config(recipe, ["policy.learning_rate=-1"])
     with pytest.raises(ConfigError, match="grpo.no_such_key"):
         load_master_config(recipe, ["grpo.no_such_key=1"])
+
+
+def test_one_error_lists_every_problem_of_every_section():
+    recipe = CONFIGS[0].parent / "grpo_capture_tiny_cpu.yaml"
+    with pytest.raises(ConfigError) as excinfo:
+        load_master_config(recipe, ["token_capture.num_finalizer_workers=0", "policy.learning_rate=-1",
+                                    "+policy.model_path=/x", "+foo.bar=1"])
+    assert excinfo.value.kind == "section"
+    assert str(excinfo.value).splitlines() == [
+        "invalid recipe (4 problem(s)):",
+        "policy.learning_rate=-1: Input should be greater than 0 (fix: set policy.learning_rate to a value > 0)",
+        "policy.model_path='/x': the policy weights come from the model section (fix: set model.path=<folder> instead)",
+        "token_capture.num_finalizer_workers=0: Input should be greater than or equal to 1 (fix: set "
+        "token_capture.num_finalizer_workers to a value >= 1)",
+        "foo={'bar': 1}: unknown key foo; allowed keys: grpo, loss_fn, policy, model, generation, env, token_capture, "
+        "data_plane, logger, cluster, checkpointing (fix: remove foo or rename it to an allowed key)",
+    ]
+
+
+def test_rules_across_sections_are_listed_together():
+    recipe = CONFIGS[0].parent / "grpo_capture_tiny_cpu.yaml"
+    with pytest.raises(ConfigError) as excinfo:
+        load_master_config(recipe, ["policy.dtype=bfloat16", "grpo.async_rollouts.enabled=true",
+                                    "token_capture.enabled=false"])
+    assert str(excinfo.value).splitlines() == [
+        "invalid recipe (2 problem(s)):",
+        "policy.dtype='bfloat16' != generation.vllm.dtype='float32': the trainer would recompute the sampler's "
+        "logprobs at another precision and token_mult_prob_error drifts from 1 (fix: set both to 'float32', or "
+        "both to 'bfloat16')",
+        "grpo.async_rollouts.enabled=true needs token_capture.enabled=true: the async loop reads every token's "
+        "weight version from the captured rows, and legacy rows (Gym's token echo) carry none (fix: set "
+        "token_capture.enabled=true, or grpo.async_rollouts.enabled=false)",
+    ]
+
+
+def test_the_policy_section_is_validated_once_and_completed_by_setup():
+    recipe = CONFIGS[0].parent / "grpo_capture_tiny_cpu.yaml"
+    cfg = load_master_config(recipe, ["policy.lr_warmup_steps=5"])
+    assert isinstance(cfg.policy, PolicySettings) and cfg.policy.lr_warmup_steps == 5
+    pcfg = policy_config(cfg, "/models/m", "gpu")
+    assert pcfg == PolicyConfig(**cfg.policy.model_dump(), model_path="/models/m", engine_flavor="gpu")
 
 
 def test_multinode_knobs_default_to_one_node_and_are_checked():
@@ -95,19 +138,19 @@ def _row(group: int, index: int, reward: float, chains: int = 1) -> KeptRollout:
 def test_build_train_batch_skips_placeholders_and_normalises_per_group():
     ph = Placeholder(rollout_id="r-0-2", group_index=0, sample_index=2, reason=PlaceholderReason.CAPTURE_POISONED, detail="x")
     groups = [GroupResult(0, (_row(0, 0, 1.0), _row(0, 1, 0.0), ph)), GroupResult(1, (_row(1, 0, 1.0), _row(1, 1, 1.0)))]
-    out = build_train_batch(groups, normalize=False)
-    assert out.batch is not None and out.batch.num_samples == 4
-    assert out.batch.advantages == (0.5, -0.5, 0.0, 0.0)
-    assert out.batch.token_mask[0] == (0, 1, 1)
+    out = build_train_batch(groups, normalize=False, train_partition="train")
+    assert isinstance(out.rows, TrainBatch) and out.rows.num_samples == 4 and out.train_keys == ()
+    assert out.rows.advantages == (0.5, -0.5, 0.0, 0.0)
+    assert out.rows.token_mask[0] == (0, 1, 1)
     assert out.rewards_mean == pytest.approx(3.0 / 5.0)
 
 
 def test_build_train_batch_gives_every_row_of_a_rollout_its_rollout_advantage():
     # Rollout 0 branched into 3 rows; normalisation is per rollout, so it does not weigh 3x.
     groups = [GroupResult(0, (_row(0, 0, 1.0, chains=3), _row(0, 1, 0.0)))]
-    out = build_train_batch(groups, normalize=False)
-    assert out.batch is not None and out.batch.num_samples == 4
-    assert out.batch.advantages == (0.5, 0.5, 0.5, -0.5)
+    out = build_train_batch(groups, normalize=False, train_partition="train")
+    assert isinstance(out.rows, TrainBatch) and out.rows.num_samples == 4
+    assert out.rows.advantages == (0.5, 0.5, 0.5, -0.5)
     assert out.rewards_mean == pytest.approx(0.5)
 
 

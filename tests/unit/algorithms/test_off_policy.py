@@ -63,9 +63,9 @@ def _batch(engine: dict[int, tuple[float, ...]]) -> tuple[TrainBatch, list[int]]
         KeptRollout(f"r-{i}", 0, i, (_row(f"r-{i}", i, v, r, engine[v]),), r, "response_id")
         for i, (v, r) in enumerate(zip(versions, rewards))
     )
-    step = build_train_batch([GroupResult(0, entries)], normalize=False)
-    assert step.batch is not None
-    return step.batch, versions
+    step = build_train_batch([GroupResult(0, entries)], normalize=False, train_partition="train")
+    assert isinstance(step.rows, TrainBatch)
+    return step.rows, versions
 
 
 def _tensors(batch: TrainBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -17,7 +17,7 @@ import torch
 from nemo_rl.algorithms.grpo_single_controller import GRPOError, build_train_batch
 from nemo_rl.data.errors import PolicyWorkerError
 from nemo_rl.data.rows import GroupResult, KeptRollout, Placeholder, PlaceholderReason, RowOrigin, RowRef, TrainRow
-from nemo_rl.data.train import FIELDS, train_key
+from nemo_rl.data.train import FIELDS, TrainBatch, TrainPlan, train_key
 from nemo_rl.data_plane import DataPlaneError, MissingKeysError
 from nemo_rl.data_plane.partitions import (
     TQTokenSink,
@@ -102,13 +102,14 @@ def test_store_rows_is_one_put_per_rollout_and_the_policy_reads_the_driver_batch
     plane = MemoryPlane()
     whole, slim = _stored_groups(plane)
     assert plane.puts == [["r-0#0", "r-0#1"], ["r-1#0"]]
-    legacy = build_train_batch(whole, normalize=True)
+    legacy = build_train_batch(whole, normalize=True, train_partition="train")
     planned = build_train_batch(slim, normalize=True, train_partition="train")
-    assert planned.batch is None and planned.plan is not None and planned.trainable
-    assert planned.plan.keys == ("r-0#0", "r-0#1", "r-1#0")
-    assert planned.plan.advantages == legacy.batch.advantages
+    assert isinstance(planned.rows, TrainPlan) and planned.trainable and isinstance(legacy.rows, TrainBatch)
+    assert planned.rows.partition == "train"
+    assert planned.rows.keys == planned.train_keys == ("r-0#0", "r-0#1", "r-1#0")
+    assert planned.rows.advantages == legacy.rows.advantages
     assert planned.rewards_mean == legacy.rewards_mean
-    assert read_train_batch(plane, planned.plan) == legacy.batch
+    assert read_train_batch(plane, planned.rows) == legacy.rows
     # The driver's metrics are the same from references as from whole rows.
     assert finalize_metrics(slim, []) == finalize_metrics(whole, [])
 
@@ -135,26 +136,26 @@ def test_routes_reach_the_policy_batch_through_the_codec_as_the_driver_builds_th
     plane = MemoryPlane()
     rollouts = _routed_rollouts()
     slim = [GroupResult(0, tuple(store_rows(plane, "train", k, 1.0, False) for k in rollouts))]
-    legacy = build_train_batch([GroupResult(0, tuple(rollouts))], normalize=True).batch
+    legacy = build_train_batch([GroupResult(0, tuple(rollouts))], normalize=True, train_partition="train").rows
     _check_routed_batch(legacy)
-    assert read_train_batch(plane, build_train_batch(slim, normalize=True, train_partition="train").plan) == legacy
+    assert read_train_batch(plane, build_train_batch(slim, normalize=True, train_partition="train").rows) == legacy
 
 
 def test_routes_through_the_real_data_plane(clients):
     writer, reader = clients
     rollouts = _routed_rollouts()
     refs = store_many_rows(writer, "train_rows_routes", rollouts, 10.0, False)
-    plan = build_train_batch([GroupResult(0, tuple(refs))], normalize=True, train_partition="train_rows_routes").plan
+    plan = build_train_batch([GroupResult(0, tuple(refs))], normalize=True, train_partition="train_rows_routes").rows
     batch = read_train_batch(reader, plan, timeout_s=10.0)
     _check_routed_batch(batch)
-    assert batch == build_train_batch([GroupResult(0, tuple(rollouts))], normalize=True).batch
+    assert batch == build_train_batch([GroupResult(0, tuple(rollouts))], normalize=True, train_partition="x").rows
     TrainRowCleaner(writer, "train_rows_routes", 10.0).clear(list(plan.keys))
 
 
 def test_a_tampered_row_is_refused_by_name():
     plane = MemoryPlane()
     _, slim = _stored_groups(plane)
-    plan = build_train_batch(slim, normalize=True, train_partition="train").plan
+    plan = build_train_batch(slim, normalize=True, train_partition="train").rows
     plane.rows["train:r-1#0"]["generation_logprobs"] = torch.tensor([0.0, 0.0, -0.5, -0.5], dtype=torch.float64)
     with pytest.raises(TrainRowDigestError, match=r"key 'r-1#0': payload digest [0-9a-f]{64} != [0-9a-f]{64}"):
         read_train_batch(plane, plan)
@@ -165,7 +166,7 @@ def test_a_row_moved_under_another_key_is_refused_by_name():
     # r-0#0's payload (valid, digested) copied over r-1#0: its meta names r-0#0, so r-1#0's digest fails.
     plane = MemoryPlane()
     _, slim = _stored_groups(plane)
-    plan = build_train_batch(slim, normalize=True, train_partition="train").plan
+    plan = build_train_batch(slim, normalize=True, train_partition="train").rows
     plane.rows["train:r-1#0"] = dict(plane.rows["train:r-0#0"])
     with pytest.raises(TrainRowDigestError, match=r"key 'r-1#0': payload digest [0-9a-f]{64} != [0-9a-f]{64}"):
         read_train_batch(plane, plan)
@@ -175,18 +176,15 @@ def test_token_ids_stored_as_floats_are_a_digest_error_not_a_trained_row():
     # The data plane hands back token ids as float64 (5.0, 6.0, ... or 5.25): not the row the finalizer judged.
     plane = MemoryPlane()
     _, slim = _stored_groups(plane)
-    plan = build_train_batch(slim, normalize=True, train_partition="train").plan
+    plan = build_train_batch(slim, normalize=True, train_partition="train").rows
     plane.rows["train:r-1#0"]["token_ids"] = plane.rows["train:r-1#0"]["token_ids"].to(torch.float64) + 0.25
     with pytest.raises(TrainRowDigestError, match=r"key 'r-1#0': payload digest [0-9a-f]{64} != [0-9a-f]{64}"):
         read_train_batch(plane, plan)
 
 
-def test_build_train_batch_refuses_mixed_rows_and_refs_without_a_partition():
+def test_build_train_batch_refuses_a_step_of_rows_and_refs_mixed():
     plane = MemoryPlane()
     whole, slim = _stored_groups(plane)
-    with pytest.raises(GRPOError, match="no train partition") as excinfo:
-        build_train_batch(slim, normalize=True)
-    assert excinfo.value.kind == "batch"
     mixed = [GroupResult(0, (slim[0].entries[0], whole[0].entries[1]))]
     with pytest.raises(GRPOError, match="1 TrainRows and 2 RowRefs") as excinfo:
         build_train_batch(mixed, normalize=True, train_partition="train")
@@ -230,7 +228,8 @@ def test_a_failed_store_is_a_data_plane_placeholder(chains):
             return [{s.staging_key: s for s in chain.snapshots}[k] for k in keys]
 
     plane = MemoryPlane(fail=DataPlaneError("store down", kind="transport"))
-    result = judge_from_source(Source(), item, CFG, lambda kept: store_many_rows(plane, "train", kept, 1.0, False))
+    failing = FinalizerWorker(lambda: Source(), CFG, lambda: (lambda k: store_many_rows(plane, "train", k, 1.0, False)))
+    result = failing.finalize(item).result
     assert isinstance(result, Placeholder)
     assert (result.reason, result.detail, result.reward) == (
         PlaceholderReason.DATA_PLANE_ERROR, "train_partition: DataPlaneError[transport]: store down", 1.0)
@@ -262,9 +261,10 @@ async def test_policy_side_reads_exactly_what_the_finalizer_actor_wrote(clients,
     assert isinstance(ref, RowRef) and ref.key == "r-tq#0" and ref.prompt_ids is None
     assert reader.list_keys(train) == ["r-tq#0"]
 
-    slim = build_train_batch([GroupResult(0, (outcome.result,))], normalize=False, train_partition=train)
-    expected = build_train_batch([GroupResult(0, (whole,))], normalize=False).batch
-    assert read_train_batch(reader, slim.plan) == expected
+    slim = build_train_batch([GroupResult(0, (outcome.result,))], normalize=False, train_partition=train).rows
+    expected = build_train_batch([GroupResult(0, (whole,))], normalize=False, train_partition=train).rows
+    assert isinstance(slim, TrainPlan) and isinstance(expected, TrainBatch)
+    assert read_train_batch(reader, slim) == expected
     assert expected.token_ids == (chain.full_sequence,)
 
     stored = reader.get(train, ["r-tq#0"], list(FIELDS))[0]
@@ -272,10 +272,10 @@ async def test_policy_side_reads_exactly_what_the_finalizer_actor_wrote(clients,
     tampered["token_ids"][-1] += 1
     writer.put(train, "r-tq#0", tampered)
     with pytest.raises(TrainRowDigestError, match="'r-tq#0'"):
-        read_train_batch(reader, slim.plan)
+        read_train_batch(reader, slim)
 
     cleaner = TrainRowCleaner(writer, train, 10.0)
-    cleaner.clear(list(slim.plan.keys))
+    cleaner.clear(list(slim.keys))
     assert cleaner.remaining() == []
     with pytest.raises(MissingKeysError):
-        read_train_batch(reader, slim.plan)
+        read_train_batch(reader, slim)

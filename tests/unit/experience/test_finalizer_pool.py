@@ -40,6 +40,12 @@ CFG = TokenCaptureConfig()
 READY_TIMEOUT_S = 300.0  # actor start-up on a loaded, shared 2-core machine
 
 
+def rows_whole():
+    """The pool's row store in these tests: kept rollouts come back whole, so a test reads their tokens
+    (a run's store writes them to the train partition: tests/unit/data_plane/test_train_partition.py)."""
+    return list
+
+
 class FakeSource:
     """In-memory staging source: snapshots by key, optional per-key delay, optional failure."""
 
@@ -101,7 +107,7 @@ def _by_key(*chains_):
 def test_worker_fetches_in_manifest_order_and_verifies(chains):
     chain, item = _item(chains, "r-a", 0)
     source = FakeSource(_by_key(chain))
-    reply = FinalizerWorker(lambda: source, CFG).finalize(item)
+    reply = FinalizerWorker(lambda: source, CFG, rows_whole).finalize(item)
 
     assert isinstance(reply.result, KeptRollout)
     assert [row.token_ids for row in reply.result.rows] == [chain.full_sequence]
@@ -179,7 +185,8 @@ def test_short_answer_is_staged_record_missing(chains):
 def test_a_source_error_outside_the_protocol_is_a_bug_not_a_verdict(chains):
     # TQTokenSource raises StagingFetchError subclasses only; anything else is a defect and must surface.
     chain, item = _item(chains, "r-a", 0)
-    worker = FinalizerWorker(lambda: FakeSource(_by_key(chain), error=TimeoutError("kv_batch_get: no answer")), CFG)
+    worker = FinalizerWorker(lambda: FakeSource(_by_key(chain), error=TimeoutError("kv_batch_get: no answer")), CFG,
+                             rows_whole)
     with pytest.raises(TimeoutError, match="kv_batch_get: no answer"):
         worker.finalize(item)
 
@@ -211,7 +218,7 @@ async def test_pool_finalizes_a_group_in_item_order(shared_ray, chains):
     snapshots = _by_key(*(chain for chain, _ in built))
     tampered_key = built[2][0].snapshots[1].staging_key
     snapshots[tampered_key] = snapshots[tampered_key].model_copy(update={"token_ids_delta": [31, 32, 41, 99]})
-    pool = FinalizerPool(2, functools.partial(FakeSource, snapshots), call_timeout_s=60.0, cfg=CFG)
+    pool = FinalizerPool(2, functools.partial(FakeSource, snapshots), call_timeout_s=60.0, cfg=CFG, rows_factory=rows_whole)
     try:
         await pool.wait_ready(READY_TIMEOUT_S)
         outcomes = await pool.finalize_group([item for _, item in built])
@@ -231,7 +238,7 @@ async def test_pool_deadline_yields_finalize_timeout_and_replaces_the_stuck_work
     slow_chain, slow_item = _item(chains, "r-slow", 0)
     fast_chain, fast_item = _item(chains, "r-fast", 1)
     factory = functools.partial(FakeSource, _by_key(slow_chain, fast_chain), {"r-slow/call0": 600.0})
-    pool = FinalizerPool(1, factory, call_timeout_s=3.0, cfg=CFG)
+    pool = FinalizerPool(1, factory, call_timeout_s=3.0, cfg=CFG, rows_factory=rows_whole)
     try:
         await pool.wait_ready(READY_TIMEOUT_S)
         began = time.monotonic()
@@ -266,7 +273,8 @@ async def _until_dead(handle, timeout_s: float) -> None:
 
 async def test_dead_worker_is_finalizer_unavailable_then_replaced(shared_ray, chains):
     chain, item = _item(chains, "r-a", 0)
-    pool = FinalizerPool(1, functools.partial(FakeSource, _by_key(chain)), call_timeout_s=60.0, cfg=CFG)
+    pool = FinalizerPool(1, functools.partial(FakeSource, _by_key(chain)), call_timeout_s=60.0, cfg=CFG,
+                         rows_factory=rows_whole)
     try:
         await pool.wait_ready(READY_TIMEOUT_S)
         assert [p.name for p in pool.probes()] == ["finalizer_0"]
@@ -295,7 +303,8 @@ async def test_dead_worker_is_finalizer_unavailable_then_replaced(shared_ray, ch
 
 async def test_mark_dead_replaces_an_idle_actor_at_once(shared_ray, chains):
     chain, item = _item(chains, "r-a", 0)
-    pool = FinalizerPool(2, functools.partial(FakeSource, _by_key(chain)), call_timeout_s=60.0, cfg=CFG)
+    pool = FinalizerPool(2, functools.partial(FakeSource, _by_key(chain)), call_timeout_s=60.0, cfg=CFG,
+                         rows_factory=rows_whole)
     try:
         await pool.wait_ready(READY_TIMEOUT_S)
         old = pool._workers[1].handle
@@ -319,7 +328,7 @@ async def test_a_judge_exception_is_a_finalizer_bug_not_a_placeholder(shared_ray
     runtime_chain, runtime_item = _item(chains, "r-r", 0)
     timeout_chain, timeout_item = _item(chains, "r-t", 0)
     factory = functools.partial(RaisingSource, _by_key(runtime_chain, timeout_chain))
-    pool = FinalizerPool(1, factory, call_timeout_s=60.0, cfg=CFG)
+    pool = FinalizerPool(1, factory, call_timeout_s=60.0, cfg=CFG, rows_factory=rows_whole)
     try:
         await pool.wait_ready(READY_TIMEOUT_S)
         with pytest.raises(FinalizerPoolError, match="finalizer worker 0 raised while judging rollout r-r") as excinfo:
@@ -336,7 +345,7 @@ async def test_a_judge_exception_is_a_finalizer_bug_not_a_placeholder(shared_ray
 
 
 async def test_a_worker_that_cannot_build_its_source_fails_loudly_by_index(shared_ray):
-    pool = FinalizerPool(1, failing_factory, call_timeout_s=60.0, cfg=CFG)
+    pool = FinalizerPool(1, failing_factory, call_timeout_s=60.0, cfg=CFG, rows_factory=rows_whole)
     try:
         with pytest.raises(FinalizerPoolError, match="finalizer workers died while starting \\(0: ") as excinfo:
             await pool.wait_ready(READY_TIMEOUT_S)
@@ -348,8 +357,9 @@ async def test_a_worker_that_cannot_build_its_source_fails_loudly_by_index(share
 async def test_shutdown_kills_only_this_pools_actors(shared_ray, chains):
     chain, item = _item(chains, "r-a", 0)
     factory = functools.partial(FakeSource, _by_key(chain))
-    keep = FinalizerPool.from_config(TokenCaptureConfig(num_finalizer_workers=1, finalize_timeout_s=60.0), factory)
-    drop = FinalizerPool(1, factory, 60.0, CFG)
+    keep = FinalizerPool.from_config(TokenCaptureConfig(num_finalizer_workers=1, finalize_timeout_s=60.0), factory,
+                                     rows_whole)
+    drop = FinalizerPool(1, factory, 60.0, CFG, rows_factory=rows_whole)
     try:
         await asyncio.gather(keep.wait_ready(READY_TIMEOUT_S), drop.wait_ready(READY_TIMEOUT_S))
         drop.shutdown()
@@ -373,7 +383,7 @@ async def test_pool_reads_records_staged_in_the_real_data_plane(shared_plane, ch
     with attach_client(data_plane) as client:
         assert all(TQTokenSink(client, partition).stage(record).ok for record in chain.staged)
         pool = FinalizerPool(1, TQSourceFactory(data_plane, partition, timeout_s=30.0), call_timeout_s=60.0,
-                             cfg=CFG)
+                             cfg=CFG, rows_factory=rows_whole)
         try:
             await pool.wait_ready(READY_TIMEOUT_S)
             (staged,) = await pool.finalize_group([item])
@@ -392,8 +402,8 @@ async def test_pool_reads_records_staged_in_the_real_data_plane(shared_plane, ch
 
 def test_pool_rejects_bad_sizes():
     with pytest.raises(FinalizerPoolError, match="num_workers must be >= 1") as excinfo:
-        FinalizerPool(0, failing_factory, 1.0, CFG)
+        FinalizerPool(0, failing_factory, 1.0, CFG, rows_factory=rows_whole)
     assert excinfo.value.kind == "config"
     with pytest.raises(FinalizerPoolError, match="call_timeout_s must be > 0") as excinfo:
-        FinalizerPool(1, failing_factory, 0.0, CFG)
+        FinalizerPool(1, failing_factory, 0.0, CFG, rows_factory=rows_whole)
     assert excinfo.value.kind == "config"

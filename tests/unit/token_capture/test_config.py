@@ -35,8 +35,19 @@ def test_defaults() -> None:
     }
 
 
-def test_train_partition_may_be_null() -> None:
-    assert TokenCaptureConfig(train_partition=None).train_partition is None
+def test_the_removed_null_train_partition_is_refused_with_its_fix(tmp_path: Path) -> None:
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("token_capture:\n  enabled: true\n  train_partition: null\n")
+    data = load_config(recipe)
+    with pytest.raises(ConfigError) as e:
+        validate_section(TokenCaptureConfig, data["token_capture"], "token_capture")
+    assert e.value.kind == "section"
+    assert str(e.value).splitlines() == [
+        "invalid config section token_capture (1 problem(s)):",
+        "token_capture.train_partition=None: null no longer exists: capture rows reach the policy only through "
+        "the train partition (the Ray-values path through the driver was removed) (fix: remove "
+        "token_capture.train_partition from the recipe (default token_capture_train) or set it to a partition name)",
+    ]
 
 
 def test_every_field_is_described() -> None:

@@ -101,7 +101,7 @@ def test_a_sampled_token_with_a_positive_logprob_is_masked_not_trained(trees):
         R.VERIFICATION_FAILED, "positive_logprob: token 3 of the row was sampled with logprob 0.25 > 0")
     kept = _judge(tree, "c1")
     assert isinstance(kept, KeptRollout)
-    batch = build_train_batch([GroupResult(0, (kept, result))], normalize=False).batch
+    batch = build_train_batch([GroupResult(0, (kept, result))], normalize=False, train_partition="train").rows
     assert batch.num_samples == 1 and batch.token_ids == (tree.sequences["c1"],)
 
 
@@ -133,7 +133,7 @@ def test_no_kept_row_of_a_forged_forest_breaks_the_trainers_rules(trees, policy)
     result = judge_rollout(ev, tree.snapshots_by_key, {}, TokenCaptureConfig(branch_policy=policy))
 
     assert [row.model_call_ids for row in result.rows] == [("c0", "c1")]
-    assert build_train_batch([GroupResult(0, (result,))], normalize=False).batch.token_ids == (tree.sequences["c1"],)
+    assert build_train_batch([GroupResult(0, (result,))], normalize=False, train_partition="train").rows.token_ids == (tree.sequences["c1"],)
 
 
 @pytest.mark.parametrize(("staged", "failure"), [(True, None), (False, "stage_timeout")])
@@ -216,7 +216,7 @@ def test_whatever_the_judge_keeps_the_trainer_takes_and_only_sampled_tokens_are_
     if isinstance(result, Placeholder):
         assert not honest, f"nothing was forged, yet the rollout was masked: {result.reason.value}: {result.detail}"
         return
-    batch = build_train_batch([GroupResult(0, (result,))], normalize=False).batch  # the trainer takes every row
+    batch = build_train_batch([GroupResult(0, (result,))], normalize=False, train_partition="train").rows  # the trainer takes every row
     assert batch.num_samples == len(result.rows)
     generated = {i: g for i, _, _, g, _ in calls}
     for row in result.rows:

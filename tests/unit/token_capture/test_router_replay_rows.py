@@ -457,7 +457,9 @@ def test_staged_routes_reach_the_policy_and_its_routers_replay_them(clients, tmp
 
     from nemo_rl.algorithms.grpo import ClippedPGLossFn
     from nemo_rl.algorithms.grpo_single_controller import build_train_batch
+    from nemo_rl.data.train import TrainPlan
     from nemo_rl.data_plane.partitions import TrainRowCleaner, read_train_batch, store_many_rows
+    from nemo_rl.experience.finalizer_pool import store_kept
     from nemo_rl.models.policy import LossConfig, PolicyConfig
     from nemo_rl.models.policy.worker import PolicyCore
     from tests.unit.models.policy.tiny_moe import EXPERTS, build_tiny_qwen3_moe, free_topk
@@ -476,10 +478,12 @@ def test_staged_routes_reach_the_policy_and_its_routers_replay_them(clients, tmp
         Call("c2", "c1", (6, 7), (8,), {"routed_experts": own[7:8]}),  # generated token only: 6, 7 sentinel
     ])
     partition = "router_replay_rows_test_train"
-    kept = judge_from_source(tq, evidence(rollout, records, "c2"), CAPTURE,
-                             lambda k: store_many_rows(writer, partition, k, 10.0, False))
+    ev = evidence(rollout, records, "c2")
+    (kept,) = store_kept([ev], [judge_from_source(tq, ev, CAPTURE)],
+                         lambda k: store_many_rows(writer, partition, k, 10.0, False))
     assert isinstance(kept, KeptRollout), kept
-    plan = build_train_batch([GroupResult(0, (kept,))], normalize=False, train_partition=partition).plan
+    plan = build_train_batch([GroupResult(0, (kept,))], normalize=False, train_partition=partition).rows
+    assert isinstance(plan, TrainPlan)
     batch = read_train_batch(reader, plan, timeout_s=10.0)
     assert batch.routed_experts.shape == (1, 8, 2, 2)
     np.testing.assert_array_equal(batch.routed_experts[0], np.array(changed + blank(2) + own[7:8], dtype=np.int16))

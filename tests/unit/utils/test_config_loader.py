@@ -375,7 +375,7 @@ def test_a_dict_section_declared_by_a_model_takes_its_keys_without_plus() -> Non
 
     recipe = Path(__file__).resolve().parents[3] / "examples" / "configs" / "grpo_capture_tiny_cpu.yaml"
     cfg = load_master_config(recipe, ["policy.lr_warmup_steps=5", "env.arith_problem_pool=16"])
-    assert (cfg.policy["lr_warmup_steps"], cfg.env.arith_problem_pool) == (5, 16)
+    assert (cfg.policy.lr_warmup_steps, cfg.env.arith_problem_pool) == (5, 16)
     with pytest.raises(ConfigError, match=r"cannot override policy.lr_warmpu_steps .*key does not exist") as raised:
         load_master_config(recipe, ["policy.lr_warmpu_steps=5"])
     assert raised.value.kind == "override"

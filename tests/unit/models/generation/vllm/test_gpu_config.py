@@ -41,8 +41,9 @@ def test_gpu_recipe_validates_on_a_cpu_host() -> None:
     assert 0.0 < vllm.gpu_memory_utilization <= 1.0
     assert cfg.model.path == "/models/some-hf-folder"
     assert cfg.token_capture.enabled is True
-    pcfg = policy_config(cfg.policy, cfg.model.path)
-    assert (pcfg.dtype, pcfg.device) == ("bfloat16", "cuda")
+    pcfg = policy_config(cfg, cfg.model.path, "gpu")
+    assert (pcfg.dtype, pcfg.device, pcfg.model_path, pcfg.engine_flavor) == (
+        "bfloat16", "cuda", "/models/some-hf-folder", "gpu")
     assert dtype_mismatch(pcfg.dtype, vllm.dtype) is None
     assert _gpu_recipe("generation.vllm.tensor_parallel_size=4").generation.vllm.tensor_parallel_size == 4
 
