@@ -30,6 +30,7 @@ from nemo_gym.token_id_capture.staging import StagedCallBaseSnapshot
 from nemo_rl.algorithms.async_config import AsyncRolloutsConfig
 from nemo_rl.algorithms.grpo_async import RolloutProducer, TrainerClock, gather_step
 from nemo_rl.algorithms.grpo_single_controller import clear_train_rows, refit_step
+from tests.unit.experience.test_finalizer_pool import rows_whole
 from nemo_rl.algorithms.setup import TimedFinalizer
 from nemo_rl.data.rows import GroupResult, KeptRollout, RowOrigin, TrainRow
 from nemo_rl.data.train import TrainPlan
@@ -128,7 +129,7 @@ def test_the_row_of_a_rollout_masked_after_it_was_judged_is_one_stray_key(client
     stored = _stored(writer, partition, ["s-i0", "s-i1", "s-i2"])
     cleaner = TrainRowCleaner(reader, partition, TIMEOUT_S)
 
-    metrics = clear_train_rows(cleaner, _plan(partition, stored[:2]))  # s-i2 was masked after its row was stored
+    metrics = clear_train_rows(cleaner, _plan(partition, stored[:2]).keys)  # s-i2 was masked after its row was stored
 
     assert metrics == {"retention/train_keys_cleared": 3.0, "retention/train_keys_stray": 1.0,
                        "retention/train_keys_remaining": 0.0}
@@ -142,7 +143,7 @@ def test_a_clear_that_leaves_a_trained_key_reads_it_stray_and_remaining(clients)
     leaked = stored[1].rows[0].key
     cleaner = LeakyCleaner(reader, partition, leaked)
 
-    metrics = clear_train_rows(cleaner, _plan(partition, stored))
+    metrics = clear_train_rows(cleaner, _plan(partition, stored).keys)
 
     assert metrics == {"retention/train_keys_cleared": 3.0, "retention/train_keys_stray": 1.0,
                        "retention/train_keys_remaining": 1.0}
@@ -248,7 +249,7 @@ async def test_one_finalizer_and_two_groups_at_once_the_second_waits_for_the_fir
     second_chain, second = _evidence(chains, "q-g1-i0", 1)
     snapshots = {s.staging_key: s for chain in (first_chain, second_chain) for s in chain.snapshots}
     pool = FinalizerPool(1, functools.partial(DelayedSource, snapshots, {first_chain.snapshots[0].staging_key: delay_s}),
-                         call_timeout_s=60.0, cfg=CFG)
+                         call_timeout_s=60.0, cfg=CFG, rows_factory=rows_whole)
     timed = TimedFinalizer(pool)
     try:
         await pool.wait_ready(READY_TIMEOUT_S)
